@@ -1,0 +1,160 @@
+// Codec ids, the payload layout and the per-element / per-block math of every codec.
+//
+// Payload layout (one contiguous byte buffer, total size a multiple of 16):
+//   cast codecs (fp32, bf16, fp16):  values, element i at byte i * esize
+//   blockwise (int8, int4, sign):    [fp32 scale per block, padded to 16 B][codes]
+//                                    int8: byte i; int4: nibble (i & 1) of byte i / 2 (low first),
+//                                    stored as q + 8; sign: bit (i & 7) of byte i / 8, 1 = negative
+//   topk:                            [uint32 index x k, padded to 16 B][fp32 value x k]
+//                                    indices strictly ascending
+// A block is elements [b * B, min((b + 1) * B, n)). B is a multiple of 32, so every block starts on
+// a byte boundary of the codes.
+//
+// Non-finite rule (blockwise codecs): if v = x + residual has an inf or NaN anywhere in a block, the
+// block's scale is stored as NaN, so every value of that block decodes to NaN, and the block's
+// residual keeps its previous (finite) contents. Cast codecs and topk apply the same rule per
+// element: an element whose encoded value is not finite keeps its previous residual.
+#pragma once
+#include "common.h"
+
+namespace flatcomm {
+namespace core {
+
+enum Codec : int32_t { kCodecF32 = 0, kCodecBF16 = 1, kCodecF16 = 2, kCodecInt8 = 3,
+                       kCodecInt4 = 4, kCodecSign = 5, kCodecTopK = 6 };
+
+constexpr int64_t kMinBlock = 32;
+constexpr int64_t kMaxBlock = 4096;
+constexpr int64_t kAlign = 16;
+
+FC_HD bool is_blockwise(int32_t c) { return c == kCodecInt8 || c == kCodecInt4 || c == kCodecSign; }
+FC_HD bool is_cast(int32_t c) { return c == kCodecF32 || c == kCodecBF16 || c == kCodecF16; }
+FC_HD int64_t cast_bytes(int32_t c) { return c == kCodecF32 ? 4 : 2; }
+FC_HD int32_t code_bits(int32_t c) { return c == kCodecInt8 ? 8 : c == kCodecInt4 ? 4 : 1; }
+
+struct Layout {
+  int64_t nblocks;       // blockwise: number of scale blocks
+  int64_t codes_offset;  // byte offset of codes (blockwise) or values (topk)
+  int64_t total;         // payload bytes, a multiple of 16
+};
+
+// `block` is the block size for blockwise codecs, `k` the kept count for topk.
+FC_HD Layout layout(int32_t codec, int64_t n, int64_t block, int64_t k) {
+  Layout l{0, 0, 0};
+  if (n <= 0) return l;
+  if (is_cast(codec)) {
+    l.total = round_up(n * cast_bytes(codec), kAlign);
+  } else if (codec == kCodecTopK) {
+    l.codes_offset = round_up(4 * k, kAlign);
+    l.total = round_up(l.codes_offset + 4 * k, kAlign);
+  } else {
+    l.nblocks = ceil_div(n, block);
+    l.codes_offset = round_up(4 * l.nblocks, kAlign);
+    l.total = round_up(l.codes_offset + ceil_div(n * code_bits(codec), 8), kAlign);
+  }
+  return l;
+}
+
+// ---- blockwise integer codecs (int8, int4) -------------------------------------------------------
+
+FC_HD float int_qmax(int32_t c) { return c == kCodecInt8 ? 127.0f : 7.0f; }
+
+// Everything the element loop needs for one block, derived from the block's max |v| bits.
+struct BlockParams {
+  float scale;  // decoded value = code * scale; NaN marks a non-finite block
+  float pre;    // exact power of two that lifts subnormal blocks into the normal range
+  float inv;    // 1 / (scale * pre), 0 for an all-zero block
+  bool finite;
+};
+
+FC_HD BlockParams int_block_params(uint32_t max_abs_bits, float qmax) {
+  BlockParams p;
+  p.finite = bits_finite(max_abs_bits);
+  if (!p.finite) {
+    p.scale = u2f(0x7fc00000u);
+    p.pre = 1.0f;
+    p.inv = 0.0f;
+    return p;
+  }
+  float s = u2f(max_abs_bits) / qmax;
+  // qmax * s rounds up past FLT_MAX when max|v| is near it: step s down one ulp.
+  if (!(s * qmax <= kFloatMax)) s = u2f(f2u(s) - 1u);
+  p.scale = s;
+  // Subnormal scale: 1/s would overflow. Multiplying v and s by 2^64 is exact for such tiny values.
+  p.pre = s < kFloatMinNormal ? 18446744073709551616.0f : 1.0f;
+  p.inv = s > 0.0f ? 1.0f / (s * p.pre) : 0.0f;
+  return p;
+}
+
+// Code in [-qmax, qmax]. `u` is the stochastic-rounding offset in [0, 1), or < 0 for nearest.
+FC_HD float int_quantize(float v, const BlockParams& p, float qmax) {
+  float t = (v * p.pre) * p.inv;
+  t = fmax_(fmin_(t, qmax), -qmax);  // NaN (only in non-finite blocks) becomes qmax
+  return round_half_even(t);
+}
+
+FC_HD float int_quantize_stochastic(float v, const BlockParams& p, float qmax, float u) {
+  float t = (v * p.pre) * p.inv;
+  t = fmax_(fmin_(t, qmax), -qmax);
+  float q = floor_small(t + u);
+  return fmin_(q, qmax);
+}
+
+FC_HD float int_dequantize(float q, float scale) { return q * scale; }
+
+FC_HD uint8_t int4_pack(float q_lo, float q_hi) {
+  return static_cast<uint8_t>((static_cast<int32_t>(q_lo) + 8) |
+                              ((static_cast<int32_t>(q_hi) + 8) << 4));
+}
+FC_HD float int4_lo(uint8_t b) { return static_cast<float>(static_cast<int32_t>(b & 15) - 8); }
+FC_HD float int4_hi(uint8_t b) { return static_cast<float>(static_cast<int32_t>(b >> 4) - 8); }
+
+// ---- sign codec: 1 bit + scale = mean |v| of the block ----------------------------------------
+// The mean is summed in a fixed order: lane j (0..31) adds elements j, j+32, j+64, ... in turn,
+// then lanes are folded pairwise (j with j+16, then j+8, ...). A CUDA warp reproduces this order.
+
+constexpr int kSignLanes = 32;
+constexpr uint32_t kSignHugeBits = 0x6f800000u;  // 2^96: sum |v| * 2^-32 above this to avoid overflow
+
+FC_HD float sign_sum_pre(uint32_t max_abs_bits) {
+  return max_abs_bits >= kSignHugeBits ? 2.3283064365386963e-10f : 1.0f;  // 2^-32
+}
+
+FC_HD float fold_lanes(float* lanes) {
+  for (int w = kSignLanes / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) lanes[j] = lanes[j] + lanes[j + w];
+  return lanes[0];
+}
+
+FC_HD BlockParams sign_block_params(uint32_t max_abs_bits, float folded_sum, int64_t count) {
+  BlockParams p;
+  p.finite = bits_finite(max_abs_bits);
+  p.pre = 1.0f;
+  p.inv = 0.0f;
+  if (!p.finite) {
+    p.scale = u2f(0x7fc00000u);
+    return p;
+  }
+  float mean = folded_sum / static_cast<float>(count);
+  p.scale = mean / sign_sum_pre(max_abs_bits);  // exact: a power of two
+  return p;
+}
+
+FC_HD uint32_t sign_bit(float v) { return v < 0.0f ? 1u : 0u; }
+FC_HD float sign_dequantize(uint32_t bit, float scale) { return bit ? -scale : scale; }
+
+// ---- error feedback --------------------------------------------------------------------------
+
+// New residual for one element: what was not transmitted, unless the block/element is non-finite.
+FC_HD float ef_residual(float v, float decoded, float old_residual, bool finite) {
+  return finite ? v - decoded : old_residual;
+}
+
+// ---- topk ordering key ---------------------------------------------------------------------------
+// Larger |v| first; NaN and inf rank above every finite value; ties go to the lower index.
+FC_HD uint64_t topk_key(float v, uint64_t index) {
+  return (static_cast<uint64_t>(abs_bits(v)) << 32) | (0xffffffffull - (index & 0xffffffffull));
+}
+
+}  // namespace core
+}  // namespace flatcomm

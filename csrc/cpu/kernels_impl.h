@@ -1,0 +1,431 @@
+// The CPU kernel loops. Included by each kernels_<isa>.cpp inside its own namespace, after the
+// core headers, with that ISA's target pragma in force; never included anywhere else.
+//
+// Loops are written so that GCC and Clang vectorise them without reassociating float math: every
+// reduction is either an integer max or an explicit fixed-lane sum.
+
+using namespace ::flatcomm::core;
+
+template <typename T>
+static inline T min_(T a, T b) { return a < b ? a : b; }
+
+// ---- decoding any 32-aligned element range ----------------------------------------------------
+
+// out[j - i0] = decode(i) (ACC = false) or out[j - i0] += decode(i) (ACC = true), i in [i0, i1).
+template <int C, bool ACC>
+static void decode_range(const uint8_t* payload, int64_t n, int64_t block, int64_t k, int64_t i0,
+                         int64_t i1, float* out) {
+  const Layout L = layout(C, n, block, k);
+  if (C == kCodecF32 || C == kCodecBF16 || C == kCodecF16) {
+    for (int64_t i = i0; i < i1; ++i) {
+      float d;
+      if (C == kCodecF32) d = reinterpret_cast<const float*>(payload)[i];
+      else if (C == kCodecBF16) d = bf16_to_f32(reinterpret_cast<const uint16_t*>(payload)[i]);
+      else d = f16_to_f32(reinterpret_cast<const uint16_t*>(payload)[i]);
+      if (ACC) out[i - i0] += d; else out[i - i0] = d;
+    }
+    return;
+  }
+  if (C == kCodecTopK) {
+    const uint32_t* idx = reinterpret_cast<const uint32_t*>(payload);
+    const float* val = reinterpret_cast<const float*>(payload + L.codes_offset);
+    if (!ACC)
+      for (int64_t i = i0; i < i1; ++i) out[i - i0] = 0.0f;
+    int64_t lo = 0, hi = k;  // first entry with idx >= i0
+    while (lo < hi) {
+      int64_t mid = (lo + hi) / 2;
+      if (static_cast<int64_t>(idx[mid]) < i0) lo = mid + 1; else hi = mid;
+    }
+    for (int64_t e = lo; e < k && static_cast<int64_t>(idx[e]) < i1; ++e) {
+      if (ACC) out[idx[e] - i0] += val[e]; else out[idx[e] - i0] = val[e];
+    }
+    return;
+  }
+  const float* scales = reinterpret_cast<const float*>(payload);
+  const uint8_t* codes = payload + L.codes_offset;
+  for (int64_t i = i0; i < i1;) {
+    const int64_t b = i / block;
+    const int64_t e = min_(i1, (b + 1) * block);
+    const float s = scales[b];
+    float* o = out + (i - i0);
+    const int64_t len = e - i;
+    if (C == kCodecInt8) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(codes) + i;
+      for (int64_t j = 0; j < len; ++j) {
+        float d = int_dequantize(static_cast<float>(q[j]), s);
+        if (ACC) o[j] += d; else o[j] = d;
+      }
+    } else if (C == kCodecInt4) {
+      const uint8_t* q = codes + i / 2;  // i is even: blocks and ranges are 32-aligned
+      const int64_t pairs = len / 2;
+      for (int64_t j = 0; j < pairs; ++j) {
+        float d0 = int_dequantize(int4_lo(q[j]), s), d1 = int_dequantize(int4_hi(q[j]), s);
+        if (ACC) { o[2 * j] += d0; o[2 * j + 1] += d1; } else { o[2 * j] = d0; o[2 * j + 1] = d1; }
+      }
+      if (len & 1) {
+        float d = int_dequantize(int4_lo(q[pairs]), s);
+        if (ACC) o[len - 1] += d; else o[len - 1] = d;
+      }
+    } else {  // sign
+      const uint8_t* q = codes + i / 8;
+      for (int64_t j = 0; j < len; ++j) {
+        float d = sign_dequantize((q[j >> 3] >> (j & 7)) & 1u, s);
+        if (ACC) o[j] += d; else o[j] = d;
+      }
+    }
+    i = e;
+  }
+}
+
+template <bool ACC>
+static void decode_range_any(int32_t codec, const uint8_t* p, int64_t n, int64_t block, int64_t k,
+                             int64_t i0, int64_t i1, float* out) {
+  switch (codec) {
+    case kCodecF32: return decode_range<kCodecF32, ACC>(p, n, block, k, i0, i1, out);
+    case kCodecBF16: return decode_range<kCodecBF16, ACC>(p, n, block, k, i0, i1, out);
+    case kCodecF16: return decode_range<kCodecF16, ACC>(p, n, block, k, i0, i1, out);
+    case kCodecInt8: return decode_range<kCodecInt8, ACC>(p, n, block, k, i0, i1, out);
+    case kCodecInt4: return decode_range<kCodecInt4, ACC>(p, n, block, k, i0, i1, out);
+    case kCodecSign: return decode_range<kCodecSign, ACC>(p, n, block, k, i0, i1, out);
+    case kCodecTopK: return decode_range<kCodecTopK, ACC>(p, n, block, k, i0, i1, out);
+  }
+}
+
+// ---- encoding one block (or cast tile) --------------------------------------------------------
+
+// Encodes elements [i0, i0 + len) taken from xb (len values, dtype DT); rb is the matching
+// residual slice (or nullptr). For blockwise codecs [i0, i0 + len) is exactly block i0 / block.
+template <int DT, int C, bool HAS_R, bool STOCH>
+static void encode_block(const typename Elem<DT>::T* xb, float* rb, int64_t i0, int64_t len,
+                         const EncodeArgs& a, const Layout& L, uint64_t key) {
+  float v[kMaxBlock > kTile ? kMaxBlock : kTile];
+  uint32_t m = 0;
+  for (int64_t j = 0; j < len; ++j) {
+    float t = Elem<DT>::load(xb[j]);
+    if (HAS_R) t = t + rb[j];
+    v[j] = t;
+    m = umax(m, abs_bits(t));
+  }
+  if (C == kCodecF32 || C == kCodecBF16 || C == kCodecF16) {
+    for (int64_t j = 0; j < len; ++j) {
+      float d;
+      if (C == kCodecF32) {
+        reinterpret_cast<float*>(a.payload)[i0 + j] = d = v[j];
+      } else if (C == kCodecBF16) {
+        uint16_t h = STOCH ? f32_to_bf16_stochastic(v[j], random_u32(key, i0 + j)) : f32_to_bf16(v[j]);
+        reinterpret_cast<uint16_t*>(a.payload)[i0 + j] = h;
+        d = bf16_to_f32(h);
+      } else {
+        uint16_t h = f32_to_f16(v[j]);
+        reinterpret_cast<uint16_t*>(a.payload)[i0 + j] = h;
+        d = f16_to_f32(h);
+      }
+      if (HAS_R) rb[j] = ef_residual(v[j], d, rb[j], bits_finite(abs_bits(d)));
+    }
+    return;
+  }
+  const int64_t b = i0 / a.block;
+  float* scales = reinterpret_cast<float*>(a.payload);
+  uint8_t* codes = a.payload + L.codes_offset;
+  if (C == kCodecInt8 || C == kCodecInt4) {
+    const float qmax = int_qmax(C);
+    const BlockParams p = int_block_params(m, qmax);
+    scales[b] = p.scale;
+    float q[kMaxBlock];
+    for (int64_t j = 0; j < len; ++j)
+      q[j] = STOCH ? int_quantize_stochastic(v[j], p, qmax, random_unit(key, i0 + j))
+                   : int_quantize(v[j], p, qmax);
+    if (C == kCodecInt8) {
+      int8_t* c = reinterpret_cast<int8_t*>(codes) + i0;
+      for (int64_t j = 0; j < len; ++j) c[j] = static_cast<int8_t>(static_cast<int32_t>(q[j]));
+    } else {
+      uint8_t* c = codes + i0 / 2;
+      const int64_t pairs = len / 2;
+      for (int64_t j = 0; j < pairs; ++j) c[j] = int4_pack(q[2 * j], q[2 * j + 1]);
+      if (len & 1) c[pairs] = int4_pack(q[len - 1], 0.0f);
+    }
+    if (HAS_R && p.finite)
+      for (int64_t j = 0; j < len; ++j) rb[j] = v[j] - int_dequantize(q[j], p.scale);
+    return;
+  }
+  // sign: scale = mean |v| summed in the fixed lane order of core/codec.h
+  const float pre = sign_sum_pre(m);
+  float lanes[kSignLanes];
+  for (int l = 0; l < kSignLanes; ++l) lanes[l] = 0.0f;
+  int64_t j = 0;
+  for (; j + kSignLanes <= len; j += kSignLanes)
+    for (int l = 0; l < kSignLanes; ++l) lanes[l] = lanes[l] + fabs_(v[j + l]) * pre;
+  for (int l = 0; j + l < len; ++l) lanes[l] = lanes[l] + fabs_(v[j + l]) * pre;
+  const BlockParams p = sign_block_params(m, fold_lanes(lanes), len);
+  scales[b] = p.scale;
+  uint8_t* c = codes + i0 / 8;
+  const int64_t nbytes = (len + 7) / 8;
+  for (int64_t t = 0; t < nbytes; ++t) {
+    uint32_t byte = 0;
+    for (int bit = 0; bit < 8; ++bit) {
+      const int64_t e = 8 * t + bit;
+      if (e < len) byte |= sign_bit(v[e]) << bit;
+    }
+    c[t] = static_cast<uint8_t>(byte);
+  }
+  if (HAS_R && p.finite)
+    for (int64_t e = 0; e < len; ++e) rb[e] = v[e] - sign_dequantize(sign_bit(v[e]), p.scale);
+}
+
+// x element i is at a.x[i - origin] (origin = 0 except for the fused re-encode).
+template <int DT, int C, bool HAS_R, bool STOCH>
+static void encode_range_t(const EncodeArgs& a, int64_t i0, int64_t i1, int64_t origin) {
+  const Layout L = layout(C, a.n, a.block, a.k);
+  const int64_t step = is_blockwise(C) ? a.block : kTile;
+  const uint64_t key = seed_key(a.seed);
+  const auto* x = static_cast<const typename Elem<DT>::T*>(a.x);
+  for (int64_t i = i0; i < i1; i += step) {
+    const int64_t len = min_(step, i1 - i);
+    encode_block<DT, C, HAS_R, STOCH>(x + (i - origin), HAS_R ? a.residual + i : nullptr, i, len, a, L, key);
+  }
+}
+
+template <int DT, int C>
+static void encode_range_c(const EncodeArgs& a, int64_t i0, int64_t i1, int64_t origin) {
+  const bool r = a.residual != nullptr;
+  // Stochastic rounding exists for int8, int4 and bf16 (checked by the caller).
+  constexpr bool kCanStoch = C == kCodecInt8 || C == kCodecInt4 || C == kCodecBF16;
+  if (kCanStoch && a.stochastic) {
+    if (r) encode_range_t<DT, C, true, kCanStoch>(a, i0, i1, origin);
+    else encode_range_t<DT, C, false, kCanStoch>(a, i0, i1, origin);
+  } else {
+    if (r) encode_range_t<DT, C, true, false>(a, i0, i1, origin);
+    else encode_range_t<DT, C, false, false>(a, i0, i1, origin);
+  }
+}
+
+template <int DT>
+static void encode_range_d(const EncodeArgs& a, int64_t i0, int64_t i1, int64_t origin) {
+  switch (a.codec) {
+    case kCodecF32: return encode_range_c<DT, kCodecF32>(a, i0, i1, origin);
+    case kCodecBF16: return encode_range_c<DT, kCodecBF16>(a, i0, i1, origin);
+    case kCodecF16: return encode_range_c<DT, kCodecF16>(a, i0, i1, origin);
+    case kCodecInt8: return encode_range_c<DT, kCodecInt8>(a, i0, i1, origin);
+    case kCodecInt4: return encode_range_c<DT, kCodecInt4>(a, i0, i1, origin);
+    case kCodecSign: return encode_range_c<DT, kCodecSign>(a, i0, i1, origin);
+  }
+}
+
+static void encode_impl(const EncodeArgs& a, int64_t i0, int64_t i1) {
+  switch (a.x_dtype) {
+    case kF32: return encode_range_d<kF32>(a, i0, i1, 0);
+    case kBF16: return encode_range_d<kBF16>(a, i0, i1, 0);
+    case kF16: return encode_range_d<kF16>(a, i0, i1, 0);
+  }
+}
+
+// ---- topk: exact selection by radix select on |v| bits, ties to the lower index ---------------
+
+template <int DT>
+static void topk_fill(const EncodeArgs& a, float* v) {
+  const auto* x = static_cast<const typename Elem<DT>::T*>(a.x);
+  if (a.residual)
+    for (int64_t i = 0; i < a.n; ++i) v[i] = Elem<DT>::load(x[i]) + a.residual[i];
+  else
+    for (int64_t i = 0; i < a.n; ++i) v[i] = Elem<DT>::load(x[i]);
+}
+
+static void encode_topk_impl(const EncodeArgs& a) {
+  const int64_t n = a.n, k = a.k;
+  if (n == 0) return;
+  float* v = a.scratch;
+  if (a.x_dtype == kF32) topk_fill<kF32>(a, v);
+  else if (a.x_dtype == kBF16) topk_fill<kBF16>(a, v);
+  else topk_fill<kF16>(a, v);
+  // Find the k-th largest |v| bit pattern, 31 bits in three digit passes (11, 11, 9 bits).
+  static const int kShift[3] = {20, 9, 0};
+  static const uint32_t kDigits[3] = {2048, 2048, 512};
+  uint32_t prefix = 0, prefix_mask = 0;
+  int64_t need = k;  // how many still to take at or below the current prefix
+  int64_t hist[2048];
+  for (int pass = 0; pass < 3; ++pass) {
+    for (uint32_t d = 0; d < kDigits[pass]; ++d) hist[d] = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t ab = abs_bits(v[i]);
+      if ((ab & prefix_mask) == prefix) ++hist[(ab >> kShift[pass]) & (kDigits[pass] - 1)];
+    }
+    uint32_t d = kDigits[pass] - 1;
+    for (;; --d) {
+      if (hist[d] >= need) break;
+      need -= hist[d];
+    }
+    prefix |= d << kShift[pass];
+    prefix_mask |= (kDigits[pass] - 1) << kShift[pass];
+  }
+  // prefix is now the threshold bit pattern: take everything above it, and the first `need`
+  // indices equal to it.
+  uint32_t* idx = reinterpret_cast<uint32_t*>(a.payload);
+  float* val = reinterpret_cast<float*>(a.payload + layout(kCodecTopK, n, 0, k).codes_offset);
+  int64_t out = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t ab = abs_bits(v[i]);
+    bool take = ab > prefix || (ab == prefix && need > 0);
+    if (ab == prefix && take) --need;
+    if (take) {
+      idx[out] = static_cast<uint32_t>(i);
+      val[out] = v[i];
+      ++out;
+    }
+    // Sent values leave a zero residual, unsent ones carry over, non-finite keeps the old one.
+    if (a.residual && bits_finite(ab)) a.residual[i] = take ? 0.0f : v[i];
+  }
+}
+
+// ---- decode / decode_sum / fused re-encode ----------------------------------------------------
+
+template <int DT>
+static void decode_to(const DecodeArgs& a, int64_t i0, int64_t i1) {
+  auto* out = static_cast<typename Elem<DT>::T*>(a.out);
+  float tile[kTile];
+  for (int64_t i = i0; i < i1; i += kTile) {
+    const int64_t e = min_(i1, i + kTile);
+    decode_range_any<false>(a.codec, a.payload, a.n, a.block, a.k, i, e, tile);
+    for (int64_t j = 0; j < e - i; ++j) out[i + j] = Elem<DT>::store(tile[j]);
+  }
+}
+
+static void decode_impl(const DecodeArgs& a, int64_t i0, int64_t i1) {
+  if (a.out_dtype == kF32) {
+    decode_range_any<false>(a.codec, a.payload, a.n, a.block, a.k, i0, i1,
+                            static_cast<float*>(a.out) + i0);
+  } else if (a.out_dtype == kBF16) {
+    decode_to<kBF16>(a, i0, i1);
+  } else {
+    decode_to<kF16>(a, i0, i1);
+  }
+}
+
+// Sum of the decoded rows over [i0, i1) into out (fp32), in ascending row order, then scaled.
+static void decode_sum_tile(const DecodeSumArgs& a, int64_t i0, int64_t i1, float* out) {
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const uint8_t* p = a.payloads + r * a.row_stride;
+    if (r == 0) decode_range_any<false>(a.codec, p, a.n, a.block, a.k, i0, i1, out);
+    else decode_range_any<true>(a.codec, p, a.n, a.block, a.k, i0, i1, out);
+  }
+  if (a.rows == 0)
+    for (int64_t j = 0; j < i1 - i0; ++j) out[j] = 0.0f;
+  if (a.scale != 1.0f)
+    for (int64_t j = 0; j < i1 - i0; ++j) out[j] = out[j] * a.scale;
+}
+
+static void decode_sum_impl(const DecodeSumArgs& a, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; i += kTile) decode_sum_tile(a, i, min_(i1, i + kTile), a.out + i);
+}
+
+static void decode_sum_encode_impl(const DecodeSumArgs& a, const EncodeArgs& enc, int64_t i0,
+                                   int64_t i1) {
+  const int64_t step = is_blockwise(enc.codec) ? enc.block : kTile;
+  float acc[kMaxBlock > kTile ? kMaxBlock : kTile];
+  for (int64_t i = i0; i < i1; i += step) {
+    const int64_t e = min_(i1, i + step);
+    decode_sum_tile(a, i, e, acc);
+    EncodeArgs sub = enc;
+    sub.x = acc;
+    sub.x_dtype = kF32;
+    encode_range_d<kF32>(sub, i, e, i);
+  }
+}
+
+// ---- ordered and exact sums ---------------------------------------------------------------------
+
+template <int DT>
+static void ordered_sum_t(const OrderedSumArgs& a, int64_t i0, int64_t i1) {
+  const auto* x = static_cast<const typename Elem<DT>::T*>(a.x);
+  for (int64_t t = i0; t < i1; t += kTile) {
+    const int64_t e = min_(i1, t + kTile);
+    float* o = a.out;
+    for (int64_t i = t; i < e; ++i) o[i] = a.rows ? Elem<DT>::load(x[i]) : 0.0f;
+    for (int64_t r = 1; r < a.rows; ++r) {
+      const auto* xr = x + r * a.row_stride;
+      for (int64_t i = t; i < e; ++i) o[i] = o[i] + Elem<DT>::load(xr[i]);
+    }
+  }
+}
+
+static void ordered_sum_impl(const OrderedSumArgs& a, int64_t i0, int64_t i1) {
+  if (a.dtype == kF32) ordered_sum_t<kF32>(a, i0, i1);
+  else if (a.dtype == kBF16) ordered_sum_t<kBF16>(a, i0, i1);
+  else ordered_sum_t<kF16>(a, i0, i1);
+}
+
+// Per-block exponent, the max over all rows (i0 a multiple of the block size).
+template <int DT>
+static void exact_exponents_t(const ExactArgs& a, int64_t i0, int64_t i1) {
+  const auto* x = static_cast<const typename Elem<DT>::T*>(a.x);
+  for (int64_t i = i0; i < i1; i += a.block) {
+    const int64_t e = min_(i1, i + a.block);
+    uint32_t m = 0;
+    for (int64_t r = 0; r < a.rows; ++r)
+      for (int64_t j = i; j < e; ++j) m = umax(m, abs_bits(Elem<DT>::load(x[r * a.row_stride + j])));
+    a.exponents[i / a.block] = exponent_of_abs_bits(m);
+  }
+}
+
+static void exact_exponents_impl(const ExactArgs& a, int64_t i0, int64_t i1) {
+  if (a.dtype == kF32) exact_exponents_t<kF32>(a, i0, i1);
+  else if (a.dtype == kBF16) exact_exponents_t<kBF16>(a, i0, i1);
+  else exact_exponents_t<kF16>(a, i0, i1);
+}
+
+template <int DT>
+static int64_t to_fixed_t(const ExactArgs& a, int64_t i0, int64_t i1) {
+  const auto* x = static_cast<const typename Elem<DT>::T*>(a.x);
+  int64_t bad = 0;
+  for (int64_t i = i0; i < i1; ++i) {
+    const float v = Elem<DT>::load(x[i]);
+    const int32_t E = a.exponents[i / a.block];
+    const int32_t ev = exponent_of_abs_bits(abs_bits(v));
+    // A value above its block's bound would overflow the fixed point; a non-finite value in a
+    // block not marked non-finite would vanish. Both are reported, never silently mangled.
+    bad += (E != kExpNonFinite && ev > E) ? 1 : 0;
+    a.fixed[i] = to_fixed(v, E, a.precision);
+  }
+  return bad;
+}
+
+static int64_t to_fixed_impl(const ExactArgs& a, int64_t i0, int64_t i1) {
+  if (a.dtype == kF32) return to_fixed_t<kF32>(a, i0, i1);
+  if (a.dtype == kBF16) return to_fixed_t<kBF16>(a, i0, i1);
+  return to_fixed_t<kF16>(a, i0, i1);
+}
+
+static void from_fixed_impl(const ExactArgs& a, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i)
+    a.out[i] = from_fixed(a.fixed[i], a.exponents[i / a.block], a.precision);
+}
+
+template <int DT>
+static void exact_sum_t(const ExactArgs& a, int64_t i0, int64_t i1) {
+  const auto* x = static_cast<const typename Elem<DT>::T*>(a.x);
+  int64_t acc[kMaxBlock];
+  for (int64_t i = i0; i < i1; i += a.block) {
+    const int64_t e = min_(i1, i + a.block);
+    uint32_t m = 0;
+    for (int64_t r = 0; r < a.rows; ++r)
+      for (int64_t j = i; j < e; ++j) m = umax(m, abs_bits(Elem<DT>::load(x[r * a.row_stride + j])));
+    const int32_t E = exponent_of_abs_bits(m);
+    if (a.exponents) a.exponents[i / a.block] = E;
+    for (int64_t j = i; j < e; ++j) acc[j - i] = 0;
+    for (int64_t r = 0; r < a.rows; ++r)
+      for (int64_t j = i; j < e; ++j)
+        acc[j - i] += to_fixed(Elem<DT>::load(x[r * a.row_stride + j]), E, a.precision);
+    for (int64_t j = i; j < e; ++j) a.out[j] = from_fixed(acc[j - i], E, a.precision);
+  }
+}
+
+static void exact_sum_impl(const ExactArgs& a, int64_t i0, int64_t i1) {
+  if (a.dtype == kF32) exact_sum_t<kF32>(a, i0, i1);
+  else if (a.dtype == kBF16) exact_sum_t<kBF16>(a, i0, i1);
+  else exact_sum_t<kF16>(a, i0, i1);
+}
+
+static constexpr KernelTable kTable = {
+    FC_ISA_NAME,        encode_impl,       encode_topk_impl,     decode_impl,
+    decode_sum_impl,    decode_sum_encode_impl, ordered_sum_impl, exact_exponents_impl,
+    to_fixed_impl,      from_fixed_impl,   exact_sum_impl,
+};

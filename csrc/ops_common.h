@@ -1,0 +1,123 @@
+// Argument checking and small conversions shared by the CPU and CUDA op implementations.
+// Every check names the argument and the problem, so bad input never turns into a crash or into
+// silently wrong bytes.
+#pragma once
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <string>
+
+#include "core/codec.h"
+#include "core/exact.h"
+
+namespace flatcomm {
+namespace ops {
+
+inline int32_t parse_codec(const std::string& name) {
+  static const char* kNames[] = {"fp32", "bf16", "fp16", "int8", "int4", "sign", "topk"};
+  for (int32_t i = 0; i < 7; ++i)
+    if (name == kNames[i]) return i;
+  TORCH_CHECK(false, "flatcomm: unknown codec '", name,
+              "'; expected one of fp32, bf16, fp16, int8, int4, sign, topk");
+}
+
+inline int32_t dtype_code(at::ScalarType t, const char* what) {
+  switch (t) {
+    case at::kFloat: return core::kF32;
+    case at::kBFloat16: return core::kBF16;
+    case at::kHalf: return core::kF16;
+    default:
+      TORCH_CHECK(false, "flatcomm: ", what, " must be float32, bfloat16 or float16, got ", t);
+  }
+}
+
+inline void check_block(int32_t codec, int64_t block) {
+  if (!core::is_blockwise(codec)) return;
+  TORCH_CHECK(block >= core::kMinBlock && block <= core::kMaxBlock && block % 32 == 0,
+              "flatcomm: block_size must be a multiple of 32 in [", core::kMinBlock, ", ",
+              core::kMaxBlock, "], got ", block);
+}
+
+inline void check_topk(int32_t codec, int64_t n, int64_t k) {
+  if (codec != core::kCodecTopK) return;
+  TORCH_CHECK(n < (int64_t(1) << 32), "flatcomm: topk supports up to 2^32 - 1 elements, got ", n);
+  TORCH_CHECK(n == 0 ? k == 0 : (k >= 1 && k <= n),
+              "flatcomm: topk needs 1 <= k <= numel (k = ", k, ", numel = ", n, ")");
+}
+
+inline int64_t wire_bytes(int32_t codec, int64_t n, int64_t block, int64_t k) {
+  TORCH_CHECK(n >= 0, "flatcomm: numel must be >= 0, got ", n);
+  check_block(codec, block);
+  check_topk(codec, n, k);
+  return core::layout(codec, n, block, k).total;
+}
+
+inline void check_contiguous(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.is_contiguous(), "flatcomm: ", what, " must be contiguous");
+}
+
+inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  TORCH_CHECK(a.device() == b.device(), "flatcomm: ", what, " is on ", b.device(),
+              " but the input is on ", a.device());
+}
+
+inline void check_residual(const at::Tensor& x, const c10::optional<at::Tensor>& residual) {
+  if (!residual) return;
+  const at::Tensor& r = *residual;
+  check_same_device(x, r, "residual");
+  TORCH_CHECK(r.scalar_type() == at::kFloat, "flatcomm: residual must be float32, got ",
+              r.scalar_type());
+  check_contiguous(r, "residual");
+  TORCH_CHECK(r.numel() == x.numel(), "flatcomm: residual has ", r.numel(),
+              " elements but the input has ", x.numel());
+}
+
+inline void check_stochastic(int32_t codec, bool stochastic) {
+  TORCH_CHECK(!stochastic || codec == core::kCodecInt8 || codec == core::kCodecInt4 ||
+                  codec == core::kCodecBF16,
+              "flatcomm: stochastic rounding is available for int8, int4 and bf16 only");
+}
+
+inline void check_payload(const at::Tensor& p, int64_t rows_dim, int64_t expected_bytes,
+                          const std::string& codec, int64_t n) {
+  TORCH_CHECK(p.scalar_type() == at::kByte, "flatcomm: payload must be uint8, got ",
+              p.scalar_type());
+  TORCH_CHECK(p.dim() == rows_dim, "flatcomm: payload must be ", rows_dim,
+              "-D, got shape ", p.sizes());
+  check_contiguous(p, "payload");
+  const int64_t got = p.size(p.dim() - 1);
+  TORCH_CHECK(got == expected_bytes, "flatcomm: payload has ", got, " bytes per row but codec '",
+              codec, "' with numel ", n, " needs ", expected_bytes);
+}
+
+inline int32_t precision_of(int64_t headroom) {
+  TORCH_CHECK(headroom >= 1 && headroom <= 38, "flatcomm: headroom must be in [1, 38], got ",
+              headroom);
+  return static_cast<int32_t>(62 - headroom);
+}
+
+inline void check_exact_block(int64_t block) {
+  TORCH_CHECK(block >= 1 && block <= core::kMaxBlock, "flatcomm: block_size must be in [1, ",
+              core::kMaxBlock, "], got ", block);
+}
+
+inline void check_exponents(const at::Tensor& x, const at::Tensor& e, int64_t n, int64_t block) {
+  check_same_device(x, e, "exponents");
+  TORCH_CHECK(e.scalar_type() == at::kInt, "flatcomm: exponents must be int32, got ",
+              e.scalar_type());
+  check_contiguous(e, "exponents");
+  TORCH_CHECK(e.numel() == core::ceil_div(n, block), "flatcomm: exponents has ", e.numel(),
+              " entries but numel ", n, " with block_size ", block, " needs ",
+              core::ceil_div(n, block));
+}
+
+// [W, n] view of a stack of rows (1-D means W = 1).
+inline void rows_of(const at::Tensor& x, int64_t& rows, int64_t& n) {
+  TORCH_CHECK(x.dim() == 1 || x.dim() == 2, "flatcomm: expected a 1-D or 2-D [rows, n] tensor, got shape ",
+              x.sizes());
+  rows = x.dim() == 2 ? x.size(0) : 1;
+  n = x.size(x.dim() - 1);
+}
+
+}  // namespace ops
+}  // namespace flatcomm

@@ -1,0 +1,48 @@
+"""flatcomm: fast and exact gradient communication for PyTorch data parallelism.
+
+Kernels (this module): codecs with fused error feedback, fused decode-and-sum in a fixed order,
+ordered sums and exact (order-independent) sums. See README.md for the whole picture.
+"""
+from __future__ import annotations
+
+from ._ops import _C
+from .codecs import (
+    CODECS,
+    Codec,
+    decode,
+    decode_sum,
+    encode,
+    resolve,
+    wire_bytes,
+)
+from .sums import exact_exponents, exact_sum, from_exact, ordered_sum, to_exact
+
+__version__ = "0.1.0"
+
+
+def build_info() -> dict:
+    """What this build was compiled with and uses: devices, CPU SIMD level, threads, compiler."""
+    import torch
+
+    info = dict(_C.build_info())
+    info["threads"] = torch.get_num_threads()
+    info["torch"] = torch.__version__
+    info["version"] = __version__
+    return info
+
+
+__all__ = [
+    "CODECS",
+    "Codec",
+    "build_info",
+    "decode",
+    "decode_sum",
+    "encode",
+    "exact_exponents",
+    "exact_sum",
+    "from_exact",
+    "ordered_sum",
+    "resolve",
+    "to_exact",
+    "wire_bytes",
+]

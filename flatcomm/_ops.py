@@ -1,0 +1,68 @@
+"""Loads the native extension and registers the fake (meta) kernels of every flatcomm op.
+
+The ops themselves are defined in C++ (csrc/registration.cpp); the fake kernels here only compute
+output shapes and dtypes, so that torch.compile and torch.library.opcheck can trace through them.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    from . import _C  # noqa: F401  (registers torch.ops.flatcomm.*)
+except ImportError as exc:  # pragma: no cover - exercised only on broken installs
+    raise ImportError(
+        "flatcomm's native extension flatcomm._C could not be imported "
+        f"({exc}). Build it first: `make build` (or `pip install --no-build-isolation -e .`), "
+        "with the same torch version it will run against."
+    ) from exc
+
+ops = torch.ops.flatcomm
+
+
+@torch.library.register_fake("flatcomm::encode")
+def _encode_fake(x, codec, block_size, k, residual, stochastic, seed):
+    return x.new_empty((_C.wire_bytes(codec, x.numel(), block_size, k),), dtype=torch.uint8)
+
+
+@torch.library.register_fake("flatcomm::decode")
+def _decode_fake(payload, codec, numel, block_size, k, dtype):
+    return payload.new_empty((numel,), dtype=dtype)
+
+
+@torch.library.register_fake("flatcomm::decode_sum")
+def _decode_sum_fake(payloads, codec, numel, block_size, k, scale):
+    return payloads.new_empty((numel,), dtype=torch.float32)
+
+
+@torch.library.register_fake("flatcomm::decode_sum_encode")
+def _decode_sum_encode_fake(
+    payloads, codec, numel, block_size, k, scale, out_codec, out_block_size, residual, stochastic, seed
+):
+    nbytes = _C.wire_bytes(out_codec, numel, out_block_size, 0)
+    return payloads.new_empty((nbytes,), dtype=torch.uint8)
+
+
+@torch.library.register_fake("flatcomm::ordered_sum")
+def _ordered_sum_fake(x):
+    return x.new_empty((x.shape[-1],), dtype=torch.float32)
+
+
+@torch.library.register_fake("flatcomm::exact_exponents")
+def _exact_exponents_fake(x, block_size):
+    n = x.shape[-1]
+    return x.new_empty(((n + block_size - 1) // block_size,), dtype=torch.int32)
+
+
+@torch.library.register_fake("flatcomm::to_exact")
+def _to_exact_fake(x, exponents, block_size, headroom):
+    return x.new_empty((x.numel(),), dtype=torch.int64)
+
+
+@torch.library.register_fake("flatcomm::from_exact")
+def _from_exact_fake(acc, exponents, block_size, headroom):
+    return acc.new_empty((acc.numel(),), dtype=torch.float32)
+
+
+@torch.library.register_fake("flatcomm::exact_sum")
+def _exact_sum_fake(x, block_size, headroom):
+    return x.new_empty((x.shape[-1],), dtype=torch.float32)

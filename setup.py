@@ -1,0 +1,69 @@
+"""Build flatcomm._C: the CPU kernels always, the CUDA kernels when torch has CUDA and nvcc exists.
+
+FLATCOMM_CUDA=0 forces a CPU-only build, FLATCOMM_CUDA=1 requires CUDA (and fails loudly without).
+Compile flags that matter for correctness: -ffp-contract=off (host) and -fmad=false (nvcc) keep
+float math unfused, so every CPU instruction set and the GPU give the same bits.
+"""
+import glob
+import os
+import shutil
+
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CUDA_ARCHS = ["80", "90"]
+
+
+def want_cuda() -> bool:
+    flag = os.environ.get("FLATCOMM_CUDA", "").strip()
+    import torch
+
+    available = torch.version.cuda is not None and (
+        cpp_extension.CUDA_HOME is not None or shutil.which("nvcc") is not None
+    )
+    if flag == "0":
+        return False
+    if flag == "1":
+        if not available:
+            raise RuntimeError(
+                "FLATCOMM_CUDA=1 but this torch has no CUDA (torch.version.cuda is None) "
+                "or nvcc was not found"
+            )
+        return True
+    return available
+
+
+def extension():
+    cxx = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-Wall"]
+    sources = ["csrc/registration.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    include = [os.path.join(HERE, "csrc")]
+    if not want_cuda():
+        return cpp_extension.CppExtension(
+            "flatcomm._C",
+            sources,
+            include_dirs=include,
+            extra_compile_args={"cxx": cxx},
+            extra_link_args=["-fopenmp"],
+        )
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS]
+    gencode.append(f"-gencode=arch=compute_{CUDA_ARCHS[-1]},code=compute_{CUDA_ARCHS[-1]}")
+    archs = '\\"' + ";".join(CUDA_ARCHS) + '\\"'
+    return cpp_extension.CUDAExtension(
+        "flatcomm._C",
+        sources + sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp")),
+        include_dirs=include,
+        define_macros=[("FLATCOMM_WITH_CUDA", None), ("FLATCOMM_CUDA_ARCHS", archs)],
+        extra_compile_args={
+            "cxx": cxx,
+            "nvcc": ["-O3", "-std=c++17", "-fmad=false", "--expt-relaxed-constexpr"] + gencode,
+        },
+        extra_link_args=["-fopenmp"],
+    )
+
+
+setup(
+    packages=find_packages(include=["flatcomm", "flatcomm.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
