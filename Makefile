@@ -1,0 +1,54 @@
+# Quick start: `make demo` and `make test`. Both create .venv (torch 2.13.0 CPU build when no torch
+# is installed) and build the extension first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+DEPS := $(VENV)/.deps
+EXT := build/.ext-built
+SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
+NVCC ?= nvcc
+NVCC_FLAGS := -std=c++17 -O3 -fmad=false -Icsrc \
+	-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
+	-gencode arch=compute_90,code=compute_90
+
+.PHONY: all venv build demo test test-cpp test-py bench cuda-check clean
+
+all: build
+
+$(DEPS): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q setuptools wheel ninja pytest hypothesis numpy matplotlib
+	touch $@
+
+venv: $(DEPS)
+
+$(EXT): $(DEPS) $(SOURCES)
+	$(PY) setup.py -q build_ext --inplace
+	mkdir -p build && touch $@
+
+build: $(EXT)
+
+demo: build
+	$(PY) benchmarks/bench_kernels.py --quick
+
+test: test-cpp test-py
+
+test-cpp:
+	cmake -S . -B build-cmake -DFLATCOMM_CUDA=OFF -DCMAKE_BUILD_TYPE=Release > /dev/null
+	cmake --build build-cmake -j2
+	ctest --test-dir build-cmake --output-on-failure
+
+test-py: build
+	$(PY) -m pytest tests -q
+
+bench: build
+	$(PY) benchmarks/bench_kernels.py
+
+# Every CUDA source must compile with this machine's nvcc, GPU or not.
+cuda-check:
+	@for f in csrc/cuda/*.cu; do echo "nvcc $$f"; $(NVCC) $(NVCC_FLAGS) -c $$f -o /tmp/flatcomm_$$(basename $$f).o || exit 1; done
+	g++ -std=c++17 -Icsrc -fsyntax-only -x c++ csrc/cuda/kernels.cuh
+
+clean:
+	rm -rf build build-cmake flatcomm/_C*.so
