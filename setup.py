@@ -35,7 +35,7 @@ def want_cuda() -> bool:
 
 
 def extension():
-    cxx = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-Wall"]
+    cxx = ["-O3", "-std=c++20", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-Wall"]
     sources = ["csrc/registration.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
     include = [os.path.join(HERE, "csrc")]
     if not want_cuda():

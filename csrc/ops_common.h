@@ -21,6 +21,15 @@ inline int32_t parse_codec(const std::string& name) {
               "'; expected one of fp32, bf16, fp16, int8, int4, sign, topk");
 }
 
+// The second-stage codec of decode_sum_encode: anything that encodes block by block.
+inline int32_t parse_reencode_codec(const std::string& name) {
+  const int32_t codec = parse_codec(name);
+  TORCH_CHECK(codec != core::kCodecTopK,
+              "flatcomm: decode_sum_encode cannot re-encode as topk (it needs the whole sum); "
+              "use decode_sum and encode");
+  return codec;
+}
+
 inline int32_t dtype_code(at::ScalarType t, const char* what) {
   switch (t) {
     case at::kFloat: return core::kF32;
@@ -88,6 +97,15 @@ inline void check_payload(const at::Tensor& p, int64_t rows_dim, int64_t expecte
   const int64_t got = p.size(p.dim() - 1);
   TORCH_CHECK(got == expected_bytes, "flatcomm: payload has ", got, " bytes per row but codec '",
               codec, "' with numel ", n, " needs ", expected_bytes);
+}
+
+// A caller-provided output: right device, dtype and size, contiguous.
+inline void check_out(const at::Tensor& ref, const at::Tensor& out, int64_t numel,
+                      const char* what) {
+  check_same_device(ref, out, what);
+  check_contiguous(out, what);
+  TORCH_CHECK(out.numel() == numel, "flatcomm: ", what, " has ", out.numel(),
+              " elements but ", numel, " are needed");
 }
 
 inline int32_t precision_of(int64_t headroom) {

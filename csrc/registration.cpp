@@ -17,6 +17,17 @@ TORCH_LIBRARY(flatcomm, m) {
   m.def("decode_sum_encode(Tensor payloads, str codec, int numel, int block_size, int k, "
         "float scale, str out_codec, int out_block_size, Tensor(a!)? residual, bool stochastic, "
         "int seed) -> Tensor");
+  // Out variants: write into caller-owned buffers (e.g. slots of a collective's send buffer), so
+  // the hot path allocates nothing. The functional ops above are these plus an allocation.
+  m.def("encode_into(Tensor x, str codec, int block_size, int k, Tensor(a!)? residual, "
+        "bool stochastic, int seed, Tensor(b!) payload) -> ()");
+  m.def("decode_into(Tensor payload, str codec, int numel, int block_size, int k, Tensor(a!) out) "
+        "-> ()");
+  m.def("decode_sum_into(Tensor payloads, str codec, int numel, int block_size, int k, float scale, "
+        "Tensor(a!) out) -> ()");
+  m.def("decode_sum_encode_into(Tensor payloads, str codec, int numel, int block_size, int k, "
+        "float scale, str out_codec, int out_block_size, Tensor(a!)? residual, bool stochastic, "
+        "int seed, Tensor(b!) payload) -> ()");
   m.def("ordered_sum(Tensor x) -> Tensor");
   m.def("exact_exponents(Tensor x, int block_size) -> Tensor");
   m.def("to_exact(Tensor x, Tensor exponents, int block_size, int headroom) -> Tensor");

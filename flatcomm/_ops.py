@@ -42,6 +42,29 @@ def _decode_sum_encode_fake(
     return payloads.new_empty((nbytes,), dtype=torch.uint8)
 
 
+@torch.library.register_fake("flatcomm::encode_into")
+def _encode_into_fake(x, codec, block_size, k, residual, stochastic, seed, payload):
+    return None
+
+
+@torch.library.register_fake("flatcomm::decode_into")
+def _decode_into_fake(payload, codec, numel, block_size, k, out):
+    return None
+
+
+@torch.library.register_fake("flatcomm::decode_sum_into")
+def _decode_sum_into_fake(payloads, codec, numel, block_size, k, scale, out):
+    return None
+
+
+@torch.library.register_fake("flatcomm::decode_sum_encode_into")
+def _decode_sum_encode_into_fake(
+    payloads, codec, numel, block_size, k, scale, out_codec, out_block_size, residual, stochastic,
+    seed, payload,
+):
+    return None
+
+
 @torch.library.register_fake("flatcomm::ordered_sum")
 def _ordered_sum_fake(x):
     return x.new_empty((x.shape[-1],), dtype=torch.float32)

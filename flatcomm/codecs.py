@@ -98,6 +98,7 @@ def encode(
     ratio: Optional[float] = None,
     stochastic: bool = False,
     seed: int = 0,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Encode ``x`` (fp32/bf16/fp16, contiguous, any shape) into one uint8 payload.
 
@@ -105,9 +106,14 @@ def encode(
     ``v = x + residual`` and leaves ``residual = v - decode(payload)`` in place.
     ``stochastic`` (int8, int4, bf16) rounds up or down at random with a counter-based generator
     keyed by ``(seed, element index)``: the same bits for any thread count or device.
+    With ``out`` (uint8, ``wire_bytes`` long) the payload is written there and returned.
     """
     c = resolve(codec, block_size, ratio)
-    return ops.encode(x, c.name, c.block_size, c.k(x.numel()), residual, stochastic, int(seed))
+    k = c.k(x.numel())
+    if out is None:
+        return ops.encode(x, c.name, c.block_size, k, residual, stochastic, int(seed))
+    ops.encode_into(x, c.name, c.block_size, k, residual, stochastic, int(seed), out)
+    return out
 
 
 def decode(
@@ -118,22 +124,29 @@ def decode(
     block_size: Optional[int] = None,
     ratio: Optional[float] = None,
     dtype: torch.dtype = torch.float32,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Decode a payload back to ``numel`` values of ``dtype`` (a 1-D tensor)."""
+    """Decode a payload back to ``numel`` values of ``dtype`` (a 1-D tensor).
+
+    With ``out`` (contiguous, ``numel`` values, fp32/bf16/fp16) the values are written there.
+    """
     c = resolve(codec, block_size, ratio)
-    return ops.decode(payload, c.name, numel, c.block_size, c.k(numel), dtype)
+    if out is None:
+        return ops.decode(payload, c.name, numel, c.block_size, c.k(numel), dtype)
+    ops.decode_into(payload, c.name, numel, c.block_size, c.k(numel), out)
+    return out
 
 
 @overload
 def decode_sum(payloads: torch.Tensor, codec: CodecLike, numel: int, *, block_size: Optional[int] = ...,
                ratio: Optional[float] = ..., scale: float = ..., reencode: None = ...,
                residual: Optional[torch.Tensor] = ..., reencode_block_size: Optional[int] = ...,
-               stochastic: bool = ..., seed: int = ...) -> torch.Tensor: ...
+               stochastic: bool = ..., seed: int = ..., out: Optional[torch.Tensor] = ...) -> torch.Tensor: ...
 @overload
 def decode_sum(payloads: torch.Tensor, codec: CodecLike, numel: int, *, block_size: Optional[int] = ...,
                ratio: Optional[float] = ..., scale: float = ..., reencode: CodecLike,
                residual: Optional[torch.Tensor] = ..., reencode_block_size: Optional[int] = ...,
-               stochastic: bool = ..., seed: int = ...) -> torch.Tensor: ...
+               stochastic: bool = ..., seed: int = ..., out: Optional[torch.Tensor] = ...) -> torch.Tensor: ...
 
 
 def decode_sum(
@@ -149,6 +162,7 @@ def decode_sum(
     reencode_block_size: Optional[int] = None,
     stochastic: bool = False,
     seed: int = 0,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode ``payloads`` ([W, nbytes], one row per source rank) and sum them in fp32.
 
@@ -156,16 +170,22 @@ def decode_sum(
     multiplied once by ``scale``; the result is the same bits for any thread count. Without
     ``reencode`` it returns the fp32 sum ([numel]). With ``reencode`` (any codec but topk) the sum
     is encoded again in the same pass, with error feedback into ``residual`` if given (the second
-    stage of an all-reduce), and the new payload is returned.
+    stage of an all-reduce), and the new payload is returned. ``out`` receives the result
+    (fp32 sum, or payload) instead of a new tensor.
     """
     c = resolve(codec, block_size, ratio)
     k = c.k(numel)
     if reencode is None:
         if residual is not None:
             raise ValueError("flatcomm: decode_sum got a residual but no reencode codec")
-        return ops.decode_sum(payloads, c.name, numel, c.block_size, k, float(scale))
-    out = resolve(reencode, reencode_block_size)
-    return ops.decode_sum_encode(
-        payloads, c.name, numel, c.block_size, k, float(scale), out.name, out.block_size,
-        residual, stochastic, int(seed),
-    )
+        if out is None:
+            return ops.decode_sum(payloads, c.name, numel, c.block_size, k, float(scale))
+        ops.decode_sum_into(payloads, c.name, numel, c.block_size, k, float(scale), out)
+        return out
+    second = resolve(reencode, reencode_block_size)
+    args = (payloads, c.name, numel, c.block_size, k, float(scale), second.name,
+            second.block_size, residual, stochastic, int(seed))
+    if out is None:
+        return ops.decode_sum_encode(*args)
+    ops.decode_sum_encode_into(*args, out)
+    return out

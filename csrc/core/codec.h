@@ -141,7 +141,8 @@ FC_HD BlockParams sign_block_params(uint32_t max_abs_bits, float folded_sum, int
 }
 
 FC_HD uint32_t sign_bit(float v) { return v < 0.0f ? 1u : 0u; }
-FC_HD float sign_dequantize(uint32_t bit, float scale) { return bit ? -scale : scale; }
+// Flipping the sign bit is exactly IEEE negation; as integer math it vectorises without selects.
+FC_HD float sign_dequantize(uint32_t bit, float scale) { return u2f(f2u(scale) ^ (bit << 31)); }
 
 // ---- error feedback --------------------------------------------------------------------------
 

@@ -66,9 +66,17 @@ static void decode_range(const uint8_t* payload, int64_t n, int64_t block, int64
         float d = int_dequantize(int4_lo(q[pairs]), s);
         if (ACC) o[len - 1] += d; else o[len - 1] = d;
       }
-    } else {  // sign
+    } else {  // sign: whole bytes first, 8 values each (i is a multiple of 8)
       const uint8_t* q = codes + i / 8;
-      for (int64_t j = 0; j < len; ++j) {
+      const int64_t full = len / 8;
+      for (int64_t t = 0; t < full; ++t) {
+        const uint32_t byte = q[t];
+        for (int bit = 0; bit < 8; ++bit) {
+          float d = sign_dequantize((byte >> bit) & 1u, s);
+          if (ACC) o[8 * t + bit] += d; else o[8 * t + bit] = d;
+        }
+      }
+      for (int64_t j = 8 * full; j < len; ++j) {
         float d = sign_dequantize((q[j >> 3] >> (j & 7)) & 1u, s);
         if (ACC) o[j] += d; else o[j] = d;
       }

@@ -67,8 +67,9 @@ cpu::EncodeArgs encode_args(const at::Tensor& x, int32_t codec, int64_t block, i
   return a;
 }
 
-at::Tensor encode_cpu(const at::Tensor& x, c10::string_view codec_name, int64_t block, int64_t k,
-                      const c10::optional<at::Tensor>& residual, bool stochastic, int64_t seed) {
+void encode_into_cpu(const at::Tensor& x, c10::string_view codec_name, int64_t block, int64_t k,
+                     const c10::optional<at::Tensor>& residual, bool stochastic, int64_t seed,
+                     at::Tensor& payload) {
   const std::string name(codec_name);
   const int32_t codec = parse_codec(name);
   dtype_code(x.scalar_type(), "x");
@@ -76,31 +77,48 @@ at::Tensor encode_cpu(const at::Tensor& x, c10::string_view codec_name, int64_t 
   check_residual(x, residual);
   check_stochastic(codec, stochastic);
   const int64_t n = x.numel();
-  at::Tensor payload = at::empty({wire_bytes(codec, n, block, k)}, x.options().dtype(at::kByte));
-  if (n == 0) return payload;
+  check_same_device(x, payload, "payload");
+  check_payload(payload, 1, wire_bytes(codec, n, block, k), name, n);
+  if (n == 0) return;
   zero_padding(payload, codec, n, block, k);
   cpu::EncodeArgs a = encode_args(x, codec, block, k, residual, stochastic, seed, payload);
   if (codec == core::kCodecTopK) {
     at::Tensor scratch = at::empty({n}, x.options().dtype(at::kFloat));
     a.scratch = scratch.data_ptr<float>();
     kernels().encode_topk(a);
-    return payload;
+    return;
   }
   const auto& K = kernels();
   parallel_ranges(n, unit_of(codec, block), [&](int64_t i0, int64_t i1) { K.encode(a, i0, i1); });
+}
+
+at::Tensor encode_cpu(const at::Tensor& x, c10::string_view codec_name, int64_t block, int64_t k,
+                      const c10::optional<at::Tensor>& residual, bool stochastic, int64_t seed) {
+  const int32_t codec = parse_codec(std::string(codec_name));
+  at::Tensor payload =
+      at::empty({wire_bytes(codec, x.numel(), block, k)}, x.options().dtype(at::kByte));
+  encode_into_cpu(x, codec_name, block, k, residual, stochastic, seed, payload);
   return payload;
+}
+
+void decode_into_cpu(const at::Tensor& payload, c10::string_view codec_name, int64_t n,
+                     int64_t block, int64_t k, at::Tensor& out) {
+  const std::string name(codec_name);
+  const int32_t codec = parse_codec(name);
+  const int32_t out_dt = dtype_code(out.scalar_type(), "out");
+  check_payload(payload, 1, wire_bytes(codec, n, block, k), name, n);
+  check_out(payload, out, n, "out");
+  cpu::DecodeArgs a{payload.data_ptr<uint8_t>(), n, codec, block, k, out.data_ptr(), out_dt};
+  const auto& K = kernels();
+  parallel_ranges(n, unit_of(codec, block), [&](int64_t i0, int64_t i1) { K.decode(a, i0, i1); });
 }
 
 at::Tensor decode_cpu(const at::Tensor& payload, c10::string_view codec_name, int64_t n,
                       int64_t block, int64_t k, at::ScalarType dtype) {
-  const std::string name(codec_name);
-  const int32_t codec = parse_codec(name);
-  const int32_t out_dt = dtype_code(dtype, "dtype");
-  check_payload(payload, 1, wire_bytes(codec, n, block, k), name, n);
+  dtype_code(dtype, "dtype");
+  TORCH_CHECK(n >= 0, "flatcomm: numel must be >= 0, got ", n);
   at::Tensor out = at::empty({n}, payload.options().dtype(dtype));
-  cpu::DecodeArgs a{payload.data_ptr<uint8_t>(), n, codec, block, k, out.data_ptr(), out_dt};
-  const auto& K = kernels();
-  parallel_ranges(n, unit_of(codec, block), [&](int64_t i0, int64_t i1) { K.decode(a, i0, i1); });
+  decode_into_cpu(payload, codec_name, n, block, k, out);
   return out;
 }
 
@@ -119,46 +137,51 @@ cpu::DecodeSumArgs decode_sum_args(const at::Tensor& payloads, int32_t codec, in
   return a;
 }
 
-at::Tensor decode_sum_cpu(const at::Tensor& payloads, c10::string_view codec_name, int64_t n,
-                          int64_t block, int64_t k, double scale) {
+void decode_sum_into_cpu(const at::Tensor& payloads, c10::string_view codec_name, int64_t n,
+                         int64_t block, int64_t k, double scale, at::Tensor& out) {
   const std::string name(codec_name);
   const int32_t codec = parse_codec(name);
   cpu::DecodeSumArgs a = decode_sum_args(payloads, codec, n, block, k, scale, name);
-  at::Tensor out = at::empty({n}, payloads.options().dtype(at::kFloat));
+  TORCH_CHECK(out.scalar_type() == at::kFloat, "flatcomm: out must be float32, got ",
+              out.scalar_type());
+  check_out(payloads, out, n, "out");
   a.out = out.data_ptr<float>();
   const auto& K = kernels();
   // Tiles of the output, each fed by all rows: a rank-order sum per element, any thread count.
   parallel_ranges(n, kTile, [&](int64_t i0, int64_t i1) { K.decode_sum(a, i0, i1); });
+}
+
+at::Tensor decode_sum_cpu(const at::Tensor& payloads, c10::string_view codec_name, int64_t n,
+                          int64_t block, int64_t k, double scale) {
+  TORCH_CHECK(n >= 0, "flatcomm: numel must be >= 0, got ", n);
+  at::Tensor out = at::empty({n}, payloads.options().dtype(at::kFloat));
+  decode_sum_into_cpu(payloads, codec_name, n, block, k, scale, out);
   return out;
 }
 
-at::Tensor decode_sum_encode_cpu(const at::Tensor& payloads, c10::string_view codec_name, int64_t n,
-                                 int64_t block, int64_t k, double scale,
-                                 c10::string_view out_codec_name, int64_t out_block,
-                                 const c10::optional<at::Tensor>& residual, bool stochastic,
-                                 int64_t seed) {
+void decode_sum_encode_into_cpu(const at::Tensor& payloads, c10::string_view codec_name, int64_t n,
+                                int64_t block, int64_t k, double scale,
+                                c10::string_view out_codec_name, int64_t out_block,
+                                const c10::optional<at::Tensor>& residual, bool stochastic,
+                                int64_t seed, at::Tensor& payload) {
   const std::string name(codec_name), out_name(out_codec_name);
-  const int32_t codec = parse_codec(name), out_codec = parse_codec(out_name);
-  TORCH_CHECK(out_codec != core::kCodecTopK,
-              "flatcomm: decode_sum_encode cannot re-encode as topk (it needs the whole sum); "
-              "use decode_sum and encode");
+  const int32_t codec = parse_codec(name), out_codec = parse_reencode_codec(out_name);
   check_stochastic(out_codec, stochastic);
   cpu::DecodeSumArgs a = decode_sum_args(payloads, codec, n, block, k, scale, name);
   if (residual) {
     check_same_device(payloads, *residual, "residual");
-    TORCH_CHECK(residual->scalar_type() == at::kFloat, "flatcomm: residual must be float32");
-    check_contiguous(*residual, "residual");
-    TORCH_CHECK(residual->numel() == n, "flatcomm: residual has ", residual->numel(),
-                " elements but numel is ", n);
+    TORCH_CHECK(residual->scalar_type() == at::kFloat, "flatcomm: residual must be float32, got ",
+                residual->scalar_type());
+    check_out(payloads, *residual, n, "residual");
   }
-  at::Tensor out = at::empty({wire_bytes(out_codec, n, out_block, 0)},
-                             payloads.options().dtype(at::kByte));
-  if (n == 0) return out;
-  zero_padding(out, out_codec, n, out_block, 0);
+  check_same_device(payloads, payload, "payload");
+  check_payload(payload, 1, wire_bytes(out_codec, n, out_block, 0), out_name, n);
+  if (n == 0) return;
+  zero_padding(payload, out_codec, n, out_block, 0);
   cpu::EncodeArgs e{};
   e.x_dtype = core::kF32;
   e.residual = residual ? residual->data_ptr<float>() : nullptr;
-  e.payload = out.data_ptr<uint8_t>();
+  e.payload = payload.data_ptr<uint8_t>();
   e.n = n;
   e.codec = out_codec;
   e.block = out_block;
@@ -167,7 +190,19 @@ at::Tensor decode_sum_encode_cpu(const at::Tensor& payloads, c10::string_view co
   const auto& K = kernels();
   parallel_ranges(n, unit_of(out_codec, out_block),
                   [&](int64_t i0, int64_t i1) { K.decode_sum_encode(a, e, i0, i1); });
-  return out;
+}
+
+at::Tensor decode_sum_encode_cpu(const at::Tensor& payloads, c10::string_view codec_name, int64_t n,
+                                 int64_t block, int64_t k, double scale,
+                                 c10::string_view out_codec_name, int64_t out_block,
+                                 const c10::optional<at::Tensor>& residual, bool stochastic,
+                                 int64_t seed) {
+  const int32_t out_codec = parse_reencode_codec(std::string(out_codec_name));
+  at::Tensor payload =
+      at::empty({wire_bytes(out_codec, n, out_block, 0)}, payloads.options().dtype(at::kByte));
+  decode_sum_encode_into_cpu(payloads, codec_name, n, block, k, scale, out_codec_name, out_block,
+                             residual, stochastic, seed, payload);
+  return payload;
 }
 
 at::Tensor ordered_sum_cpu(const at::Tensor& x) {
@@ -269,6 +304,10 @@ at::Tensor exact_sum_cpu(const at::Tensor& x, int64_t block, int64_t headroom) {
 TORCH_LIBRARY_IMPL(flatcomm, CPU, m) {
   using namespace flatcomm::ops;
   m.impl("encode", &encode_cpu);
+  m.impl("encode_into", &encode_into_cpu);
+  m.impl("decode_into", &decode_into_cpu);
+  m.impl("decode_sum_into", &decode_sum_into_cpu);
+  m.impl("decode_sum_encode_into", &decode_sum_encode_into_cpu);
   m.impl("decode", &decode_cpu);
   m.impl("decode_sum", &decode_sum_cpu);
   m.impl("decode_sum_encode", &decode_sum_encode_cpu);
