@@ -1,0 +1,616 @@
+"""Deterministic and compressed collectives over torch.distributed (gloo on CPU, NCCL on GPU).
+
+Reduce-scatter is one hop: every rank encodes the piece of its input destined to each peer, one
+``all_to_all_single`` moves the payloads, and one fused kernel decodes them and accumulates in fp32
+in ascending *source rank* order, so every rank and every run computes the same bits whatever the
+backend's algorithm or the arrival order. All-reduce is that reduce-scatter plus an all-gather; with
+a lossy codec the reduced shard is re-encoded with a second, per-shard residual (server-side error
+feedback) and every rank, the owner included, uses the decoded shard, so all ranks hold equal bits.
+
+``mode="exact"`` sends int64 fixed point on per-block exponents agreed with a MAX all-reduce and
+sums integers (associative): the result does not depend on the order or grouping of contributions,
+so permuting which rank holds which input gives the same bits.
+
+Large inputs are split into chunks: the exchange of chunk j+1 is in flight while chunk j is decoded.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import threading
+import time
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .codecs import CODECS, Codec, CodecLike, resolve
+from .codecs import decode as _decode
+from .codecs import decode_sum as _decode_sum
+from .codecs import encode as _encode
+from .sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM, exact_exponents, from_exact, to_exact
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+OpLike = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
+MODES = ("ordered", "exact")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Aim for payload chunks of about this many bytes when choosing the chunk count automatically:
+# large enough that per-collective latency is small, small enough to overlap decode with transfer.
+CHUNK_TARGET_BYTES = 4 << 20
+MAX_AUTO_CHUNKS = 8
+
+
+@dataclasses.dataclass
+class ErrorFeedback:
+    """Residuals for a lossy all-reduce of one flat tensor of ``numel`` values.
+
+    ``client`` holds what this rank's first-stage encoding did not send; ``server`` (full size too,
+    each rank uses the range of the shard it reduces) what the re-encoding of its reduced shard did
+    not send. Both are fp32. Nothing is dropped: it is sent on a later step.
+    """
+
+    client: torch.Tensor
+    server: torch.Tensor
+
+    @classmethod
+    def zeros(cls, numel: int, device: Optional[torch.device] = None) -> "ErrorFeedback":
+        return cls(torch.zeros(numel, device=device), torch.zeros(numel, device=device))
+
+
+@dataclasses.dataclass
+class CommStats:
+    """Counters a collective adds to (pass one in, read it after)."""
+
+    calls: int = 0
+    wire_bytes: int = 0  # bytes this rank put on the wire
+    encode_s: float = 0.0
+    exchange_s: float = 0.0  # time spent waiting for the network
+    decode_s: float = 0.0
+
+    def add(self, other: "CommStats") -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+class Handle:
+    """Result of ``async_op=True``: ``wait()`` blocks (and re-raises errors), ``get_future()``
+    gives a ``torch.futures.Future`` completed with the output tensor."""
+
+    def __init__(self, future: "concurrent.futures.Future", value: torch.Tensor):
+        self._cf = future
+        self._value = value
+        self._torch_future: torch.futures.Future = torch.futures.Future()
+        future.add_done_callback(self._complete)
+
+    def _complete(self, cf: "concurrent.futures.Future") -> None:
+        exc = cf.exception()
+        if exc is not None:
+            self._torch_future.set_exception(exc)
+        else:
+            self._torch_future.set_result(self._value)
+
+    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+        self._cf.result(timeout)
+        return self._value
+
+    def is_completed(self) -> bool:
+        return self._cf.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._torch_future
+
+
+# One worker thread per process group runs asynchronous collectives in submission order, so every
+# rank issues its collectives in the same order (and nothing blocks inside a future callback).
+_executors: dict = {}
+_executors_lock = threading.Lock()
+
+
+def _executor(group) -> concurrent.futures.ThreadPoolExecutor:
+    key = id(group) if group is not None else None
+    with _executors_lock:
+        ex = _executors.get(key)
+        if ex is None:
+            ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flatcomm")
+            _executors[key] = ex
+        return ex
+
+
+def _run(fn: Callable[[], None], value: torch.Tensor, group, async_op: bool) -> Optional[Handle]:
+    if not async_op:
+        fn()
+        return None
+    return Handle(_executor(group).submit(fn), value)
+
+
+# ---- argument handling ---------------------------------------------------------------------------
+
+
+def _reduce_scale(op: OpLike, world: int) -> float:
+    if isinstance(op, str):
+        name = op.lower()
+    else:
+        name = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg"}.get(op, str(op))
+    if name == "sum":
+        return 1.0
+    if name == "avg":
+        return 1.0 / world
+    raise ValueError(f"flatcomm: op must be 'avg' or 'sum', got {op!r}")
+
+
+def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"flatcomm: {what} must be float32, bfloat16 or float16, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"flatcomm: {what} must be contiguous")
+    return t.view(-1)
+
+
+def _check_residual(r: Optional[torch.Tensor], numel: int, ref: torch.Tensor, what: str) -> None:
+    if r is None:
+        return
+    if r.dtype != torch.float32 or not r.is_contiguous() or r.numel() != numel:
+        raise ValueError(
+            f"flatcomm: {what} must be a contiguous float32 tensor of {numel} values, "
+            f"got {r.dtype} with {r.numel()} values"
+        )
+    if r.device != ref.device:
+        raise ValueError(f"flatcomm: {what} is on {r.device} but the data is on {ref.device}")
+
+
+def _check_consistent(group, fields: Sequence[Tuple[str, int]], device: torch.device) -> None:
+    """One tiny all-gather so that mismatched calls fail on every rank with a clear message
+    instead of hanging or exchanging garbage."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    mine = torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
+    allv = torch.empty(world * len(fields), dtype=torch.int64, device=device)
+    _all_gather_single(allv, mine, group=group)
+    table = allv.view(world, len(fields)).cpu()
+    for i, (name, _) in enumerate(fields):
+        col = table[:, i].tolist()
+        if len(set(col)) != 1:
+            shown = {CODECS[v] if name == "codec" else v for v in col}
+            raise ValueError(
+                f"flatcomm: ranks disagree on {name}: {', '.join(f'rank {r}: {v}' for r, v in enumerate(col))}"
+                + (f" ({sorted(map(str, shown))})" if name == "codec" else "")
+            )
+
+
+def _signature(kind: int, numel: int, codec: Codec, mode: str, scale: float, dtype: torch.dtype,
+               chunks: int) -> List[Tuple[str, int]]:
+    return [
+        ("collective", kind),
+        ("numel", numel),
+        ("codec", CODECS.index(codec.name)),
+        ("block_size", codec.block_size),
+        ("topk ratio (x1e6)", int(round(codec.ratio * 1e6))),
+        ("mode", MODES.index(mode)),
+        ("op scale (x1e9)", int(round(scale * 1e9))),
+        ("dtype", _DTYPES.index(dtype)),
+        ("chunks", chunks),
+    ]
+
+
+# ---- layout: shards across ranks, chunks within shards ------------------------------------------
+
+
+def shard_bounds(numel: int, world: int, align: int = 1) -> List[int]:
+    """Boundaries of ``world`` contiguous shards of ``numel`` values, starting on multiples of
+    ``align`` (so codec blocks and exact-mode blocks line up with the global tensor)."""
+    units = math.ceil(numel / align) if numel else 0
+    per, extra = divmod(units, world)
+    bounds = [0]
+    for r in range(world):
+        bounds.append(min(numel, bounds[-1] + (per + (1 if r < extra else 0)) * align))
+    return bounds
+
+
+def _chunk_bounds(length: int, chunks: int, align: int) -> List[int]:
+    return shard_bounds(length, chunks, align)
+
+
+def _auto_chunks(numel: int, codec: Codec, world: int, mode: str) -> int:
+    wire = 8 * numel if mode == "exact" else codec.wire_bytes(numel)
+    return int(max(1, min(MAX_AUTO_CHUNKS, wire // CHUNK_TARGET_BYTES)))
+
+
+def _align_of(codec: Codec, mode: str, exact_block: int) -> int:
+    if mode == "exact":
+        return exact_block
+    return codec.block_size if codec.name in ("int8", "int4", "sign") else 32
+
+
+@dataclasses.dataclass
+class _Plan:
+    world: int
+    rank: int
+    bounds: List[int]          # shard boundaries (world + 1)
+    chunk_bounds: List[List[int]]  # per shard, chunk boundaries relative to the shard start
+
+    def piece(self, shard: int, chunk: int) -> Tuple[int, int]:
+        base = self.bounds[shard]
+        cb = self.chunk_bounds[shard]
+        return base + cb[chunk], base + cb[chunk + 1]
+
+
+def _plan(bounds: List[int], chunks: int, align: int, rank: int) -> _Plan:
+    world = len(bounds) - 1
+    cbs = [_chunk_bounds(bounds[d + 1] - bounds[d], chunks, align) for d in range(world)]
+    return _Plan(world, rank, bounds, cbs)
+
+
+# ---- the pipelined core --------------------------------------------------------------------------
+
+
+class _Pipeline:
+    """Runs one collective chunk by chunk: while chunk j is exchanged, j-1 is decoded."""
+
+    def __init__(self, group, stats: Optional[CommStats]):
+        self.group = group
+        self.stats = stats if stats is not None else CommStats()
+
+    def timed(self, field: str, fn: Callable[[], object]):
+        t0 = time.perf_counter()
+        out = fn()
+        setattr(self.stats, field, getattr(self.stats, field) + time.perf_counter() - t0)
+        return out
+
+    def wait(self, work) -> None:
+        if work is not None:
+            self.timed("exchange_s", work.wait)
+
+    def all_to_all(self, send: torch.Tensor, send_sizes: List[int], recv_row: int, world: int):
+        recv = torch.empty(world * recv_row, dtype=send.dtype, device=send.device)
+        self.stats.wire_bytes += (send.numel() - send_sizes[dist.get_rank(self.group)]) * send.element_size()
+        if world == 1:
+            recv.copy_(send)
+            return None, recv
+        work = dist.all_to_all_single(recv, send, [recv_row] * world, send_sizes, group=self.group,
+                                      async_op=True)
+        return work, recv
+
+    def all_gather(self, send: torch.Tensor, world: int):
+        recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
+        self.stats.wire_bytes += send.numel() * send.element_size() * (world - 1)
+        if world == 1:
+            recv.copy_(send)
+            return None, recv
+        return _all_gather_single(recv, send, group=self.group, async_op=True), recv
+
+    def run(self, chunks: int, send: Callable, reduce: Callable, finish: Optional[Callable]) -> None:
+        """send(j) -> state; reduce(j, state) -> state2; finish(j, state2). Stages overlap."""
+        sent = {0: send(0)} if chunks else {}
+        reduced = {}
+        for j in range(chunks):
+            if j + 1 < chunks:
+                sent[j + 1] = send(j + 1)
+            reduced[j] = reduce(j, sent.pop(j))
+            if finish is not None and j >= 1:
+                finish(j - 1, reduced.pop(j - 1))
+        if finish is not None and chunks:
+            finish(chunks - 1, reduced.pop(chunks - 1))
+
+
+def _encode_pieces(pipe: _Pipeline, src: torch.Tensor, plan: _Plan, j: int, codec: Codec,
+                   residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, List[int]]:
+    sizes = [codec.wire_bytes(b - a) for a, b in (plan.piece(d, j) for d in range(plan.world))]
+    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=src.device)
+
+    def enc():
+        off = 0
+        for d in range(plan.world):
+            a, b = plan.piece(d, j)
+            r = residual[a:b] if residual is not None else None
+            _encode(src[a:b], codec, residual=r, out=buf[off:off + sizes[d]])
+            off += sizes[d]
+
+    pipe.timed("encode_s", enc)
+    return buf, sizes
+
+
+def _write(dst: torch.Tensor, value: torch.Tensor) -> None:
+    if dst.data_ptr() != value.data_ptr():
+        dst.copy_(value)
+
+
+def _decode_sum_to(pipe: _Pipeline, recv: torch.Tensor, world: int, codec: Codec, n: int,
+                   scale: float, dst: torch.Tensor) -> None:
+    def dec():
+        if dst.dtype == torch.float32:
+            _decode_sum(recv.view(world, -1), codec, n, scale=scale, out=dst)
+        else:
+            dst.copy_(_decode_sum(recv.view(world, -1), codec, n, scale=scale))
+
+    pipe.timed("decode_s", dec)
+
+
+def _ordered_reduce_scatter(pipe: _Pipeline, src: torch.Tensor, out: torch.Tensor, plan: _Plan,
+                            chunks: int, codec: Codec, scale: float,
+                            residual: Optional[torch.Tensor]) -> None:
+    me = plan.rank
+    base = plan.bounds[me]
+
+    def send(j):
+        buf, sizes = _encode_pieces(pipe, src, plan, j, codec, residual)
+        a, b = plan.piece(me, j)
+        return pipe.all_to_all(buf, sizes, codec.wire_bytes(b - a), plan.world)
+
+    def reduce(j, state):
+        work, recv = state
+        pipe.wait(work)
+        a, b = plan.piece(me, j)
+        _decode_sum_to(pipe, recv, plan.world, codec, b - a, scale, out[a - base:b - base])
+
+    pipe.run(chunks, send, reduce, None)
+
+
+def _exact_exponents(pipe: _Pipeline, src: torch.Tensor, plan: _Plan, block: int) -> List[torch.Tensor]:
+    """Per shard, per-block exponents agreed by every rank (MAX all-reduce)."""
+    parts = [exact_exponents(src[plan.bounds[d]:plan.bounds[d + 1]], block) for d in range(plan.world)]
+    sizes = [p.numel() for p in parts]
+    allp = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int32)
+    if plan.world > 1 and allp.numel():
+        pipe.timed("exchange_s", lambda: dist.all_reduce(allp, dist.ReduceOp.MAX, group=pipe.group))
+    return list(torch.split(allp, sizes))
+
+
+def _exact_reduce_scatter(pipe: _Pipeline, src: torch.Tensor, out: torch.Tensor, plan: _Plan,
+                          chunks: int, scale: float, block: int, headroom: int) -> None:
+    if plan.world > (1 << headroom):
+        raise ValueError(f"flatcomm: exact mode with headroom {headroom} supports up to "
+                         f"{1 << headroom} ranks, got {plan.world}")
+    me = plan.rank
+    base = plan.bounds[me]
+    exps = _exact_exponents(pipe, src, plan, block)
+
+    def chunk_exps(d, j):
+        cb = plan.chunk_bounds[d]
+        return exps[d][cb[j] // block: math.ceil(cb[j + 1] / block)]
+
+    def send(j):
+        def enc():
+            pieces = []
+            for d in range(plan.world):
+                a, b = plan.piece(d, j)
+                pieces.append(to_exact(src[a:b], chunk_exps(d, j).contiguous(), block, headroom))
+            return torch.cat(pieces), [p.numel() for p in pieces]
+
+        buf, sizes = pipe.timed("encode_s", enc)
+        a, b = plan.piece(me, j)
+        return pipe.all_to_all(buf, sizes, b - a, plan.world)
+
+    def reduce(j, state):
+        work, recv = state
+        pipe.wait(work)
+        a, b = plan.piece(me, j)
+
+        def dec():
+            # Integer addition is associative: any order gives the same sum.
+            acc = recv.view(plan.world, b - a).sum(0)
+            val = from_exact(acc, chunk_exps(me, j).contiguous(), block, headroom)
+            if scale != 1.0:
+                val = val * scale
+            _write(out[a - base:b - base], val)
+
+        pipe.timed("decode_s", dec)
+
+    pipe.run(chunks, send, reduce, None)
+
+
+# ---- public API -----------------------------------------------------------------------------------
+
+
+def _setup(group, codec: CodecLike, mode: str, op: OpLike):
+    if mode not in MODES:
+        raise ValueError(f"flatcomm: mode must be one of {MODES}, got {mode!r}")
+    c = resolve(codec)
+    if mode == "exact" and c.name != "fp32":
+        raise ValueError("flatcomm: mode='exact' sends int64 fixed point; use codec='fp32' with it")
+    world = dist.get_world_size(group)
+    return c, world, dist.get_rank(group), _reduce_scale(op, world)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    codec: CodecLike = "fp32",
+    op: OpLike = "avg",
+    mode: str = "ordered",
+    group=None,
+    async_op: bool = False,
+    residual: Optional[torch.Tensor] = None,
+    chunks: Optional[int] = None,
+    stats: Optional[CommStats] = None,
+    exact_block: int = DEFAULT_EXACT_BLOCK,
+    headroom: int = DEFAULT_HEADROOM,
+) -> Optional[Handle]:
+    """Reduce ``input`` (world x ``output.numel()`` values) across ranks; rank r gets shard r.
+
+    ``residual`` (fp32, input's numel) turns on error feedback for a lossy ``codec``.
+    """
+    c, world, rank, scale = _setup(group, codec, mode, op)
+    src, out = _flat(input, "input"), _flat(output, "output")
+    if src.numel() != world * out.numel():
+        raise ValueError(f"flatcomm: reduce_scatter input has {src.numel()} values; it must be "
+                         f"world size ({world}) x output ({out.numel()})")
+    if out.device != src.device:
+        raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
+    _check_residual(residual, src.numel(), src, "residual")
+    align = _align_of(c, mode, exact_block)
+    nchunks = chunks or _auto_chunks(out.numel(), c, world, mode)
+    _check_consistent(group, _signature(1, src.numel(), c, mode, scale, src.dtype, nchunks), src.device)
+    bounds = [r * out.numel() for r in range(world + 1)]
+    plan = _plan(bounds, nchunks, align, rank)
+
+    def body():
+        pipe = _Pipeline(group, stats)
+        if stats is not None:
+            stats.calls += 1
+        if mode == "exact":
+            _exact_reduce_scatter(pipe, src, out, plan, nchunks, scale, exact_block, headroom)
+        else:
+            _ordered_reduce_scatter(pipe, src, out, plan, nchunks, c, scale, residual)
+
+    return _run(body, output, group, async_op)
+
+
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    codec: CodecLike = "fp32",
+    group=None,
+    async_op: bool = False,
+    residual: Optional[torch.Tensor] = None,
+    stats: Optional[CommStats] = None,
+) -> Optional[Handle]:
+    """Gather every rank's ``input`` into ``output`` (world x input numel), in rank order.
+
+    With a lossy ``codec`` each rank's input is sent encoded (``residual`` keeps what was not
+    sent) and every rank, the sender included, receives the decoded values.
+    """
+    c = resolve(codec)
+    world = dist.get_world_size(group)
+    src, out = _flat(input, "input"), _flat(output, "output")
+    n = src.numel()
+    if out.numel() != world * n:
+        raise ValueError(f"flatcomm: all_gather output has {out.numel()} values; it must be "
+                         f"world size ({world}) x input ({n})")
+    _check_residual(residual, n, src, "residual")
+    _check_consistent(group, _signature(2, n, c, "ordered", 1.0, src.dtype, 1), src.device)
+
+    def body():
+        pipe = _Pipeline(group, stats)
+        if stats is not None:
+            stats.calls += 1
+        payload = pipe.timed("encode_s", lambda: _encode(src, c, residual=residual))
+        work, recv = pipe.all_gather(payload, world)
+        pipe.wait(work)
+        rows = recv.view(world, -1)
+
+        def dec():
+            for d in range(world):
+                _decode_into(rows[d], c, n, out[d * n:(d + 1) * n])
+
+        pipe.timed("decode_s", dec)
+
+    return _run(body, output, group, async_op)
+
+
+def _decode_into(payload: torch.Tensor, c: Codec, n: int, dst: torch.Tensor) -> None:
+    _decode(payload, c, n, out=dst)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    *,
+    codec: CodecLike = "fp32",
+    op: OpLike = "avg",
+    mode: str = "ordered",
+    group=None,
+    async_op: bool = False,
+    residual: Optional[ErrorFeedback] = None,
+    chunks: Optional[int] = None,
+    stats: Optional[CommStats] = None,
+    exact_block: int = DEFAULT_EXACT_BLOCK,
+    headroom: int = DEFAULT_HEADROOM,
+) -> Optional[Handle]:
+    """All-reduce ``tensor`` in place: reduce-scatter, then all-gather of the reduced shards.
+
+    Every rank ends with the same bits. ``residual`` (an :class:`ErrorFeedback` of the tensor's
+    numel) makes a lossy codec lose nothing over time: client and server residuals carry what a
+    step did not send into the next.
+    """
+    c, world, rank, scale = _setup(group, codec, mode, op)
+    flat = _flat(tensor, "tensor")
+    n = flat.numel()
+    if residual is not None:
+        _check_residual(residual.client, n, flat, "residual.client")
+        _check_residual(residual.server, n, flat, "residual.server")
+    align = _align_of(c, mode, exact_block)
+    nchunks = chunks or _auto_chunks(max(1, n // world), c, world, mode)
+    _check_consistent(group, _signature(3, n, c, mode, scale, flat.dtype, nchunks), flat.device)
+    plan = _plan(shard_bounds(n, world, align), nchunks, align, rank)
+
+    def body():
+        pipe = _Pipeline(group, stats)
+        if stats is not None:
+            stats.calls += 1
+        if mode == "exact":
+            _exact_all_reduce(pipe, flat, plan, nchunks, scale, exact_block, headroom)
+        else:
+            _ordered_all_reduce(pipe, flat, plan, nchunks, c, scale, residual)
+
+    return _run(body, tensor, group, async_op)
+
+
+def _ordered_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, chunks: int, c: Codec,
+                        scale: float, residual: Optional[ErrorFeedback]) -> None:
+    me, world = plan.rank, plan.world
+    client = residual.client if residual is not None else None
+    server = residual.server if residual is not None and not c.lossless else None
+
+    def send(j):
+        buf, sizes = _encode_pieces(pipe, flat, plan, j, c, client)
+        a, b = plan.piece(me, j)
+        return pipe.all_to_all(buf, sizes, c.wire_bytes(b - a), world)
+
+    def reduce(j, state):
+        work, recv = state
+        pipe.wait(work)
+        a, b = plan.piece(me, j)
+        rows = recv.view(world, -1)
+        # Every rank sends a payload as large as the largest shard's for this chunk (padding),
+        # because all_gather_into_tensor moves equal sizes.
+        width = max(c.wire_bytes(y - x) for x, y in (plan.piece(d, j) for d in range(world)))
+        send_buf = torch.zeros(width, dtype=torch.uint8, device=flat.device)
+        nbytes = c.wire_bytes(b - a)
+        r = server[a:b] if server is not None else None
+
+        def dec():
+            if c.name == "topk":  # topk re-selects on the whole reduced shard
+                total = _decode_sum(rows, c, b - a, scale=scale)
+                _encode(total, c, residual=r, out=send_buf[:nbytes])
+            else:
+                _decode_sum(rows, c, b - a, scale=scale, reencode=c, residual=r, out=send_buf[:nbytes])
+
+        pipe.timed("decode_s", dec)
+        return pipe.all_gather(send_buf, world)
+
+    def finish(j, state):
+        work, recv = state
+        pipe.wait(work)
+        rows = recv.view(world, -1)
+
+        def dec():
+            for d in range(world):
+                a, b = plan.piece(d, j)
+                if b > a:
+                    _decode_into(rows[d, :c.wire_bytes(b - a)], c, b - a, flat[a:b])
+
+        pipe.timed("decode_s", dec)
+
+    pipe.run(chunks, send, reduce, finish)
+
+
+def _exact_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, chunks: int, scale: float,
+                      block: int, headroom: int) -> None:
+    me, world = plan.rank, plan.world
+    shard = torch.empty(plan.bounds[me + 1] - plan.bounds[me], dtype=torch.float32, device=flat.device)
+    _exact_reduce_scatter(pipe, flat, shard, plan, chunks, scale, block, headroom)
+    # The reduced shards are already final and identical everywhere: gather them as fp32.
+    width = max(plan.bounds[d + 1] - plan.bounds[d] for d in range(world))
+    send_buf = torch.zeros(width, dtype=torch.float32, device=flat.device)
+    send_buf[:shard.numel()] = shard
+    work, recv = pipe.all_gather(send_buf, world)
+    pipe.wait(work)
+    rows = recv.view(world, width)
+    for d in range(world):
+        a, b = plan.bounds[d], plan.bounds[d + 1]
+        flat[a:b].copy_(rows[d, :b - a])

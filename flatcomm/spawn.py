@@ -1,0 +1,78 @@
+"""Run a function on N local processes joined in a gloo process group (tests, demo, benchmarks).
+
+Each rank runs ``fn(rank, world, *args)``; the return values come back as a list in rank order and
+an exception on any rank is re-raised in the parent with that rank's traceback.
+"""
+from __future__ import annotations
+
+import io
+import os
+import queue as queue_mod
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank, world, init_file, timeout_s, threads, fn, args, queue):
+    import torch
+
+    try:
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
+        try:
+            result = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        # Tensors travel as bytes: shared-memory handles would die with this process.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
+        threads: int = 1) -> List[Any]:
+    """Run ``fn`` on ``world`` gloo ranks and return their results (picklable) in rank order."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_entry, args=(r, world, init_file, timeout_s, threads, fn, args, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results: dict = {}
+        errors = []
+        deadline = time.monotonic() + timeout_s + 60
+        try:
+            while len(results) + len(errors) < world:
+                try:
+                    rank, ok, value = queue.get(timeout=1.0)
+                except queue_mod.Empty:
+                    # A rank that died without reporting (killed, crashed in C++) ends the run.
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    if dead or time.monotonic() > deadline:
+                        why = f"ranks {dead} exited abnormally" if dead else "timed out"
+                        raise RuntimeError(f"flatcomm.spawn: {why}; "
+                                           f"{len(results)} of {world} ranks reported") from None
+                    continue
+                if ok:
+                    results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                else:
+                    errors.append(f"rank {rank} failed:\n{value}")
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+        if errors:
+            raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world)]
