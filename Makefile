@@ -45,10 +45,17 @@ test-py: build
 bench: build
 	$(PY) benchmarks/bench_kernels.py
 
-# Every CUDA source must compile with this machine's nvcc, GPU or not.
-cuda-check:
-	@for f in csrc/cuda/*.cu; do echo "nvcc $$f"; $(NVCC) $(NVCC_FLAGS) -c $$f -o /tmp/flatcomm_$$(basename $$f).o || exit 1; done
-	g++ -std=c++17 -Icsrc -fsyntax-only -x c++ csrc/cuda/kernels.cuh
+# Every CUDA source must compile with this machine's nvcc, GPU or not. The torch binding
+# (ops_cuda.cpp) is syntax-checked against torch's headers and the CUDA toolkit; a CPU build of
+# torch lacks one generated header, which an empty stand-in replaces for this check only.
+TORCH_INC = $(shell $(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I'+p for p in include_paths()))" 2>/dev/null)
+CUDA_INC := $(dir $(shell command -v $(NVCC) 2>/dev/null))../include
+cuda-check: $(DEPS)
+	@mkdir -p build/cuda-stubs/c10/cuda/impl && touch build/cuda-stubs/c10/cuda/impl/cuda_cmake_macros.h
+	@for f in csrc/cuda/*.cu; do echo "nvcc $$f"; $(NVCC) $(NVCC_FLAGS) -c $$f -o build/$$(basename $$f).o || exit 1; done
+	echo "#include \"cuda/kernels.cuh\"" | g++ -std=c++17 -Icsrc -fsyntax-only -x c++ -
+	g++ -std=c++20 -fsyntax-only -Icsrc $(TORCH_INC) -I$(CUDA_INC) -I/usr/local/cuda/include \
+		-Ibuild/cuda-stubs csrc/cuda/ops_cuda.cpp
 
 clean:
 	rm -rf build build-cmake flatcomm/_C*.so
