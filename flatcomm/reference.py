@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -243,6 +243,9 @@ def int_block_params(max_abs_bits: torch.Tensor, qmax: float):
     # qmax * s rounding up past FLT_MAX: step s down one ulp
     over = ~(s * qmax <= FLT_MAX)
     s = torch.where(over, f32_from_bits(f32_bits(s) - 1), s)
+    # subnormal scale: round up one ulp when qmax * s falls short of max|v|
+    under = (s < FLT_MIN_NORMAL) & (s * qmax < absmax)
+    s = torch.where(under, f32_from_bits(f32_bits(s) + 1), s)
     pre = torch.where(s < FLT_MIN_NORMAL, _full(s, 2.0**64), _full(s, 1.0))
     inv = torch.where(s > 0, _full(s, 1.0) / (s * pre), _full(s, 0.0))
     nan = f32_from_bits(torch.full_like(max_abs_bits, QNAN_BITS))
@@ -250,6 +253,21 @@ def int_block_params(max_abs_bits: torch.Tensor, qmax: float):
     pre = torch.where(finite, pre, _full(s, 1.0))
     inv = torch.where(finite, inv, _full(s, 0.0))
     return scale, pre, inv, finite
+
+
+_MAGIC = 12582912.0  # 1.5 * 2^23
+
+
+def round_half_even(t: torch.Tensor) -> torch.Tensor:
+    """The kernel's (t + 1.5 * 2^23) - 1.5 * 2^23: ties to even, like torch.round, except that
+    it never returns -0.0 (so a code of "-0" decodes, and leaves a residual, as +0)."""
+    return (t + _MAGIC) - _MAGIC
+
+
+def floor_small(t: torch.Tensor) -> torch.Tensor:
+    """Largest integer <= t for |t| < 2^22, as core::floor_small."""
+    r = round_half_even(t)
+    return torch.where(r > t, r - 1.0, r)
 
 
 def _fmin(a: torch.Tensor, b: float) -> torch.Tensor:  # a < b ? a : b  (NaN -> b)
@@ -369,9 +387,9 @@ def encode(
         t = (vb * pre[:, None]) * inv[:, None]
         t = _fmax(_fmin(t, qmax), -qmax)  # NaN (non-finite blocks only) becomes qmax
         if stochastic:
-            q = _fmin(torch.floor(t + random_unit(seed, gidx)), qmax)
+            q = _fmin(floor_small(t + random_unit(seed, gidx)), qmax)
         else:
-            q = torch.round(t)  # half to even, as the kernel's magic-number rounding
+            q = round_half_even(t)
         q = q.reshape(-1)[:n]
         d = q * scale.repeat_interleave(block_size)[:n]
         qi = q.to(torch.int64)

@@ -5,7 +5,6 @@ Every test gets its own torch.Generator seeded from the test's node id: inputs a
 """
 from __future__ import annotations
 
-import math
 import zlib
 
 import pytest
@@ -74,11 +73,6 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
             f"{what}: {diff.numel()} of {a.numel()} differ; first at {i}: {a.reshape(-1)[i].item()!r} "
             f"vs {b.reshape(-1)[i].item()!r}"
         )
-
-
-def block_of(codec: str, i: int) -> int:
-    """Block size for the i-th parameter set: cycles through BLOCK_SIZES (casts/topk ignore it)."""
-    return BLOCK_SIZES[i % len(BLOCK_SIZES)]
 
 
 @pytest.fixture

@@ -79,6 +79,9 @@ FC_HD BlockParams int_block_params(uint32_t max_abs_bits, float qmax) {
   float s = u2f(max_abs_bits) / qmax;
   // qmax * s rounds up past FLT_MAX when max|v| is near it: step s down one ulp.
   if (!(s * qmax <= kFloatMax)) s = u2f(f2u(s) - 1u);
+  // A subnormal scale is coarsely rounded: round it up instead, so that qmax * s still covers
+  // max|v| and every value stays within half a step of its code.
+  if (s < kFloatMinNormal && s * qmax < u2f(max_abs_bits)) s = u2f(f2u(s) + 1u);
   p.scale = s;
   // Subnormal scale: 1/s would overflow. Multiplying v and s by 2^64 is exact for such tiny values.
   p.pre = s < kFloatMinNormal ? 18446744073709551616.0f : 1.0f;
