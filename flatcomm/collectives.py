@@ -103,27 +103,50 @@ class Handle:
         return self._torch_future
 
 
-# One worker thread per process group runs asynchronous collectives in submission order, so every
-# rank issues its collectives in the same order (and nothing blocks inside a future callback).
+# One worker thread per process group runs every collective, synchronous ones included, in
+# submission order, so every rank issues its collectives (consistency check and chunk exchanges)
+# in the same order: a check issued from the caller's thread while an earlier asynchronous
+# collective is still exchanging chunks on the worker could pair with a different collective on a
+# peer (gloo matches collectives by issue order) and hang. Nothing blocks inside a future callback.
 _executors: dict = {}
 _executors_lock = threading.Lock()
+_worker = threading.local()  # .key: the group key of the worker thread we are on, if any
+
+
+def _group_key(group):
+    return id(group) if group is not None else None
 
 
 def _executor(group) -> concurrent.futures.ThreadPoolExecutor:
-    key = id(group) if group is not None else None
+    key = _group_key(group)
     with _executors_lock:
         ex = _executors.get(key)
         if ex is None:
-            ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flatcomm")
+            ex = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="flatcomm", initializer=_mark_worker, initargs=(key,))
             _executors[key] = ex
         return ex
 
 
+def _mark_worker(key) -> None:
+    _worker.key = key
+
+
 def _run(fn: Callable[[], None], value: torch.Tensor, group, async_op: bool) -> Optional[Handle]:
-    if not async_op:
-        fn()
+    grad = torch.is_grad_enabled()  # grad mode is thread-local: keep the caller's
+
+    def body():
+        with torch.set_grad_enabled(grad):
+            fn()
+
+    if not async_op and getattr(_worker, "key", object()) == _group_key(group):
+        body()  # already on this group's worker (called from a callback): run in order, inline
         return None
-    return Handle(_executor(group).submit(fn), value)
+    future = _executor(group).submit(body)
+    if not async_op:
+        future.result()
+        return None
+    return Handle(future, value)
 
 
 # ---- argument handling ---------------------------------------------------------------------------
@@ -182,7 +205,7 @@ def _check_consistent(group, fields: Sequence[Tuple[str, int]], device: torch.de
 
 
 def _signature(kind: int, numel: int, codec: Codec, mode: str, scale: float, dtype: torch.dtype,
-               chunks: int) -> List[Tuple[str, int]]:
+               chunks: int, extra: Sequence[Tuple[str, int]] = ()) -> List[Tuple[str, int]]:
     return [
         ("collective", kind),
         ("numel", numel),
@@ -193,7 +216,14 @@ def _signature(kind: int, numel: int, codec: Codec, mode: str, scale: float, dty
         ("op scale (x1e9)", int(round(scale * 1e9))),
         ("dtype", _DTYPES.index(dtype)),
         ("chunks", chunks),
-    ]
+    ] + list(extra)
+
+
+def _exact_fields(mode: str, block: int, headroom: int) -> List[Tuple[str, int]]:
+    # Ranks that disagree on the exact-mode grid would exchange exponent lists of different sizes.
+    # Always the same number of fields: the check itself must move equal sizes on every rank.
+    exact = mode == "exact"
+    return [("exact_block", block if exact else 0), ("headroom", headroom if exact else 0)]
 
 
 # ---- layout: shards across ranks, chunks within shards ------------------------------------------
@@ -444,11 +474,12 @@ def reduce_scatter(
     _check_residual(residual, src.numel(), src, "residual")
     align = _align_of(c, mode, exact_block)
     nchunks = chunks or _auto_chunks(out.numel(), c, world, mode)
-    _check_consistent(group, _signature(1, src.numel(), c, mode, scale, src.dtype, nchunks), src.device)
     bounds = [r * out.numel() for r in range(world + 1)]
     plan = _plan(bounds, nchunks, align, rank)
 
     def body():
+        _check_consistent(group, _signature(1, src.numel(), c, mode, scale, src.dtype, nchunks,
+                                          _exact_fields(mode, exact_block, headroom)), src.device)
         pipe = _Pipeline(group, stats)
         if stats is not None:
             stats.calls += 1
@@ -483,9 +514,9 @@ def all_gather(
         raise ValueError(f"flatcomm: all_gather output has {out.numel()} values; it must be "
                          f"world size ({world}) x input ({n})")
     _check_residual(residual, n, src, "residual")
-    _check_consistent(group, _signature(2, n, c, "ordered", 1.0, src.dtype, 1), src.device)
 
     def body():
+        _check_consistent(group, _signature(2, n, c, "ordered", 1.0, src.dtype, 1), src.device)
         pipe = _Pipeline(group, stats)
         if stats is not None:
             stats.calls += 1
@@ -535,10 +566,11 @@ def all_reduce(
         _check_residual(residual.server, n, flat, "residual.server")
     align = _align_of(c, mode, exact_block)
     nchunks = chunks or _auto_chunks(max(1, n // world), c, world, mode)
-    _check_consistent(group, _signature(3, n, c, mode, scale, flat.dtype, nchunks), flat.device)
     plan = _plan(shard_bounds(n, world, align), nchunks, align, rank)
 
     def body():
+        _check_consistent(group, _signature(3, n, c, mode, scale, flat.dtype, nchunks,
+                                          _exact_fields(mode, exact_block, headroom)), flat.device)
         pipe = _Pipeline(group, stats)
         if stats is not None:
             stats.calls += 1
