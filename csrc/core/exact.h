@@ -37,33 +37,29 @@ FC_HD int32_t exponent_of_abs_bits(uint32_t abs) {
   return bits - 149;
 }
 
-FC_HD double pow2_double(int32_t e) {  // exact for -1022 <= e <= 1023
-  uint64_t u = static_cast<uint64_t>(e + 1023) << 52;
-  double d;
-#if defined(__CUDA_ARCH__)
-  d = __longlong_as_double(static_cast<long long>(u));
-#else
-  memcpy(&d, &u, 8);
-#endif
-  return d;
-}
-
 FC_HD float pow2_float(int32_t e) { return u2f(static_cast<uint32_t>(e + 127) << 23); }  // -126..127
 
-// v * 2^(P - E) rounded half-to-even; exact in double since |v * 2^(P-E)| < 2^62 and the product is
-// a power-of-two rescaling of a 24-bit mantissa. Returns 0 for zero / non-finite blocks.
+// v * 2^(P - E) rounded half-to-even, in integer arithmetic (vectorises; same value as the exact
+// product rounded once). With v = m * 2^s (m the 24-bit significand), shift the significand.
+// Returns 0 for zero / non-finite blocks. Values outside the block bound (|v| >= 2^E) are a
+// caller error that the kernels count and report; the result is then unspecified but defined.
 FC_HD int64_t to_fixed(float v, int32_t E, int32_t precision) {
   if (E == kExpNonFinite || E == kExpZero) return 0;
-  double t = static_cast<double>(v) * pow2_double(precision - E);
-  // Round half to even: for 0 <= a < 2^52, (a + 2^52) - 2^52 does it in the FPU's default mode;
-  // from 2^52 up every double is already an integer.
-  double a = t < 0 ? -t : t;
-  if (a < 4503599627370496.0) {  // 2^52
-    const double magic = 4503599627370496.0;
-    double r = (a + magic) - magic;
-    t = t < 0 ? -r : r;
+  const uint32_t u = f2u(v);
+  const int32_t e8 = static_cast<int32_t>((u >> 23) & 0xffu);
+  const int64_t m = static_cast<int64_t>((u & 0x7fffffu) | (e8 ? 0x800000u : 0u));
+  const int32_t shift = (e8 ? e8 : 1) - 150 + precision - E;
+  int64_t q = 0;
+  if (shift >= 0) {
+    q = shift < 63 ? (m << shift) : 0;
+  } else if (shift > -26) {
+    const int32_t k = -shift;
+    const int64_t rem = m & ((int64_t(1) << k) - 1);
+    const int64_t half = int64_t(1) << (k - 1);
+    q = m >> k;
+    q += (rem > half || (rem == half && (q & 1))) ? 1 : 0;
   }
-  return static_cast<int64_t>(t);
+  return (u >> 31) ? -q : q;
 }
 
 // Correctly rounded m * 2^(E - P) in fp32 (see the subnormal caveat above).
