@@ -1,0 +1,234 @@
+#!/usr/bin/env bash
+# One-shot GPU check of flatcomm, for a machine with an NVIDIA GPU, torch with CUDA and nvcc, and no
+# internet. Run from anywhere (it cds to the repo root):
+#
+#     bash benchmarks/gpu_check.sh            # results under $OUT if set, else out/gpu_check/
+#
+# Steps, each under its own timeout, all together within GPU_CHECK_BUDGET_S seconds (default 480):
+#   1. environment: the machine's python3 (never .venv), torch + CUDA, nvidia-smi, nvcc, ninja
+#   2. build the extension in place with CUDA (FLATCOMM_CUDA=1 python3 setup.py build_ext --inplace)
+#   3. benchmarks/gpu_check.py: CUDA vs CPU bitwise on every op / codec / dtype, then timing
+#      -> gpu_check.txt, gpu_check.json
+#   4. compute-sanitizer memcheck on gpu_check.py --sanitize (tiny sizes, every op); racecheck and
+#      initcheck too when time is left -> sanitizer_<tool>.txt
+#   5. cupy / NVRTC smoke check, when cupy imports and flatcomm/cupy_backend.py exists
+#   6. summary (also in summary.txt)
+# Exit status: 0 everything passed; 1 a step failed; 2 no usable CUDA (torch without CUDA / no GPU).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$PWD
+T0=$SECONDS
+BUDGET=${GPU_CHECK_BUDGET_S:-480}
+RESULTS=${OUT:-$ROOT/out/gpu_check}
+mkdir -p "$RESULTS"
+exec > >(tee "$RESULTS/gpu_check_sh.log") 2>&1
+TEE_PID=$!
+trap 'exec 1>&- 2>&-; wait "$TEE_PID" 2>/dev/null || true' EXIT  # let tee finish the log
+
+section() { printf '\n==================== %s  [t=%ss]\n' "$*" "$((SECONDS - T0))"; }
+left() { echo $((BUDGET - (SECONDS - T0))); }
+min() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
+declare -A STATUS=()
+ORDER=()
+status() { STATUS[$1]=$2; ORDER+=("$1"); }
+
+# ---- 1. environment ----------------------------------------------------------------------------
+section "1. environment"
+# The machine's python: drop a project .venv (a CPU-only torch) from PATH.
+unset VIRTUAL_ENV PYTHONHOME || true
+PATH=$(printf '%s' "$PATH" | tr ':' '\n' | { grep -v -x -F -e "$ROOT/.venv/bin" -e "$ROOT/.venv/bin/" || true; } | paste -sd: -)
+export PATH
+PY=${PYTHON:-python3}
+echo "python: $(command -v "$PY" || echo 'not found') ($("$PY" --version 2>&1 || true))"
+if ! "$PY" -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+    echo "ERROR: $PY has no torch with a usable CUDA device:"
+    "$PY" -c 'import torch; print("  torch", torch.__version__, "cuda", torch.version.cuda,
+        "is_available", torch.cuda.is_available())' 2>&1 | sed 's/^/  /' || true
+    echo "This check needs an NVIDIA GPU and a CUDA build of torch (not the CPU-only .venv)."
+    exit 2
+fi
+timeout 30 nvidia-smi -L || echo "(nvidia-smi -L failed)"
+timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.memory \
+    --format=csv 2>/dev/null || true
+if "$PY" - <<'EOF'
+import platform, torch
+from torch.utils import cpp_extension
+p = torch.cuda.get_device_properties(0)
+print(f"python {platform.python_version()}  torch {torch.__version__}  torch CUDA {torch.version.cuda}  "
+      f"cuDNN {torch.backends.cudnn.version()}")
+print(f"device 0: {p.name}  sm_{p.major}{p.minor}  {p.total_memory / 2**30:.0f} GiB  "
+      f"{p.multi_processor_count} SMs   CUDA_HOME={cpp_extension.CUDA_HOME}")
+EOF
+then :; else echo "(environment query failed; continuing)"; fi
+# nvcc: torch finds it through CUDA_HOME or PATH; add the usual toolkit location if PATH lacks it.
+if ! command -v nvcc >/dev/null; then
+    for d in "${CUDA_HOME:-}" /usr/local/cuda /usr/local/cuda-13.0; do
+        if [ -n "$d" ] && [ -x "$d/bin/nvcc" ]; then export PATH="$d/bin:$PATH"; break; fi
+    done
+fi
+echo "nvcc: $(command -v nvcc || echo 'NOT FOUND') $(nvcc --version 2>/dev/null | tail -1 || true)"
+echo "c++:  $(c++ --version 2>/dev/null | head -1 || echo 'NOT FOUND')"
+echo "cpus: $(nproc)"
+# ninja: setup.py asks for BuildExtension.with_options(use_ninja=True). torch checks
+# is_ninja_available(), which runs `ninja --version` (the executable on PATH, not the Python module);
+# without it BuildExtension.__init__ logs "Attempted to use ninja as the BuildExtension backend but we
+# could not find ninja. Falling back to using the slow distutils backend." and sets use_ninja=False
+# (torch/utils/cpp_extension.py, checked in torch 2.13). The build still works, but compiles the
+# sources one after another (MAX_JOBS is then ignored): about 3-4 min instead of ~1.5 min.
+# The pip `ninja` module ships the executable; put its directory on PATH when only the module exists.
+if ! command -v ninja >/dev/null; then
+    NINJA_DIR=$("$PY" -c 'import ninja, os; print(getattr(ninja, "BIN_DIR", ""))' 2>/dev/null || true)
+    if [ -n "$NINJA_DIR" ] && [ -x "$NINJA_DIR/ninja" ]; then export PATH="$NINJA_DIR:$PATH"; fi
+fi
+if command -v ninja >/dev/null; then
+    echo "ninja: $(command -v ninja) $(ninja --version)"
+else
+    echo "ninja: not found (no executable, no python module): torch falls back to the serial distutils build"
+fi
+
+# ---- 2. build ----------------------------------------------------------------------------------
+section "2. build (FLATCOMM_CUDA=1, in place)"
+T_BUILD=$(min 300 $(( $(left) - 120 )))
+export FLATCOMM_CUDA=1 MAX_JOBS=${MAX_JOBS:-16}
+# nvcc builds sm_80 and sm_90 (setup.py CUDA_ARCHS) of kernels.cu in parallel with --threads 2.
+export NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:-} --threads 2"
+set +e
+timeout -k 10 "$T_BUILD" "$PY" setup.py build_ext --inplace > "$RESULTS/build.log" 2>&1
+rc=$?
+set -e
+grep -iE "warning|error" "$RESULTS/build.log" | head -25 || true
+if [ $rc -ne 0 ]; then
+    echo "BUILD FAILED (rc $rc$([ $rc -eq 124 ] && echo ", timed out after ${T_BUILD}s")); last lines of build.log:"
+    tail -60 "$RESULTS/build.log"
+    status build "FAILED rc=$rc"
+else
+    echo "built in $((SECONDS - T0))s total so far: $(ls flatcomm/_C*.so)"
+    if "$PY" -c 'import flatcomm, sys; i = flatcomm.build_info(); print(i); sys.exit(0 if "cuda" in i["devices"] else 1)'; then
+        status build ok
+    else
+        echo "the built flatcomm._C has no CUDA kernels"
+        status build "FAILED (no cuda in build_info)"
+    fi
+fi
+
+# ---- 3. correctness + timing -------------------------------------------------------------------
+CHECK_RC=skipped
+if [ "${STATUS[build]}" = ok ]; then
+    section "3. gpu_check.py: CUDA vs CPU bitwise, then timing"
+    T_CHECK=$(min 240 $(( $(left) - 40 )))
+    T_CHECK=$(( T_CHECK < 60 ? 60 : T_CHECK ))
+    # the correctness sweep stops starting cases after --max-seconds, leaving ~60 s for CUDA
+    # start-up and the timing table (typically: sweep ~1 min, timing ~20 s on an H200)
+    set +e
+    timeout -k 15 "$T_CHECK" "$PY" -u benchmarks/gpu_check.py --json "$RESULTS/gpu_check.json" \
+        --max-seconds $(( T_CHECK - 60 )) 2>&1 | tee "$RESULTS/gpu_check.txt"
+    CHECK_RC=${PIPESTATUS[0]}
+    set -e
+    case $CHECK_RC in
+        0) status gpu_check ok ;;
+        124|137) status gpu_check "TIMED OUT after ${T_CHECK}s (partial JSON if any)" ;;
+        *) status gpu_check "FAILED rc=$CHECK_RC" ;;
+    esac
+    # the sanitizer runs reuse this seed (printed first as "..., seed N (rerun with --seed N)")
+    SEED=$(grep -m1 -o 'seed [0-9]*' "$RESULTS/gpu_check.txt" | head -1 | awk '{print $2}' || true)
+else
+    status gpu_check "skipped (no build)"
+fi
+
+# ---- 4. compute-sanitizer ----------------------------------------------------------------------
+SAN=$(command -v compute-sanitizer || true)
+for d in /usr/local/cuda/bin /usr/local/cuda-13.0/bin "${CUDA_HOME:-/nonexistent}/bin" "$(dirname "$(command -v nvcc || echo /x/x)")"; do
+    if [ -z "$SAN" ] && [ -x "$d/compute-sanitizer" ]; then SAN=$d/compute-sanitizer; fi
+done
+run_sanitizer() {  # tool, max seconds
+    local tool=$1 t=$2 log="$RESULTS/sanitizer_$1.txt" opts=() rc
+    local help
+    help=$("$SAN" --help 2>&1 || true)
+    # torch's own API calls may return benign errors; report kernel errors only
+    if grep -q -- "--report-api-errors" <<<"$help"; then opts+=(--report-api-errors no); fi
+    if grep -q -- "--print-limit" <<<"$help"; then opts+=(--print-limit 30); fi
+    section "4. compute-sanitizer --tool $tool (gpu_check.py --sanitize, ${t}s max)"
+    # No caching allocator: every tensor is its own cudaMalloc, so out-of-bounds accesses are seen.
+    set +e
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 10 "$t" "$SAN" --tool "$tool" --error-exitcode 99 \
+        ${opts[@]+"${opts[@]}"} "$PY" -u benchmarks/gpu_check.py --sanitize ${SEED:+--seed $SEED} \
+        --max-seconds $(( t - 60 > 20 ? t - 60 : 20 )) > "$log" 2>&1
+    rc=$?
+    set -e
+    # kinds of reports, most frequent first
+    grep -E "^=+ +(Invalid|Uninitialized|Misaligned|Out-of-range|Error|Race|Warning|Program hit)" "$log" \
+        | sed -E 's/0x[0-9a-f]+/0x../g; s/[0-9]+ bytes/N bytes/' | sort | uniq -c | sort -rn | head -15 || true
+    grep -E "passed, .* failed|cases skipped|ERROR SUMMARY|RACECHECK SUMMARY" "$log" || true
+    local summary nerr
+    summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -1 || true)
+    nerr=$(grep -cE "^=+ +(Invalid|Uninitialized|Misaligned|Out-of-range|Error|Race|Warning: Race|Program hit)" "$log" || true)
+    if [ "${nerr:-0}" -gt 0 ] && [ "$rc" -ne 0 ] && [ "$rc" -ne 99 ]; then rc=99; fi
+    case $rc in
+        0) status "sanitizer $tool" "ok: ${summary:-no summary line}" ;;
+        99) status "sanitizer $tool" "ERRORS: $summary (see sanitizer_$tool.txt)"; tail -40 "$log" ;;
+        124|137) status "sanitizer $tool" "partial: timed out after ${t}s, no error reported before: ${summary:-no summary}" ;;
+        *) status "sanitizer $tool" "rc=$rc: ${summary:-no summary}"; tail -30 "$log" ;;
+    esac
+}
+if [ "${STATUS[build]}" != ok ]; then
+    status sanitizer "skipped (no build)"
+elif [ -z "$SAN" ]; then
+    section "4. compute-sanitizer"
+    echo "compute-sanitizer not found (PATH, /usr/local/cuda/bin, CUDA_HOME/bin, next to nvcc): skipped"
+    status sanitizer "skipped (compute-sanitizer not found)"
+else
+    echo "compute-sanitizer: $SAN"
+    if [ "$(left)" -ge 60 ]; then run_sanitizer memcheck "$(min 200 $(( $(left) - 25 )))"
+    else status "sanitizer memcheck" "skipped (time budget)"; fi
+    for tool in racecheck initcheck; do
+        if [ "$(left)" -ge 130 ]; then run_sanitizer "$tool" "$(min 150 $(( $(left) - 25 )))"
+        else status "sanitizer $tool" "skipped (time budget)"; fi
+    done
+fi
+
+# ---- 5. cupy / NVRTC ---------------------------------------------------------------------------
+section "5. cupy / NVRTC smoke check"
+if ! timeout 60 "$PY" -c 'import cupy' 2>/dev/null; then
+    echo "cupy does not import: skipped"; status cupy "skipped (no cupy)"
+elif [ ! -f flatcomm/cupy_backend.py ]; then
+    echo "flatcomm/cupy_backend.py does not exist (yet): skipped"; status cupy "skipped (no flatcomm/cupy_backend.py)"
+elif [ "$(left)" -lt 30 ]; then
+    status cupy "skipped (time budget)"
+else
+    # Contract for the future backend: benchmarks/cupy_check.py if present, else a module-level
+    # smoke_test() in flatcomm/cupy_backend.py (raise on failure), else just the import.
+    set +e
+    if [ -f benchmarks/cupy_check.py ]; then
+        timeout -k 5 "$(min 90 $(( $(left) - 10 )))" "$PY" -u benchmarks/cupy_check.py 2>&1 | tee "$RESULTS/cupy_check.txt"
+        rc=${PIPESTATUS[0]}
+    else
+        timeout -k 5 "$(min 90 $(( $(left) - 10 )))" "$PY" -u - <<'EOF' 2>&1 | tee "$RESULTS/cupy_check.txt"
+import cupy, flatcomm.cupy_backend as m
+print("cupy", cupy.__version__, "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion())
+if hasattr(m, "smoke_test"):
+    r = m.smoke_test()
+    print("smoke_test() ->", r)
+else:
+    print("flatcomm.cupy_backend imported; it defines no smoke_test()")
+EOF
+        rc=${PIPESTATUS[0]}
+    fi
+    set -e
+    if [ "$rc" -eq 0 ]; then status cupy ok; else status cupy "FAILED rc=$rc"; fi
+fi
+
+# ---- 6. summary --------------------------------------------------------------------------------
+section "6. summary"
+{
+    for k in "${ORDER[@]}"; do printf '  %-22s %s\n' "$k" "${STATUS[$k]}"; done
+    if [ -f "$RESULTS/gpu_check.txt" ]; then
+        grep -E "passed, .* failed|TARGET|cases skipped|context is broken" "$RESULTS/gpu_check.txt" | sed 's/^ */  /' || true
+    fi
+    echo "  total time: $((SECONDS - T0))s; results in $RESULTS"
+} | tee "$RESULTS/summary.txt"
+FAILED=0
+for k in "${ORDER[@]}"; do
+    case ${STATUS[$k]} in ok*|skipped*|partial*) ;; *) FAILED=1 ;; esac
+done
+exit $FAILED
