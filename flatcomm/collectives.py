@@ -155,8 +155,12 @@ def _run(fn: Callable[[], None], value: torch.Tensor, group, async_op: bool) -> 
 def _reduce_scale(op: OpLike, world: int) -> float:
     if isinstance(op, str):
         name = op.lower()
+    elif op == dist.ReduceOp.SUM:  # == (not a dict lookup): ReduceOp objects hash differently
+        name = "sum"
+    elif op == dist.ReduceOp.AVG:
+        name = "avg"
     else:
-        name = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg"}.get(op, str(op))
+        name = str(op)
     if name == "sum":
         return 1.0
     if name == "avg":
@@ -186,7 +190,9 @@ def _check_residual(r: Optional[torch.Tensor], numel: int, ref: torch.Tensor, wh
 
 def _check_consistent(group, fields: Sequence[Tuple[str, int]], device: torch.device) -> None:
     """One tiny all-gather so that mismatched calls fail on every rank with a clear message
-    instead of hanging or exchanging garbage."""
+    instead of hanging or exchanging garbage. Collectives skip it with ``validate=False``: only
+    for call patterns already known to agree (e.g. after a training loop's first step), since it
+    costs a round trip per call."""
     world = dist.get_world_size(group)
     if world == 1:
         return
@@ -457,6 +463,7 @@ def reduce_scatter(
     residual: Optional[torch.Tensor] = None,
     chunks: Optional[int] = None,
     stats: Optional[CommStats] = None,
+    validate: bool = True,
     exact_block: int = DEFAULT_EXACT_BLOCK,
     headroom: int = DEFAULT_HEADROOM,
 ) -> Optional[Handle]:
@@ -478,8 +485,9 @@ def reduce_scatter(
     plan = _plan(bounds, nchunks, align, rank)
 
     def body():
-        _check_consistent(group, _signature(1, src.numel(), c, mode, scale, src.dtype, nchunks,
-                                          _exact_fields(mode, exact_block, headroom)), src.device)
+        if validate:
+            _check_consistent(group, _signature(1, src.numel(), c, mode, scale, src.dtype, nchunks,
+                                              _exact_fields(mode, exact_block, headroom)), src.device)
         pipe = _Pipeline(group, stats)
         if stats is not None:
             stats.calls += 1
@@ -500,6 +508,7 @@ def all_gather(
     async_op: bool = False,
     residual: Optional[torch.Tensor] = None,
     stats: Optional[CommStats] = None,
+    validate: bool = True,
 ) -> Optional[Handle]:
     """Gather every rank's ``input`` into ``output`` (world x input numel), in rank order.
 
@@ -516,7 +525,8 @@ def all_gather(
     _check_residual(residual, n, src, "residual")
 
     def body():
-        _check_consistent(group, _signature(2, n, c, "ordered", 1.0, src.dtype, 1), src.device)
+        if validate:
+            _check_consistent(group, _signature(2, n, c, "ordered", 1.0, src.dtype, 1), src.device)
         pipe = _Pipeline(group, stats)
         if stats is not None:
             stats.calls += 1
@@ -549,6 +559,7 @@ def all_reduce(
     residual: Optional[ErrorFeedback] = None,
     chunks: Optional[int] = None,
     stats: Optional[CommStats] = None,
+    validate: bool = True,
     exact_block: int = DEFAULT_EXACT_BLOCK,
     headroom: int = DEFAULT_HEADROOM,
 ) -> Optional[Handle]:
@@ -569,8 +580,9 @@ def all_reduce(
     plan = _plan(shard_bounds(n, world, align), nchunks, align, rank)
 
     def body():
-        _check_consistent(group, _signature(3, n, c, mode, scale, flat.dtype, nchunks,
-                                          _exact_fields(mode, exact_block, headroom)), flat.device)
+        if validate:
+            _check_consistent(group, _signature(3, n, c, mode, scale, flat.dtype, nchunks,
+                                              _exact_fields(mode, exact_block, headroom)), flat.device)
         pipe = _Pipeline(group, stats)
         if stats is not None:
             stats.calls += 1

@@ -1,0 +1,457 @@
+"""FSDP reduce backends built on :func:`flatcomm.collectives.reduce_scatter` (FSDP2 and FSDP1).
+
+FSDP2 (``fully_shard``)::
+
+    model = ...; fully_shard(block) for each block; fully_shard(model)
+    rs = flatcomm.fsdp.apply(model, codec="int8")     # every FSDPModule (the setter is not recursive)
+    ...                                               # train as usual
+    rs.stats.wire_bytes                               # bytes this rank sent
+    dcp.save({"model": ..., "flatcomm": rs.state_dict()}, checkpoint_id=path)
+
+or by hand: ``module.set_custom_reduce_scatter(flatcomm.fsdp.ReduceScatter("int8"))`` on each
+``FSDPModule`` (one instance may serve several modules).
+
+FSDP1::
+
+    fsdp = FullyShardedDataParallel(model, ...)
+    state = flatcomm.fsdp.FSDP1State("int8", model=fsdp)
+    fsdp.register_comm_hook(state, flatcomm.fsdp.fsdp1_hook)
+
+**Ops.** FSDP2 passes ``AVG`` (fp32/bf16 reduce), ``SUM`` (fp16 reduce, or forced sum; FSDP then
+divides before/after itself) or ``PREMUL_SUM`` carrying ``op.factor`` (a gradient divide factor other
+than the world size). ``PREMUL_SUM`` is reduced as a ``SUM`` in fp32 and multiplied by the factor
+once, in fp32, before the result is written in the output dtype: the same bits a fused scale would
+give, for one extra pass over the shard. FSDP1 hooks average (FSDP1 divides only on its default path).
+
+**Dtypes.** Inputs may be fp32, bf16 or fp16 (``MixedPrecisionPolicy.reduce_dtype``); sums run in
+fp32 and the output is written in its own dtype. With the lossless ``fp32`` codec a bf16/fp16 input
+is sent as bf16/fp16 (exact for such values, half the bytes).
+
+**Error-feedback residuals, keyed by parameter name.** A residual is what this rank's encoding of its
+reduce-scatter input did not send (fp32, input-sized, different on every rank). FSDP2 calls the comm
+once per parameter group per backward with ``input = concat over ranks r of (concat over the group's
+parameters p of chunk r of p's dim-0-padded gradient)``; the group holds only the parameters that
+received a gradient this step, so the input size alone is not a stable key, and two identical layers
+have equal sizes. The parameter group is read from the caller's frame (FSDP's ``foreach_reduce``
+local ``fsdp_params``; if that lookup ever fails, the key falls back to the input size), and each
+parameter's name (FSDP's root-relative ``_param_fqn``, or the name from the model given to
+:func:`apply`) owns its slice: per rank ``c = numel(padded_sharded_param_size)`` values. Residuals are
+kept as one flat buffer per distinct group (so encoding is one pass over one tensor); when a new
+group appears (a parameter without a gradient, a different wrapping) its buffer is assembled once
+from the old ones parameter by parameter (zeros for parameters never seen) and old buffers are freed
+when no parameter refers to them. Names are stable across steps, processes and re-wrapping (a new
+``fully_shard`` of the same model), so residuals survive re-sharding at the same world size; a
+different world size changes the padding and the owner of every value: loading then raises.
+
+``state_dict()`` maps ``"rank{r}.{param name}"`` to that rank's residual for the parameter (a plain
+fp32 tensor of the padded unsharded numel). Every rank saves different values, so the rank is part
+of the key: DCP would otherwise de-duplicate equal keys as replicated tensors and keep only one
+rank's values. When the backend knows the model (:func:`apply`), ``state_dict()`` lists every
+parameter (zeros before the first step), so ``dcp.load`` can fill it in place before training.
+FSDP1 residuals are keyed by FSDP unit (module name when ``model`` is given, else the order in which
+units first reduce) and live in the same kind of dict.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import collectives as C
+from .codecs import Codec, resolve
+
+__all__ = ["ReduceScatter", "FSDP1State", "fsdp1_hook", "apply"]
+
+_Pieces = List[Tuple[str, int]]  # (name, values per rank) in the input's row layout
+
+
+# ---- residual storage, keyed by parameter name --------------------------------------------------
+
+
+class _Residuals:
+    """Flat fp32 residual buffers, one per distinct parameter group, addressable per parameter."""
+
+    def __init__(self) -> None:
+        # key (names) -> (buffer [world, S], {name: (offset, c)})
+        self._bufs: Dict[Tuple[str, ...], Tuple[torch.Tensor, Dict[str, Tuple[int, int]]]] = {}
+        self._where: Dict[str, Tuple[str, ...]] = {}
+        self._pending: Dict[str, torch.Tensor] = {}  # loaded, not yet placed: name -> [world * c]
+        self.templates: Dict[str, int] = {}  # name -> padded unsharded numel (known in advance)
+
+    def view(self, name: str) -> Optional[torch.Tensor]:
+        """This rank's residual of ``name`` as a [world, c] view (None if never seen)."""
+        key = self._where.get(name)
+        if key is None:
+            return None
+        buf, lay = self._bufs[key]
+        off, c = lay[name]
+        return buf[:, off:off + c]
+
+    def get(self, pieces: _Pieces, world: int, device: torch.device) -> torch.Tensor:
+        key = tuple(n for n, _ in pieces)
+        total = sum(c for _, c in pieces)
+        hit = self._bufs.get(key)
+        if hit is not None and hit[0].shape == (world, total) and hit[0].device == device:
+            return hit[0].view(-1)
+        buf = torch.zeros(world, total, dtype=torch.float32, device=device)
+        lay: Dict[str, Tuple[int, int]] = {}
+        off = 0
+        for name, c in pieces:
+            src = self._pending.pop(name, None)
+            if src is not None:
+                if src.numel() != world * c:
+                    raise ValueError(
+                        f"flatcomm: loaded residual for {name!r} has {src.numel()} values but this "
+                        f"run needs {world} x {c} (residuals load at the world size they were saved at)")
+                buf[:, off:off + c].copy_(src.view(world, c))
+            else:
+                old = self.view(name)
+                if old is not None and old.shape == (world, c):
+                    buf[:, off:off + c].copy_(old)
+            lay[name] = (off, c)
+            off += c
+        self._bufs[key] = (buf, lay)
+        for name in key:
+            self._where[name] = key
+        live = set(self._where.values())
+        for k in [k for k in self._bufs if k not in live]:
+            del self._bufs[k]
+        return buf.view(-1)
+
+    def names(self) -> List[str]:
+        return sorted(set(self._where) | set(self._pending) | set(self.templates))
+
+    def state_dict(self, prefix: str) -> Dict[str, torch.Tensor]:
+        out = {}
+        for name in self.names():
+            v = self.view(name)
+            if v is not None:
+                t = v.reshape(-1).clone()
+            elif name in self._pending:
+                t = self._pending[name].clone()
+            else:
+                t = torch.zeros(self.templates[name], dtype=torch.float32)
+            out[prefix + name] = t
+        return out
+
+    def load_state_dict(self, sd: Dict[str, torch.Tensor], prefix: str) -> None:
+        loaded = {k[len(prefix):]: v.detach().to(torch.float32).reshape(-1).clone()
+                  for k, v in sd.items() if k.startswith(prefix)}
+        for name, t in loaded.items():
+            n = self.templates.get(name)
+            if n is not None and n != t.numel():
+                raise ValueError(f"flatcomm: loaded residual for {name!r} has {t.numel()} values, "
+                                 f"this model needs {n} (same world size required)")
+        self._bufs.clear()
+        self._where.clear()
+        self._pending = loaded
+
+
+def _op_scale(op: Any, world: int) -> Tuple[str, Optional[float]]:
+    """(flatcomm op, extra factor to apply after a sum) for the op FSDP passes."""
+    if isinstance(op, str):
+        return op.lower(), None
+    factor = getattr(op, "factor", None)
+    if op == dist.ReduceOp.PREMUL_SUM:
+        if factor is None:
+            raise ValueError("flatcomm: PREMUL_SUM without a factor")
+        f = float(factor if not isinstance(factor, torch.Tensor) else factor.item())
+        return "sum", f
+    if op == dist.ReduceOp.AVG:
+        return "avg", None
+    if op == dist.ReduceOp.SUM:
+        return "sum", None
+    raise ValueError(f"flatcomm: unsupported reduce op {op!r} (AVG, SUM or PREMUL_SUM)")
+
+
+def _wire_codec(codec: Codec, dtype: torch.dtype) -> Codec:
+    """The lossless codec sends bf16/fp16 inputs in their own dtype (exact, half the bytes)."""
+    if codec.lossless and dtype == torch.bfloat16:
+        return resolve("bf16")
+    if codec.lossless and dtype == torch.float16:
+        return resolve("fp16")
+    return codec
+
+
+class _ScaledHandle:
+    """A :class:`flatcomm.collectives.Handle` whose result is multiplied by a factor on completion."""
+
+    def __init__(self, handle: C.Handle, finish, value: torch.Tensor):
+        self._h, self._finish, self._value, self._done = handle, finish, value, False
+
+    def _run_finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self._finish()
+
+    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+        self._h.wait(timeout)
+        self._run_finish()
+        return self._value
+
+    def is_completed(self) -> bool:
+        return self._h.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        def cb(fut):
+            fut.value()
+            self._run_finish()
+            return self._value
+
+        return self._h.get_future().then(cb)
+
+
+def _reduce(output: torch.Tensor, input: torch.Tensor, *, codec: Codec, op: Any, mode: str,
+            group, async_op: bool, residual: Optional[torch.Tensor], chunks: Optional[int],
+            stats: C.CommStats):
+    world = dist.get_world_size(group)
+    fop, factor = _op_scale(op, world)
+    wc = _wire_codec(codec, input.dtype)
+    kw = dict(codec=wc, mode=mode, group=group, residual=residual, chunks=chunks, stats=stats)
+    if factor is None:
+        return C.reduce_scatter(output, input, op=fop, async_op=async_op, **kw)
+    # PREMUL_SUM: fp32 sum, one fp32 multiply, then the output dtype (see the module docstring).
+    tmp = output if output.dtype == torch.float32 else torch.empty(
+        output.shape, dtype=torch.float32, device=output.device)
+
+    def finish():
+        if tmp is output:
+            output.mul_(factor)
+        else:
+            output.copy_(tmp.mul_(factor))
+
+    h = C.reduce_scatter(tmp, input, op="sum", async_op=async_op, **kw)
+    if h is None:
+        finish()
+        return None
+    return _ScaledHandle(h, finish, output)
+
+
+class _Backend:
+    def __init__(self, codec: Any, *, error_feedback: bool, mode: str, chunks: Optional[int],
+                 block_size: Optional[int], ratio: Optional[float]):
+        if mode not in C.MODES:
+            raise ValueError(f"flatcomm: mode must be one of {C.MODES}, got {mode!r}")
+        self.codec: Codec = resolve(codec, block_size, ratio)
+        if mode == "exact" and not self.codec.lossless:
+            raise ValueError("flatcomm: mode='exact' sends int64 fixed point; use codec='fp32' with it")
+        self.mode = mode
+        self.error_feedback = bool(error_feedback) and not self.codec.lossless
+        self.chunks = chunks
+        self.stats = C.CommStats()
+        self._res = _Residuals()
+
+    def _prefix(self) -> str:
+        return f"rank{dist.get_rank()}." if dist.is_initialized() else "rank0."
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """This rank's residuals, ``{"rank{r}.{name}": fp32 tensor}`` (plain tensors: DCP, torch.save).
+
+        Not a collective. Empty without error feedback."""
+        if not self.error_feedback:
+            return {}
+        return self._res.state_dict(self._prefix())
+
+    def load_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        """Restore residuals saved by :meth:`state_dict` at the same world size (keys of other
+        ranks are ignored, so one merged dict can be given to every rank)."""
+        if self.error_feedback:
+            self._res.load_state_dict(state_dict, self._prefix())
+
+    def residual(self, name: str) -> Optional[torch.Tensor]:
+        """This rank's residual of one parameter / unit (flat, padded numel), or None."""
+        v = self._res.view(name)
+        return None if v is None else v.reshape(-1)
+
+
+# ---- FSDP2 ---------------------------------------------------------------------------------------
+
+
+class ReduceScatter(_Backend):
+    """FSDP2 custom reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) running flatcomm.
+
+    codec: ``fp32`` (lossless; fixed source-rank order: the same bits every run), ``bf16``, ``fp16``,
+        ``int8``, ``int4``, ``sign``, ``topk`` or a :class:`flatcomm.Codec`.
+    error_feedback: keep per-parameter residuals for lossy codecs (see the module docstring).
+    mode: ``ordered`` or ``exact`` (fp32 only: order-independent integer sums).
+    chunks, block_size, ratio: passed to the collective / codec.
+    """
+
+    def __init__(self, codec: Any = "fp32", *, error_feedback: bool = True, mode: str = "ordered",
+                 chunks: Optional[int] = None, block_size: Optional[int] = None,
+                 ratio: Optional[float] = None):
+        super().__init__(codec, error_feedback=error_feedback, mode=mode, chunks=chunks,
+                         block_size=block_size, ratio=ratio)
+        self._names: Dict[int, str] = {}  # id(FSDPParam) -> name (from apply's model)
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(tuple(size), dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
+                 op: Any = dist.ReduceOp.AVG, async_op: bool = False):
+        residual = None
+        if self.error_feedback:
+            world = dist.get_world_size(group)
+            pieces = self._pieces(sys._getframe(1), input_tensor.numel(), world)
+            residual = self._res.get(pieces, world, input_tensor.device)
+        return _reduce(output_tensor, input_tensor, codec=self.codec, op=op, mode=self.mode,
+                       group=group, async_op=async_op, residual=residual, chunks=self.chunks,
+                       stats=self.stats)
+
+    def _pieces(self, frame, numel: int, world: int) -> _Pieces:
+        fallback = [(f"flat{numel}", numel // world)]
+        for _ in range(3):  # FSDP calls us from foreach_reduce; look a little further to be safe
+            if frame is None:
+                break
+            fps = frame.f_locals.get("fsdp_params") if frame.f_code.co_name == "foreach_reduce" else None
+            if fps is not None:
+                pieces = []
+                for fp in fps:
+                    name = self._names.get(id(fp)) or getattr(fp, "_param_fqn", None)
+                    size = getattr(fp, "padded_sharded_param_size", None)
+                    if name is None or size is None:
+                        return fallback
+                    pieces.append((name, int(torch.Size(size).numel())))
+                if sum(c for _, c in pieces) * world != numel:
+                    return fallback
+                return pieces
+            frame = frame.f_back
+        return fallback
+
+    def _bind(self, module: torch.nn.Module, names: Dict[int, str], world: int) -> None:
+        state = module._get_fsdp_state()  # type: ignore[attr-defined]
+        for pg in state._fsdp_param_groups:
+            for fp in pg.fsdp_params:
+                name = names.get(id(fp.sharded_param))
+                if name is None:
+                    continue
+                self._names[id(fp)] = name
+                self._res.templates[name] = world * int(torch.Size(fp.padded_sharded_param_size).numel())
+
+
+def apply(model: torch.nn.Module, codec: Any = "fp32", *, error_feedback: bool = True,
+          mode: str = "ordered", chunks: Optional[int] = None, block_size: Optional[int] = None,
+          ratio: Optional[float] = None) -> ReduceScatter:
+    """Set one flatcomm :class:`ReduceScatter` on every ``FSDPModule`` in ``model`` and return it.
+
+    One instance serves all modules (residuals are keyed by parameter name, not by module), so
+    ``.stats`` and ``.state_dict()`` cover the whole model. ``model`` should be the root that
+    FSDP's parameter names are relative to.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    rs = ReduceScatter(codec, error_feedback=error_feedback, mode=mode, chunks=chunks,
+                       block_size=block_size, ratio=ratio)
+    names = {id(p): n for n, p in model.named_parameters()}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    found = False
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            found = True
+            m.set_custom_reduce_scatter(rs)
+            try:
+                groups = m._get_fsdp_state()._fsdp_param_groups  # type: ignore[attr-defined]
+                if groups:
+                    world = groups[0].mesh_info.shard_mesh_size
+                rs._bind(m, names, world)
+            except (AttributeError, TypeError):  # private layout changed: names come from FSDP
+                pass
+    if not found:
+        raise ValueError("flatcomm.fsdp.apply: no FSDPModule in the model (call fully_shard first)")
+    return rs
+
+
+# ---- FSDP1 ---------------------------------------------------------------------------------------
+
+
+class FSDP1State(_Backend):
+    """State for ``FullyShardedDataParallel.register_comm_hook(state, fsdp1_hook)``.
+
+    The hook averages over the FSDP process group (sharded strategies: reduce-scatter; NO_SHARD:
+    all-reduce with client + server residuals). ``model`` (the FSDP root) names the units in the
+    state dict; without it units are named by the order they first reduce (deterministic for a
+    given model). ``group`` overrides the group (default: the unit's FSDP process group).
+    """
+
+    def __init__(self, codec: Any = "fp32", *, error_feedback: bool = True, mode: str = "ordered",
+                 chunks: Optional[int] = None, block_size: Optional[int] = None,
+                 ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None, group=None):
+        super().__init__(codec, error_feedback=error_feedback, mode=mode, chunks=chunks,
+                         block_size=block_size, ratio=ratio)
+        self.group = group
+        self._unit_names: Dict[int, str] = {}
+        self._ef: Dict[str, C.ErrorFeedback] = {}  # NO_SHARD residuals
+        if model is not None:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            for name, m in model.named_modules():
+                if isinstance(m, FSDP) and getattr(m, "_handle", None) is not None:
+                    self._unit_names[id(m._handle.flat_param)] = name or "<root>"
+
+    def _unit(self, frame, numel: int) -> Tuple[str, Any]:
+        for _ in range(3):
+            if frame is None:
+                break
+            handle = frame.f_locals.get("handle")
+            if handle is not None and hasattr(handle, "flat_param"):
+                key = id(handle.flat_param)
+                if key not in self._unit_names:
+                    self._unit_names[key] = f"unit{len(self._unit_names)}"
+                st = frame.f_locals.get("state")
+                return self._unit_names[key], getattr(st, "process_group", None)
+            frame = frame.f_back
+        return f"flat{numel}", None
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        sd = super().state_dict()
+        if self.error_feedback:
+            p = self._prefix()
+            for name, ef in self._ef.items():
+                sd[f"{p}{name}.client"] = ef.client.clone()
+                sd[f"{p}{name}.server"] = ef.server.clone()
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        if not self.error_feedback:
+            return
+        p = self._prefix()
+        ef = {}
+        rest = {}
+        for k, v in state_dict.items():
+            if k.startswith(p) and k.endswith(".client") and k[:-7] + ".server" in state_dict:
+                name = k[len(p):-7]
+                ef[name] = C.ErrorFeedback(v.detach().float().clone(),
+                                           state_dict[k[:-7] + ".server"].detach().float().clone())
+            elif not (k.startswith(p) and k.endswith(".server")):
+                rest[k] = v
+        self._ef = ef
+        self._res.load_state_dict(rest, p)
+
+
+def fsdp1_hook(state: FSDP1State, grad: torch.Tensor, output: Optional[torch.Tensor] = None) -> None:
+    """FSDP1 comm hook: ``hook(state, padded_unsharded_grad, new_sharded_grad)`` for sharded
+    strategies (reduce-scatter into ``output``), ``hook(state, grad)`` for NO_SHARD (in place)."""
+    name, fsdp_group = state._unit(sys._getframe(1), grad.numel())
+    group = state.group if state.group is not None else fsdp_group
+    world = dist.get_world_size(group)
+    if output is None:
+        ef = None
+        if state.error_feedback:
+            ef = state._ef.get(name)
+            if ef is None or ef.client.numel() != grad.numel():
+                ef = state._ef[name] = C.ErrorFeedback.zeros(grad.numel(), grad.device)
+        flat = grad if grad.is_contiguous() else grad.contiguous()
+        C.all_reduce(flat, codec=_wire_codec(state.codec, grad.dtype), op="avg", mode=state.mode,
+                     group=group, residual=ef, chunks=state.chunks, stats=state.stats)
+        if flat is not grad:
+            grad.copy_(flat)
+        return None
+    residual = None
+    if state.error_feedback:
+        residual = state._res.get([(name, grad.numel() // world)], world, grad.device)
+    _reduce(output, grad, codec=state.codec, op="avg", mode=state.mode, group=group, async_op=False,
+            residual=residual, chunks=state.chunks, stats=state.stats)
+    return None
