@@ -30,7 +30,7 @@ $(EXT): $(DEPS) $(SOURCES)
 build: $(EXT)
 
 demo: build
-	$(PY) benchmarks/bench_kernels.py --quick
+	$(PY) -m flatcomm.demo
 
 test: test-cpp test-py
 
