@@ -1,0 +1,515 @@
+"""flatcomm benchmarks from one command line (a tool: the library never imports this package).
+
+    python -m flatcomm.bench kernels     [--quick] [--sizes 1M,25M] [--codecs int8,int4]
+    python -m flatcomm.bench collectives [--ranks N] [--link RATE[,DELAY]] [--sizes 1M] [--quick]
+    python -m flatcomm.bench ddp         [--ranks N] [--link 1gbit] [--params 25e6] [--hooks ...]
+    python -m flatcomm.bench fsdp        [--ranks N] [--link 1gbit] [--codecs default,int8]
+    common: [--json PATH] [--plot PATH.png] [--timeout S]
+
+``--link`` runs each rank in its own network namespace joined by a rate-limited link
+(:mod:`flatcomm.netlink`, needs root); without it the ranks talk over loopback (:mod:`flatcomm.spawn`).
+
+The measurements are the scripts in ``benchmarks/`` of the repository checkout (imported, not
+copied): ``bench_kernels.bench_size``, ``bench_collectives._rank_main``, ``bench_ddp._worker`` and
+``bench_fsdp._rank_main``; this module adds the runner (loopback or link), one table, JSON and plots.
+
+JSON: ``{"command", "world", "link", "results": [...], "failed": [...], "not_implemented": [...]}``;
+every record in ``results`` has ``name`` (``torch-allreduce``, ``torch-quant-perchannel``,
+``torch-powersgd-r1``, ``fp32``, ``int8``, ``int4``, ``sign``, ...), ``step_s`` and ``comm_s``
+(medians per step; for a collective both are its time, for a kernel ``comm_s`` is 0) and
+``wire_bytes`` (bytes one rank sends per step; ``wire_estimated`` marks nominal volumes of torch's
+own collectives).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List, Optional
+
+COMMANDS = ("kernels", "collectives", "ddp", "fsdp")
+# Issue targets: DDP communication time per step relative to torch's fp32 all-reduce hook.
+DDP_TARGETS = {"int8": 0.30, "int4": 0.17, "sign": 0.08}
+NOT_IMPLEMENTED = {"auto": "auto: not implemented (TODO: the codec autotuner is separate work)"}
+
+
+def _say(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _bench_module(name: str):
+    """Import ``benchmarks/<name>.py`` from the repository checkout this flatcomm lives in."""
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    if not (root / f"{name}.py").exists():
+        raise SystemExit(f"flatcomm.bench: needs {root / (name + '.py')} (the repository checkout's "
+                         f"benchmarks/); it is not installed with the package")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))  # ranks inherit sys.path (spawn and netlink both pass it on)
+    return importlib.import_module(name)
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
+
+
+def _sizes(text: str) -> List[int]:
+    return [parse_size(s) for s in text.split(",") if s.strip()]
+
+
+def _names(text: str) -> List[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+# ---- running ranks: loopback or a shaped link ------------------------------------------------------
+
+
+def _run_ranks(a: argparse.Namespace, meta: dict, fn: Callable, *args: Any, timeout_s: float) -> List[Any]:
+    if a.link:
+        from flatcomm.netlink import Link, LinkUnavailable
+
+        try:
+            link = Link(a.ranks, a.link, require_delay=not a.allow_no_delay)
+            link.setup()
+        except (LinkUnavailable, ValueError) as e:
+            raise SystemExit(f"flatcomm.bench: --link {a.link}: {e}") from None
+        with link:
+            meta["link"] = dict(link.info(), spec=a.link)
+            _say(f"link: {link.describe()}")
+            return link.run(a.ranks, fn, *args, timeout_s=timeout_s, threads=a.threads)
+    from flatcomm import spawn
+
+    meta["link"] = None
+    return spawn.run(a.ranks, fn, *args, timeout_s=timeout_s, threads=a.threads)
+
+
+# ---- kernels -----------------------------------------------------------------------------------------
+
+
+def bench_kernels(a: argparse.Namespace, meta: dict) -> List[dict]:
+    import flatcomm
+
+    bk = _bench_module("bench_kernels")
+    if a.quick:
+        sizes, codecs, reps = [1 << 20, 25_000_000], ["int8", "int4", "sign", "bf16"], 5
+    else:
+        sizes, codecs, reps = [1 << 20, 1 << 22, 1 << 24], list(flatcomm.CODECS), a.reps
+    if a.sizes:
+        sizes = _sizes(a.sizes)
+    if a.codecs:
+        codecs = _names(a.codecs)
+    for c in codecs:
+        flatcomm.resolve(c)  # fails early on unknown codecs
+    meta["config"] = {"sizes": sizes, "codecs": codecs, "reps": reps, "reference": not a.no_ref}
+    if a.link:
+        _say("kernels run on one process: --link is ignored")
+    rows: list = []
+    print(f"  {'op':<22} {'numel':>7} {'time':>12} {'GB/s':>12} {'vs copy':>11} {'vs torch':>8}",
+          file=sys.stderr, flush=True)
+    stdout = sys.stdout
+    sys.stdout = sys.stderr  # bench_size prints progress lines: keep stdout for the table
+    try:
+        for n in sizes:
+            bk.bench_size(n, codecs, reps, not a.no_ref, rows)
+    finally:
+        sys.stdout = stdout
+    out = []
+    for r in rows:
+        op = r["op"]
+        parts = op.split()
+        codec = next((p for p in parts if p in flatcomm.CODECS), None)
+        kind = " ".join(p for p in parts if p != codec)
+        n = r["numel"]
+        out.append({"name": codec or parts[0], "op": kind, "numel": n, "step_s": r["ms"] / 1e3,
+                    "comm_s": 0.0,
+                    "wire_bytes": flatcomm.wire_bytes(codec, n) if codec else 0,
+                    "gbps": r["GB/s"], "x_copy": r.get("x copy"), "speedup_vs_torch_ref": r.get("vs torch ref")})
+    return out
+
+
+def table_kernels(results: List[dict]) -> str:
+    hdr = f"{'name':<12} {'op':<16} {'numel':>10} {'time ms':>9} {'GB/s':>7} {'x copy':>7} {'vs torch':>9} {'wire MB':>8}"
+    lines = [hdr, "-" * len(hdr)]
+    for r in results:
+        ref = f"{r['speedup_vs_torch_ref']:8.1f}x" if r.get("speedup_vs_torch_ref") else f"{'-':>9}"
+        lines.append(f"{r['name']:<12} {r['op']:<16} {r['numel']:>10} {r['step_s'] * 1e3:9.2f} {r['gbps']:7.1f} "
+                     f"{r['x_copy']:7.2f} {ref} {r['wire_bytes'] / 1e6:8.2f}")
+    lines.append("GB/s counts the bytes the op must read and write; x copy = vs Tensor.copy_ at the same "
+                 "size; vs torch = speed-up over the pure-torch reference; wire = encoded payload size.")
+    return "\n".join(lines)
+
+
+# ---- collectives -------------------------------------------------------------------------------------
+
+
+def bench_collectives(a: argparse.Namespace, meta: dict) -> List[dict]:
+    from flatcomm.codecs import CODECS
+
+    bc = _bench_module("bench_collectives")
+    if a.quick:
+        sizes, codecs, reps, exact, chunk = [1 << 18], ["fp32", "int8", "int4", "sign"], 3, False, []
+    else:
+        sizes = [1 << 20, 4 << 20] if a.link else [1 << 20, 25 << 20]
+        codecs, reps, exact, chunk = list(CODECS), a.reps, True, ["fp32", "int8"]
+    if a.sizes:
+        sizes = _sizes(a.sizes)
+    if a.codecs:
+        codecs = _names(a.codecs)
+    if a.no_exact:
+        exact = False
+    for c in codecs:
+        if c not in CODECS:
+            raise SystemExit(f"flatcomm.bench: unknown codec {c!r} (one of {', '.join(CODECS)})")
+    cfg = dict(sizes=sizes, codecs=codecs, exact=exact, reps=reps, warmup=1, chunk_codecs=chunk,
+               chunk_compare=bool(chunk))
+    meta["config"] = cfg
+    _say(f"collectives: {a.ranks} ranks, sizes {sizes}, codecs {codecs}, {reps} reps")
+    rows = _run_ranks(a, meta, bc._rank_main, cfg, timeout_s=a.timeout)[0]
+    base = {(r["collective"], r["numel"]): r["time_ms"] for r in rows if r["impl"] == "gloo"}
+    out = []
+    for r in rows:
+        if r["impl"] == "gloo":
+            name = "torch-allreduce" if r["collective"] == "all_reduce" else "torch-reduce-scatter"
+        else:
+            name = r["codec"] + ("-exact" if r["mode"] == "exact" else "")
+            if r["chunks"] == 1:
+                name += "-chunks1"
+        out.append({"name": name, "collective": r["collective"], "numel": r["numel"], "world": r["world"],
+                    "chunks": r["chunks"], "step_s": r["time_ms"] / 1e3, "comm_s": r["time_ms"] / 1e3,
+                    "wire_bytes": int(round(r["wire_MB"] * 1e6)), "wire_estimated": r["impl"] == "gloo",
+                    "busbw_GBps": r["busbw_GBps"], "algbw_GBps": r["algbw_GBps"],
+                    "ratio_vs_torch": r["time_ms"] / base[(r["collective"], r["numel"])]})
+    return out
+
+
+def table_collectives(results: List[dict]) -> str:
+    hdr = (f"{'collective':<14} {'size':>8} {'name':<22} {'chunks':>6} {'time ms':>9} {'busbw GB/s':>10} "
+           f"{'wire MB':>8} {'vs torch':>8}")
+    lines = [hdr, "-" * len(hdr)]
+    for r in results:
+        wire = ("~" if r["wire_estimated"] else "") + f"{r['wire_bytes'] / 1e6:.2f}"
+        lines.append(f"{r['collective']:<14} {4 * r['numel'] / 1e6:7.3g}M {r['name']:<22} {str(r['chunks']):>6} "
+                     f"{r['step_s'] * 1e3:9.2f} {r['busbw_GBps']:10.3f} {wire:>8} {r['ratio_vs_torch']:7.2f}x")
+    lines.append("size = fp32 input in MB; time = median of the slowest rank; busbw per nccl-tests; wire = bytes "
+                 "one rank sends (~ = gloo's nominal ring volume); vs torch = time / gloo's fp32 collective of the "
+                 "same kind; chunks aN = automatic.")
+    return "\n".join(lines)
+
+
+# ---- DDP ------------------------------------------------------------------------------------------------
+
+_DDP_NAMES = {"noop": "noop", "torch allreduce": "torch-allreduce", "torch quant_perchannel": "torch-quant-perchannel",
+              "torch powerSGD r1": "torch-powersgd-r1", "torch powerSGD r4": "torch-powersgd-r4"}
+
+
+def _ddp_name(hook: str) -> str:
+    return _DDP_NAMES.get(hook, hook.split()[-1])
+
+
+def bench_ddp(a: argparse.Namespace, meta: dict) -> List[dict]:
+    bd = _bench_module("bench_ddp")
+    back = {_ddp_name(h): h for h in bd.HOOKS}
+    hooks = list(bd.HOOKS)
+    if a.hooks:
+        hooks = []
+        for n in _names(a.hooks):
+            if n in NOT_IMPLEMENTED:
+                continue
+            if n not in back and n not in bd.HOOKS:
+                raise SystemExit(f"flatcomm.bench: unknown hook {n!r} (one of {', '.join(back)})")
+            hooks.append(back.get(n, n))
+    for must in ("torch allreduce", "noop"):  # the baselines every ratio needs
+        if must not in hooks:
+            hooks.insert(0, must)
+    wargs = SimpleNamespace(params=a.params, batch=a.batch, steps=a.steps if a.steps else (4 if not a.quick else 2),
+                            warmup=a.warmup, rounds=a.rounds if a.rounds else (2 if a.link else 3), skip=set())
+    if a.quick:
+        wargs.rounds = 1
+    meta["config"] = dict(vars(wargs), skip=None, hooks=[_ddp_name(h) for h in hooks])
+    _say(f"ddp: {a.ranks} ranks, MLP ~{a.params / 1e6:.0f}M params in one bucket, {wargs.warmup} warm-up + "
+         f"{wargs.steps} timed steps per hook, best of {wargs.rounds} round(s)")
+    rows = _run_ranks(a, meta, bd._worker, wargs, hooks, timeout_s=a.timeout)[0]
+    by = {r["name"]: r for r in rows}
+    noop, base = by["noop"], by["torch allreduce"]
+    if "failed" in noop or "failed" in base:
+        raise SystemExit(f"flatcomm.bench: baseline failed: noop: {noop.get('failed')}, "
+                         f"torch allreduce: {base.get('failed')}")
+    w = a.ranks
+    params = base["params"]
+    ring = 2 * (w - 1) * 4 * params / w
+    base_comm = base["step_s"] - noop["step_s"]
+    out, failed = [], []
+    for r in rows:
+        name = _ddp_name(r["name"])
+        if "failed" in r:
+            failed.append({"name": name, "reason": r["failed"]})
+            continue
+        comm = r["step_s"] - noop["step_s"]
+        wire, est = r.get("wire_bytes"), False
+        if wire is None:
+            wire, est = (ring if name == "torch-allreduce" else r.get("wire_bytes_estimate")), True
+        rec = {"name": name, "step_s": r["step_s"], "comm_s": comm, "wire_bytes": wire, "wire_estimated": est,
+               "comm_ratio": comm / base_comm if base_comm > 0 else None,
+               "step_ratio": r["step_s"] / base["step_s"], "wire_ratio": (wire / ring) if wire is not None else None,
+               "hook_s": r.get("hook_s"), "final_loss": r.get("final_loss"), "params": r.get("params"),
+               "grads_finite": r.get("grads_finite"), "buckets_per_step": r.get("buckets_per_step")}
+        for k in ("encode_s", "exchange_s", "decode_s"):
+            if k in r:
+                rec[k] = r[k]
+        if name in DDP_TARGETS:
+            rec["target_comm_ratio"] = DDP_TARGETS[name]
+            rec["target_met"] = rec["comm_ratio"] is not None and rec["comm_ratio"] <= DDP_TARGETS[name]
+        out.append(rec)
+    meta["failed"] = failed
+    return out
+
+
+def table_ddp(results: List[dict], meta: dict) -> str:
+    hdr = (f"{'name':<24} {'step ms':>8} {'comm ms':>8} {'comm/torch':>10} {'target':>8} {'wire MB':>8} "
+           f"{'wire/torch':>10} {'loss':>10}  notes")
+    lines = [hdr, "-" * len(hdr)]
+    for r in results:
+        label = r["name"] + ("+EF" if r["name"] in ("int8", "int4", "sign") else "")
+        ratio = f"{r['comm_ratio']:10.3f}" if r["comm_ratio"] is not None else f"{'-':>10}"
+        tgt = ""
+        if "target_comm_ratio" in r:
+            tgt = f"<={r['target_comm_ratio']:.2f} " + ("ok" if r["target_met"] else "MISS")
+        wire = "?" if r["wire_bytes"] is None else ("~" if r["wire_estimated"] else "") + f"{r['wire_bytes'] / 1e6:.1f}"
+        wr = f"{r['wire_ratio']:10.3f}" if r["wire_ratio"] is not None else f"{'?':>10}"
+        notes = []
+        if "encode_s" in r:
+            notes.append(f"enc {r['encode_s'] * 1e3:.0f}/xchg {r['exchange_s'] * 1e3:.0f}/dec {r['decode_s'] * 1e3:.0f} ms")
+        if r.get("buckets_per_step") not in (None, 1, 1.0):
+            notes.append(f"{r['buckets_per_step']:.2f} hook calls/step")
+        if r.get("grads_finite") is False:
+            notes.append("NON-FINITE GRADS")
+        loss = f"{r['final_loss']:10.5f}" if r.get("final_loss") is not None else f"{'-':>10}"
+        lines.append(f"{label:<24} {r['step_s'] * 1e3:8.1f} {r['comm_s'] * 1e3:8.1f} {ratio} {tgt:>8} {wire:>8} "
+                     f"{wr} {loss}  {'; '.join(notes)}")
+    for f in meta.get("failed", []):
+        lines.append(f"{f['name']:<24} failed: {f['reason']}")
+    for n, why in NOT_IMPLEMENTED.items():
+        lines.append(f"{n:<24} TODO {why}")
+    lines.append("step = median fwd+bwd+SGD (best round); comm = step - noop-hook step; comm/torch = comm / torch "
+                 "fp32 all-reduce hook's comm; wire = bytes one rank sends per step (~ = nominal: ring volume or "
+                 "PowerSGD estimate); loss = final loss of the short run (same init and data for every hook).")
+    return "\n".join(lines)
+
+
+# ---- FSDP ----------------------------------------------------------------------------------------------
+
+
+def bench_fsdp(a: argparse.Namespace, meta: dict) -> List[dict]:
+    bf = _bench_module("bench_fsdp")
+    codecs = _names(a.codecs) if a.codecs else ["default", "fp32", "int8", "int4", "sign"]
+    codecs = [c for c in codecs if c not in NOT_IMPLEMENTED]
+    if "default" not in codecs:
+        codecs.insert(0, "default")
+    cfg = {"codecs": codecs, "steps": a.steps or (2 if a.quick else 8), "warmup": a.warmup,
+           "d_model": 128 if a.quick else 256, "layers": 2 if a.quick else 4, "ff": 512 if a.quick else 1024,
+           "vocab": 1024, "seq": 32, "batch": 4}
+    meta["config"] = cfg
+    _say(f"fsdp: {a.ranks} ranks, codecs {codecs}, {cfg['warmup']} warm-up + {cfg['steps']} steps (round robin)")
+    rows = _run_ranks(a, meta, bf._rank_main, cfg, timeout_s=a.timeout)[0]
+    base = next(r for r in rows if r["codec"] == "default")
+    out = []
+    for r in rows:
+        name = "torch-reduce-scatter" if r["codec"] == "default" else r["codec"]
+        out.append({"name": name, "step_s": r["step_ms"] / 1e3, "comm_s": r["comm_ms"] / 1e3,
+                    "wire_bytes": r["wire_bytes_per_step"], "wire_estimated": r["codec"] == "default",
+                    "codec_s": None if r["codec_ms"] is None else r["codec_ms"] / 1e3,
+                    "step_ratio": r["step_ms"] / base["step_ms"],
+                    "comm_ratio": r["comm_ms"] / base["comm_ms"] if base["comm_ms"] > 0 else None,
+                    "wire_ratio": r["wire_bytes_per_step"] / base["wire_bytes_per_step"],
+                    "final_loss": r["final_loss"], "params": r["params"]})
+    return out
+
+
+def table_fsdp(results: List[dict]) -> str:
+    hdr = (f"{'name':<22} {'step ms':>8} {'comm ms':>8} {'codec ms':>8} {'step/torch':>10} {'comm/torch':>10} "
+           f"{'wire KB':>8} {'wire/torch':>10} {'loss':>8}")
+    lines = [hdr, "-" * len(hdr)]
+    for r in results:
+        cr = f"{r['comm_ratio']:10.3f}" if r["comm_ratio"] is not None else f"{'-':>10}"
+        kd = f"{r['codec_s'] * 1e3:8.1f}" if r["codec_s"] is not None else f"{'-':>8}"
+        wire = ("~" if r["wire_estimated"] else "") + f"{r['wire_bytes'] / 1024:.1f}"
+        lines.append(f"{r['name']:<22} {r['step_s'] * 1e3:8.1f} {r['comm_s'] * 1e3:8.1f} {kd} {r['step_ratio']:10.3f} "
+                     f"{cr} {wire:>8} {r['wire_ratio']:10.3f} {r['final_loss']:8.4f}")
+    for n, why in NOT_IMPLEMENTED.items():
+        lines.append(f"{n:<22} TODO {why}")
+    lines.append("step = median of the slowest rank (fwd+bwd+Adam); comm = time per step inside the reduce-scatter "
+                 "calls (rank 0); codec = flatcomm's encode+exchange+decode; wire = bytes one rank sends per step "
+                 "(~ = nominal (n-1)/n of the fp32 input).")
+    return "\n".join(lines)
+
+
+# ---- output ----------------------------------------------------------------------------------------------
+
+
+def plot(results: List[dict], command: str, path: str, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"flatcomm.bench: --plot needs matplotlib (pip install matplotlib); no plot written to {path}",
+              file=sys.stderr)
+        return False
+    if command == "kernels":
+        labels = [f"{r['op']} {r['name']} {r['numel'] / 1e6:.3g}M" for r in results]
+        values, xlabel = [r["gbps"] for r in results], "GB/s (bytes read + written / time)"
+        second, xlabel2 = None, None
+    else:
+        def lab(r):
+            extra = f" {r['collective']} {4 * r['numel'] / 1e6:.3g}MB" if command == "collectives" else ""
+            return r["name"] + extra
+        labels = [lab(r) for r in results]
+        values, xlabel = [r["comm_s"] * 1e3 for r in results], "communication ms per step"
+        second = [(r["wire_bytes"] or 0) / 1e6 for r in results]
+        xlabel2 = "MB one rank sends per step"
+    h = max(3.0, 0.28 * len(labels) + 1.2)
+    ncols = 1 if second is None else 2
+    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, h), squeeze=False)
+    ys = list(range(len(labels)))
+    axes[0][0].barh(ys, values, color="tab:blue")
+    axes[0][0].set_yticks(ys, labels, fontsize=8)
+    axes[0][0].invert_yaxis()
+    axes[0][0].set_xlabel(xlabel)
+    if second is not None:
+        axes[0][1].barh(ys, second, color="tab:orange")
+        axes[0][1].set_yticks(ys, [""] * len(ys))
+        axes[0][1].invert_yaxis()
+        axes[0][1].set_xlabel(xlabel2)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m flatcomm.bench", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.split("\n")[2:8]))
+    sub = ap.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    common.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
+    common.add_argument("--quick", action="store_true", help="a small configuration (seconds)")
+    common.add_argument("--timeout", type=float, default=600, help="bound on the whole run, s (default 600)")
+    dist_opts = argparse.ArgumentParser(add_help=False)
+    dist_opts.add_argument("--ranks", type=int, default=2, help="gloo ranks (default 2)")
+    dist_opts.add_argument("--link", metavar="RATE[,DELAY]",
+                           help="run every rank in its own network namespace behind a shaped link, e.g. 1gbit "
+                                "or 10gbit,0.2ms (needs root; delay needs netem)")
+    dist_opts.add_argument("--allow-no-delay", action="store_true",
+                           help="with a delay on a kernel without netem: go on without the delay")
+    dist_opts.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+
+    k = sub.add_parser("kernels", parents=[common], help="kernel throughput vs copy_ and pure torch")
+    k.add_argument("--sizes", help="element counts, comma separated (K/M suffixes)")
+    k.add_argument("--codecs", help="comma separated")
+    k.add_argument("--reps", type=int, default=7)
+    k.add_argument("--no-ref", action="store_true", help="skip the pure-torch reference timings")
+    k.add_argument("--link", help=argparse.SUPPRESS)
+
+    c = sub.add_parser("collectives", parents=[common, dist_opts], help="flatcomm vs gloo collectives")
+    c.add_argument("--sizes", help="fp32 element counts, comma separated (default 1M,25M; with --link 1M,4M)")
+    c.add_argument("--codecs", help="comma separated (default: all)")
+    c.add_argument("--reps", type=int, default=5)
+    c.add_argument("--no-exact", action="store_true", help="skip mode='exact'")
+
+    d = sub.add_parser("ddp", parents=[common, dist_opts], help="DDP comm hooks: comm time per step")
+    d.add_argument("--params", type=float, default=25e6, help="MLP parameters (default 25e6)")
+    d.add_argument("--batch", type=int, default=32)
+    d.add_argument("--steps", type=int, default=0, help="timed steps per hook (default 4)")
+    d.add_argument("--warmup", type=int, default=2)
+    d.add_argument("--rounds", type=int, default=0, help="repeat the hook list, keep the best (default 3; 2 with --link)")
+    d.add_argument("--hooks", help="comma separated: noop, torch-allreduce, torch-quant-perchannel, "
+                                   "torch-powersgd-r1, torch-powersgd-r4, fp32, int8, int4, sign (default all)")
+
+    f = sub.add_parser("fsdp", parents=[common, dist_opts], help="FSDP2 reduce-scatter: default vs codecs")
+    f.add_argument("--codecs", help="comma separated, 'default' = FSDP's own (default: default,fp32,int8,int4,sign)")
+    f.add_argument("--steps", type=int, default=0, help="timed steps (default 8)")
+    f.add_argument("--warmup", type=int, default=2)
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = build_parser().parse_args(argv)
+    t0 = time.perf_counter()
+    import torch
+
+    import flatcomm
+
+    meta: Dict[str, Any] = {"command": a.command, "argv": list(sys.argv[1:] if argv is None else argv),
+                            "torch": torch.__version__, "build": flatcomm.build_info()}
+    if a.command != "kernels":
+        if a.ranks < 1:
+            raise SystemExit("flatcomm.bench: --ranks must be >= 1")
+        if a.link and a.ranks < 2:
+            raise SystemExit("flatcomm.bench: --link needs --ranks >= 2")
+        meta["world"] = a.ranks
+    # Backstop bound on the whole command (rank runs have their own, tighter timeouts).
+    def _alarm(signum, frame):
+        raise TimeoutError(f"flatcomm.bench: gave up after --timeout {a.timeout:g} s (+60 s)")
+
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGALRM"):
+        signal.signal(signal.SIGALRM, _alarm)
+        signal.alarm(int(a.timeout) + 60)
+    try:
+        return _main(a, meta, t0)
+    finally:
+        if hasattr(signal, "SIGALRM"):
+            signal.alarm(0)
+
+
+def _main(a: argparse.Namespace, meta: Dict[str, Any], t0: float) -> int:
+    runner = {"kernels": bench_kernels, "collectives": bench_collectives, "ddp": bench_ddp, "fsdp": bench_fsdp}
+    results = runner[a.command](a, meta)
+    where = ""
+    if meta.get("link"):
+        L = meta["link"]
+        delay = ""
+        if L["delay_s"]:
+            delay = f", delay {L['delay_s'] * 1e3:g} ms" + ("" if L["delay_applied"] else " NOT applied (no netem)")
+        where = f" on a {L['rate']} link ({L['topology']}{delay})"
+    elif a.command != "kernels":
+        where = " over loopback"
+    title = f"flatcomm.bench {a.command}: " + (f"{a.ranks} ranks" if a.command != "kernels" else "1 process") + where
+    if a.command == "kernels":
+        table = table_kernels(results)
+    elif a.command == "collectives":
+        table = table_collectives(results)
+    elif a.command == "ddp":
+        table = table_ddp(results, meta)
+    else:
+        table = table_fsdp(results)
+    print()
+    print(title)
+    print(table)
+    elapsed = time.perf_counter() - t0
+    print(f"({elapsed:.0f} s)")
+    if a.json:
+        doc = dict(meta, results=results, failed=meta.get("failed", []),
+                   not_implemented=[{"name": n, "reason": r} for n, r in NOT_IMPLEMENTED.items()],
+                   elapsed_s=elapsed)
+        doc.setdefault("world", 1)
+        doc.setdefault("link", None)
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as fh:
+            json.dump(doc, fh, indent=1, default=str)
+        print(f"wrote {a.json}")
+    if a.plot and plot(results, a.command, a.plot, title):
+        print(f"wrote {a.plot}")
+    return 0

@@ -1,0 +1,5 @@
+import sys
+
+from flatcomm.bench import main
+
+sys.exit(main())

@@ -1,0 +1,92 @@
+"""`python -m flatcomm.bench`: tiny configurations produce valid JSON with the required fields, and the
+library never imports the bench package (layering)."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = ("name", "step_s", "comm_s", "wire_bytes")
+
+
+def _bench(tmp_path, *args, timeout=120):
+    out = tmp_path / "out.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "flatcomm.bench", *args, "--json", str(out)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["results"], doc
+    for r in doc["results"]:
+        for k in REQUIRED:
+            assert k in r, (k, r)
+        assert isinstance(r["name"], str)
+        assert isinstance(r["step_s"], float) and r["step_s"] > 0
+        assert isinstance(r["comm_s"], float) and r["comm_s"] >= 0 or r["name"] == "noop"
+        assert isinstance(r["wire_bytes"], (int, float)) and r["wire_bytes"] >= 0
+    return doc, p.stdout
+
+
+def test_kernels_quick(tmp_path):
+    png = tmp_path / "k.png"
+    doc, out = _bench(tmp_path, "kernels", "--quick", "--sizes", "64K", "--codecs", "int8,sign",
+                      "--reps", "2", "--no-ref", "--plot", str(png))
+    names = {r["name"] for r in doc["results"]}
+    assert {"int8", "sign", "copy_"} <= names
+    enc = next(r for r in doc["results"] if r["name"] == "int8" and r["op"] == "encode+EF")
+    assert enc["wire_bytes"] > 0 and enc["numel"] == 65536
+    assert "int8" in out and "encode+EF" in out  # the table
+    try:
+        import matplotlib  # noqa: F401
+        assert png.stat().st_size > 0
+    except ImportError:
+        pass
+
+
+def test_collectives_two_ranks(tmp_path):
+    doc, out = _bench(tmp_path, "collectives", "--quick", "--ranks", "2", "--sizes", "16K",
+                      "--codecs", "fp32,int8")
+    assert doc["world"] == 2 and doc["link"] is None
+    names = {r["name"] for r in doc["results"]}
+    assert {"torch-allreduce", "torch-reduce-scatter", "fp32", "int8"} <= names
+    i8 = next(r for r in doc["results"] if r["name"] == "int8" and r["collective"] == "all_reduce")
+    f32 = next(r for r in doc["results"] if r["name"] == "fp32" and r["collective"] == "all_reduce")
+    assert 0 < i8["wire_bytes"] < f32["wire_bytes"]
+
+
+def test_ddp_tiny(tmp_path):
+    doc, out = _bench(tmp_path, "ddp", "--quick", "--params", "2e5", "--hooks", "int8", "--timeout", "90")
+    by = {r["name"]: r for r in doc["results"]}
+    assert {"noop", "torch-allreduce", "int8"} <= set(by)
+    assert by["int8"]["comm_ratio"] is not None and by["int8"]["target_comm_ratio"] == 0.30
+    assert any(n["name"] == "auto" for n in doc["not_implemented"])
+    assert "auto: not implemented" in out
+
+
+def test_bad_link_refused(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "flatcomm.bench", "collectives", "--link", "1gbps"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "gbit" in p.stderr
+
+
+def test_library_never_imports_bench():
+    for path in (ROOT / "flatcomm").rglob("*.py"):
+        if "bench" in path.relative_to(ROOT / "flatcomm").parts:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            mods = []
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ("." * node.level) + (node.module or "")
+                mods = [base] + [f"{base}.{a.name}" for a in node.names]
+            for m in mods:
+                assert not (m.startswith("flatcomm.bench") or m.lstrip(".").startswith("bench")), \
+                    f"{path} imports {m}"

@@ -1,0 +1,123 @@
+"""The link harness (flatcomm.netlink): namespaces come and go, ranks talk across the link, and
+nothing is left behind when a rank fails or hangs. Needs root and `ip netns`; skipped otherwise."""
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from flatcomm import netlink
+from flatcomm.netlink import Link, LinkError, LinkUnavailable
+
+OK, WHY = netlink.available()
+needs_netns = pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")
+
+
+def _netns() -> set:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+# ---- rank functions (module level: the ranks import them) -------------------------------------------
+
+
+def _allreduce(rank, world, n):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    x = torch.arange(n, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(x)
+    return x, os.environ["GLOO_SOCKET_IFNAME"]
+
+
+def _raise_on_1(rank, world):
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("rank one says no")
+    dist.barrier()  # rank 0 waits for a peer that never comes
+    return rank
+
+
+def _hang(rank, world):
+    time.sleep(300)
+
+
+# ---- parsing (no namespaces needed) -----------------------------------------------------------------
+
+
+def test_parse():
+    assert netlink.parse_rate("1gbit") == 1e9
+    assert netlink.parse_rate("100mbit") == 1e8
+    assert netlink.parse_rate("10Gbit") == 1e10
+    assert netlink.parse_delay("0.2ms") == pytest.approx(2e-4)
+    assert netlink.parse_delay("200us") == pytest.approx(2e-4)
+    assert netlink.parse_link("1gbit,0.2ms") == (1e9, pytest.approx(2e-4))
+    assert netlink.parse_link("10gbit") == (1e10, None)
+    for bad in ("1gbps", "fast", "", "1gbit,0.2ms,3"):
+        with pytest.raises(ValueError):
+            netlink.parse_link(bad)
+
+
+# ---- the link ---------------------------------------------------------------------------------------
+
+
+@needs_netns
+def test_setup_and_teardown():
+    before = _netns()
+    with Link(ranks=3, rate="100mbit") as link:  # 3 ranks: the bridge topology
+        names = set(link.namespaces) | {link.bridge_ns}
+        assert names <= _netns()
+        show = subprocess.run(["tc", "-n", link.namespaces[0], "qdisc", "show", "dev", "fc0"],
+                              capture_output=True, text=True).stdout
+        assert "tbf" in show and "100Mbit" in show
+    assert not names & _netns()
+    assert not {n for n in _netns() - before if n.startswith(link.tag)}  # nothing else of ours
+
+
+@needs_netns
+def test_allreduce_across_link():
+    import torch
+
+    with Link(2, "1gbit") as link:
+        names = set(link.namespaces)
+        res = link.run(2, _allreduce, 1000, timeout_s=60, echo=False)
+    expected = torch.arange(1000, dtype=torch.float32) * 3
+    for x, ifname in res:
+        assert torch.equal(x, expected)
+        assert ifname == "fc0"
+    assert not names & _netns()
+
+
+@needs_netns
+def test_cleanup_when_rank_raises():
+    t0 = time.monotonic()
+    with pytest.raises(LinkError, match="rank one says no"):
+        with Link(2, "1gbit") as link:
+            names = set(link.namespaces)
+            link.run(2, _raise_on_1, timeout_s=60, grace_s=3, echo=False)
+    assert time.monotonic() - t0 < 45  # the surviving rank was stopped, not waited for
+    assert not names & _netns()
+
+
+@needs_netns
+def test_timeout_kills_ranks_and_cleans_up():
+    with pytest.raises(LinkError, match="timed out"):
+        with Link(2, "1gbit") as link:
+            names = set(link.namespaces)
+            link.run(2, _hang, timeout_s=8, echo=False)
+    assert not names & _netns()
+
+
+@needs_netns
+def test_delay_needs_netem_or_says_why():
+    link = Link(2, "1gbit,0.2ms")
+    try:
+        with link:
+            assert link.delay_applied
+    except LinkUnavailable as e:  # this kernel has no sch_netem: refused with the reason
+        assert "netem" in str(e)
+    assert not {n for n in _netns() if n.startswith(link.tag)}
