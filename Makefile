@@ -40,7 +40,7 @@ test-cpp:
 	ctest --test-dir build-cmake --output-on-failure
 
 test-py: build
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests
 
 bench: build
 	$(PY) benchmarks/bench_kernels.py
