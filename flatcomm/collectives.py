@@ -283,12 +283,57 @@ def _plan(bounds: List[int], chunks: int, align: int, rank: int) -> _Plan:
 # ---- the pipelined core --------------------------------------------------------------------------
 
 
+class _BufferPool:
+    """Staging buffers reused across calls of one group. Fresh large allocations are page-faulted
+    on first touch, which on CPU costs as much as the copy itself; collectives of a group run one
+    at a time on its worker thread, so a buffer taken by a call is free again when the call ends."""
+
+    MAX_BYTES = 1 << 31
+
+    def __init__(self):
+        self.free: dict = {}
+        self.bytes = 0
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (numel, dtype, str(device))
+        stack = self.free.get(key)
+        if stack:
+            t = stack.pop()
+            self.bytes -= t.numel() * t.element_size()
+            return t
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, t: torch.Tensor) -> None:
+        size = t.numel() * t.element_size()
+        if self.bytes + size > self.MAX_BYTES:
+            self.free.clear()
+            self.bytes = 0
+        self.free.setdefault((t.numel(), t.dtype, str(t.device)), []).append(t)
+        self.bytes += size
+
+
+_pools: dict = {}
+
+
 class _Pipeline:
     """Runs one collective chunk by chunk: while chunk j is exchanged, j-1 is decoded."""
 
     def __init__(self, group, stats: Optional[CommStats]):
         self.group = group
         self.stats = stats if stats is not None else CommStats()
+        self.pool = _pools.setdefault(id(group) if group is not None else None, _BufferPool())
+        self.taken: List[torch.Tensor] = []
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        t = self.pool.take(numel, dtype, device)
+        self.taken.append(t)
+        return t
+
+    def release(self) -> None:
+        """Return this call's buffers to the pool (the call's collectives have all completed)."""
+        for t in self.taken:
+            self.pool.give(t)
+        self.taken = []
 
     def timed(self, field: str, fn: Callable[[], object]):
         t0 = time.perf_counter()
@@ -301,7 +346,7 @@ class _Pipeline:
             self.timed("exchange_s", work.wait)
 
     def all_to_all(self, send: torch.Tensor, send_sizes: List[int], recv_row: int, world: int):
-        recv = torch.empty(world * recv_row, dtype=send.dtype, device=send.device)
+        recv = self.empty(world * recv_row, send.dtype, send.device)
         self.stats.wire_bytes += (send.numel() - send_sizes[dist.get_rank(self.group)]) * send.element_size()
         if world == 1:
             recv.copy_(send)
@@ -311,7 +356,7 @@ class _Pipeline:
         return work, recv
 
     def all_gather(self, send: torch.Tensor, world: int):
-        recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
+        recv = self.empty(world * send.numel(), send.dtype, send.device)
         self.stats.wire_bytes += send.numel() * send.element_size() * (world - 1)
         if world == 1:
             recv.copy_(send)
@@ -335,7 +380,7 @@ class _Pipeline:
 def _encode_pieces(pipe: _Pipeline, src: torch.Tensor, plan: _Plan, j: int, codec: Codec,
                    residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, List[int]]:
     sizes = [codec.wire_bytes(b - a) for a, b in (plan.piece(d, j) for d in range(plan.world))]
-    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=src.device)
+    buf = pipe.empty(sum(sizes), torch.uint8, src.device)
 
     def enc():
         off = 0
@@ -495,6 +540,7 @@ def reduce_scatter(
             _exact_reduce_scatter(pipe, src, out, plan, nchunks, scale, exact_block, headroom)
         else:
             _ordered_reduce_scatter(pipe, src, out, plan, nchunks, c, scale, residual)
+        pipe.release()
 
     return _run(body, output, group, async_op)
 
@@ -530,7 +576,8 @@ def all_gather(
         pipe = _Pipeline(group, stats)
         if stats is not None:
             stats.calls += 1
-        payload = pipe.timed("encode_s", lambda: _encode(src, c, residual=residual))
+        payload = pipe.empty(c.wire_bytes(n), torch.uint8, src.device)
+        pipe.timed("encode_s", lambda: _encode(src, c, residual=residual, out=payload))
         work, recv = pipe.all_gather(payload, world)
         pipe.wait(work)
         rows = recv.view(world, -1)
@@ -540,6 +587,7 @@ def all_gather(
                 _decode_into(rows[d], c, n, out[d * n:(d + 1) * n])
 
         pipe.timed("decode_s", dec)
+        pipe.release()
 
     return _run(body, output, group, async_op)
 
@@ -590,6 +638,7 @@ def all_reduce(
             _exact_all_reduce(pipe, flat, plan, nchunks, scale, exact_block, headroom)
         else:
             _ordered_all_reduce(pipe, flat, plan, nchunks, c, scale, residual)
+        pipe.release()
 
     return _run(body, tensor, group, async_op)
 
@@ -613,7 +662,7 @@ def _ordered_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, chunks
         # Every rank sends a payload as large as the largest shard's for this chunk (padding),
         # because all_gather_into_tensor moves equal sizes.
         width = max(c.wire_bytes(y - x) for x, y in (plan.piece(d, j) for d in range(world)))
-        send_buf = torch.zeros(width, dtype=torch.uint8, device=flat.device)
+        send_buf = pipe.empty(width, torch.uint8, flat.device)  # padding past nbytes is never read
         nbytes = c.wire_bytes(b - a)
         r = server[a:b] if server is not None else None
 
