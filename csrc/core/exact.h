@@ -51,7 +51,7 @@ FC_HD int64_t to_fixed(float v, int32_t E, int32_t precision) {
   const int32_t shift = (e8 ? e8 : 1) - 150 + precision - E;
   int64_t q = 0;
   if (shift >= 0) {
-    q = shift < 63 ? (m << shift) : 0;
+    q = shift < 63 ? static_cast<int64_t>(static_cast<uint64_t>(m) << shift) : 0;  // no UB
   } else if (shift > -26) {
     const int32_t k = -shift;
     const int64_t rem = m & ((int64_t(1) << k) - 1);

@@ -384,14 +384,16 @@ template <int DT>
 static int64_t to_fixed_t(const ExactArgs& a, int64_t i0, int64_t i1) {
   const auto* x = static_cast<const typename Elem<DT>::T*>(a.x);
   int64_t bad = 0;
-  for (int64_t i = i0; i < i1; ++i) {
-    const float v = Elem<DT>::load(x[i]);
-    const int32_t E = a.exponents[i / a.block];
-    const int32_t ev = exponent_of_abs_bits(abs_bits(v));
-    // A value above its block's bound would overflow the fixed point; a non-finite value in a
-    // block not marked non-finite would vanish. Both are reported, never silently mangled.
-    bad += (E != kExpNonFinite && ev > E) ? 1 : 0;
-    a.fixed[i] = to_fixed(v, E, a.precision);
+  for (int64_t b0 = i0; b0 < i1; b0 += a.block) {  // i0 is a multiple of the block size
+    const int64_t e = min_(i1, b0 + a.block);
+    const int32_t E = a.exponents[b0 / a.block];
+    for (int64_t i = b0; i < e; ++i) {
+      const float v = Elem<DT>::load(x[i]);
+      // A value above its block's bound would overflow the fixed point; a non-finite value in a
+      // block not marked non-finite would vanish. Both are reported, never silently mangled.
+      bad += (E != kExpNonFinite && exponent_of_abs_bits(abs_bits(v)) > E) ? 1 : 0;
+      a.fixed[i] = to_fixed(v, E, a.precision);
+    }
   }
   return bad;
 }

@@ -1,0 +1,524 @@
+"""Reproducible data-parallel training: the same weights, bit for bit, on 1, 2 or 4 ranks.
+
+A fixed global batch per step is split into a fixed number ``M`` of micro-batches. Rank r of W
+processes micro-batches r, r + W, r + 2W, ... (``M`` must be a multiple of W). Each micro-batch
+gradient is turned into int64 fixed point (:func:`flatcomm.to_exact`) on per-block exponents that
+are fixed for the step, the integers are added locally and then across ranks (integer addition is
+associative, so neither the grouping into ranks nor the order matters), and the sum is converted
+back to fp32 once (:func:`flatcomm.from_exact`), divided by ``M`` once and cast to the parameter
+dtype once. The gradient the optimizer sees is therefore a function of the global batch only::
+
+    from flatcomm import reproducible
+
+    reproducible.configure()                       # deterministic kernels, 1 intra-op thread
+    model = Net()                                  # same init on every rank; NOT wrapped in DDP
+    acc = reproducible.ExactGradAccumulator(model, micro_batches=8)
+    for batch in batches:                          # the global batch, the same on every rank
+        for i in acc.micro_batches():              # this rank's share; backward() in the body
+            x, y = batch.micro(i)
+            loss_fn(model(x), y).backward()
+        if acc.stats.applied:                      # False when a gradient was inf/NaN
+            opt.step()                             # p.grad: exact mean over the 8 micro-batches
+        print(acc.stats.step, acc.stats.digest)    # sha256 of the reduced gradient bits
+
+**How the exponents are chosen (and why that is rank-count independent).** The exact sum needs one
+exponent E per block (|v| < 2^E for every contribution) *before* the first contribution is
+converted, and the choice must not depend on which rank saw which micro-batch. Each step uses
+exponents predicted from the previous step: ``E = min(128, max(G_b, G_p - span) + margin)`` where
+``G_b`` is the previous step's largest exponent of block b over *all* micro-batches (a MAX
+all-reduce), ``G_p`` the largest over the block's parameter tensor, ``margin`` (default 4) the
+growth in binades tolerated before a replay and ``span`` (default 0: one exponent per tensor)
+how far below its tensor's maximum a block's exponent may drop. While accumulating, every
+micro-batch's block exponents are compared with E (a cheap integer comparison, so
+:func:`flatcomm.to_exact` never sees a value beyond its bound) and their running MAX is kept. After
+the last local micro-batch one MAX all-reduce of the block exponents (``numel / block`` int32s)
+gives G for this step, identical on every rank and every rank count since it is a max over the
+same micro-batch gradients:
+
+* a block with inf/NaN (``G == NONFINITE_EXPONENT``): the step is skipped on every rank (grads
+  set to ``None`` so ``opt.step()`` does nothing; ``on_nonfinite="raise"`` raises
+  ``FloatingPointError`` naming the parameters, ``"nan"`` fills the grads with NaN for an AMP
+  ``GradScaler`` to see);
+* ``G > E`` somewhere (the gradient grew by more than ``2^margin``, or the very first step, which
+  has no prediction): E becomes ``max(E, G)`` and the iterator replays this rank's micro-batches
+  (the body runs again). No contribution has been committed across ranks yet, and the decision and
+  the new exponents depend only on the global batch, so every rank count replays the same steps
+  with the same exponents;
+* otherwise the SUM all-reduce of the int64 accumulators (issued together with the MAX, so a
+  step costs one round trip; its result is discarded on the rare steps above) is final:
+  ``from_exact``, ``/ M``, cast.
+
+All exponents are thus functions of the global batch history (and this module's state, see
+:meth:`ExactGradAccumulator.state_dict`), never of the rank count. Contributions are rounded to the
+grid ``2^(E - P)`` (P = 62 - headroom = 50 by default): values within ``P - 23 - margin`` binades
+(23 by default) of their tensor's largest gradient of the previous step are exact, smaller ones are
+rounded far below the fp32 resolution of that largest gradient; either way the result is the same
+function of the global batch for every W. The alternatives cost more: storing every micro-batch
+gradient to take the exact max first costs M gradient copies; two backward passes per step double
+the compute on every step, not only on the rare steps whose gradient jumps.
+
+**What the caller must keep identical across rank counts** (the per-micro-batch gradient must be
+the same bits whichever rank computes it): the model's initial weights (seed before building it),
+the micro-batch contents and shapes (fixed global batch, fixed split), the kernels (call
+:func:`configure`: deterministic algorithms and a fixed intra-op thread count), and randomness
+inside the forward (dropout): the iterator seeds the RNG for each micro-batch from
+``(seed, step, micro-batch index)`` and restores it afterwards, so dropout masks do not depend on
+the rank either. Per-rank state updated in forward (BatchNorm running statistics) is not covered.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+import time
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .sums import (
+    DEFAULT_EXACT_BLOCK,
+    DEFAULT_HEADROOM,
+    NONFINITE_EXPONENT,
+    ZERO_EXPONENT,
+    exact_exponents,
+    from_exact,
+    to_exact,
+)
+
+# Every finite fp32 value is below 2^128: an exponent above it would only waste grid bits.
+MAX_EXPONENT = 128
+_ON_NONFINITE = ("skip", "raise", "nan")
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TO_EXACT_CHUNK = 1 << 20  # about this many values per to_exact call (rounded to whole blocks)
+
+__all__ = ["ExactGradAccumulator", "StepStats", "configure"]
+
+
+def configure(threads: int = 1, *, warn_only: bool = False) -> Dict[str, object]:
+    """Make PyTorch's kernels deterministic, so a micro-batch gradient is the same on every rank.
+
+    Call it first thing in every process (before any CUDA work). It sets:
+
+    * ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (unless already set to ``:4096:8`` or ``:16:8``): cuBLAS
+      picks its split-K reduction from a workspace pool, and without a fixed configuration
+      ``use_deterministic_algorithms`` raises on CUDA matmuls. It is read when cuBLAS creates its
+      handle, hence "before any CUDA work";
+    * ``torch.use_deterministic_algorithms(True, warn_only=warn_only)``: ops with only a
+      nondeterministic kernel (atomic-add scatter and index backward on CUDA, ...) raise instead of
+      silently varying run to run;
+    * ``torch.backends.cudnn.deterministic = True`` and ``cudnn.benchmark = False``: cuDNN must not
+      pick a convolution algorithm by timing (the choice, hence the bits, would vary run to run);
+    * ``torch.set_num_threads(threads)`` (default 1): some CPU kernels split a reduction into one
+      partial sum per thread, so their bits depend on the intra-op thread count, and the default
+      count differs between launches (``torchrun`` sets ``OMP_NUM_THREADS=1`` only when it starts
+      more than one process per node; otherwise torch uses every core). Any fixed count works as
+      long as it is the same for every run that is compared.
+
+    TF32 settings are left alone: they are deterministic; keep them equal across the runs compared.
+    Returns what was set.
+    """
+    if threads < 1:
+        raise ValueError(f"flatcomm.reproducible.configure: threads must be >= 1, got {threads}")
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.set_num_threads(threads)
+    return {
+        "CUBLAS_WORKSPACE_CONFIG": os.environ["CUBLAS_WORKSPACE_CONFIG"],
+        "deterministic_algorithms": True,
+        "warn_only": warn_only,
+        "cudnn.deterministic": True,
+        "cudnn.benchmark": False,
+        "num_threads": threads,
+    }
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What the last step did (the same on every rank, except the timings and local counts)."""
+
+    step: int = -1                 # index of the step (0-based, counts skipped steps too)
+    applied: bool = False          # the grads hold the reduced mean; False: nonfinite, skipped
+    replays: int = 0               # extra passes over the micro-batches (exponents had to grow)
+    grown_blocks: int = 0          # blocks whose exponent had to grow this step
+    nonfinite: List[str] = dataclasses.field(default_factory=list)  # params with inf/NaN grads
+    digest: str = ""               # sha256 of the reduced gradient bits (or of the skip)
+    local_micro_batches: int = 0   # micro-batches this rank ran (replays included)
+    compute_s: float = 0.0         # time in the loop body (forward + backward)
+    accumulate_s: float = 0.0      # exponents + to_exact + integer adds
+    reduce_s: float = 0.0          # collectives, from_exact, digest
+    wire_bytes: int = 0            # bytes this rank put into collectives (payload, not protocol)
+
+
+@dataclasses.dataclass
+class _Group:
+    """Parameters of one dtype: their grads are views of ``flat``, each tensor starting on a block."""
+
+    dtype: torch.dtype
+    params: List[torch.nn.Parameter]
+    offsets: List[int]             # start of each parameter in ``flat``
+    flat: torch.Tensor             # grad storage, numel a multiple of the block
+    start: int                     # position of ``flat`` in the global index space
+
+
+class ExactGradAccumulator:
+    """Exact, rank-count independent gradient accumulation over a fixed set of micro-batches.
+
+    ``model``: an ``nn.Module`` (not wrapped in DDP) or an iterable of parameters (or of
+    ``(name, parameter)`` pairs); parameters without ``requires_grad`` are ignored.
+    ``micro_batches``: micro-batches per step M, a multiple of the world size and at most
+    ``2^headroom``. ``group``: the process group (default: the world; without an initialised
+    process group the accumulator runs as a single rank). ``margin`` / ``span``: exponent
+    prediction, see the module docstring. ``on_nonfinite``: ``"skip"`` (grads ``None``),
+    ``"raise"`` or ``"nan"``. ``seed``: per-micro-batch RNG seed base (``None``: leave the RNG
+    alone). ``digest``: compute :attr:`StepStats.digest` (sha256 of the gradient bytes).
+    """
+
+    def __init__(
+        self,
+        model: Union[torch.nn.Module, Iterable],
+        micro_batches: int,
+        *,
+        group=None,
+        margin: int = 4,
+        span: int = 0,
+        on_nonfinite: str = "skip",
+        seed: Optional[int] = 0,
+        digest: bool = True,
+        block_size: int = DEFAULT_EXACT_BLOCK,
+        headroom: int = DEFAULT_HEADROOM,
+    ):
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError("flatcomm.reproducible: pass the plain module, not a DistributedDataParallel "
+                            "wrapper (its all-reduce would average rank-dependent fp32 sums)")
+        named = self._named(model)
+        if not named:
+            raise ValueError("flatcomm.reproducible: no parameter requires a gradient")
+        if on_nonfinite not in _ON_NONFINITE:
+            raise ValueError(f"flatcomm.reproducible: on_nonfinite must be one of {_ON_NONFINITE}, "
+                             f"got {on_nonfinite!r}")
+        if margin < 0 or span < 0:
+            raise ValueError(f"flatcomm.reproducible: margin and span must be >= 0, got {margin}, {span}")
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"flatcomm.reproducible: micro_batches must be a positive int, got {micro_batches!r}")
+        if micro_batches > (1 << headroom):
+            raise ValueError(f"flatcomm.reproducible: {micro_batches} micro-batches exceed the 2^{headroom} "
+                             f"contributions that int64 fixed point with headroom {headroom} can add")
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        else:
+            self.world, self.rank = 1, 0
+        if micro_batches % self.world:
+            raise ValueError(
+                f"flatcomm.reproducible: micro_batches ({micro_batches}) must be a multiple of the world "
+                f"size ({self.world}) so that every rank gets the same number of micro-batches; "
+                f"use e.g. {self._suggest(micro_batches, self.world)}")
+        self.micro_batches_per_step = micro_batches
+        self.margin, self.span = margin, span
+        self.on_nonfinite, self.seed, self.digest = on_nonfinite, seed, digest
+        self.block, self.headroom = block_size, headroom
+        self._chunk = max(1, TO_EXACT_CHUNK // block_size) * block_size
+
+        devices = {p.device for _, p in named}
+        if len(devices) != 1:
+            raise ValueError(f"flatcomm.reproducible: parameters on several devices {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        bad = sorted({str(p.dtype) for _, p in named if p.dtype not in _GRAD_DTYPES})
+        if bad:
+            raise TypeError(f"flatcomm.reproducible: parameter dtypes must be float32, bfloat16 or float16, got {bad}")
+        self.names = [n for n, _ in named]
+        self._groups: List[_Group] = []
+        block_param: List[int] = []
+        start = 0
+        for dtype in _GRAD_DTYPES:
+            idx = [i for i, (_, p) in enumerate(named) if p.dtype == dtype]
+            if not idx:
+                continue
+            offsets, off = [], 0
+            for i in idx:
+                offsets.append(off)
+                nb = -(-named[i][1].numel() // block_size)
+                block_param.extend([i] * nb)
+                off += nb * block_size
+            flat = torch.zeros(off, dtype=dtype, device=self.device)
+            self._groups.append(_Group(dtype, [named[i][1] for i in idx], offsets, flat, start))
+            start += off
+        self.numel = start                      # padded
+        nblocks = start // block_size
+        self._block_param = torch.tensor(block_param, dtype=torch.int64, device=self.device)
+        self._exponents = torch.full((nblocks,), ZERO_EXPONENT, dtype=torch.int32, device=self.device)
+        self._gmax = torch.empty(nblocks, dtype=torch.int32, device=self.device)
+        self._acc = torch.zeros(start, dtype=torch.int64, device=self.device)
+        self._views = [[g.flat[o:o + p.numel()].view_as(p) for p, o in zip(g.params, g.offsets)]
+                       for g in self._groups]
+        self.step_count = 0
+        self.stats = StepStats()
+        self._active: Optional[object] = None
+        self._check_consistent()
+
+    # ---- construction helpers -------------------------------------------------------------------
+
+    @staticmethod
+    def _named(model) -> List[Tuple[str, torch.nn.Parameter]]:
+        if isinstance(model, torch.nn.Module):
+            items = list(model.named_parameters())
+        else:
+            items = []
+            for i, x in enumerate(model):
+                items.append(tuple(x) if isinstance(x, tuple) else (f"param{i}", x))
+        seen, out = set(), []
+        for name, p in items:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p))
+        return out
+
+    @staticmethod
+    def _suggest(m: int, w: int) -> str:
+        lo = (m // w) * w
+        return " or ".join(str(v) for v in (lo, lo + w) if v > 0)
+
+    def _check_consistent(self) -> None:
+        if self.world == 1:
+            return
+        from .collectives import _check_consistent  # one tiny all-gather, clear error on mismatch
+
+        _check_consistent(self.group, [
+            ("parameter numel (padded)", self.numel), ("micro_batches", self.micro_batches_per_step),
+            ("margin", self.margin), ("span", self.span), ("block_size", self.block),
+            ("headroom", self.headroom), ("on_nonfinite", _ON_NONFINITE.index(self.on_nonfinite)),
+            ("seed (mod 2^62)", -1 if self.seed is None else self.seed % (1 << 62)),
+            ("step", self.step_count),
+        ], self.device)
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    @property
+    def local_indices(self) -> List[int]:
+        """The micro-batches this rank runs each step: rank, rank + W, ..."""
+        return list(range(self.rank, self.micro_batches_per_step, self.world))
+
+    def micro_batches(self) -> Iterator[int]:
+        """One training step: yields this rank's micro-batch indices (in [0, M)); run forward and
+        ``backward()`` for micro-batch i in the loop body. When the loop ends, every parameter's
+        ``.grad`` holds the exact mean gradient over all M micro-batches (same bits on every rank
+        and every rank count) and :attr:`stats` describes the step. On a replay step (the first
+        step, and steps whose gradient outgrew the exponents) the body runs twice for each index:
+        keep side effects other than ``backward()`` idempotent (record losses by index, not by
+        appending). Leaving the loop early (break, exception) clears the grads.
+        """
+        stats = StepStats(step=self.step_count)
+        self.stats = stats
+        token = object()
+        self._active = token      # an abandoned earlier loop must not touch this step's grads
+        decided = False
+        first_g: Optional[torch.Tensor] = None
+        try:
+            while True:
+                self._acc.zero_()
+                self._gmax.fill_(ZERO_EXPONENT)
+                local_overflow = False
+                for i in self.local_indices:
+                    self._bind_zeroed_grads()
+                    t0 = time.perf_counter()
+                    if self.seed is None:
+                        yield i
+                    else:
+                        with self._seeded(i):
+                            yield i
+                    t1 = time.perf_counter()
+                    local_overflow = self._accumulate(local_overflow)
+                    stats.compute_s += t1 - t0
+                    stats.accumulate_s += time.perf_counter() - t1
+                    stats.local_micro_batches += 1
+                t0 = time.perf_counter()
+                g = self._gmax.clone()
+                # The integer SUM goes out with the exponent MAX (one round trip instead of two);
+                # on the rare steps that replay or skip, its result is simply not used.
+                sum_work = self._all_reduce(self._acc, dist.ReduceOp.SUM, stats, async_op=True)
+                self._wait(self._all_reduce(g, dist.ReduceOp.MAX, stats, async_op=True))
+                self._wait(sum_work)
+                if first_g is not None and not torch.equal(g, first_g):
+                    raise RuntimeError(
+                        f"flatcomm.reproducible: step {stats.step}: the micro-batch gradients changed when "
+                        "the step was replayed (same weights, same micro-batches): the loop body is not "
+                        "deterministic. Call flatcomm.reproducible.configure(), keep randomness inside the "
+                        "body seeded (seed=...), and keep side effects out of the body.")
+                nonfinite = g == NONFINITE_EXPONENT
+                if bool(nonfinite.any()):
+                    decided = True
+                    self._nonfinite(g, nonfinite, stats)   # may raise (on_nonfinite="raise")
+                    stats.reduce_s += time.perf_counter() - t0
+                    break
+                grow = g > self._exponents
+                if bool(grow.any()):
+                    stats.grown_blocks = max(stats.grown_blocks, int(grow.sum()))
+                    torch.maximum(self._exponents, g, out=self._exponents)
+                    first_g = g
+                    stats.replays += 1
+                    stats.reduce_s += time.perf_counter() - t0
+                    continue
+                decided = True
+                self._finish(g, stats)
+                stats.reduce_s += time.perf_counter() - t0
+                break
+        finally:
+            if self._active is token:
+                self._active = None
+                if decided:
+                    self.step_count += 1
+                else:  # left early: no reduction happened, the grads are one micro-batch's
+                    self._clear_grads()
+
+    # ---- pieces of the step -----------------------------------------------------------------------
+
+    def _bind_zeroed_grads(self) -> None:
+        for g, views in zip(self._groups, self._views):
+            g.flat.zero_()
+            for p, v in zip(g.params, views):
+                # backward() adds into an existing grad in place (0 + g == g), so it lands in flat.
+                p.grad = v
+
+    def _clear_grads(self) -> None:
+        for g in self._groups:
+            for p in g.params:
+                p.grad = None
+
+    @contextlib.contextmanager
+    def _seeded(self, i: int):
+        # Seeds the CPU generator (and the parameters' CUDA device's) directly: torch.manual_seed
+        # would also queue a lazy seeding of every CUDA device, recording a stack trace each call.
+        s = hashlib.blake2b(f"{self.seed}/{self.step_count}/{i}".encode(), digest_size=8).digest()
+        seed = int.from_bytes(s, "little") >> 1
+        gens = [torch.default_generator]
+        if self.device.type == "cuda":
+            gens.append(torch.cuda.default_generators[self.device.index or 0])
+        states = [g.get_state() for g in gens]
+        try:
+            for g in gens:
+                g.manual_seed(seed)
+            yield
+        finally:
+            for g, st in zip(gens, states):
+                g.set_state(st)
+
+    def _accumulate(self, overflow: bool) -> bool:
+        """Adds the current grads (one micro-batch) into the int64 accumulator, unless some block
+        exceeds its exponent here or did earlier this pass; always keeps the running block max."""
+        for g, views in zip(self._groups, self._views):
+            for p, v in zip(g.params, views):
+                if p.grad is None or p.grad.data_ptr() != v.data_ptr():  # backward replaced it (e.g. a hook, or set_to_none in the body)
+                    if p.grad is None:
+                        v.zero_()
+                    else:
+                        v.copy_(p.grad)
+                    p.grad = v
+        for g in self._groups:
+            b0, b1 = g.start // self.block, (g.start + g.flat.numel()) // self.block
+            e = exact_exponents(g.flat, self.block)
+            gm = self._gmax[b0:b1]
+            torch.maximum(gm, e, out=gm)
+            if overflow:
+                continue
+            ex = self._exponents[b0:b1]
+            if bool((e > ex).any()):
+                overflow = True  # this pass will be replayed: stop converting
+                continue
+            # In chunks: the transient int64 image stays small (TO_EXACT_CHUNK values) for any model.
+            for a in range(0, g.flat.numel(), self._chunk):
+                b = min(g.flat.numel(), a + self._chunk)
+                self._acc[g.start + a:g.start + b] += to_exact(
+                    g.flat[a:b], ex[a // self.block:b // self.block], self.block, self.headroom)
+        return overflow
+
+    def _all_reduce(self, t: torch.Tensor, op, stats: StepStats, async_op: bool = False):
+        if self.world == 1:
+            return None
+        stats.wire_bytes += t.numel() * t.element_size()
+        return dist.all_reduce(t, op, group=self.group, async_op=async_op)
+
+    @staticmethod
+    def _wait(work) -> None:
+        if work is not None:
+            work.wait()
+
+    def _finish(self, g: torch.Tensor, stats: StepStats) -> None:
+        h = hashlib.sha256() if self.digest else None
+        for grp, views in zip(self._groups, self._views):
+            b0, b1 = grp.start // self.block, (grp.start + grp.flat.numel()) // self.block
+            total = from_exact(self._acc[grp.start:grp.start + grp.flat.numel()],
+                               self._exponents[b0:b1], self.block, self.headroom)
+            mean = total / self.micro_batches_per_step      # fp32, once
+            grp.flat.copy_(mean)                            # parameter dtype, once
+            for p, v in zip(grp.params, views):
+                p.grad = v
+            if h is not None:
+                h.update(grp.flat.detach().cpu().view(torch.uint8).numpy().data)
+        stats.applied = True
+        stats.digest = h.hexdigest() if h is not None else ""
+        self._predict(g)
+
+    def _predict(self, g: torch.Tensor) -> None:
+        """Exponents for the next step from this step's agreed block maxima."""
+        per_param = torch.full((len(self.names),), ZERO_EXPONENT, dtype=torch.int32, device=g.device)
+        per_param.scatter_reduce_(0, self._block_param, g, "amax")
+        floor = per_param[self._block_param] - self.span
+        nxt = torch.maximum(g, floor) + self.margin
+        self._exponents = nxt.clamp_(ZERO_EXPONENT, MAX_EXPONENT).to(torch.int32)
+
+    def _nonfinite(self, g: torch.Tensor, nonfinite: torch.Tensor, stats: StepStats) -> None:
+        params = sorted(set(self._block_param[nonfinite].tolist()))
+        stats.nonfinite = [self.names[i] for i in params]
+        stats.applied = False
+        stats.digest = hashlib.sha256(b"nonfinite:" + g.cpu().numpy().tobytes()).hexdigest()
+        # The exponents of the finite blocks are still a fine prediction; nonfinite ones keep theirs.
+        if self.on_nonfinite == "raise":
+            self._clear_grads()
+            shown = ", ".join(stats.nonfinite[:8]) + (" ..." if len(stats.nonfinite) > 8 else "")
+            raise FloatingPointError(
+                f"flatcomm.reproducible: step {stats.step}: non-finite gradient (inf/NaN) in {len(params)} "
+                f"parameter(s): {shown}; every rank raises this at the same step")
+        if self.on_nonfinite == "nan":
+            for grp, views in zip(self._groups, self._views):
+                grp.flat.fill_(float("nan"))
+                for p, v in zip(grp.params, views):
+                    p.grad = v
+        else:
+            self._clear_grads()
+
+    # ---- state ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, object]:
+        """The exponent prediction and the step counter (the same on every rank, for any world
+        size). Save it with the checkpoint: a run resumed without it would choose other exponents
+        (and other per-micro-batch seeds) for the next step than the uninterrupted run."""
+        return {"exponents": self._exponents.cpu().clone(), "step": self.step_count,
+                "numel": self.numel, "block_size": self.block, "headroom": self.headroom}
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        if (state["numel"], state["block_size"], state["headroom"]) != (self.numel, self.block, self.headroom):
+            raise ValueError(
+                "flatcomm.reproducible: state_dict is for numel/block_size/headroom "
+                f"{(state['numel'], state['block_size'], state['headroom'])}, this accumulator has "
+                f"{(self.numel, self.block, self.headroom)}")
+        self._exponents = state["exponents"].to(device=self.device, dtype=torch.int32).clone()
+        self.step_count = int(state["step"])
+
+    # ---- accounting -------------------------------------------------------------------------------
+
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes this accumulator holds: the grad storage (the parameters' ``.grad`` are views of
+        it, so it replaces the usual grads), the int64 accumulator (the real overhead: 8 bytes per
+        value), exponents and index tables, and the transient ``to_exact`` result (one chunk)."""
+        return {
+            "grad_flat": sum(g.flat.numel() * g.flat.element_size() for g in self._groups),
+            "int64_accumulator": self._acc.numel() * 8,
+            "exponents": 3 * self._exponents.numel() * 4 + self._block_param.numel() * 8,
+            "to_exact_transient": min(self._chunk, max(g.flat.numel() for g in self._groups)) * 8,
+            "parameters": sum(p.numel() * p.element_size() for g in self._groups for p in g.params),
+        }
