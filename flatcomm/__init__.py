@@ -31,6 +31,19 @@ def build_info() -> dict:
     return info
 
 
+_SUBMODULES = ("collectives", "ddp", "fsdp", "reproducible", "reference", "spawn", "netlink")
+
+
+def __getattr__(name: str):
+    """Import the integrations on first use (``flatcomm.ddp.register(...)`` after ``import
+    flatcomm``), so that importing the kernels stays light."""
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'flatcomm' has no attribute {name!r}")
+
+
 __all__ = [
     "CODECS",
     "Codec",
