@@ -16,6 +16,7 @@ from .codecs import (
     wire_bytes,
 )
 from .sums import exact_exponents, exact_sum, from_exact, ordered_sum, to_exact
+from .collectives import CommStats, ErrorFeedback, all_gather, all_reduce, reduce_scatter
 
 __version__ = "0.1.0"
 
@@ -31,7 +32,7 @@ def build_info() -> dict:
     return info
 
 
-_SUBMODULES = ("collectives", "ddp", "fsdp", "reproducible", "reference", "spawn", "netlink")
+_SUBMODULES = ("ddp", "fsdp", "reproducible", "reference", "spawn", "netlink")
 
 
 def __getattr__(name: str):
@@ -46,6 +47,11 @@ def __getattr__(name: str):
 
 __all__ = [
     "CODECS",
+    "CommStats",
+    "ErrorFeedback",
+    "all_gather",
+    "all_reduce",
+    "reduce_scatter",
     "Codec",
     "build_info",
     "decode",
