@@ -30,6 +30,9 @@ from flatcomm import collectives as C  # noqa: E402
 from flatcomm.codecs import CODECS, Codec  # noqa: E402
 
 
+# torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (the old name warns).
+_gloo_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 def parse_size(s: str) -> int:
     s = s.strip().upper()
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
@@ -87,7 +90,7 @@ def _rank_main(rank: int, world: int, cfg: dict) -> Optional[list]:
         say(f"[{n} values = {S / 1e6:.0f} MB fp32, {world} ranks]")
         # gloo baselines (fp32, SUM; nominal ring volume per rank)
         add("reduce_scatter", "gloo", "fp32", "-", "-",
-            _timed(lambda: dist.reduce_scatter_tensor(shard, x, op=dist.ReduceOp.SUM), reps, warmup),
+            _timed(lambda: _gloo_reduce_scatter(shard, x, op=dist.ReduceOp.SUM), reps, warmup),
             S * (world - 1) / world)
         add("all_reduce", "gloo", "fp32", "-", "-",
             _timed(lambda: dist.all_reduce(work), reps, warmup, copy_in), 2 * S * (world - 1) / world)
