@@ -93,19 +93,31 @@ class State:
     track_norms: compute the residual/gradient norms for :meth:`stats` (two dot products over the
         bucket before sending and one norm of each residual after).
     history: how many steps :meth:`stats` keeps.
+    codec="auto": a :class:`flatcomm.tune.Tuner` (``tuner=``, default error budget int8) picks the codec
+        of each bucket at its first hook call; ``decisions`` / ``stats()["decisions"]`` say what and why.
     """
 
     def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: str = "ordered",
                  group=None, chunks: Optional[int] = None, block_size: Optional[int] = None,
                  ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None,
-                 grad_scaler=None, track_norms: bool = True, history: int = 100):
+                 grad_scaler=None, track_norms: bool = True, history: int = 100, tuner=None):
         if mode not in C.MODES:
             raise ValueError(f"flatcomm: mode must be one of {C.MODES}, got {mode!r}")
-        self.codec: Codec = resolve(codec, block_size, ratio)
+        # codec="auto": flatcomm.tune picks a codec per bucket key at its first hook call (the same
+        # on every rank); self.decisions[key] holds the Decision (codec, chunks, reason, predicted_s).
+        self._auto = isinstance(codec, str) and codec == "auto"
+        self._block_size = block_size
+        self.decisions: Dict[Tuple[int, ...], Any] = {}
+        if self._auto:
+            from .tune import Tuner
+            if mode != "ordered":
+                raise ValueError("flatcomm: codec='auto' needs mode='ordered'")
+            self.tuner = tuner if tuner is not None else Tuner()
+        self.codec: Codec = resolve("fp32" if self._auto else codec, block_size, ratio)
         if mode == "exact" and self.codec.name != "fp32":
             raise ValueError("flatcomm: mode='exact' sends int64 fixed point; use codec='fp32' with it")
         self.mode = mode
-        self.error_feedback = bool(error_feedback) and not self.codec.lossless and mode == "ordered"
+        self.error_feedback = bool(error_feedback) and (self._auto or not self.codec.lossless) and mode == "ordered"
         self.chunks = chunks
         self.group = group
         self._dedicated = group is None
@@ -240,7 +252,14 @@ class State:
             self._new_step = True
         tensor = bucket.buffer()
         key = tuple(id(p) for p in bucket.parameters())
-        res = self._buffer_for(bucket) if self.error_feedback else None
+        codec = self.codec
+        if self._auto:
+            d = self.decisions.get(key)
+            if d is None:  # pure given the (MAX-agreed) costs: every rank picks the same
+                d = self.decisions[key] = self.tuner.choose(tensor.numel(), key=f"bucket{index}", group=group,
+                                                            device=tensor.device)
+            codec = resolve(d.codec, self._block_size)
+        res = self._buffer_for(bucket) if self.error_feedback and not codec.lossless else None
         kwargs = {}
         if _HAS_VALIDATE:  # the consistency round trip only for a bucket layout not seen before
             kwargs["validate"] = key not in self._seen
@@ -262,7 +281,7 @@ class State:
         with self._cond:
             self._inflight += 1
         try:
-            h = C.all_reduce(tensor, codec=self.codec, op="avg", mode=self.mode, group=group, async_op=True,
+            h = C.all_reduce(tensor, codec=codec, op="avg", mode=self.mode, group=group, async_op=True,
                              residual=res.ef if res is not None else None, chunks=self.chunks, stats=cs,
                              **kwargs)
         except BaseException:
@@ -273,7 +292,8 @@ class State:
         def record(f: torch.futures.Future) -> None:
             try:
                 f.value()  # raises if the collective failed: DDP sees that error, no record
-                self._record(step, index, tensor, res, cs, time.perf_counter() - t0, v_sq[0] if v_sq else None)
+                self._record(step, index, tensor, res, cs, time.perf_counter() - t0, v_sq[0] if v_sq else None,
+                             codec)
             except BaseException:  # noqa: BLE001 - statistics never break training
                 pass
             finally:
@@ -294,11 +314,12 @@ class State:
 
     # ---- statistics ------------------------------------------------------------------------------
 
-    def _record(self, step, index, tensor, res, cs: C.CommStats, comm_s, v_sq) -> None:
+    def _record(self, step, index, tensor, res, cs: C.CommStats, comm_s, v_sq, codec=None) -> None:
+        codec = codec or self.codec
         n = tensor.numel()
         world = dist.get_world_size(self.group)
         rec = {
-            "step": step, "bucket": index, "numel": n,
+            "step": step, "bucket": index, "numel": n, "codec": codec.name,
             "wire_bytes": cs.wire_bytes,
             # What a plain fp32 (ring) all-reduce puts on the wire per rank: 2 (W-1)/W * 4n.
             "fp32_bytes": int(2 * (world - 1) * 4 * n // world),
@@ -317,7 +338,7 @@ class State:
             else:
                 rec["client_residual_norm"] = rec["server_residual_norm"] = 0.0
                 rec["input_norm"] = math.sqrt(max(v_sq, 0.0)) if v_sq is not None else 0.0
-                rec["rel_error"] = 0.0 if self.codec.lossless else float("nan")
+                rec["rel_error"] = 0.0 if codec.lossless else float("nan")
         with self._lock:
             self._records.append(rec)
             if self._records and self._records[-1]["step"] - self._records[0]["step"] >= self.history:
@@ -362,8 +383,11 @@ class State:
                                                    for b in s["buckets"]))
             s["buckets"].sort(key=lambda b: b["bucket"])
             out.append(s)
-        return {"codec": self.codec.name, "block_size": self.codec.block_size, "mode": self.mode,
-                "error_feedback": self.error_feedback,
+        return {"codec": "auto" if self._auto else self.codec.name, "block_size": self.codec.block_size,
+                "mode": self.mode, "error_feedback": self.error_feedback,
+                # codec="auto": per bucket, what the tuner chose and why
+                "decisions": [{"codec": d.codec, "chunks": d.chunks, "reason": d.reason,
+                               "predicted_s": dict(d.predicted_s)} for d in self.decisions.values()],
                 "world_size": dist.get_world_size(self.group) if self.group is not None else None,
                 "steps": out}
 
@@ -395,7 +419,8 @@ class State:
             del names
         for n, t in self._pending.items():  # loaded, not yet used: already a global total
             residual[n] = t.clone()
-        return {"version": STATE_DICT_VERSION, "codec": self.codec.name, "block_size": self.codec.block_size,
+        return {"version": STATE_DICT_VERSION, "codec": "auto" if self._auto else self.codec.name,
+                "block_size": self.codec.block_size,
                 "world_size": dist.get_world_size(self.group) if self.group is not None else dist.get_world_size(),
                 "step": self._step, "residual": residual}
 
