@@ -246,10 +246,6 @@ def shard_bounds(numel: int, world: int, align: int = 1) -> List[int]:
     return bounds
 
 
-def _chunk_bounds(length: int, chunks: int, align: int) -> List[int]:
-    return shard_bounds(length, chunks, align)
-
-
 def _auto_chunks(numel: int, codec: Codec, world: int, mode: str) -> int:
     wire = 8 * numel if mode == "exact" else codec.wire_bytes(numel)
     return int(max(1, min(MAX_AUTO_CHUNKS, wire // CHUNK_TARGET_BYTES)))
@@ -276,7 +272,7 @@ class _Plan:
 
 def _plan(bounds: List[int], chunks: int, align: int, rank: int) -> _Plan:
     world = len(bounds) - 1
-    cbs = [_chunk_bounds(bounds[d + 1] - bounds[d], chunks, align) for d in range(world)]
+    cbs = [shard_bounds(bounds[d + 1] - bounds[d], chunks, align) for d in range(world)]
     return _Plan(world, rank, bounds, cbs)
 
 
@@ -584,16 +580,12 @@ def all_gather(
 
         def dec():
             for d in range(world):
-                _decode_into(rows[d], c, n, out[d * n:(d + 1) * n])
+                _decode(rows[d], c, n, out=out[d * n:(d + 1) * n])
 
         pipe.timed("decode_s", dec)
         pipe.release()
 
     return _run(body, output, group, async_op)
-
-
-def _decode_into(payload: torch.Tensor, c: Codec, n: int, dst: torch.Tensor) -> None:
-    _decode(payload, c, n, out=dst)
 
 
 def all_reduce(
@@ -685,7 +677,7 @@ def _ordered_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, chunks
             for d in range(world):
                 a, b = plan.piece(d, j)
                 if b > a:
-                    _decode_into(rows[d, :c.wire_bytes(b - a)], c, b - a, flat[a:b])
+                    _decode(rows[d, :c.wire_bytes(b - a)], c, b - a, out=flat[a:b])
 
         pipe.timed("decode_s", dec)
 
@@ -695,12 +687,12 @@ def _ordered_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, chunks
 def _exact_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, chunks: int, scale: float,
                       block: int, headroom: int) -> None:
     me, world = plan.rank, plan.world
-    shard = torch.empty(plan.bounds[me + 1] - plan.bounds[me], dtype=torch.float32, device=flat.device)
-    _exact_reduce_scatter(pipe, flat, shard, plan, chunks, scale, block, headroom)
-    # The reduced shards are already final and identical everywhere: gather them as fp32.
+    # The reduced shards are already final and identical everywhere: reduce straight into the
+    # all-gather's send buffer (padded to the widest shard; padding is never read) and gather fp32.
     width = max(plan.bounds[d + 1] - plan.bounds[d] for d in range(world))
-    send_buf = torch.zeros(width, dtype=torch.float32, device=flat.device)
-    send_buf[:shard.numel()] = shard
+    send_buf = pipe.empty(width, torch.float32, flat.device)
+    shard = send_buf[:plan.bounds[me + 1] - plan.bounds[me]]
+    _exact_reduce_scatter(pipe, flat, shard, plan, chunks, scale, block, headroom)
     work, recv = pipe.all_gather(send_buf, world)
     pipe.wait(work)
     rows = recv.view(world, width)
