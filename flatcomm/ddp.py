@@ -93,8 +93,10 @@ class State:
     track_norms: compute the residual/gradient norms for :meth:`stats` (two dot products over the
         bucket before sending and one norm of each residual after).
     history: how many steps :meth:`stats` keeps.
-    codec="auto": a :class:`flatcomm.tune.Tuner` (``tuner=``, default error budget int8) picks the codec
-        of each bucket at its first hook call; ``decisions`` / ``stats()["decisions"]`` say what and why.
+    codec="auto": a :class:`flatcomm.autotune.Tuner` (``tuner=``, default error budget int8) picks the
+        codec of each bucket at its first hook call; ``decisions`` / ``stats()["decisions"]`` say what
+        and why. A parameter that moves (bucket rebuild) from a lossy bucket into one where fp32 was
+        chosen brings its residual along: it is added once to that bucket's lossless all-reduce.
     """
 
     def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: str = "ordered",
@@ -103,13 +105,13 @@ class State:
                  grad_scaler=None, track_norms: bool = True, history: int = 100, tuner=None):
         if mode not in C.MODES:
             raise ValueError(f"flatcomm: mode must be one of {C.MODES}, got {mode!r}")
-        # codec="auto": flatcomm.tune picks a codec per bucket key at its first hook call (the same
+        # codec="auto": flatcomm.autotune picks a codec per bucket key at its first hook call (the same
         # on every rank); self.decisions[key] holds the Decision (codec, chunks, reason, predicted_s).
         self._auto = isinstance(codec, str) and codec == "auto"
         self._block_size = block_size
         self.decisions: Dict[Tuple[int, ...], Any] = {}
         if self._auto:
-            from .tune import Tuner
+            from .autotune import Tuner
             if mode != "ordered":
                 raise ValueError("flatcomm: codec='auto' needs mode='ordered'")
             self.tuner = tuner if tuner is not None else Tuner()
@@ -226,6 +228,29 @@ class State:
         self._refs[key] = len(layout)
         return b
 
+    def _carries(self, bucket) -> bool:
+        """Whether a parameter of this bucket still has a residual (from a lossy bucket or a checkpoint)."""
+        if any(id(p) in self._where for p in bucket.parameters()):
+            return True
+        if not self._pending:
+            return False
+        names = self._name_map()
+        return any(names.get(id(p)) in self._pending for p in bucket.parameters())
+
+    def _flush_into_lossless(self, bucket) -> _Buf:
+        """codec="auto" chose fp32 for a bucket whose parameters carry residuals: assemble them once
+        (server folded into client, so the buffer holds ``T / scale`` per rank, see the module docs)
+        and forget them. The fp32 encode adds the client residual to the gradient and zeroes it, so
+        the averaged result gains ``scale * sum_r client_r = T``: nothing is lost, nothing is kept."""
+        b = self._buffer_for(bucket)
+        key = tuple(id(p) for p in bucket.parameters())
+        for pid, _, _ in b.layout:
+            self._where.pop(pid, None)
+        del self._bufs[key], self._refs[key]
+        b.ef.client.add_(b.ef.server, alpha=1.0 / self._scale())  # a fresh buffer's server is zero
+        b.ef.server.zero_()
+        return b
+
     def _rescale_for_scaler(self) -> None:
         s = float(self.grad_scaler.get_scale())
         old = self._scale_seen
@@ -259,7 +284,11 @@ class State:
                 d = self.decisions[key] = self.tuner.choose(tensor.numel(), key=f"bucket{index}", group=group,
                                                             device=tensor.device)
             codec = resolve(d.codec, self._block_size)
-        res = self._buffer_for(bucket) if self.error_feedback and not codec.lossless else None
+        res = None
+        if self.error_feedback and not codec.lossless:
+            res = self._buffer_for(bucket)
+        elif self.error_feedback and self._carries(bucket):
+            res = self._flush_into_lossless(bucket)
         kwargs = {}
         if _HAS_VALIDATE:  # the consistency round trip only for a bucket layout not seen before
             kwargs["validate"] = key not in self._seen

@@ -53,6 +53,7 @@ units first reduce) and live in the same kind of dict.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -63,9 +64,23 @@ import torch.distributed as dist
 from . import collectives as C
 from .codecs import Codec, resolve
 
-__all__ = ["ReduceScatter", "FSDP1State", "fsdp1_hook", "apply"]
+__all__ = ["ReduceScatter", "FSDP1State", "fsdp1_hook", "apply", "Stats"]
 
 _Pieces = List[Tuple[str, int]]  # (name, values per rank) in the input's row layout
+
+
+@dataclasses.dataclass
+class Stats(C.CommStats):
+    """:class:`~flatcomm.collectives.CommStats` plus, with ``codec="auto"``, what was chosen per
+    collective size: ``decisions[(kind, numel)]`` is a :class:`flatcomm.autotune.Decision`
+    (codec, chunks, reason, predicted seconds per codec)."""
+
+    decisions: Dict[Tuple[str, int], Any] = dataclasses.field(default_factory=dict)
+
+    def add(self, other: C.CommStats) -> None:
+        for f in dataclasses.fields(C.CommStats):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        self.decisions.update(getattr(other, "decisions", {}))
 
 
 # ---- residual storage, keyed by parameter name --------------------------------------------------
@@ -89,6 +104,10 @@ class _Residuals:
         buf, lay = self._bufs[key]
         off, c = lay[name]
         return buf[:, off:off + c]
+
+    def holds(self, pieces: _Pieces) -> bool:
+        """Whether any of these parameters has a residual (placed or loaded)."""
+        return any(n in self._where or n in self._pending for n, _ in pieces)
 
     def get(self, pieces: _Pieces, world: int, device: torch.device) -> torch.Tensor:
         key = tuple(n for n, _ in pieces)
@@ -232,17 +251,42 @@ def _reduce(output: torch.Tensor, input: torch.Tensor, *, codec: Codec, op: Any,
 
 class _Backend:
     def __init__(self, codec: Any, *, error_feedback: bool, mode: str, chunks: Optional[int],
-                 block_size: Optional[int], ratio: Optional[float]):
+                 block_size: Optional[int], ratio: Optional[float], tuner=None):
         if mode not in C.MODES:
             raise ValueError(f"flatcomm: mode must be one of {C.MODES}, got {mode!r}")
-        self.codec: Codec = resolve(codec, block_size, ratio)
+        # codec="auto": the tuner picks per collective size (the same on every rank); self.codec is
+        # then only the lossless placeholder and stats.decisions says what was chosen and why.
+        self._auto = isinstance(codec, str) and codec == "auto"
+        if self._auto:
+            from .autotune import Tuner
+
+            if mode != "ordered":
+                raise ValueError("flatcomm: codec='auto' needs mode='ordered'")
+            self.tuner = tuner if tuner is not None else Tuner()
+        self._block_size = block_size
+        self.codec: Codec = resolve("fp32" if self._auto else codec, block_size, ratio)
         if mode == "exact" and not self.codec.lossless:
             raise ValueError("flatcomm: mode='exact' sends int64 fixed point; use codec='fp32' with it")
         self.mode = mode
-        self.error_feedback = bool(error_feedback) and not self.codec.lossless
+        self.error_feedback = bool(error_feedback) and (self._auto or not self.codec.lossless)
         self.chunks = chunks
-        self.stats = C.CommStats()
+        self.stats = Stats()
         self._res = _Residuals()
+
+    def _codec_for(self, numel: int, group, device: torch.device, kind: str) -> Codec:
+        """The codec of one collective: fixed, or the tuner's choice for this size."""
+        if not self._auto:
+            return self.codec
+        d = self.tuner.choose(numel, group=group, device=device, kind=kind)
+        if not isinstance(self.stats, Stats):  # someone swapped in a plain CommStats
+            self.stats = Stats(**dataclasses.asdict(self.stats))
+        self.stats.decisions[(kind, numel)] = d
+        return resolve(d.codec, self._block_size)
+
+    @property
+    def decisions(self) -> Dict[Tuple[str, int], Any]:
+        """codec="auto": ``(kind, numel) -> Decision`` made so far (also in ``stats.decisions``)."""
+        return getattr(self.stats, "decisions", {})
 
     def _prefix(self) -> str:
         return f"rank{dist.get_rank()}." if dist.is_initialized() else "rank0."
@@ -275,16 +319,20 @@ class ReduceScatter(_Backend):
 
     codec: ``fp32`` (lossless; fixed source-rank order: the same bits every run), ``bf16``, ``fp16``,
         ``int8``, ``int4``, ``sign``, ``topk`` or a :class:`flatcomm.Codec`.
-    error_feedback: keep per-parameter residuals for lossy codecs (see the module docstring).
+        ``auto``: a :class:`flatcomm.autotune.Tuner` (``tuner=``, default error budget int8) picks
+        per reduce-scatter size, the same on every rank; ``stats.decisions`` holds what and why.
+    error_feedback: keep per-parameter residuals for lossy codecs (see the module docstring). With
+        ``auto``, a parameter group reduced in fp32 still sends its parameters' residuals (added
+        once by the fp32 encode, which zeroes them).
     mode: ``ordered`` or ``exact`` (fp32 only: order-independent integer sums).
     chunks, block_size, ratio: passed to the collective / codec.
     """
 
     def __init__(self, codec: Any = "fp32", *, error_feedback: bool = True, mode: str = "ordered",
                  chunks: Optional[int] = None, block_size: Optional[int] = None,
-                 ratio: Optional[float] = None):
+                 ratio: Optional[float] = None, tuner=None):
         super().__init__(codec, error_feedback=error_feedback, mode=mode, chunks=chunks,
-                         block_size=block_size, ratio=ratio)
+                         block_size=block_size, ratio=ratio, tuner=tuner)
         self._names: Dict[int, str] = {}  # id(FSDPParam) -> name (from apply's model)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -293,11 +341,13 @@ class ReduceScatter(_Backend):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
                  op: Any = dist.ReduceOp.AVG, async_op: bool = False):
         residual = None
+        codec = self._codec_for(input_tensor.numel(), group, input_tensor.device, "reduce_scatter")
         if self.error_feedback:
             world = dist.get_world_size(group)
             pieces = self._pieces(sys._getframe(1), input_tensor.numel(), world)
-            residual = self._res.get(pieces, world, input_tensor.device)
-        return _reduce(output_tensor, input_tensor, codec=self.codec, op=op, mode=self.mode,
+            if not codec.lossless or self._res.holds(pieces):
+                residual = self._res.get(pieces, world, input_tensor.device)
+        return _reduce(output_tensor, input_tensor, codec=codec, op=op, mode=self.mode,
                        group=group, async_op=async_op, residual=residual, chunks=self.chunks,
                        stats=self.stats)
 
@@ -334,7 +384,7 @@ class ReduceScatter(_Backend):
 
 def apply(model: torch.nn.Module, codec: Any = "fp32", *, error_feedback: bool = True,
           mode: str = "ordered", chunks: Optional[int] = None, block_size: Optional[int] = None,
-          ratio: Optional[float] = None) -> ReduceScatter:
+          ratio: Optional[float] = None, tuner=None) -> ReduceScatter:
     """Set one flatcomm :class:`ReduceScatter` on every ``FSDPModule`` in ``model`` and return it.
 
     One instance serves all modules (residuals are keyed by parameter name, not by module), so
@@ -344,7 +394,7 @@ def apply(model: torch.nn.Module, codec: Any = "fp32", *, error_feedback: bool =
     from torch.distributed.fsdp import FSDPModule
 
     rs = ReduceScatter(codec, error_feedback=error_feedback, mode=mode, chunks=chunks,
-                       block_size=block_size, ratio=ratio)
+                       block_size=block_size, ratio=ratio, tuner=tuner)
     names = {id(p): n for n, p in model.named_parameters()}
     world = dist.get_world_size() if dist.is_initialized() else 1
     found = False
@@ -374,13 +424,15 @@ class FSDP1State(_Backend):
     all-reduce with client + server residuals). ``model`` (the FSDP root) names the units in the
     state dict; without it units are named by the order they first reduce (deterministic for a
     given model). ``group`` overrides the group (default: the unit's FSDP process group).
+    ``codec="auto"`` and ``tuner=``: as for :class:`ReduceScatter` (all-reduce sizes for NO_SHARD).
     """
 
     def __init__(self, codec: Any = "fp32", *, error_feedback: bool = True, mode: str = "ordered",
                  chunks: Optional[int] = None, block_size: Optional[int] = None,
-                 ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None, group=None):
+                 ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None, group=None,
+                 tuner=None):
         super().__init__(codec, error_feedback=error_feedback, mode=mode, chunks=chunks,
-                         block_size=block_size, ratio=ratio)
+                         block_size=block_size, ratio=ratio, tuner=tuner)
         self.group = group
         self._unit_names: Dict[int, str] = {}
         self._ef: Dict[str, C.ErrorFeedback] = {}  # NO_SHARD residuals
@@ -438,20 +490,26 @@ def fsdp1_hook(state: FSDP1State, grad: torch.Tensor, output: Optional[torch.Ten
     group = state.group if state.group is not None else fsdp_group
     world = dist.get_world_size(group)
     if output is None:
+        codec = state._codec_for(grad.numel(), group, grad.device, "all_reduce")
         ef = None
-        if state.error_feedback:
+        if state.error_feedback and (not codec.lossless or name in state._ef):
             ef = state._ef.get(name)
             if ef is None or ef.client.numel() != grad.numel():
                 ef = state._ef[name] = C.ErrorFeedback.zeros(grad.numel(), grad.device)
+            if codec.lossless:  # auto chose fp32: the fp32 encode sends client + server once
+                ef.client.add_(ef.server, alpha=float(world))
+                ef.server.zero_()
         flat = grad if grad.is_contiguous() else grad.contiguous()
-        C.all_reduce(flat, codec=_wire_codec(state.codec, grad.dtype), op="avg", mode=state.mode,
+        C.all_reduce(flat, codec=_wire_codec(codec, grad.dtype), op="avg", mode=state.mode,
                      group=group, residual=ef, chunks=state.chunks, stats=state.stats)
         if flat is not grad:
             grad.copy_(flat)
         return None
+    codec = state._codec_for(grad.numel(), group, grad.device, "reduce_scatter")
     residual = None
-    if state.error_feedback:
-        residual = state._res.get([(name, grad.numel() // world)], world, grad.device)
-    _reduce(output, grad, codec=state.codec, op="avg", mode=state.mode, group=group, async_op=False,
+    pieces = [(name, grad.numel() // world)]
+    if state.error_feedback and (not codec.lossless or state._res.holds(pieces)):
+        residual = state._res.get(pieces, world, grad.device)
+    _reduce(output, grad, codec=codec, op="avg", mode=state.mode, group=group, async_op=False,
             residual=residual, chunks=state.chunks, stats=state.stats)
     return None
