@@ -99,6 +99,9 @@ def _rank_main(rank: int, world: int, cfg: dict) -> Optional[list]:
         if "fp32" in cfg["codecs"] and cfg["exact"]:
             configs.append(("fp32", "exact"))
         for codec, mode in configs:
+            if codec == "auto":  # the tuner picks (error budget sign: any codec the other rows try)
+                _auto_rows(cfg, x, work, shard, copy_in, add, world)
+                continue
             auto_rs = C._auto_chunks(m, Codec(codec), world, mode)
             auto_ar = C._auto_chunks(max(1, n // world), Codec(codec), world, mode)
             chunk_opts = [None]
@@ -119,6 +122,26 @@ def _rank_main(rank: int, world: int, cfg: dict) -> Optional[list]:
                            reps, warmup, copy_in), st.wire_bytes)
         del x, work, shard
     return rows if rank == 0 else None
+
+
+def _auto_rows(cfg, x, work, shard, copy_in, add, world) -> None:
+    from flatcomm.autotune import Tuner
+
+    tuner = Tuner("sign")
+    reps, warmup = cfg["reps"], cfg["warmup"]
+    st = C.CommStats()
+    h = C.reduce_scatter(shard, x, codec="auto", tuner=tuner, stats=st, async_op=True)
+    h.wait()
+    row = add("reduce_scatter", "flatcomm", "auto", "ordered", f"a{h.decision.chunks}",
+              _timed(lambda: C.reduce_scatter(shard, x, codec="auto", tuner=tuner), reps, warmup), st.wire_bytes)
+    row["chosen"], row["reason"] = h.decision.codec, h.decision.reason
+    st = C.CommStats()
+    copy_in()
+    h = C.all_reduce(work, codec="auto", tuner=tuner, stats=st, async_op=True)
+    h.wait()
+    row = add("all_reduce", "flatcomm", "auto", "ordered", f"a{h.decision.chunks}",
+              _timed(lambda: C.all_reduce(work, codec="auto", tuner=tuner), reps, warmup, copy_in), st.wire_bytes)
+    row["chosen"], row["reason"] = h.decision.codec, h.decision.reason
 
 
 def _table(rows: List[Dict]) -> str:
@@ -150,7 +173,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     ap.add_argument("--sizes", default="1M,25M", help="fp32 element counts, comma separated (K/M suffixes)")
-    ap.add_argument("--codecs", default=",".join(CODECS), help="codecs (default: all)")
+    ap.add_argument("--codecs", default=",".join(CODECS) + ",auto", help="codecs (default: all, and auto)")
     ap.add_argument("--no-exact", action="store_true", help="skip mode='exact'")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
@@ -163,7 +186,7 @@ def main(argv=None) -> int:
                exact=not a.no_exact, reps=a.reps, warmup=a.warmup,
                chunk_codecs=[c for c in a.chunk_codecs.split(",") if c], chunk_compare=bool(a.chunk_codecs))
     for c in cfg["codecs"]:
-        if c not in CODECS:
+        if c not in CODECS and c != "auto":
             ap.error(f"unknown codec {c}")
     t0 = time.time()
     rows = spawn.run(a.world, _rank_main, cfg, timeout_s=600, threads=a.threads)[0]

@@ -24,7 +24,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 HOOKS = ("noop", "torch allreduce", "torch quant_perchannel", "torch powerSGD r1", "torch powerSGD r4",
-         "flatcomm fp32", "flatcomm int8", "flatcomm int4", "flatcomm sign")
+         "flatcomm fp32", "flatcomm bf16", "flatcomm int8", "flatcomm int4", "flatcomm sign", "flatcomm auto")
+# "flatcomm auto" may pick any codec the fixed rows try: the error budget is the least precise one.
+AUTO_BUDGET = "sign"
 
 
 def mlp(params: float) -> torch.nn.Module:
@@ -76,8 +78,11 @@ def _bench_one(name, rank, world, args):
                                 min_compression_rate=0.0, use_error_feedback=True, warm_start=True)
         ddp.register_comm_hook(ps, _timed(psgd.powerSGD_hook, hook_times))
     else:
+        from flatcomm.autotune import Tuner
+
         codec = name.split()[1]
-        state = fddp.State(codec, model=ddp, track_norms=False)
+        tuner = Tuner(AUTO_BUDGET) if codec == "auto" else None
+        state = fddp.State(codec, model=ddp, track_norms=False, tuner=tuner)
         ddp.register_comm_hook(state, _timed(fddp.hook, hook_times))
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
     g = torch.Generator().manual_seed(rank)
@@ -107,6 +112,11 @@ def _bench_one(name, rank, world, args):
         res["encode_s"] = statistics.median(s["encode_s"] for s in st)
         res["exchange_s"] = statistics.median(s["exchange_s"] for s in st)
         res["decode_s"] = statistics.median(s["decode_s"] for s in st)
+        full = state.stats()
+        if full["decisions"]:  # codec="auto": what it chose per bucket, and the predicted times
+            res["decisions"] = [{"codec": d["codec"], "chunks": d["chunks"], "reason": d["reason"],
+                                 "predicted_s": d["predicted_s"]} for d in full["decisions"]]
+            res["hook_codecs"] = sorted({b["codec"] for s in st for b in s["buckets"]})
     elif name == "noop":
         res["wire_bytes"] = 0
     elif name.startswith("torch powerSGD"):
@@ -208,6 +218,8 @@ def main(argv=None) -> int:
         if "encode_s" in r:
             notes.append(f"enc {r['encode_s'] * 1e3:.0f} / xchg {r['exchange_s'] * 1e3:.0f} / "
                          f"dec {r['decode_s'] * 1e3:.0f} ms")
+        if r.get("decisions"):
+            notes.append("auto chose " + ", ".join(d["codec"] for d in r["decisions"]))
         if r["buckets_per_step"] != 1:
             notes.append(f"{r['buckets_per_step']:.2f} hook calls/step")
         if not r["grads_finite"]:

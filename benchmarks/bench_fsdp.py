@@ -90,7 +90,10 @@ class _Run:
                     m.set_custom_reduce_scatter(Timed())
             self.rs = None
         else:
-            self.rs = F.apply(self.model, codec)
+            from flatcomm.autotune import Tuner
+
+            # auto may pick any codec the fixed rows try (error budget: the least precise, sign)
+            self.rs = F.apply(self.model, codec, tuner=Tuner("sign") if codec == "auto" else None)
             rs = self.rs
 
             class TimedFlat:  # the same call, timed the same way as the default
@@ -139,7 +142,10 @@ class _Run:
             st = self.rs.stats
             wire = st.wire_bytes / steps
             inner_s = st.encode_s + st.exchange_s + st.decode_s
-        return {"codec": self.codec, "world": world, "step_ms": 1e3 * statistics.median(self.times),
+        chosen = None
+        if self.rs is not None and self.codec == "auto":
+            chosen = sorted({d.codec for d in self.rs.tuner.decisions.values()})
+        return {"codec": self.codec, "chosen": chosen, "world": world, "step_ms": 1e3 * statistics.median(self.times),
                 "step_ms_min": 1e3 * min(self.times), "wire_bytes_per_step": int(wire),
                 "comm_ms": 1e3 * self.call_s / steps,
                 "codec_ms": None if inner_s is None else 1e3 * inner_s / steps, "final_loss": final.item() / world,
@@ -160,7 +166,7 @@ def _rank_main(rank: int, world: int, cfg: dict) -> Optional[list]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--codecs", default="default,fp32,int8,int4,sign")
+    ap.add_argument("--codecs", default="default,fp32,int8,int4,sign,auto")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--d-model", type=int, default=256)
@@ -189,8 +195,9 @@ def main(argv=None) -> int:
         cm = f"{r['comm_ms']:.1f}"
         kd = f"{r['codec_ms']:.1f}" if r["codec_ms"] is not None else "-"
         name = "torch default" if r["codec"] == "default" else f"flatcomm {r['codec']}"
+        chose = f"  chose {','.join(r['chosen'])}" if r.get("chosen") else ""
         print(f"{name:>15} {r['step_ms']:>9.1f} {rel:>10} {r['wire_bytes_per_step'] / 1024:>13.1f} "
-              f"{wr:>10} {cm:>8} {kd:>8} {r['final_loss']:>8.4f}")
+              f"{wr:>10} {cm:>8} {kd:>8} {r['final_loss']:>8.4f}{chose}")
     print(f"(total {time.perf_counter() - t0:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
