@@ -89,3 +89,16 @@ def _from_exact_fake(acc, exponents, block_size, headroom):
 @torch.library.register_fake("flatcomm::exact_sum")
 def _exact_sum_fake(x, block_size, headroom):
     return x.new_empty((x.shape[-1],), dtype=torch.float32)
+
+
+# The CUDA ops: the compiled kernels when the extension was built with CUDA, else (when torch has
+# CUDA and cupy is installed) the same kernel sources compiled at run time by NVRTC. See
+# flatcomm/cupy_backend.py; FLATCOMM_CUPY=0 turns the runtime path off.
+from . import cupy_backend as _cupy_backend  # noqa: E402  (light: imports cupy only on first use)
+
+CUDA_PATH = _cupy_backend.auto_register(list(_C.build_info()["devices"]))
+
+
+def cuda_path() -> str:
+    """Which CUDA implementation the flatcomm ops use: 'compiled', 'nvrtc (cupy)' or 'none (why)'."""
+    return CUDA_PATH

@@ -10,8 +10,25 @@
 // nvcc). That is what makes CPU and GPU results bitwise identical.
 #pragma once
 
+#if defined(__CUDACC_RTC__)
+// NVRTC (the optional cupy path, see csrc/cuda/README.md) compiles device code only and has no C
+// library headers: the fixed-width types come from here. The generated source drops the
+// <stdint.h> / <string.h> includes of these headers (flatcomm/cupy_backend.py), and memcpy is only
+// used by host code below. Widths are the same as the host's (LP64 and LLP64 alike).
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+typedef unsigned long long uintptr_t;
+static_assert(sizeof(void*) == 8 && sizeof(int64_t) == 8, "flatcomm: 64-bit targets only");
+#else
 #include <stdint.h>
 #include <string.h>
+#endif
 
 #if defined(__CUDACC__)
 #define FC_HD static __host__ __device__ __forceinline__

@@ -1,0 +1,910 @@
+// The device code of the CUDA kernels: every __global__ kernel and the device helpers they use.
+//
+// Two compilers build it from this one file, so the kernels cannot diverge:
+//   * nvcc, through kernels.cu (the host launch code, linked into flatcomm._C);
+//   * NVRTC at run time (the optional cupy path, for builds without CUDA): flatcomm/cupy_backend.py
+//     inlines this header's includes into one source and instantiates the same templates by name.
+// Only kernels.cu may include it (its non-template kernels are defined here, not just declared).
+// So this header includes no host header and nothing from the CUDA runtime: only csrc/core (whose
+// common.h supplies the fixed-width integer types under NVRTC) and the plain-C++ kernels.cuh for
+// the argument structs. Kernel parameters and shared-memory sizes are part of the launch contract
+// with kernels.cu and cupy_backend.py; change them in all three places (tests/test_nvrtc.py checks
+// the struct layouts and the kernel names).
+//
+// Shapes used throughout:
+//   * elementwise kernels: each thread takes chunks of 4 consecutive elements (i % 4 == 0), with one
+//     16-byte (fp32) or 8-byte (16-bit) access when the chunk is full and the launch found every
+//     pointer 16-byte aligned (`vec`); otherwise element by element. Grid-stride loops.
+//   * blockwise encode: a "group" of W warps (W = min(8, block / 32)) encodes one codec block held
+//     in shared memory; a 256-thread CTA holds 8 / W groups.
+#pragma once
+
+#include "../core/codec.h"
+#include "../core/exact.h"
+#include "../core/rng.h"
+#include "kernels.cuh"
+
+namespace flatcomm {
+namespace gpu {
+namespace kern {
+
+using namespace ::flatcomm::core;
+using cpu::DecodeArgs;
+using cpu::DecodeSumArgs;
+using cpu::EncodeArgs;
+using cpu::ExactArgs;
+using cpu::OrderedSumArgs;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int64_t kCastTile = 1024;  // elements per CTA step of the cast encoders (any size: same bits)
+constexpr int kTopkTile = 2048;      // elements per CTA step of the topk decoders
+constexpr int64_t kMaxGrid = 0x7fffffff;
+
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int mini(int a, int b) { return a < b ? a : b; }
+
+// ---- 4-element loads and stores ----------------------------------------------------------------
+// Elements [i, i + cnt), cnt <= 4, i % 4 == 0. One vector access when vec && cnt == 4 (the caller
+// checked the base pointer's alignment), else element by element; missing elements read as 0.
+
+__device__ __forceinline__ void ld4f(const float* p, int64_t i, int cnt, bool vec, float v[4]) {
+  if (vec && cnt == 4) {
+    const float4 f = *reinterpret_cast<const float4*>(p + i);
+    v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = e < cnt ? p[i + e] : 0.0f;
+  }
+}
+
+__device__ __forceinline__ void st4f(float* p, int64_t i, int cnt, bool vec, const float v[4]) {
+  if (vec && cnt == 4) {
+    *reinterpret_cast<float4*>(p + i) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (e < cnt) p[i + e] = v[e];
+  }
+}
+
+__device__ __forceinline__ void ld4h(const uint16_t* p, int64_t i, int cnt, bool vec, uint16_t h[4]) {
+  if (vec && cnt == 4) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p + i);  // little endian: element i in u.x low
+    h[0] = static_cast<uint16_t>(u.x); h[1] = static_cast<uint16_t>(u.x >> 16);
+    h[2] = static_cast<uint16_t>(u.y); h[3] = static_cast<uint16_t>(u.y >> 16);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) h[e] = e < cnt ? p[i + e] : static_cast<uint16_t>(0);
+  }
+}
+
+__device__ __forceinline__ void st4h(uint16_t* p, int64_t i, int cnt, bool vec, const uint16_t h[4]) {
+  if (vec && cnt == 4) {
+    *reinterpret_cast<uint2*>(p + i) = make_uint2(static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16),
+                                                  static_cast<uint32_t>(h[2]) | (static_cast<uint32_t>(h[3]) << 16));
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (e < cnt) p[i + e] = h[e];
+  }
+}
+
+__device__ __forceinline__ void ld4i(const int64_t* p, int64_t i, int cnt, bool vec, int64_t v[4]) {
+  if (vec && cnt == 4) {
+    const longlong2 a = *reinterpret_cast<const longlong2*>(p + i);
+    const longlong2 b = *reinterpret_cast<const longlong2*>(p + i + 2);
+    v[0] = a.x; v[1] = a.y; v[2] = b.x; v[3] = b.y;
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = e < cnt ? p[i + e] : 0;
+  }
+}
+
+__device__ __forceinline__ void st4i(int64_t* p, int64_t i, int cnt, bool vec, const int64_t v[4]) {
+  if (vec && cnt == 4) {
+    *reinterpret_cast<longlong2*>(p + i) = make_longlong2(v[0], v[1]);
+    *reinterpret_cast<longlong2*>(p + i + 2) = make_longlong2(v[2], v[3]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (e < cnt) p[i + e] = v[e];
+  }
+}
+
+// Typed element access (core::Elem conversions).
+template <int DT>
+__device__ __forceinline__ void load4(const void* x, int64_t i, int cnt, bool vec, float v[4]) {
+  if constexpr (DT == kF32) {
+    ld4f(static_cast<const float*>(x), i, cnt, vec, v);
+  } else {
+    uint16_t h[4];
+    ld4h(static_cast<const uint16_t*>(x), i, cnt, vec, h);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = Elem<DT>::load(h[e]);
+  }
+}
+
+template <int DT>
+__device__ __forceinline__ void store4(void* o, int64_t i, int cnt, bool vec, const float v[4]) {
+  if constexpr (DT == kF32) {
+    st4f(static_cast<float*>(o), i, cnt, vec, v);
+  } else {
+    uint16_t h[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) h[e] = Elem<DT>::store(v[e]);
+    st4h(static_cast<uint16_t*>(o), i, cnt, vec, h);
+  }
+}
+
+// Shared-memory chunk access; v + j is 16-byte aligned for j % 4 == 0.
+__device__ __forceinline__ void get4(const float* v, int j, int cnt, float f[4]) { ld4f(v, j, cnt, true, f); }
+__device__ __forceinline__ void put4(float* v, int j, int cnt, const float f[4]) { st4f(v, j, cnt, true, f); }
+
+// ---- decoding (non-topk codecs) -----------------------------------------------------------------
+
+// Element i of one payload (any codec but topk), exactly as kernels_impl.h decode_range.
+template <int C>
+__device__ __forceinline__ float decode1(const uint8_t* p, int64_t codes_offset, int64_t block, int64_t i) {
+  if constexpr (C == kCodecF32) {
+    return reinterpret_cast<const float*>(p)[i];
+  } else if constexpr (C == kCodecBF16) {
+    return bf16_to_f32(reinterpret_cast<const uint16_t*>(p)[i]);
+  } else if constexpr (C == kCodecF16) {
+    return f16_to_f32(reinterpret_cast<const uint16_t*>(p)[i]);
+  } else {
+    const float s = reinterpret_cast<const float*>(p)[i / block];
+    const uint8_t* codes = p + codes_offset;
+    if constexpr (C == kCodecInt8) {
+      return int_dequantize(static_cast<float>(reinterpret_cast<const int8_t*>(codes)[i]), s);
+    } else if constexpr (C == kCodecInt4) {
+      const uint8_t b = codes[i >> 1];
+      return int_dequantize((i & 1) ? int4_hi(b) : int4_lo(b), s);
+    } else {
+      static_assert(C == kCodecSign, "topk is decoded by scatter, not per element");
+      return sign_dequantize((codes[i >> 3] >> (i & 7)) & 1u, s);
+    }
+  }
+}
+
+// Elements [i, i + cnt) of one payload. i % 4 == 0 and the block size is a multiple of 32, so the
+// chunk lies in one codec block; with vec the payload start is 16-byte aligned.
+template <int C>
+__device__ __forceinline__ void decode4(const uint8_t* p, int64_t codes_offset, int64_t block, int64_t i,
+                                        int cnt, bool vec, float d[4]) {
+  if (!(vec && cnt == 4)) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[e] = e < cnt ? decode1<C>(p, codes_offset, block, i + e) : 0.0f;
+    return;
+  }
+  if constexpr (C == kCodecF32) {
+    ld4f(reinterpret_cast<const float*>(p), i, 4, true, d);
+  } else if constexpr (C == kCodecBF16 || C == kCodecF16) {
+    uint16_t h[4];
+    ld4h(reinterpret_cast<const uint16_t*>(p), i, 4, true, h);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[e] = C == kCodecBF16 ? bf16_to_f32(h[e]) : f16_to_f32(h[e]);
+  } else {
+    const float s = reinterpret_cast<const float*>(p)[i / block];
+    const uint8_t* codes = p + codes_offset;  // codes_offset % 16 == 0
+    if constexpr (C == kCodecInt8) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(codes + i);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        d[e] = int_dequantize(static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(w >> (8 * e)))), s);
+    } else if constexpr (C == kCodecInt4) {
+      const uint32_t w = *reinterpret_cast<const uint16_t*>(codes + (i >> 1));
+      const uint8_t b0 = static_cast<uint8_t>(w), b1 = static_cast<uint8_t>(w >> 8);
+      d[0] = int_dequantize(int4_lo(b0), s);
+      d[1] = int_dequantize(int4_hi(b0), s);
+      d[2] = int_dequantize(int4_lo(b1), s);
+      d[3] = int_dequantize(int4_hi(b1), s);
+    } else {
+      static_assert(C == kCodecSign, "topk is decoded by scatter, not per element");
+      const uint32_t bits = codes[i >> 3] >> (i & 7);  // i & 7 is 0 or 4
+#pragma unroll
+      for (int e = 0; e < 4; ++e) d[e] = sign_dequantize((bits >> e) & 1u, s);
+    }
+  }
+}
+
+// Decoded sum of all rows at elements [i, i + cnt): row 0 assigns, later rows add in ascending
+// order, then the scale (kernels_impl.h decode_sum_tile).
+template <int C>
+__device__ __forceinline__ void decode_sum4(const DecodeSumArgs& a, int64_t codes_offset, int64_t i, int cnt,
+                                            bool vec, float acc[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) acc[e] = 0.0f;
+  for (int64_t r = 0; r < a.rows; ++r) {
+    float d[4];
+    decode4<C>(a.payloads + r * a.row_stride, codes_offset, a.block, i, cnt, vec, d);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] = r == 0 ? d[e] : acc[e] + d[e];
+  }
+  if (a.scale != 1.0f) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] = acc[e] * a.scale;
+  }
+}
+
+template <int C, int ODT>
+__global__ void __launch_bounds__(kThreads)
+decode_kernel(const uint8_t* p, int64_t codes_offset, int64_t block, int64_t n, void* out, bool vec) {
+  const int64_t chunks = ceil_div(n, 4);
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = 4 * c;
+    const int cnt = static_cast<int>(min64(4, n - i));
+    float d[4];
+    decode4<C>(p, codes_offset, block, i, cnt, vec, d);
+    store4<ODT>(out, i, cnt, vec, d);
+  }
+}
+
+template <int C>
+__global__ void __launch_bounds__(kThreads)
+decode_sum_kernel(DecodeSumArgs a, int64_t codes_offset, bool vec) {
+  const int64_t chunks = ceil_div(a.n, 4);
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = 4 * c;
+    const int cnt = static_cast<int>(min64(4, a.n - i));
+    float acc[4];
+    decode_sum4<C>(a, codes_offset, i, cnt, vec, acc);
+    st4f(a.out, i, cnt, vec, acc);
+  }
+}
+
+// ---- decoding topk: scatter into a shared-memory tile ----------------------------------------
+
+// First entry e of the ascending index list with idx[e] >= target.
+__device__ __forceinline__ int64_t lower_bound_idx(const uint32_t* idx, int64_t k, int64_t target) {
+  int64_t lo = 0, hi = k;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (static_cast<int64_t>(idx[mid]) < target) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// v[j] = (sum over rows of the topk payloads at element i0 + j) * scale for j < len, with the CPU's
+// operations: zero, row 0 assigns its entries, later rows add theirs in ascending row order (an
+// element absent from a row gets no "+ 0", which would turn -0 into +0).
+// Called by every thread of the CTA (it synchronises); the threads [t, nt) of a group own v and
+// range[0..1]; a group with len == 0 only takes part in the barriers.
+__device__ __forceinline__ void topk_accumulate(float* v, int64_t i0, int len, int t, int nt, int64_t* range,
+                                const uint8_t* payloads, int64_t row_stride, int64_t rows, int64_t k,
+                                int64_t codes_offset, float scale) {
+  for (int j = t; j < len; j += nt) v[j] = 0.0f;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* p = payloads + r * row_stride;
+    const uint32_t* idx = reinterpret_cast<const uint32_t*>(p);
+    const float* val = reinterpret_cast<const float*>(p + codes_offset);
+    if (t < 2 && len > 0) range[t] = lower_bound_idx(idx, k, i0 + (t == 0 ? 0 : len));
+    __syncthreads();  // also orders the zeroing before the first scatter
+    if (len > 0) {
+      const int64_t lo = range[0], hi = range[1];
+      // Indices within a row are distinct, so the threads of a row never touch the same element.
+      for (int64_t e = lo + t; e < hi; e += nt) {
+        const int64_t j = static_cast<int64_t>(idx[e]) - i0;
+        v[j] = r == 0 ? val[e] : v[j] + val[e];
+      }
+    }
+    __syncthreads();  // row r complete before row r + 1 (and before range is rewritten)
+  }
+  if (scale != 1.0f)
+    for (int j = t; j < len; j += nt) v[j] = v[j] * scale;
+}
+
+template <int ODT>
+__global__ void __launch_bounds__(kThreads)
+topk_decode_kernel(const uint8_t* payloads, int64_t row_stride, int64_t rows, int64_t n, int64_t k,
+                   int64_t codes_offset, float scale, void* out) {
+  __shared__ float tile[kTopkTile];
+  __shared__ int64_t range[2];
+  auto* o = static_cast<typename Elem<ODT>::T*>(out);
+  for (int64_t t0 = blockIdx.x * static_cast<int64_t>(kTopkTile); t0 < n;
+       t0 += static_cast<int64_t>(gridDim.x) * kTopkTile) {
+    const int len = static_cast<int>(min64(kTopkTile, n - t0));
+    topk_accumulate(tile, t0, len, threadIdx.x, blockDim.x, range, payloads, row_stride, rows, k,
+                    codes_offset, scale);
+    __syncthreads();
+    for (int j = threadIdx.x; j < len; j += blockDim.x) o[t0 + j] = Elem<ODT>::store(tile[j]);
+    __syncthreads();  // the tile is reused by the next step
+  }
+}
+
+// ---- encoding (all codecs but topk) -----------------------------------------------------------
+
+struct EncodeParams {
+  uint8_t* payload;
+  float* residual;        // or nullptr
+  int64_t n;
+  int64_t block;          // codec block (blockwise) or kCastTile (cast codecs)
+  int64_t codes_offset;
+  uint64_t key;           // seed_key(seed)
+  int warps_per_group;    // W
+  int groups;             // codec blocks per CTA step, 8 / W
+  bool stochastic;        // only set for int8, int4, bf16
+  bool vec;               // x / payload rows, residual and payload are 16-byte aligned
+};
+
+// Where the values to encode come from: fill(v, ...) writes elements [i0, i0 + len) to v (shared).
+// Every thread of the CTA calls fill; the group's threads [t, nt) share the work.
+template <int DT>
+struct XSource {  // encode: x
+  const void* x;
+  __device__ __forceinline__ void fill(float* v, int64_t i0, int len, int t, int nt, int64_t*, bool vec) const {
+    for (int j = 4 * t; j < len; j += 4 * nt) {
+      const int cnt = mini(4, len - j);
+      float f[4];
+      load4<DT>(x, i0 + j, cnt, vec, f);
+      put4(v, j, cnt, f);
+    }
+  }
+};
+
+template <int C>
+struct SumSource {  // decode_sum_encode: the decoded sum of the rows
+  DecodeSumArgs a;
+  int64_t codes_offset;  // of the rows' layout
+  __device__ __forceinline__ void fill(float* v, int64_t i0, int len, int t, int nt, int64_t* range,
+                                       bool vec) const {
+    if constexpr (C == kCodecTopK) {
+      topk_accumulate(v, i0, len, t, nt, range, a.payloads, a.row_stride, a.rows, a.k, codes_offset,
+                      a.scale);
+    } else {
+      for (int j = 4 * t; j < len; j += 4 * nt) {
+        const int cnt = mini(4, len - j);
+        float f[4];
+        decode_sum4<C>(a, codes_offset, i0 + j, cnt, vec, f);
+        put4(v, j, cnt, f);
+      }
+    }
+  }
+};
+
+// One CTA step encodes `groups` consecutive codec blocks (cast codecs: one tile of kCastTile).
+// Passes over the block in shared memory: source + residual and max |v| bits; (sign) the fixed-order
+// lane sum; codes, scale and new residual. Mirrors kernels_impl.h encode_block.
+template <int C, class Src>
+__global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p, Src src) {
+  extern __shared__ float4 smem_f4[];  // groups * block floats
+  __shared__ uint32_t warp_max[kWarps];
+  __shared__ float group_sum[kWarps];
+  __shared__ int64_t ranges[2 * kWarps];
+
+  constexpr bool kBlockwise = C == kCodecInt8 || C == kCodecInt4 || C == kCodecSign;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int W = p.warps_per_group;
+  const int nt = 32 * W;  // threads per group
+  const int g = warp / W;  // g >= p.groups: spare warps (8 % W of them) that only join barriers
+  const int t = threadIdx.x - g * nt;
+  const int gs = g < p.groups ? g : 0;  // a valid slot index for the spare warps
+  float* v = reinterpret_cast<float*>(smem_f4) + gs * p.block;
+  float* scales = reinterpret_cast<float*>(p.payload);
+  uint8_t* codes = p.payload + p.codes_offset;
+  const int64_t nblk = ceil_div(p.n, p.block);
+
+  // The trip count is the same for all threads of the CTA, so the barriers inside are safe.
+  for (int64_t first = blockIdx.x * static_cast<int64_t>(p.groups); first < nblk;
+       first += static_cast<int64_t>(gridDim.x) * p.groups) {
+    const int64_t b = first + g;
+    const bool active = g < p.groups && b < nblk;
+    const int64_t i0 = b * p.block;
+    const int len = active ? static_cast<int>(min64(p.block, p.n - i0)) : 0;
+
+    src.fill(v, i0, len, t, nt, ranges + 2 * gs, p.vec);
+    __syncthreads();
+
+    // v = source + residual (the CPU's `t = load(x); t = t + rb[j]`), and max |v| bits.
+    uint32_t m = 0;
+    for (int j = 4 * t; j < len; j += 4 * nt) {
+      const int cnt = mini(4, len - j);
+      float f[4];
+      get4(v, j, cnt, f);
+      if (p.residual) {
+        float r[4];
+        ld4f(p.residual, i0 + j, cnt, p.vec, r);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f[e] = f[e] + r[e];
+        put4(v, j, cnt, f);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (e < cnt) m = umax(m, abs_bits(f[e]));
+    }
+
+    if constexpr (kBlockwise) {
+      m = __reduce_max_sync(kFull, m);
+      if (lane == 0) warp_max[warp] = m;
+      __syncthreads();  // also makes every thread's v writes visible to the whole group
+      if (g < p.groups)
+        for (int w = 0; w < W; ++w) m = umax(m, warp_max[g * W + w]);
+    } else {
+      __syncthreads();
+    }
+
+    float sum = 0.0f;
+    if constexpr (C == kCodecSign) {
+      // Lane l of the group's first warp adds elements l, l + 32, ... in turn; then lanes fold
+      // pairwise, lane j taking lane j + w for w = 16, 8, 4, 2, 1: the CPU's order (core/codec.h).
+      if (t < 32) {  // warp-uniform: groups are whole warps
+        const float pre = sign_sum_pre(m);
+        float acc = 0.0f;
+        for (int j = t; j < len; j += 32) acc = acc + fabs_(v[j]) * pre;
+#pragma unroll
+        for (int w = 16; w > 0; w /= 2) acc = acc + __shfl_down_sync(kFull, acc, w);
+        if (t == 0 && g < p.groups) group_sum[g] = acc;
+      }
+      __syncthreads();
+      if (g < p.groups) sum = group_sum[g];
+    }
+
+    if (active) {  // group-uniform
+      if constexpr (C == kCodecInt8 || C == kCodecInt4) {
+        const float qmax = int_qmax(C);
+        const BlockParams bp = int_block_params(m, qmax);
+        if (t == 0) scales[b] = bp.scale;
+        for (int j = 4 * t; j < len; j += 4 * nt) {
+          const int cnt = mini(4, len - j);
+          float f[4], q[4];
+          get4(v, j, cnt, f);
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            q[e] = p.stochastic ? int_quantize_stochastic(f[e], bp, qmax, random_unit(p.key, i0 + j + e))
+                                : int_quantize(f[e], bp, qmax);
+          if constexpr (C == kCodecInt8) {
+            uint8_t* c = codes + i0 + j;  // 4-byte aligned
+            if (p.vec && cnt == 4) {
+              uint32_t w = 0;
+#pragma unroll
+              for (int e = 0; e < 4; ++e)
+                w |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int32_t>(q[e]))) << (8 * e);
+              *reinterpret_cast<uint32_t*>(c) = w;
+            } else {
+              for (int e = 0; e < cnt; ++e) c[e] = static_cast<uint8_t>(static_cast<int32_t>(q[e]));
+            }
+          } else {
+            uint8_t* c = codes + (i0 + j) / 2;  // 2-byte aligned
+            if (p.vec && cnt == 4) {
+              *reinterpret_cast<uint16_t*>(c) = static_cast<uint16_t>(
+                  int4_pack(q[0], q[1]) | (static_cast<uint32_t>(int4_pack(q[2], q[3])) << 8));
+            } else {
+              // Only the block's (and tensor's) last chunk can be partial: an odd tail element
+              // pairs with code 0, as on the CPU.
+              for (int e = 0; e < cnt; e += 2) c[e / 2] = int4_pack(q[e], e + 1 < cnt ? q[e + 1] : 0.0f);
+            }
+          }
+          if (p.residual && bp.finite) {
+            float r[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) r[e] = f[e] - int_dequantize(q[e], bp.scale);
+            st4f(p.residual, i0 + j, cnt, p.vec, r);
+          }
+        }
+      } else if constexpr (C == kCodecSign) {
+        const BlockParams bp = sign_block_params(m, sum, len);
+        if (t == 0) scales[b] = bp.scale;
+        const int wg = t / 32;  // warp within the group
+        // One ballot per warp gives the 32 sign bits of elements [w0, w0 + 32): bit l is element
+        // w0 + l, i.e. bit (i & 7) of byte i / 8 once stored little endian.
+        for (int jj = 0; jj < len; jj += nt) {
+          const int j = jj + t;
+          const bool in = j < len;
+          const float x = in ? v[j] : 0.0f;
+          const uint32_t bit = in ? sign_bit(x) : 0u;
+          const uint32_t word = __ballot_sync(kFull, bit != 0u);
+          const int w0 = jj + 32 * wg;
+          if (lane == 0 && w0 < len) {
+            uint8_t* c = codes + (i0 + w0) / 8;  // 4-byte aligned
+            const int rem = len - w0;
+            if (p.vec && rem >= 32) {
+              *reinterpret_cast<uint32_t*>(c) = word;
+            } else {  // write exactly the bytes the CPU writes
+              const int nbytes = rem >= 32 ? 4 : (rem + 7) / 8;
+              for (int q = 0; q < nbytes; ++q) c[q] = static_cast<uint8_t>(word >> (8 * q));
+            }
+          }
+          if (in && p.residual && bp.finite) p.residual[i0 + j] = x - sign_dequantize(bit, bp.scale);
+        }
+      } else {  // cast codecs, element by element (kernels_impl.h encode_block, first branch)
+        for (int j = 4 * t; j < len; j += 4 * nt) {
+          const int cnt = mini(4, len - j);
+          float f[4], d[4], r[4];
+          get4(v, j, cnt, f);
+          if constexpr (C == kCodecF32) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) d[e] = f[e];
+            st4f(reinterpret_cast<float*>(p.payload), i0 + j, cnt, p.vec, d);
+          } else {
+            uint16_t h[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              if constexpr (C == kCodecBF16) {
+                h[e] = p.stochastic ? f32_to_bf16_stochastic(f[e], random_u32(p.key, i0 + j + e))
+                                    : f32_to_bf16(f[e]);
+                d[e] = bf16_to_f32(h[e]);
+              } else {
+                h[e] = f32_to_f16(f[e]);
+                d[e] = f16_to_f32(h[e]);
+              }
+            }
+            st4h(reinterpret_cast<uint16_t*>(p.payload), i0 + j, cnt, p.vec, h);
+          }
+          if (p.residual) {
+            ld4f(p.residual, i0 + j, cnt, p.vec, r);  // the old residual, kept where d is not finite
+#pragma unroll
+            for (int e = 0; e < 4; ++e) r[e] = ef_residual(f[e], d[e], r[e], bits_finite(abs_bits(d[e])));
+            st4f(p.residual, i0 + j, cnt, p.vec, r);
+          }
+        }
+      }
+    }
+    __syncthreads();  // shared memory is reused by the next step
+  }
+}
+
+// ---- topk encode: radix select on |v| bits, then an ordered compaction ---------------------------
+
+struct TopkState {
+  uint32_t prefix;  // the selected high bits so far
+  uint32_t mask;    // which bits prefix covers
+  long long need;   // how many still to take at or below prefix
+  long long pad;
+};
+
+// The CPU's three digit passes over the 31 bits of |v|: 11, 11 and 9 bits.
+__host__ __device__ __forceinline__ int topk_shift(int pass) { return pass == 0 ? 20 : pass == 1 ? 9 : 0; }
+__host__ __device__ __forceinline__ uint32_t topk_digits(int pass) { return pass == 2 ? 512u : 2048u; }
+
+// Flushes a CTA's shared histogram into the global one.
+__device__ __forceinline__ void flush_hist(const uint32_t* sh, unsigned long long* hist, uint32_t digits) {
+  for (uint32_t d = threadIdx.x; d < digits; d += blockDim.x)
+    if (sh[d]) atomicAdd(hist + d, static_cast<unsigned long long>(sh[d]));
+}
+
+// v = x + residual into scratch, and the histogram of pass 0 (bits 20..30 of |v|).
+template <int DT>
+__global__ void __launch_bounds__(kThreads)
+topk_fill_kernel(const void* x, const float* residual, int64_t n, float* vout, unsigned long long* hist,
+                 bool vec) {
+  __shared__ uint32_t sh[kTopkBins];
+  for (int d = threadIdx.x; d < kTopkBins; d += blockDim.x) sh[d] = 0;
+  __syncthreads();
+  const int64_t chunks = ceil_div(n, 4);
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = 4 * c;
+    const int cnt = static_cast<int>(min64(4, n - i));
+    float f[4];
+    load4<DT>(x, i, cnt, vec, f);
+    if (residual) {
+      float r[4];
+      ld4f(residual, i, cnt, vec, r);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f[e] = f[e] + r[e];
+    }
+    st4f(vout, i, cnt, vec, f);
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (e < cnt) atomicAdd(&sh[abs_bits(f[e]) >> 20], 1u);
+  }
+  __syncthreads();
+  flush_hist(sh, hist, kTopkBins);
+}
+
+// Histogram of pass 1 or 2 over the values whose higher bits match the selected prefix.
+__global__ void __launch_bounds__(kThreads)
+topk_hist_kernel(const float* v, int64_t n, int pass, const TopkState* st, unsigned long long* hist) {
+  __shared__ uint32_t sh[kTopkBins];
+  const int shift = topk_shift(pass);
+  const uint32_t digits = topk_digits(pass);
+  const uint32_t prefix = st->prefix, mask = st->mask;
+  for (uint32_t d = threadIdx.x; d < digits; d += blockDim.x) sh[d] = 0;
+  __syncthreads();
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t ab = abs_bits(v[i]);
+    if ((ab & mask) == prefix) atomicAdd(&sh[(ab >> shift) & (digits - 1)], 1u);
+  }
+  __syncthreads();
+  flush_hist(sh, hist, digits);
+}
+
+// One CTA: the digit of this pass, as the CPU's scan from the top digit down: the largest d with
+// S(d) = sum of hist[d'] for d' >= d at least `need`; then need -= S(d + 1).
+__global__ void __launch_bounds__(kThreads)
+topk_select_kernel(const unsigned long long* hist, int pass, long long k, TopkState* st) {
+  __shared__ unsigned long long part[kThreads];
+  const int shift = topk_shift(pass);
+  const uint32_t digits = topk_digits(pass);
+  uint32_t prefix = 0, mask = 0;
+  long long need = k;
+  if (pass > 0) { prefix = st->prefix; mask = st->mask; need = st->need; }
+  const uint32_t per = digits / kThreads;  // 8 or 2 bins per thread
+  const uint32_t lo = threadIdx.x * per;
+  unsigned long long local = 0;
+  for (uint32_t d = lo; d < lo + per; ++d) local += hist[d];
+  part[threadIdx.x] = local;
+  __syncthreads();  // also: every thread has read st before it is rewritten below
+  unsigned long long above = 0;  // count in the bins of the threads above this one
+  for (int u = threadIdx.x + 1; u < kThreads; ++u) above += part[u];
+  // The thread whose bins hold the chosen digit: S(lo + per) < need <= S(lo). With need == 0 the CPU
+  // stops at the top digit, i.e. in the last thread.
+  const long long A = static_cast<long long>(above);
+  const bool mine = (A < need || threadIdx.x == kThreads - 1) && A + static_cast<long long>(local) >= need;
+  if (mine) {
+    long long s = A;  // S(d + 1)
+    uint32_t d = lo + per - 1;
+    for (;; --d) {
+      const long long h = static_cast<long long>(hist[d]);
+      if (s + h >= need || d == lo) break;
+      s += h;
+    }
+    TopkState out;
+    out.prefix = prefix | (d << shift);
+    out.mask = mask | ((digits - 1) << shift);
+    out.need = need - s;
+    out.pad = 0;
+    *st = out;
+  }
+}
+
+__device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long x) {
+#pragma unroll
+  for (int w = 16; w > 0; w /= 2) x += __shfl_down_sync(kFull, x, w);
+  return x;
+}
+
+// Per chunk of kTopkChunk elements: how many are above the threshold and how many equal it.
+__global__ void __launch_bounds__(kThreads)
+topk_count_kernel(const float* v, int64_t n, const TopkState* st, unsigned long long* counts) {
+  __shared__ unsigned long long sh[2][kWarps];
+  const uint32_t T = st->prefix;
+  const int64_t nchunks = ceil_div(n, kTopkChunk);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const int64_t e = min64(n, (c + 1) * kTopkChunk);
+    unsigned long long gt = 0, eq = 0;
+    for (int64_t i = c * kTopkChunk + threadIdx.x; i < e; i += blockDim.x) {
+      const uint32_t ab = abs_bits(v[i]);
+      gt += ab > T ? 1 : 0;
+      eq += ab == T ? 1 : 0;
+    }
+    gt = warp_sum_u64(gt);
+    eq = warp_sum_u64(eq);
+    if (lane == 0) { sh[0][warp] = gt; sh[1][warp] = eq; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      unsigned long long tg = 0, te = 0;
+      for (int w = 0; w < kWarps; ++w) { tg += sh[0][w]; te += sh[1][w]; }
+      counts[2 * c] = tg;
+      counts[2 * c + 1] = te;
+    }
+    __syncthreads();
+  }
+}
+
+// One CTA of 1024 threads: exclusive prefix sums of the per-chunk counts, in place.
+constexpr int kScanThreads = 1024;
+__global__ void __launch_bounds__(kScanThreads) topk_scan_kernel(unsigned long long* counts, int64_t nchunks) {
+  __shared__ unsigned long long sh[2][kScanThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  unsigned long long carry_gt = 0, carry_eq = 0;
+  for (int64_t base = 0; base < nchunks; base += kScanThreads) {
+    const int64_t c = base + threadIdx.x;
+    const unsigned long long gt = c < nchunks ? counts[2 * c] : 0, eq = c < nchunks ? counts[2 * c + 1] : 0;
+    unsigned long long x = gt, y = eq;  // inclusive scans within the warp
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const unsigned long long xs = __shfl_up_sync(kFull, x, o), ys = __shfl_up_sync(kFull, y, o);
+      if (lane >= o) { x += xs; y += ys; }
+    }
+    if (lane == 31) { sh[0][warp] = x; sh[1][warp] = y; }
+    __syncthreads();
+    if (warp == 0) {  // inclusive scan of the 32 warp totals
+      unsigned long long sx = sh[0][lane], sy = sh[1][lane];
+#pragma unroll
+      for (int o = 1; o < 32; o *= 2) {
+        const unsigned long long xs = __shfl_up_sync(kFull, sx, o), ys = __shfl_up_sync(kFull, sy, o);
+        if (lane >= o) { sx += xs; sy += ys; }
+      }
+      sh[0][lane] = sx;
+      sh[1][lane] = sy;
+    }
+    __syncthreads();
+    const unsigned long long wx = warp > 0 ? sh[0][warp - 1] : 0, wy = warp > 0 ? sh[1][warp - 1] : 0;
+    if (c < nchunks) {
+      counts[2 * c] = carry_gt + wx + x - gt;
+      counts[2 * c + 1] = carry_eq + wy + y - eq;
+    }
+    carry_gt += sh[0][kScanThreads / 32 - 1];
+    carry_eq += sh[1][kScanThreads / 32 - 1];
+    __syncthreads();  // sh is rewritten by the next step
+  }
+}
+
+// Exclusive rank of this thread's flag among the CTA's 256 flags; total = number of set flags.
+__device__ __forceinline__ uint32_t block_rank(bool f, uint32_t* sh, uint32_t& total) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t bal = __ballot_sync(kFull, f);
+  if (lane == 0) sh[warp] = __popc(bal);
+  __syncthreads();
+  uint32_t before = __popc(bal & ((1u << lane) - 1u));
+  total = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    const uint32_t c = sh[w];
+    if (w < warp) before += c;
+    total += c;
+  }
+  __syncthreads();  // sh is reused by the next call
+  return before;
+}
+
+// Per chunk: take every |v| above the threshold T and the first `need` (by index) equal to it, write
+// them in index order at their global rank, and update the residual (kernels_impl.h
+// encode_topk_impl, last loop).
+__global__ void __launch_bounds__(kThreads)
+topk_write_kernel(const float* v, int64_t n, const TopkState* st, const unsigned long long* counts,
+                  uint32_t* idx, float* val, float* residual) {
+  __shared__ uint32_t sh[kWarps];
+  const uint32_t T = st->prefix;
+  const long long need = st->need;
+  const int64_t nchunks = ceil_div(n, kTopkChunk);
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    long long eq_before = static_cast<long long>(counts[2 * c + 1]);
+    long long taken_before =
+        static_cast<long long>(counts[2 * c]) + (eq_before < need ? eq_before : need);
+    const int64_t c0 = c * kTopkChunk, c1 = min64(n, c0 + kTopkChunk);
+    for (int64_t base = c0; base < c1; base += blockDim.x) {  // CTA-uniform trip count
+      const int64_t i = base + threadIdx.x;
+      const bool in = i < c1;
+      const float x = in ? v[i] : 0.0f;
+      const uint32_t ab = abs_bits(x);
+      const bool is_eq = in && ab == T;
+      uint32_t eq_total, take_total;
+      const long long eq_rank = eq_before + block_rank(is_eq, sh, eq_total);
+      const bool take = (in && ab > T) || (is_eq && eq_rank < need);
+      const long long pos = taken_before + block_rank(take, sh, take_total);
+      if (take) {
+        idx[pos] = static_cast<uint32_t>(i);
+        val[pos] = x;
+      }
+      // Sent values leave a zero residual, unsent ones carry over, non-finite keeps the old one.
+      if (in && residual && bits_finite(ab)) residual[i] = take ? 0.0f : x;
+      eq_before += eq_total;
+      taken_before += take_total;
+    }
+  }
+}
+
+// ---- ordered and exact sums -------------------------------------------------------------------
+
+template <int DT>
+__global__ void __launch_bounds__(kThreads) ordered_sum_kernel(OrderedSumArgs a, bool vec) {
+  const int64_t chunks = ceil_div(a.n, 4);
+  const int64_t esize = DT == kF32 ? 4 : 2;
+  const char* x = static_cast<const char*>(a.x);
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = 4 * c;
+    const int cnt = static_cast<int>(min64(4, a.n - i));
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t r = 0; r < a.rows; ++r) {
+      float f[4];
+      load4<DT>(x + r * a.row_stride * esize, i, cnt, vec, f);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] = r == 0 ? f[e] : acc[e] + f[e];
+    }
+    st4f(a.out, i, cnt, vec, acc);
+  }
+}
+
+// Max |x| bits over all rows of codec block b (one warp).
+template <int DT>
+__device__ __forceinline__ uint32_t block_max_bits(const ExactArgs& a, int64_t i0, int len, int lane, bool vec) {
+  const int64_t esize = DT == kF32 ? 4 : 2;
+  const char* x = static_cast<const char*>(a.x);
+  uint32_t m = 0;
+  for (int64_t r = 0; r < a.rows; ++r)
+    for (int j = 4 * lane; j < len; j += 128) {
+      const int cnt = mini(4, len - j);
+      float f[4];
+      load4<DT>(x + r * a.row_stride * esize, i0 + j, cnt, vec, f);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (e < cnt) m = umax(m, abs_bits(f[e]));
+    }
+  return __reduce_max_sync(kFull, m);
+}
+
+// One warp per block (warp-uniform loop).
+template <int DT>
+__global__ void __launch_bounds__(kThreads) exact_exponents_kernel(ExactArgs a, bool vec) {
+  const int lane = threadIdx.x % 32;
+  const int64_t nblk = ceil_div(a.n, a.block);
+  for (int64_t b = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; b < nblk;
+       b += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t i0 = b * a.block;
+    const uint32_t m = block_max_bits<DT>(a, i0, static_cast<int>(min64(a.block, a.n - i0)), lane, vec);
+    if (lane == 0) a.exponents[b] = exponent_of_abs_bits(m);
+  }
+}
+
+template <int DT>
+__global__ void __launch_bounds__(kThreads) exact_sum_kernel(ExactArgs a, bool vec) {
+  const int lane = threadIdx.x % 32;
+  const int64_t esize = DT == kF32 ? 4 : 2;
+  const char* x = static_cast<const char*>(a.x);
+  const int64_t nblk = ceil_div(a.n, a.block);
+  for (int64_t b = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; b < nblk;
+       b += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t i0 = b * a.block;
+    const int len = static_cast<int>(min64(a.block, a.n - i0));
+    const int32_t E = exponent_of_abs_bits(block_max_bits<DT>(a, i0, len, lane, vec));
+    if (lane == 0 && a.exponents) a.exponents[b] = E;
+    for (int j = 4 * lane; j < len; j += 128) {
+      const int cnt = mini(4, len - j);
+      // Integer sums: any order gives the same bits. Unsigned so that overflow (more than 2^headroom
+      // rows) wraps as it does on the CPU instead of being undefined.
+      uint64_t acc[4] = {0, 0, 0, 0};
+      for (int64_t r = 0; r < a.rows; ++r) {
+        float f[4];
+        load4<DT>(x + r * a.row_stride * esize, i0 + j, cnt, vec, f);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[e] += static_cast<uint64_t>(to_fixed(f[e], E, a.precision));
+      }
+      float o[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[e] = from_fixed(static_cast<int64_t>(acc[e]), E, a.precision);
+      st4f(a.out, i0 + j, cnt, vec, o);
+    }
+  }
+}
+
+template <int DT>
+__global__ void __launch_bounds__(kThreads) to_fixed_kernel(ExactArgs a, unsigned long long* bad, bool vec) {
+  const int64_t chunks = ceil_div(a.n, 4);
+  unsigned long long nbad = 0;
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = 4 * c;
+    const int cnt = static_cast<int>(min64(4, a.n - i));
+    float f[4];
+    load4<DT>(a.x, i, cnt, vec, f);
+    int64_t q[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (e < cnt) {
+        const int32_t E = a.exponents[(i + e) / a.block];
+        const int32_t ev = exponent_of_abs_bits(abs_bits(f[e]));
+        nbad += (E != kExpNonFinite && ev > E) ? 1 : 0;
+        q[e] = to_fixed(f[e], E, a.precision);
+      }
+    }
+    st4i(a.fixed, i, cnt, vec, q);
+  }
+  nbad = warp_sum_u64(nbad);
+  if (threadIdx.x % 32 == 0 && nbad) atomicAdd(bad, nbad);
+}
+
+__global__ void __launch_bounds__(kThreads) from_fixed_kernel(ExactArgs a, bool vec) {
+  const int64_t chunks = ceil_div(a.n, 4);
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = 4 * c;
+    const int cnt = static_cast<int>(min64(4, a.n - i));
+    int64_t q[4];
+    ld4i(a.fixed, i, cnt, vec, q);
+    float o[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[e] = e < cnt ? from_fixed(q[e], a.exponents[(i + e) / a.block], a.precision) : 0.0f;
+    st4f(a.out, i, cnt, vec, o);
+  }
+}
+
+}  // namespace kern
+}  // namespace gpu
+}  // namespace flatcomm

@@ -1,0 +1,344 @@
+"""The cupy (NVRTC) path's Python side, without a GPU and without cupy.
+
+The ops run on CPU tensors with a recording launcher in place of cupy: nothing is launched, but the
+argument checks, allocations, padding, launch shapes and kernel arguments are all exercised. Error
+messages are compared with the C++ ops' (the same checks, csrc/ops_common.h); the launch shapes with
+those of csrc/cuda/kernels.cu; the RNG key with csrc/core/rng.h compiled by g++.
+"""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import flatcomm
+from flatcomm import cupy_backend as cb
+
+ROOT = Path(__file__).resolve().parents[1]
+ops = torch.ops.flatcomm
+CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Recorder:
+    """Stands in for CupyLauncher: records launches; memsets really zero (the memory is host memory)."""
+
+    def __init__(self) -> None:
+        self.launches = []
+        self.memsets = []
+
+    def run(self, name, grid, threads, smem, args):
+        self.launches.append((name, grid, threads, smem, args))
+
+    def memset(self, ptr, nbytes):
+        self.memsets.append((ptr, nbytes))
+        ctypes.memset(ptr, 0, nbytes)
+
+
+def make(rec=None):
+    rec = rec or Recorder()
+    return cb.make_ops(rec), rec
+
+
+def k_of(codec, n, block=256):
+    return flatcomm.resolve(codec, block, 0.3).k(n) if codec == "topk" else 0
+
+
+def payloads(codec, n, rows=0, block=256):
+    nb = flatcomm.wire_bytes(codec, n, block_size=block, ratio=0.3)
+    return torch.zeros((rows, nb) if rows else (nb,), dtype=torch.uint8)
+
+
+def record_all_launches():
+    """Every op over every codec / dtype, recorded: covers all 108 kernel instances."""
+    o, rec = make()
+    n = 5000
+    for dt in DTYPES:
+        x = torch.randn(n).to(dt)
+        r = torch.zeros(n)
+        for c in CODECS:
+            k = k_of(c, n)
+            o.encode(x, c, 256, k, r, c in ("int8", "int4", "bf16"), 7)
+            o.decode_into(payloads(c, n), c, n, 256, k, torch.empty(n, dtype=dt))
+        X = x.reshape(2, -1).contiguous()
+        o.ordered_sum(X)
+        E = o.exact_exponents(X, 64)
+        o.exact_sum(X, 64, 12)
+        o.to_exact(torch.zeros(n, dtype=dt), torch.zeros(cb.ceil_div(n, 64), dtype=torch.int32), 64, 12)
+    o.from_exact(torch.zeros(n, dtype=torch.int64), torch.zeros(cb.ceil_div(n, 64), dtype=torch.int32), 64, 12)
+    for c in CODECS:
+        k = k_of(c, n)
+        P = payloads(c, n, rows=3)
+        o.decode_sum(P, c, n, 256, k, 0.5)
+        for oc in CODECS[:-1]:
+            o.decode_sum_encode(P, c, n, 256, k, 1.0, oc, 128, torch.zeros(n), False, 3)
+    return rec.launches
+
+
+def test_every_kernel_is_launched_and_every_launched_kernel_is_compiled():
+    names = {l[0] for l in record_all_launches()}
+    assert names == set(cb.kernel_names())
+    assert all(cb.module_of(n) in cb.modules() for n in names)
+
+
+# ---- launch shapes (csrc/cuda/kernels.cu) --------------------------------------------------------
+
+@pytest.mark.parametrize("block,wpg,groups", [(32, 1, 8), (64, 2, 4), (96, 3, 2), (256, 8, 1), (4096, 8, 1)])
+def test_blockwise_encode_shape(block, wpg, groups):
+    o, rec = make()
+    n = 100_003
+    x, r = torch.randn(n), torch.zeros(n)
+    o.encode(x, "int8", block, 0, r, True, 5)
+    (name, grid, threads, smem, (p, src)), = rec.launches
+    assert name == cb.k_encode(cb.INT8, cb.F32)
+    assert (threads, smem) == (256, groups * block * 4)
+    assert grid == -(-(-(-n // block)) // groups)
+    assert p["warps_per_group"][0] == wpg and p["groups"][0] == groups and p["block"][0] == block
+    assert p["n"][0] == n and p["codes_offset"][0] == cb.layout(cb.INT8, n, block, 0)[1]
+    assert p["stochastic"][0] and p["key"][0] == cb.seed_key(5)
+    assert src["x"][0] == x.data_ptr() and p["residual"][0] == r.data_ptr()
+
+
+def test_cast_encode_shape_and_flags():
+    o, rec = make()
+    n = 5000
+    o.encode(torch.randn(n).half(), "fp16", 0, 0, None, False, 0)
+    (name, grid, threads, smem, (p, _)), = rec.launches
+    assert name == cb.k_encode(2, cb.F16)
+    assert (grid, threads, smem) == (5, 256, 1024 * 4)
+    assert p["block"][0] == 1024 and p["groups"][0] == 1 and p["residual"][0] == 0
+    assert not p["stochastic"][0]  # only int8 / int4 / bf16 round stochastically
+
+
+def test_misaligned_input_turns_vector_access_off():
+    o, rec = make()
+    buf = torch.randn(1001)
+    o.encode(buf[1:], "int8", 256, 0, None, False, 0)  # 4-byte offset: not 16-byte aligned
+    o.encode(buf[:1000], "int8", 256, 0, None, False, 0)
+    (_, _, _, _, (p1, _)), (_, _, _, _, (p2, _)) = rec.launches
+    assert not p1["vec"][0]
+    assert p2["vec"][0] == (buf.data_ptr() % 16 == 0)
+
+
+def test_topk_encode_pipeline():
+    o, rec = make()
+    n = 10_000
+    k = 3000
+    x, r = torch.randn(n), torch.zeros(n)
+    p = o.encode(x, "topk", 0, k, r, False, 0)
+    names = [l[0].split("::")[-1].split("<")[0] for l in rec.launches]
+    assert names == ["topk_fill_kernel", "topk_select_kernel", "topk_hist_kernel", "topk_select_kernel",
+                     "topk_hist_kernel", "topk_select_kernel", "topk_count_kernel", "topk_scan_kernel",
+                     "topk_write_kernel"]
+    sl = cb.topk_scratch_layout(n)
+    (ptr, nbytes), = rec.memsets
+    assert nbytes == sl["counts"] - sl["hist"] == 3 * 2048 * 8 + 256
+    fill = rec.launches[0]
+    scratch = fill[4][3]
+    assert fill[1] == min(-(-n // 1024), 1024) and ptr == scratch + sl["hist"]
+    write = rec.launches[-1]
+    assert write[1] == -(-n // 4096) and write[4][4] == p.data_ptr()
+    assert write[4][5] == p.data_ptr() + cb.layout(cb.TOPK, n, 0, k)[1]
+    assert rec.launches[7][2] == 1024  # the scan runs on one 1024-thread CTA
+
+
+def test_topk_scratch_layout_matches_cuh():
+    """kernels.cuh topk_scratch_layout, compiled by g++."""
+    out = _gxx('#include "cuda/kernels.cuh"\n#include <cstdio>\n#include <initializer_list>\nint main(){for(long long n: {1LL, 4096LL, '
+               '4097LL, 1000003LL}){auto l=flatcomm::gpu::topk_scratch_layout(n);std::printf("%lld %lld %lld '
+               '%lld %lld\\n",(long long)l.v,(long long)l.hist,(long long)l.state,(long long)l.counts,'
+               '(long long)l.total);}}')
+    for line, n in zip(out.splitlines(), (1, 4096, 4097, 1000003)):
+        s = cb.topk_scratch_layout(n)
+        assert [int(v) for v in line.split()] == [s["v"], s["hist"], s["state"], s["counts"], s["total"]]
+
+
+def test_decode_and_sum_shapes():
+    o, rec = make()
+    n = 5000
+    P = payloads("int4", n, rows=3)
+    o.decode(P[0], "int4", n, 256, 0, torch.bfloat16)
+    o.decode_sum(P, "int4", n, 256, 0, 0.25)
+    o.decode_sum(payloads("topk", n, rows=2), "topk", n, 256, k_of("topk", n), 1.0)
+    (n1, g1, _, _, a1), (n2, g2, _, _, a2), (n3, g3, _, _, a3) = rec.launches
+    assert n1 == cb.k_t("decode_kernel", cb.INT4, cb.BF16) and g1 == 5
+    assert a1[1] == cb.layout(cb.INT4, n, 256, 0)[1] and a1[2] == 256 and a1[3] == n
+    assert n2 == cb.k_t("decode_sum_kernel", cb.INT4) and g2 == 5
+    args = a2[0]
+    assert (args["rows"][0], args["row_stride"][0], args["scale"][0]) == (3, P.shape[1], np.float32(0.25))
+    assert n3 == cb.k_t("topk_decode_kernel", cb.F32) and g3 == 3 and a3[2] == 2
+
+
+def test_exact_shapes():
+    o, rec = make()
+    X = torch.randn(3, 1000)
+    o.exact_exponents(X, 7)
+    o.exact_sum(X, 7, 12)
+    (n1, g1, _, _, a1), (n2, g2, _, _, a2) = rec.launches
+    assert g1 == g2 == -(-(-(-1000 // 7)) // 8)
+    assert not a1[1]  # block 7: blocked reads are not 16-byte aligned
+    assert a2[0]["precision"][0] == 50 and a2[0]["rows"][0] == 3
+
+
+def test_seed_key_matches_core_rng():
+    seeds = [0, 1, 12345, (1 << 63) + 5, (1 << 64) - 1]
+    out = _gxx('#include "core/rng.h"\n#include <cstdio>\nint main(){unsigned long long s[]={' +
+               ",".join(f"{s}ull" for s in seeds) +
+               '};for(auto v: s) std::printf("%llu\\n",(unsigned long long)flatcomm::core::seed_key(v));}')
+    assert [int(v) for v in out.split()] == [cb.seed_key(s) for s in seeds]
+
+
+def _gxx(code: str) -> str:
+    gxx = shutil.which("g++") or shutil.which("c++")
+    if gxx is None:
+        pytest.skip("no C++ compiler")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        src, exe = Path(d) / "p.cpp", Path(d) / "p"
+        src.write_text(code)
+        subprocess.run([gxx, "-std=c++17", f"-I{ROOT / 'csrc'}", str(src), "-o", str(exe)], check=True)
+        return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+
+
+# ---- padding: the same bytes zeroed as by the C++ op -----------------------------------------------
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_padding_is_zeroed_like_the_cpu_op(codec):
+    n = 1001
+    k = k_of(codec, n)
+    x = torch.randn(n)
+    ref = ops.encode(x, codec, 96 if codec in ("int8", "int4", "sign") else 0, k, None, False, 0)
+    buf = torch.full_like(ref, 0xFF)
+    o, _ = make()
+    o.encode_into(x, codec, 96 if codec in ("int8", "int4", "sign") else 0, k, None, False, 0, buf)
+    zeroed = buf == 0
+    # every byte the Python op zeroed is a padding byte, which the CPU op leaves zero too
+    assert torch.all(ref[zeroed] == 0)
+    nb, co, total = cb.layout(cb.CODEC_IDS[codec], n, 96, k)
+    assert int(zeroed.sum()) > 0 or total == co + (n * 4 if codec == "fp32" else 0) or codec in ("fp32",)
+
+
+# ---- argument checks: the C++ ops' errors, word for word -----------------------------------------
+
+def _bad_cases():
+    x = torch.randn(100)
+    p8 = ops.encode(x, "int8", 32, 0, None, False, 0)
+    P = p8.unsqueeze(0).repeat(2, 1)
+    E = ops.exact_exponents(x, 32)
+    return [
+        ("encode", (x, "int9", 32, 0, None, False, 0)),
+        ("encode", (x.double(), "int8", 32, 0, None, False, 0)),
+        ("encode", (x, "int8", 48, 0, None, False, 0)),
+        ("encode", (x, "int8", 8192, 0, None, False, 0)),
+        ("encode", (x, "topk", 0, 0, None, False, 0)),
+        ("encode", (x, "topk", 0, 101, None, False, 0)),
+        ("encode", (x, "int8", 32, 0, torch.zeros(99), False, 0)),
+        ("encode", (x, "int8", 32, 0, torch.zeros(100).half(), False, 0)),
+        ("encode", (x, "int8", 32, 0, torch.zeros(200)[::2], False, 0)),
+        ("encode", (x, "sign", 32, 0, None, True, 0)),
+        ("encode", (torch.randn(10, 10).t(), "int8", 32, 0, None, False, 0)),
+        ("encode_into", (x, "int8", 32, 0, None, False, 0, torch.zeros(5, dtype=torch.uint8))),
+        ("encode_into", (x, "int8", 32, 0, None, False, 0, torch.zeros(p8.numel()))),
+        ("encode_into", (x, "int8", 32, 0, None, False, 0, P)),
+        ("decode", (p8, "int8", 100, 32, 0, torch.int32)),
+        ("decode", (p8, "int8", -1, 32, 0, torch.float32)),
+        ("decode", (p8, "int8", 10, 32, 0, torch.float32)),
+        ("decode_into", (p8, "int8", 100, 32, 0, torch.empty(99))),
+        ("decode_into", (p8, "int8", 100, 32, 0, torch.empty(200)[::2])),
+        ("decode_sum", (p8, "int8", 100, 32, 0, 1.0)),
+        ("decode_sum", (P, "fp32", 100, 32, 0, 1.0)),
+        ("decode_sum_into", (P, "int8", 100, 32, 0, 1.0, torch.empty(100).half())),
+        ("decode_sum_encode", (P, "int8", 100, 32, 0, 1.0, "topk", 32, None, False, 0)),
+        ("decode_sum_encode", (P, "int8", 100, 32, 0, 1.0, "sign", 32, None, True, 0)),
+        ("decode_sum_encode", (P, "int8", 100, 32, 0, 1.0, "int8", 32, torch.zeros(100).half(), False, 0)),
+        ("decode_sum_encode", (P, "int8", 100, 32, 0, 1.0, "int8", 32, torch.zeros(7), False, 0)),
+        ("decode_sum_encode_into", (P, "int8", 100, 32, 0, 1.0, "int4", 64, None, False, 0, p8)),
+        ("ordered_sum", (x,)),
+        ("ordered_sum", (torch.randn(2, 4).int(),)),
+        ("ordered_sum", (torch.randn(4, 2).t(),)),
+        ("exact_exponents", (x, 0)),
+        ("exact_exponents", (torch.randn(2, 2, 2), 32)),
+        ("to_exact", (x.reshape(10, 10), E, 32, 12)),
+        ("to_exact", (x, E, 32, 39)),
+        ("to_exact", (x, E.long(), 32, 12)),
+        ("to_exact", (x, E[:-1], 32, 12)),
+        ("from_exact", (torch.zeros(100), E, 32, 12)),
+        ("from_exact", (torch.zeros(100, dtype=torch.int64), E, 5000, 12)),
+        ("exact_sum", (x, 32, 12)),
+        ("exact_sum", (torch.randn(5, 10), 32, 2)),
+    ]
+
+
+@pytest.mark.parametrize("i", range(len(_bad_cases())))
+def test_errors_match_the_cpp_ops(i):
+    op, args = _bad_cases()[i]
+    with pytest.raises(RuntimeError) as cpp:
+        getattr(ops, op)(*args)
+    o, rec = make()
+    with pytest.raises(RuntimeError) as py:
+        getattr(o, op)(*args)
+    assert str(py.value) == str(cpp.value).splitlines()[0], (str(py.value), str(cpp.value))
+    assert not rec.launches
+
+
+def test_launch_preconditions_raise_before_launching():
+    rec = Recorder()
+    L = cb.Launches(rec.run, rec.memset)
+    with pytest.raises(cb.LaunchError):
+        L.encode(dict(x=0, x_dtype=7, residual=0, payload=0, n=10, codec=3, block=32, k=0, stochastic=False,
+                      seed=0, scratch=0))
+    with pytest.raises(cb.LaunchError):
+        L.encode_topk(dict(x=16, x_dtype=0, residual=0, payload=16, n=10, codec=6, block=0, k=3,
+                           stochastic=False, seed=0, scratch=8))  # scratch not 16-byte aligned
+    assert not rec.launches
+
+
+# ---- registration ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("devices,cuda,found,env,ok", [
+    (["cpu", "cuda"], "13.0", True, None, False),
+    (["cpu"], "13.0", True, None, True),
+    (["cpu"], "13.0", True, "0", False),
+    (["cpu"], None, True, None, False),
+    (["cpu"], "13.0", False, None, False),
+])
+def test_should_register(devices, cuda, found, env, ok):
+    got, reason = cb.should_register(devices, cuda, found, env)
+    assert got == ok and reason
+
+
+def test_cuda_path_reported():
+    from flatcomm import _ops
+
+    path = _ops.cuda_path()
+    if "cuda" in flatcomm.build_info()["devices"]:
+        assert path == "compiled"
+    elif torch.version.cuda is None:
+        assert path.startswith("none")
+
+
+def test_registered_ops_take_over_the_dispatch_key_and_give_it_back():
+    """The mechanism of register() (and of gpu_check's NVRTC-vs-compiled comparison), shown on the
+    CPU key: the Python ops take every flatcomm op over, and the compiled kernels return after."""
+    o, rec = make()
+    x = torch.randn(3, 50)
+    ref = ops.ordered_sum(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+        lib = cb.register(o, key="CPU")
+    try:
+        ops.ordered_sum(x)  # the recorder does not compute: only check that it was called
+        ops.encode(x[0], "int8", 32, 0, None, False, 0)
+        assert [l[0][len(cb.NS):].split("<")[0] for l in rec.launches] == ["ordered_sum_kernel",
+                                                                                "encode_kernel"]
+    finally:
+        lib._destroy()
+    assert torch.equal(ops.ordered_sum(x), ref)
+    assert len(rec.launches) == 2
