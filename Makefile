@@ -50,12 +50,21 @@ bench: build
 # torch lacks one generated header, which an empty stand-in replaces for this check only.
 TORCH_INC = $(shell $(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I'+p for p in include_paths()))" 2>/dev/null)
 CUDA_INC := $(dir $(shell command -v $(NVCC) 2>/dev/null))../include
-cuda-check: $(DEPS)
+# The cupy path's NVRTC source is compiled too (tests/test_nvrtc.py, for compute_80 and compute_90),
+# with libnvrtc from the nvidia-cuda-nvrtc wheel matching nvcc's version (~60 MB, installed once).
+NVRTC_STAMP := $(VENV)/.nvrtc
+$(NVRTC_STAMP): $(DEPS)
+	@v=$$($(NVCC) --version | sed -n 's/.*release \([0-9]*\)\.\([0-9]*\).*/\1.\2/p'); \
+	case $$v in 12.*) pkg=nvidia-cuda-nvrtc-cu12 ;; *) pkg=nvidia-cuda-nvrtc ;; esac; \
+	if $(PY) -m pip install -q "$$pkg==$$v.*"; then touch $@; \
+	else echo "$$pkg==$$v.* not installable: tests/test_nvrtc.py will skip"; fi
+cuda-check: $(DEPS) $(NVRTC_STAMP)
 	@mkdir -p build/cuda-stubs/c10/cuda/impl && touch build/cuda-stubs/c10/cuda/impl/cuda_cmake_macros.h
 	@for f in csrc/cuda/*.cu; do echo "nvcc $$f"; $(NVCC) $(NVCC_FLAGS) -c $$f -o build/$$(basename $$f).o || exit 1; done
 	echo "#include \"cuda/kernels.cuh\"" | g++ -std=c++17 -Icsrc -fsyntax-only -x c++ -
 	g++ -std=c++20 -fsyntax-only -Icsrc $(TORCH_INC) -I$(CUDA_INC) -I/usr/local/cuda/include \
 		-Ibuild/cuda-stubs csrc/cuda/ops_cuda.cpp
+	$(PY) -m pytest -q tests/test_nvrtc.py
 
 clean:
 	rm -rf build build-cmake flatcomm/_C*.so

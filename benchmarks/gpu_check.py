@@ -23,8 +23,15 @@ decode_sum W payloads + 4; decode_sum_encode+EF W payloads + 8 + payload; ordere
     python3 benchmarks/gpu_check.py                     # full check + timing (CUDA), ~1-2 min on an H200
     python3 benchmarks/gpu_check.py --json out.json
     python3 benchmarks/gpu_check.py --sanitize          # tiny sizes, every op once (compute-sanitizer)
+    python3 benchmarks/gpu_check.py --cupy              # the cupy / NVRTC path vs CPU and compiled kernels
     python3 benchmarks/gpu_check.py --self-test         # CPU vs CPU, small sizes: tests this script
     python3 benchmarks/gpu_check.py --device cpu        # CPU vs CPU, the full sweep
+
+cupy / NVRTC (--cupy; the self-test runs it CPU against CPU): the kernels of flatcomm/cupy_backend.py,
+compiled at run time, registered over the compiled CUDA kernels for a short sweep against the CPU,
+then compared directly with the compiled kernels (encode + EF and decode, every codec), and the int8
+encode + EF timed on both. On a build without CUDA kernels where flatcomm uses the NVRTC path, the
+plain full check tests that path against the CPU.
 
 Exit status: 0 all equal, 1 failures (or interrupted), 2 no CUDA device / flatcomm built without CUDA.
 """
@@ -791,6 +798,103 @@ def run_timing(device: torch.device, sizes: Sequence[int], reps: int, W: int = 4
 
 
 # ---------------------------------------------------------------------------------------------------
+# The cupy / NVRTC path (flatcomm/cupy_backend.py): the same kernel sources compiled at run time.
+
+CUPY_CFG = Config(sizes=(1, 97, 4099, 65537), blocks=(32, 256), exact_blocks=(7, 256), dtypes=DTYPES,
+                  topk_ratios=(0.3,), variants=("nonfinite",), big_n=1 << 62, full_reencode_max_n=97,
+                  timing_sizes=(), reps=0)
+
+
+def cupy_section(device: torch.device, seed: int, max_seconds: float, reps: int, timing_n: int,
+                 self_test: bool = False) -> dict:
+    """NVRTC kernels vs the CPU (the sweep, with the NVRTC ops registered over the compiled CUDA
+    kernels for the time of it), vs the compiled kernels directly (every codec's encode + EF and
+    decode on one input), and the int8 encode + EF time of both. With self_test (CPU, no cupy) both
+    "paths" are the CPU kernels: it exercises this code, not the NVRTC kernels."""
+    from flatcomm import _ops, cupy_backend as cb
+
+    out: dict = {"cuda_path": _ops.cuda_path(), "kernels": len(cb.kernel_names())}
+    t0 = time.monotonic()
+    if self_test:
+        nvrtc_ops = None
+        print("   self-test: no cupy / GPU here, both paths are the CPU kernels", flush=True)
+    else:
+        nvrtc_ops = cb.make_ops()
+        launcher = nvrtc_ops.k.run.__self__
+        nk = launcher.precompile(device.index or 0)
+        out["compile_seconds"] = round(time.monotonic() - t0, 1)
+        print(f"   NVRTC compiled {nk} kernels in {out['compile_seconds']} s (cupy caches them on disk)",
+              flush=True)
+
+    # 1. the sweep, CPU reference vs the NVRTC ops on the device
+    lib = None
+    if nvrtc_ops is not None:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # overriding the compiled CUDA kernels on purpose
+            lib = cb.register(nvrtc_ops, "CUDA")
+    ck = Checker(device, max_seconds, verbose=False)
+    try:
+        try:
+            Sweep(ck, dataclasses.replace(CUPY_CFG), seed).run()
+        except ContextBroken:
+            pass
+    finally:
+        if lib is not None:
+            lib._destroy()  # the compiled kernels take the CUDA key back
+    npass, nfail = sum(ck.passed.values()), sum(ck.failed.values())
+    out.update(sweep_passed=npass, sweep_failed=nfail, sweep_skipped=ck.skipped_cases,
+               sweep_unchecked=[op for op in OPS if ck.passed[op] + ck.failed[op] == 0],
+               failures=ck.failures[:50])
+    print(f"   sweep, NVRTC vs cpu: {npass} passed, {nfail} failed ({ck.cases} cases)", flush=True)
+
+    # 2. NVRTC vs compiled on the same device tensors, every codec
+    compiled = torch.ops.flatcomm
+    nv = nvrtc_ops if nvrtc_ops is not None else compiled
+    g = torch.Generator().manual_seed(seed)
+    n = 100_003
+    x = torch.randn(n, generator=g).to(device)
+    r0 = (torch.randn(n, generator=g) * 0.01).to(device)
+    diffs = []
+    for codec in CODECS:
+        c = fc.resolve(codec, 256, 0.05)
+        k = c.k(n)
+        for stoch in ((False, True) if codec in STOCHASTIC else (False,)):
+            ra, rb = r0.clone(), r0.clone()
+            pa = compiled.encode(x, codec, 256, k, ra, stoch, 11)
+            pb = nv.encode(x, codec, 256, k, rb, stoch, 11)
+            da = compiled.decode(pa, codec, n, 256, k, torch.float32)
+            db = nv.decode(pb, codec, n, 256, k, torch.float32)
+            for what, a, b in (("payload", pa, pb), ("residual", ra, rb), ("decoded", da, db)):
+                if not torch.equal(bits(a.cpu()), bits(b.cpu())):
+                    diffs.append(f"{codec}{' stochastic' if stoch else ''} {what}")
+    out["vs_compiled_diffs"] = diffs
+    print(f"   NVRTC vs compiled kernels, encode+EF and decode of every codec: "
+          f"{'bitwise equal' if not diffs else 'DIFFER: ' + ', '.join(diffs)}", flush=True)
+
+    # 3. int8 encode + EF, both paths
+    timer = Timer(device, max(reps, 2))
+    xt = torch.randn(timing_n, device=device)
+    rt = torch.zeros(timing_n, device=device)
+    pt = torch.empty(fc.wire_bytes("int8", timing_n), dtype=torch.uint8, device=device)
+    src, dst = torch.randn(timing_n, device=device), torch.empty(timing_n, device=device)
+    ms_copy = timer.median_ms(lambda: dst.copy_(src))
+    ms_a = timer.median_ms(lambda: compiled.encode_into(xt, "int8", 256, 0, rt, False, 0, pt))
+    ms_b = timer.median_ms(lambda: nv.encode_into(xt, "int8", 256, 0, rt, False, 0, pt))
+    nbytes = 12 * timing_n + pt.numel()
+    out["timing"] = {"numel": timing_n, "copy_ms": ms_copy, "compiled_ms": ms_a, "nvrtc_ms": ms_b,
+                     "compiled_x_copy": nbytes / ms_a / (8 * timing_n / ms_copy),
+                     "nvrtc_x_copy": nbytes / ms_b / (8 * timing_n / ms_copy)}
+    print(f"   int8 encode+EF at {timing_n}: compiled {ms_a:.3f} ms, NVRTC {ms_b:.3f} ms "
+          f"(copy_ {ms_copy:.3f} ms; x copy: {out['timing']['compiled_x_copy']:.2f} / "
+          f"{out['timing']['nvrtc_x_copy']:.2f})", flush=True)
+    out["ok"] = not nfail and not diffs and not ck.broken
+    out["seconds"] = round(time.monotonic() - t0, 1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
 
 
 def environment(device: torch.device) -> dict:
@@ -823,12 +927,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--sizes", default=None, help="correctness sizes, comma-separated (overrides)")
     ap.add_argument("--timing-sizes", default=None, help="timing sizes, comma-separated (overrides)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per op (median)")
+    ap.add_argument("--cupy", action="store_true",
+                    help="only the cupy / NVRTC section (needs cupy and a CUDA build; the self-test runs it too)")
     ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks for exceptions")
     args = ap.parse_args(argv)
 
     if args.self_test:
         args.device = "cpu"
         cfg = dataclasses.replace(SELF_TEST)
+    elif args.cupy:
+        cfg = dataclasses.replace(SANITIZE)
+        args.no_timing = args.no_correctness = True
     elif args.sanitize:
         cfg = dataclasses.replace(SANITIZE)
         args.no_timing = True
@@ -860,13 +969,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     HEADROOM = int(fc.sums.DEFAULT_HEADROOM)
     env = environment(device)
     built = env["flatcomm"].get("devices", []) if isinstance(env["flatcomm"], dict) else []
-    if device.type == "cuda" and "cuda" not in built:
+    nvrtc_only = False
+    try:
+        nvrtc_only = fc._ops.cuda_path().startswith("nvrtc")
+    except AttributeError:
+        pass
+    if device.type == "cuda" and "cuda" not in built and not (nvrtc_only and not args.cupy):
         print(f"gpu_check: flatcomm was built without CUDA kernels (build_info devices = {built}); "
               "rebuild with FLATCOMM_CUDA=1 python3 setup.py build_ext --inplace", file=sys.stderr)
         return 2
 
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    mode = "self-test" if args.self_test else "sanitize" if args.sanitize else "full"
+    mode = "self-test" if args.self_test else "sanitize" if args.sanitize else "cupy" if args.cupy else "full"
     print(f"== gpu_check ({mode}): {device} vs cpu, seed {seed} (rerun with --seed {seed})", flush=True)
     print("   " + json.dumps(env), flush=True)
 
@@ -917,6 +1031,27 @@ def main(argv: Optional[List[str]] = None) -> int:
                     verdict += " (informational: the target is for CUDA)"
                 print(f"\n   TARGET {verdict}: {target['op']} at {target['numel']} elements = "
                       f"{target['x_copy']:.2f}x copy bandwidth (required >= {target['required']})", flush=True)
+        if args.cupy or args.self_test:
+            print("\n== cupy / NVRTC path vs the CPU and the compiled kernels", flush=True)
+            try:
+                cres = cupy_section(device, seed, max(args.max_seconds - (time.monotonic() - t_start), 20),
+                                    cfg.reps, 1 << 26 if device.type == "cuda" else 1 << 16,
+                                    self_test=args.self_test)
+            except (Interrupted, KeyboardInterrupt):
+                raise
+            except ImportError as e:
+                cres = {"skipped": f"{type(e).__name__}: {e}"}
+                print(f"   skipped: {cres['skipped']}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                cres = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                print(f"   FAILED: {cres['error']}", flush=True)
+                if args.verbose:
+                    traceback.print_exc()
+            result["cupy"] = cres
+            if cres.get("ok") is False:
+                status = 1
+            if args.cupy:
+                print(f"\ncupy: {'ok' if cres.get('ok') else cres.get('skipped') or 'FAILED'}", flush=True)
     except (Interrupted, KeyboardInterrupt) as e:
         print(f"\ngpu_check: interrupted ({e}); writing what was done", flush=True)
         result["interrupted"] = str(e)

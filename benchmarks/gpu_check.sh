@@ -9,9 +9,10 @@
 #   2. build the extension in place with CUDA (FLATCOMM_CUDA=1 python3 setup.py build_ext --inplace)
 #   3. benchmarks/gpu_check.py: CUDA vs CPU bitwise on every op / codec / dtype, then timing
 #      -> gpu_check.txt, gpu_check.json
-#   4. compute-sanitizer memcheck on gpu_check.py --sanitize (tiny sizes, every op); racecheck and
+#   4. cupy / NVRTC path, when cupy imports: gpu_check.py --cupy (NVRTC kernels vs CPU and vs the
+#      compiled kernels, bitwise; int8 encode+EF time of both) -> cupy_check.txt, cupy_check.json
+#   5. compute-sanitizer memcheck on gpu_check.py --sanitize (tiny sizes, every op); racecheck and
 #      initcheck too when time is left -> sanitizer_<tool>.txt
-#   5. cupy / NVRTC smoke check, when cupy imports and flatcomm/cupy_backend.py exists
 #   6. summary (also in summary.txt)
 # Exit status: 0 everything passed; 1 a step failed; 2 no usable CUDA (torch without CUDA / no GPU).
 set -euo pipefail
@@ -116,7 +117,7 @@ fi
 CHECK_RC=skipped
 if [ "${STATUS[build]}" = ok ]; then
     section "3. gpu_check.py: CUDA vs CPU bitwise, then timing"
-    T_CHECK=$(min 240 $(( $(left) - 40 )))
+    T_CHECK=$(min 240 $(( $(left) - 130 )))  # leaves time for the cupy step
     T_CHECK=$(( T_CHECK < 60 ? 60 : T_CHECK ))
     # the correctness sweep stops starting cases after --max-seconds, leaving ~60 s for CUDA
     # start-up and the timing table (typically: sweep ~1 min, timing ~20 s on an H200)
@@ -136,7 +137,35 @@ else
     status gpu_check "skipped (no build)"
 fi
 
-# ---- 4. compute-sanitizer ----------------------------------------------------------------------
+# ---- 4. cupy / NVRTC ---------------------------------------------------------------------------
+# The optional runtime-compiled path (flatcomm/cupy_backend.py): NVRTC compiles the same kernel
+# sources (~108 kernels, first run ~1 min, then cupy's disk cache), a short sweep against the CPU
+# with the NVRTC ops in place of the compiled ones, a direct bitwise comparison with the compiled
+# kernels, and the int8 encode+EF time of both paths.
+section "4. cupy / NVRTC path (gpu_check.py --cupy)"
+if [ "${STATUS[build]}" != ok ]; then
+    status cupy "skipped (no build)"
+elif ! timeout 60 "$PY" -c 'import cupy' 2>/dev/null; then
+    echo "cupy does not import: skipped"; status cupy "skipped (no cupy)"
+elif [ "$(left)" -lt 90 ]; then
+    status cupy "skipped (time budget)"
+else
+    T_CUPY=$(min 180 $(( $(left) - 60 )))
+    "$PY" -c 'import cupy; print("cupy", cupy.__version__, "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion())' || true
+    set +e
+    timeout -k 10 "$T_CUPY" "$PY" -u benchmarks/gpu_check.py --cupy ${SEED:+--seed $SEED} \
+        --max-seconds $(( T_CUPY - 90 > 30 ? T_CUPY - 90 : 30 )) --json "$RESULTS/cupy_check.json" 2>&1 \
+        | tee "$RESULTS/cupy_check.txt"
+    rc=${PIPESTATUS[0]}
+    set -e
+    case $rc in
+        0) status cupy ok ;;
+        124|137) status cupy "partial: timed out after ${T_CUPY}s" ;;
+        *) status cupy "FAILED rc=$rc" ;;
+    esac
+fi
+
+# ---- 5. compute-sanitizer ----------------------------------------------------------------------
 SAN=$(command -v compute-sanitizer || true)
 for d in /usr/local/cuda/bin /usr/local/cuda-13.0/bin "${CUDA_HOME:-/nonexistent}/bin" "$(dirname "$(command -v nvcc || echo /x/x)")"; do
     if [ -z "$SAN" ] && [ -x "$d/compute-sanitizer" ]; then SAN=$d/compute-sanitizer; fi
@@ -148,7 +177,7 @@ run_sanitizer() {  # tool, max seconds
     # torch's own API calls may return benign errors; report kernel errors only
     if grep -q -- "--report-api-errors" <<<"$help"; then opts+=(--report-api-errors no); fi
     if grep -q -- "--print-limit" <<<"$help"; then opts+=(--print-limit 30); fi
-    section "4. compute-sanitizer --tool $tool (gpu_check.py --sanitize, ${t}s max)"
+    section "5. compute-sanitizer --tool $tool (gpu_check.py --sanitize, ${t}s max)"
     # No caching allocator: every tensor is its own cudaMalloc, so out-of-bounds accesses are seen.
     set +e
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 10 "$t" "$SAN" --tool "$tool" --error-exitcode 99 \
@@ -174,7 +203,7 @@ run_sanitizer() {  # tool, max seconds
 if [ "${STATUS[build]}" != ok ]; then
     status sanitizer "skipped (no build)"
 elif [ -z "$SAN" ]; then
-    section "4. compute-sanitizer"
+    section "5. compute-sanitizer"
     echo "compute-sanitizer not found (PATH, /usr/local/cuda/bin, CUDA_HOME/bin, next to nvcc): skipped"
     status sanitizer "skipped (compute-sanitizer not found)"
 else
@@ -185,37 +214,6 @@ else
         if [ "$(left)" -ge 130 ]; then run_sanitizer "$tool" "$(min 150 $(( $(left) - 25 )))"
         else status "sanitizer $tool" "skipped (time budget)"; fi
     done
-fi
-
-# ---- 5. cupy / NVRTC ---------------------------------------------------------------------------
-section "5. cupy / NVRTC smoke check"
-if ! timeout 60 "$PY" -c 'import cupy' 2>/dev/null; then
-    echo "cupy does not import: skipped"; status cupy "skipped (no cupy)"
-elif [ ! -f flatcomm/cupy_backend.py ]; then
-    echo "flatcomm/cupy_backend.py does not exist (yet): skipped"; status cupy "skipped (no flatcomm/cupy_backend.py)"
-elif [ "$(left)" -lt 30 ]; then
-    status cupy "skipped (time budget)"
-else
-    # Contract for the future backend: benchmarks/cupy_check.py if present, else a module-level
-    # smoke_test() in flatcomm/cupy_backend.py (raise on failure), else just the import.
-    set +e
-    if [ -f benchmarks/cupy_check.py ]; then
-        timeout -k 5 "$(min 90 $(( $(left) - 10 )))" "$PY" -u benchmarks/cupy_check.py 2>&1 | tee "$RESULTS/cupy_check.txt"
-        rc=${PIPESTATUS[0]}
-    else
-        timeout -k 5 "$(min 90 $(( $(left) - 10 )))" "$PY" -u - <<'EOF' 2>&1 | tee "$RESULTS/cupy_check.txt"
-import cupy, flatcomm.cupy_backend as m
-print("cupy", cupy.__version__, "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion())
-if hasattr(m, "smoke_test"):
-    r = m.smoke_test()
-    print("smoke_test() ->", r)
-else:
-    print("flatcomm.cupy_backend imported; it defines no smoke_test()")
-EOF
-        rc=${PIPESTATUS[0]}
-    fi
-    set -e
-    if [ "$rc" -eq 0 ]; then status cupy ok; else status cupy "FAILED rc=$rc"; fi
 fi
 
 # ---- 6. summary --------------------------------------------------------------------------------

@@ -11,6 +11,9 @@ def test_gpu_check_self_test_passes():
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert " 0 failed" in r.stdout
+    # the cupy / NVRTC section runs too (CPU against CPU here: its harness, not the NVRTC kernels)
+    assert "sweep, NVRTC vs cpu:" in r.stdout and " 0 failed (" in r.stdout
+    assert "encode+EF and decode of every codec: bitwise equal" in r.stdout
 
 
 def test_gpu_check_shell_script_parses():
