@@ -50,7 +50,7 @@ __all__ = ["PRECISION", "KINDS", "CostModel", "Decision", "Tuner", "allowed", "d
 PRECISION = ("fp32", "bf16", "int8", "int4", "sign")  # most precise first
 KINDS = ("all_reduce", "reduce_scatter")
 NEAR_TIE = 0.05
-BENCH_NUMEL = 1 << 22
+BENCH_NUMEL = 1 << 23  # 32 MB: past the caches, so per-value costs are those of large buckets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +194,9 @@ def measure(group=None, *, device: Optional[torch.device] = None, codecs=PRECISI
         t += _time_codecs(codecs, numel, world, group, device, reps)
         t = torch.tensor(t, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank, on every rank
+        # The timed runs' staging buffers (BENCH_NUMEL-sized) must not stay pooled next to the
+        # real ones: drop them (the group's pool is refilled by its next collective).
+        getattr(C, "_pools", {}).pop(C._group_key(group), None)
         return t.cpu().tolist()
 
     vals = _on_worker(group, body)
