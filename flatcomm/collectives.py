@@ -41,6 +41,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # large enough that per-collective latency is small, small enough to overlap decode with transfer.
 CHUNK_TARGET_BYTES = 4 << 20
 MAX_AUTO_CHUNKS = 8
+GATHER_PIECE_BYTES = 8 << 20
 
 
 @dataclasses.dataclass
@@ -77,7 +78,10 @@ class CommStats:
 
 class Handle:
     """Result of ``async_op=True``: ``wait()`` blocks (and re-raises errors), ``get_future()``
-    gives a ``torch.futures.Future`` completed with the output tensor."""
+    gives a ``torch.futures.Future`` completed with the output tensor. ``decision``: what
+    ``codec="auto"`` chose (a :class:`flatcomm.autotune.Decision`), else None."""
+
+    decision = None
 
     def __init__(self, future: "concurrent.futures.Future", value: torch.Tensor):
         self._cf = future
@@ -251,6 +255,31 @@ def _auto_chunks(numel: int, codec: Codec, world: int, mode: str) -> int:
     return int(max(1, min(MAX_AUTO_CHUNKS, wire // CHUNK_TARGET_BYTES)))
 
 
+_RAW_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _sends_raw(codec: Codec, dtype: torch.dtype, mode: str) -> bool:
+    """The payload of ``codec`` is the input's own bytes (fp32 codec on fp32 data, ...)."""
+    return mode == "ordered" and _RAW_DTYPES.get(codec.name) == dtype
+
+
+def _default_chunks(numel: int, codec: Codec, world: int, mode: str, dtype: torch.dtype) -> int:
+    # Raw payloads go on the wire straight from the caller's tensor (no staging copy), which
+    # needs one chunk: a chunk's pieces for all destinations must be one contiguous range. What
+    # chunking would overlap here (an ordered sum, memory speed) is small next to any link.
+    return 1 if _sends_raw(codec, dtype, mode) else _auto_chunks(numel, codec, world, mode)
+
+
+def _zero_copy(codec: Codec, dtype: torch.dtype, plan: "_Plan", chunks: int, residual) -> bool:
+    """Send and receive without staging: one chunk, raw payload, no error feedback (a residual
+    would change what is sent), and every piece a whole payload (16-byte multiple), so the
+    received rows are valid payload rows for the fused decode-sum."""
+    if chunks != 1 or residual is not None or _RAW_DTYPES.get(codec.name) != dtype:
+        return False
+    size = torch.empty(0, dtype=dtype).element_size()
+    return all((plan.bounds[d + 1] - plan.bounds[d]) * size % 16 == 0 for d in range(plan.world))
+
+
 def _align_of(codec: Codec, mode: str, exact_block: int) -> int:
     if mode == "exact":
         return exact_block
@@ -411,6 +440,9 @@ def _ordered_reduce_scatter(pipe: _Pipeline, src: torch.Tensor, out: torch.Tenso
                             residual: Optional[torch.Tensor]) -> None:
     me = plan.rank
     base = plan.bounds[me]
+    if _zero_copy(codec, src.dtype, plan, chunks, residual):
+        _raw_reduce(pipe, src, plan, codec, scale, out)
+        return
 
     def send(j):
         buf, sizes = _encode_pieces(pipe, src, plan, j, codec, residual)
@@ -424,6 +456,18 @@ def _ordered_reduce_scatter(pipe: _Pipeline, src: torch.Tensor, out: torch.Tenso
         _decode_sum_to(pipe, recv, plan.world, codec, b - a, scale, out[a - base:b - base])
 
     pipe.run(chunks, send, reduce, None)
+
+
+def _raw_reduce(pipe: _Pipeline, src: torch.Tensor, plan: _Plan, codec: Codec, scale: float,
+                dst: torch.Tensor) -> None:
+    """Zero-copy one-hop reduce: ``src`` itself is the all-to-all's send buffer (its shards are
+    the raw payloads, in destination order) and the received rows are summed in source-rank
+    order into ``dst`` (this rank's shard)."""
+    sizes = [plan.bounds[d + 1] - plan.bounds[d] for d in range(plan.world)]
+    mine = sizes[plan.rank]
+    work, recv = pipe.all_to_all(src, sizes, mine, plan.world)
+    pipe.wait(work)
+    _decode_sum_to(pipe, recv.view(torch.uint8).view(plan.world, -1), plan.world, codec, mine, scale, dst)
 
 
 def _exact_exponents(pipe: _Pipeline, src: torch.Tensor, plan: _Plan, block: int) -> List[torch.Tensor]:
@@ -492,6 +536,27 @@ def _setup(group, codec: CodecLike, mode: str, op: OpLike):
     return c, world, dist.get_rank(group), _reduce_scale(op, world)
 
 
+def _resolve_auto(codec: CodecLike, chunks: Optional[int], tuner, numel: int, group, device,
+                  mode: str, kind: str):
+    """``codec="auto"``: (codec, chunks, decision) from the tuner (default: one per group), the
+    same on every rank; other codecs pass through with decision None."""
+    if not (isinstance(codec, str) and codec == "auto"):
+        return codec, chunks, None
+    if mode != "ordered":
+        raise ValueError("flatcomm: codec='auto' needs mode='ordered'")
+    from . import autotune  # lazily: autotune builds on this module
+
+    t = tuner if tuner is not None else autotune.tuner_for(group)
+    d = t.choose(numel, group=group, device=device, kind=kind)
+    return d.codec, chunks, d  # d.chunks is what the collective's default picks for d.codec
+
+
+def _with_decision(handle: Optional[Handle], decision) -> Optional[Handle]:
+    if handle is not None:
+        handle.decision = decision
+    return handle
+
+
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -507,11 +572,16 @@ def reduce_scatter(
     validate: bool = True,
     exact_block: int = DEFAULT_EXACT_BLOCK,
     headroom: int = DEFAULT_HEADROOM,
+    tuner=None,
 ) -> Optional[Handle]:
     """Reduce ``input`` (world x ``output.numel()`` values) across ranks; rank r gets shard r.
 
     ``residual`` (fp32, input's numel) turns on error feedback for a lossy ``codec``.
+    ``codec="auto"``: ``tuner`` (a :class:`flatcomm.autotune.Tuner`, default one per group) picks
+    the codec and chunks per input size, the same on every rank (``Handle.decision``).
     """
+    codec, chunks, decision = _resolve_auto(codec, chunks, tuner, input.numel(), group, input.device,
+                                            mode, "reduce_scatter")
     c, world, rank, scale = _setup(group, codec, mode, op)
     src, out = _flat(input, "input"), _flat(output, "output")
     if src.numel() != world * out.numel():
@@ -521,7 +591,7 @@ def reduce_scatter(
         raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
     _check_residual(residual, src.numel(), src, "residual")
     align = _align_of(c, mode, exact_block)
-    nchunks = chunks or _auto_chunks(out.numel(), c, world, mode)
+    nchunks = chunks or _default_chunks(out.numel(), c, world, mode, src.dtype)
     bounds = [r * out.numel() for r in range(world + 1)]
     plan = _plan(bounds, nchunks, align, rank)
 
@@ -538,7 +608,7 @@ def reduce_scatter(
             _ordered_reduce_scatter(pipe, src, out, plan, nchunks, c, scale, residual)
         pipe.release()
 
-    return _run(body, output, group, async_op)
+    return _with_decision(_run(body, output, group, async_op), decision)
 
 
 def all_gather(
@@ -602,13 +672,18 @@ def all_reduce(
     validate: bool = True,
     exact_block: int = DEFAULT_EXACT_BLOCK,
     headroom: int = DEFAULT_HEADROOM,
+    tuner=None,
 ) -> Optional[Handle]:
     """All-reduce ``tensor`` in place: reduce-scatter, then all-gather of the reduced shards.
 
     Every rank ends with the same bits. ``residual`` (an :class:`ErrorFeedback` of the tensor's
     numel) makes a lossy codec lose nothing over time: client and server residuals carry what a
-    step did not send into the next.
+    step did not send into the next. ``codec="auto"``: ``tuner`` (default one per group) picks the
+    codec and chunks per numel, the same on every rank (``Handle.decision``); a residual works
+    with any choice (an fp32 choice adds the client residual once and zeroes it).
     """
+    codec, chunks, decision = _resolve_auto(codec, chunks, tuner, tensor.numel(), group, tensor.device,
+                                            mode, "all_reduce")
     c, world, rank, scale = _setup(group, codec, mode, op)
     flat = _flat(tensor, "tensor")
     n = flat.numel()
@@ -616,7 +691,7 @@ def all_reduce(
         _check_residual(residual.client, n, flat, "residual.client")
         _check_residual(residual.server, n, flat, "residual.server")
     align = _align_of(c, mode, exact_block)
-    nchunks = chunks or _auto_chunks(max(1, n // world), c, world, mode)
+    nchunks = chunks or _default_chunks(max(1, n // world), c, world, mode, flat.dtype)
     plan = _plan(shard_bounds(n, world, align), nchunks, align, rank)
 
     def body():
@@ -632,7 +707,7 @@ def all_reduce(
             _ordered_all_reduce(pipe, flat, plan, nchunks, c, scale, residual)
         pipe.release()
 
-    return _run(body, tensor, group, async_op)
+    return _with_decision(_run(body, tensor, group, async_op), decision)
 
 
 def _ordered_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, chunks: int, c: Codec,
@@ -640,6 +715,9 @@ def _ordered_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, chunks
     me, world = plan.rank, plan.world
     client = residual.client if residual is not None else None
     server = residual.server if residual is not None and not c.lossless else None
+    if _zero_copy(c, flat.dtype, plan, chunks, client):
+        _raw_all_reduce(pipe, flat, plan, c, scale)
+        return
 
     def send(j):
         buf, sizes = _encode_pieces(pipe, flat, plan, j, c, client)
@@ -682,6 +760,38 @@ def _ordered_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, chunks
         pipe.timed("decode_s", dec)
 
     pipe.run(chunks, send, reduce, finish)
+
+
+def _raw_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, c: Codec, scale: float) -> None:
+    """Lossless all-reduce without staging copies: the one-hop reduce reads ``flat`` directly,
+    sums into the all-gather's send buffer, and with equal shards the gather lands in ``flat``."""
+    me, world = plan.rank, plan.world
+    sizes = [plan.bounds[d + 1] - plan.bounds[d] for d in range(world)]
+    width = max(sizes)
+    send_buf = pipe.empty(width, flat.dtype, flat.device)  # padding past this shard is never read
+    _raw_reduce(pipe, flat, plan, c, scale, send_buf[:sizes[me]])
+    # The all-to-all has completed, so flat may be overwritten: gather straight into it, in pieces
+    # (gloo's all-gather slows down 2-3x once one call moves more than ~32 MB).
+    pipe.stats.wire_bytes += width * flat.element_size() * (world - 1)
+    step = max(1, GATHER_PIECE_BYTES // (world * flat.element_size()))
+    for off in range(0, width, step):
+        m = min(step, width - off)
+        outs, tails = [], []
+        for d in range(world):
+            a = plan.bounds[d] + off
+            keep = max(0, min(m, sizes[d] - off))
+            if keep == m:
+                outs.append(flat[a:a + m])
+            else:  # this rank's shard ends inside the piece: land in scratch, keep its prefix
+                scratch = pipe.empty(m, flat.dtype, flat.device)
+                outs.append(scratch)
+                tails.append((flat[a:a + keep], scratch[:keep]))
+        if world == 1:
+            outs[0].copy_(send_buf[off:off + m])
+        else:
+            pipe.wait(dist.all_gather(outs, send_buf[off:off + m], group=pipe.group, async_op=True))
+        for dst, src in tails:
+            dst.copy_(src)
 
 
 def _exact_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, chunks: int, scale: float,

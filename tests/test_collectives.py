@@ -233,7 +233,14 @@ def _accuracy(log: _Log, rank: int, world: int) -> None:
                 cases.append((codec, n, op, 3 if n > 1000 else 1, torch.float32))
         cases.append((codec, 1000, "avg", 2, torch.bfloat16))
         cases.append((codec, 1000, "sum", 2, torch.float16))
+    # Raw payloads on dtype-matched data, one chunk: the zero-copy path (sends the caller's tensor,
+    # equal shards gather straight into it); 4099 leaves a ragged last shard (staged fallback).
+    for codec, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        for n in (1, 7, 768, 4099, 30011):
+            cases.append((codec, n, "avg", 1, dtype))
     for codec, n, op, chunks, dtype in cases:
+        # Tiny gather pieces on the raw cases: many pieces, shards ending inside a piece.
+        C.GATHER_PIECE_BYTES = 4096 if chunks == 1 and codec in ("fp32", "bf16", "fp16") else 8 << 20
         scale = 1.0 / world if op == "avg" else 1.0
         tag = f"acc/{codec}/{n}/{op}/{dtype}/{world}"
         # all_reduce
