@@ -14,6 +14,7 @@
 #include "kernels.h"
 
 #define FC_ISA_NAME "avx2"
+#define FC_ISA_VARIABLE_SHIFTS 1
 namespace flatcomm {
 namespace cpu {
 namespace isa_avx2 {

@@ -6,8 +6,16 @@
 
 using namespace ::flatcomm::core;
 
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "flatcomm's CPU kernels pack sign codes as little-endian words"
+#endif
+
 template <typename T>
 static inline T min_(T a, T b) { return a < b ? a : b; }
+
+#ifndef FC_ISA_VARIABLE_SHIFTS
+#define FC_ISA_VARIABLE_SHIFTS 0  // the ISA has per-lane variable shifts (AVX2 and up)
+#endif
 
 // Sign-bit masks of the 8 values packed in each possible sign-codec byte.
 struct SignMaskTable {
@@ -78,20 +86,32 @@ static void decode_range(const uint8_t* payload, int64_t n, int64_t block, int64
         float d = int_dequantize(int4_lo(q[pairs]), s);
         if (ACC) o[len - 1] += d; else o[len - 1] = d;
       }
-    } else {  // sign: whole bytes first, 8 values each (i is a multiple of 8)
+    } else {  // sign (i is a multiple of 32)
       const uint8_t* q = codes + i / 8;
-      const int64_t full = len / 8;
       const uint32_t sbits = f2u(s);
-      for (int64_t t = 0; t < full; ++t) {
-        // Eight sign masks from a table: one vector xor instead of eight bit extractions. Same
-        // bits as sign_dequantize (a sign-bit flip).
-        const uint32_t* mask = kSignMasks.m[q[t]];
-        for (int bit = 0; bit < 8; ++bit) {
-          float d = u2f(sbits ^ mask[bit]);
-          if (ACC) o[8 * t + bit] += d; else o[8 * t + bit] = d;
+      int64_t j = 0;
+#if FC_ISA_VARIABLE_SHIFTS
+      // 32 values per little-endian word, each a sign-bit flip of the scale as integer math (same
+      // bits as sign_dequantize): per-lane variable shifts make this a few vector ops per 8 values.
+      for (; j + 32 <= len; j += 32) {
+        uint32_t word;
+        memcpy(&word, q + j / 8, 4);
+        for (int bit = 0; bit < 32; ++bit) {
+          float d = u2f(sbits ^ (((word >> bit) & 1u) << 31));
+          if (ACC) o[j + bit] += d; else o[j + bit] = d;
         }
       }
-      for (int64_t j = 8 * full; j < len; ++j) {
+#else
+      // Without per-lane shifts: the 8 sign masks of each byte from a table, one xor per value.
+      for (; j + 8 <= len; j += 8) {
+        const uint32_t* mask = kSignMasks.m[q[j / 8]];
+        for (int bit = 0; bit < 8; ++bit) {
+          float d = u2f(sbits ^ mask[bit]);
+          if (ACC) o[j + bit] += d; else o[j + bit] = d;
+        }
+      }
+#endif
+      for (; j < len; ++j) {
         float d = sign_dequantize((q[j >> 3] >> (j & 7)) & 1u, s);
         if (ACC) o[j] += d; else o[j] = d;
       }
@@ -183,7 +203,16 @@ static void encode_block(const typename Elem<DT>::T* xb, float* rb, int64_t i0, 
   scales[b] = p.scale;
   uint8_t* c = codes + i0 / 8;
   const int64_t nbytes = (len + 7) / 8;
-  for (int64_t t = 0; t < nbytes; ++t) {
+  // 32 values at a time into one little-endian word (byte t = values 8t..8t+7, low bit first:
+  // the payload layout on little-endian hosts): a compare, shift and OR reduction that
+  // vectorises, where a byte at a time with a bounds test does not.
+  const int64_t words = len / 32;
+  for (int64_t w = 0; w < words; ++w) {
+    uint32_t word = 0;
+    for (int bit = 0; bit < 32; ++bit) word |= sign_bit(v[32 * w + bit]) << bit;
+    memcpy(c + 4 * w, &word, 4);
+  }
+  for (int64_t t = 4 * words; t < nbytes; ++t) {
     uint32_t byte = 0;
     for (int bit = 0; bit < 8; ++bit) {
       const int64_t e = 8 * t + bit;
