@@ -5,6 +5,7 @@ ordered sums and exact (order-independent) sums. See README.md for the whole pic
 """
 from __future__ import annotations
 
+from . import _ops
 from ._ops import _C
 from .codecs import (
     CODECS,
@@ -29,6 +30,7 @@ def build_info() -> dict:
     info["threads"] = torch.get_num_threads()
     info["torch"] = torch.__version__
     info["version"] = __version__
+    info["cuda_path"] = _ops.cuda_path()  # "compiled", "nvrtc (cupy)" or "none (reason)"
     return info
 
 

@@ -318,6 +318,7 @@ def test_cuda_path_reported():
     from flatcomm import _ops
 
     path = _ops.cuda_path()
+    assert flatcomm.build_info()["cuda_path"] == path
     if "cuda" in flatcomm.build_info()["devices"]:
         assert path == "compiled"
     elif torch.version.cuda is None:
