@@ -87,10 +87,7 @@ def _check_kind(kind: str) -> None:
 
 def _chunks(codec: str, numel: int, world: int, kind: str = "all_reduce") -> int:
     """The chunk count the collective picks by itself for this codec and size (fp32 data)."""
-    default = getattr(C, "_default_chunks", None)
-    if default is not None:
-        return default(max(1, numel // world), Codec(codec), world, "ordered", torch.float32)
-    return C._auto_chunks(max(1, numel // world), Codec(codec), world, "ordered")
+    return C._default_chunks(max(1, numel // world), Codec(codec), world, "ordered", torch.float32, kind)
 
 
 def predict(costs: CostModel, codec: str, numel: int, world: int, kind: str = "all_reduce") -> float:
@@ -196,7 +193,7 @@ def measure(group=None, *, device: Optional[torch.device] = None, codecs=PRECISI
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank, on every rank
         # The timed runs' staging buffers (BENCH_NUMEL-sized) must not stay pooled next to the
         # real ones: drop them (the group's pool is refilled by its next collective).
-        getattr(C, "_pools", {}).pop(C._group_key(group), None)
+        C._pools.pop(C._group_key(group), None)
         return t.cpu().tolist()
 
     vals = _on_worker(group, body)

@@ -311,13 +311,15 @@ def _chunks(log: _Log, rank: int, world: int) -> None:
             C.reduce_scatter(out1, src, codec=codec, op=op, chunks=1)
             C.reduce_scatter(out3, src, codec=codec, op=op, chunks=3)
             log.add("chunks", f"reduce_scatter {codec} {op}: chunks 1 == 3", same_bits(out1, out3))
-    # auto chunking (several chunks for 4M values) against chunks=1
+    # auto chunking (several chunks for 4M values) against chunks=1, with error feedback
     big = inputs("chunks/auto", world, 1 << 22)[rank]
     a, b = big.clone(), big.clone()
-    C.all_reduce(a, chunks=1)
-    C.all_reduce(b)
-    auto = C._auto_chunks(max(1, big.numel() // world), Codec("fp32"), world, "ordered")
-    log.add("chunks", f"all_reduce fp32 4M values: auto ({auto} chunks) == chunks=1", same_bits(a, b))
+    ra, rb = C.ErrorFeedback.zeros(big.numel()), C.ErrorFeedback.zeros(big.numel())
+    C.all_reduce(a, codec="int8", chunks=1, residual=ra)
+    C.all_reduce(b, codec="int8", residual=rb)
+    auto = C._auto_chunks(max(1, big.numel() // world), Codec("int8"), world, "ordered")
+    log.add("chunks", f"all_reduce int8 4M values: auto ({auto} chunks) == chunks=1",
+            auto > 1 and same_bits(a, b) and same_bits(ra.client, rb.client) and same_bits(ra.server, rb.server))
     # more chunks than values, and empty tensors
     for codec in CODECS:
         for n in (0, 1, 5):
