@@ -93,16 +93,23 @@ def _chunks(codec: str, numel: int, world: int, kind: str = "all_reduce") -> int
 def predict(costs: CostModel, codec: str, numel: int, world: int, kind: str = "all_reduce") -> float:
     """Predicted seconds of an ordered ``kind`` of ``numel`` fp32 input values with ``codec``."""
     _check_kind(kind)
+    compute, wire = _parts(costs, codec, numel, world, kind)
+    if world <= 1:
+        return compute
+    stages = 2.0 if kind == "all_reduce" else 1.0
+    return compute + wire + stages * _chunks(codec, numel, world, kind) * costs.latency_s
+
+
+def _parts(costs: CostModel, codec: str, numel: int, world: int, kind: str) -> Tuple[float, float]:
+    """(compute, wire) seconds of ``kind`` on ``numel`` values with ``codec``."""
     stages = 2.0 if kind == "all_reduce" else 1.0
     if kind == "all_reduce" or costs.rs_compute_Bps is None:
         bps = costs.compute_Bps[codec] * (1.0 if kind == "all_reduce" else 2.0)
     else:
         bps = costs.rs_compute_Bps[codec]
     compute = 0.0 if math.isinf(bps) else 4.0 * numel / bps
-    if world <= 1:
-        return compute
-    wire = stages * Codec(codec).wire_bytes(numel) * (world - 1) / world / costs.link_Bps
-    return compute + wire + stages * _chunks(codec, numel, world, kind) * costs.latency_s
+    wire = stages * Codec(codec).wire_bytes(numel) * (world - 1) / world / costs.link_Bps if world > 1 else 0.0
+    return compute, wire
 
 
 def decide(costs: CostModel, numel: int, world: int, error_budget: str = "int8",
@@ -122,7 +129,14 @@ def decide(costs: CostModel, numel: int, world: int, error_budget: str = "int8",
     op = "" if kind == "all_reduce" else f" {kind}"
     reason = (f"{why} for{op} numel={numel} W={world} budget={error_budget} "
               f"(link {costs.link_Bps / 1e9:.3g} GB/s, latency {costs.latency_s * 1e6:.3g}us); predicted: {times}")
-    return Decision(best, _chunks(best, numel, world, kind), reason, pred)
+    chunks = _chunks(best, numel, world, kind)
+    compute, wire = _parts(costs, best, numel, world, kind)
+    if best == "fp32" and chunks > 1 and wire < compute:
+        # fp32 goes out of the caller's tensor in one chunk, without a staging copy; that wins when
+        # the wire is not the bottleneck (loopback: 28% faster), chunks win on slow links.
+        chunks = 1
+        reason += "; one zero-copy chunk (the wire is faster than the compute)"
+    return Decision(best, chunks, reason, pred)
 
 
 # ---- measurement ----------------------------------------------------------------------------------

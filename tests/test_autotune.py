@@ -264,3 +264,13 @@ def test_tune_cli(tmp_path):
     ns = {}
     exec(p.stdout.split("pinned=", 1)[1].splitlines()[0].join(("x = ", "")), ns)  # pastes as Python
     assert Tuner(pinned=ns["x"]).choose(4096).codec == doc["decisions"][0]["codec"]
+
+
+def test_fp32_goes_zero_copy_in_one_chunk_only_where_the_wire_is_not_the_bottleneck():
+    n = 1 << 24  # 64 MB: several chunks by default
+    fast = CostModel(link_Bps=100 * GB, latency_s=5e-6, compute_Bps={"fp32": 10 * GB})
+    slow = CostModel(link_Bps=0.1 * GB, latency_s=5e-6, compute_Bps={"fp32": 10 * GB})
+    d_fast, d_slow = decide(fast, n, 2, "fp32"), decide(slow, n, 2, "fp32")
+    assert d_fast.codec == d_slow.codec == "fp32"
+    assert d_fast.chunks == 1 and "zero-copy" in d_fast.reason
+    assert d_slow.chunks > 1 and "zero-copy" not in d_slow.reason
