@@ -12,6 +12,17 @@ sums integers (associative): the result does not depend on the order or grouping
 so permuting which rank holds which input gives the same bits.
 
 Large inputs are split into chunks: the exchange of chunk j+1 is in flight while chunk j is decoded.
+
+**CUDA streams** (:mod:`flatcomm._streams`; untested on a GPU so far). With CUDA tensors a call
+records an event on the caller's current stream at submission; the group's worker runs the
+collective's kernels on a side stream per (group, device) that waits on that event, and NCCL
+issues each exchange on its own stream after waiting for the side stream, so the worker only
+enqueues: no host synchronisation, except the ``validate=True`` consistency check, which reads a
+tiny tensor back (the DDP hook validates once per bucket layout). A synchronous call returns once
+the work is enqueued, with the caller's current stream made to wait for it; ``Handle.wait()`` does
+the same; ``Handle.get_future()`` is a CUDA-aware ``torch.futures.Future`` whose ``wait()`` makes the
+consumer's current stream wait (DDP's reducer does that). ``CommStats`` times are host times, i.e.
+of enqueueing the work on CUDA (``exchange_s`` is then about 0). CPU tensors take none of this.
 """
 from __future__ import annotations
 
@@ -25,6 +36,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from . import _streams
 from .codecs import CODECS, Codec, CodecLike, resolve
 from .codecs import decode as _decode
 from .codecs import decode_sum as _decode_sum
@@ -45,6 +57,9 @@ CHUNK_TARGET_BYTES = 1 << 20
 MIN_PIPELINE_BYTES = 512 << 10
 MAX_AUTO_CHUNKS = 16
 GATHER_PIECE_BYTES = 8 << 20
+# Tests only: exchange through torch.distributed even with one rank (normally a local copy), so a
+# one-GPU machine runs the NCCL calls and their stream hand-offs (benchmarks/gpu_check.py).
+_EXCHANGE_ALONE = False
 
 
 @dataclasses.dataclass
@@ -66,7 +81,8 @@ class ErrorFeedback:
 
 @dataclasses.dataclass
 class CommStats:
-    """Counters a collective adds to (pass one in, read it after)."""
+    """Counters a collective adds to (pass one in, read it after). The times are host seconds:
+    with CUDA tensors, of enqueueing the work (the GPU runs it later; ``exchange_s`` is ~0)."""
 
     calls: int = 0
     wire_bytes: int = 0  # bytes this rank put on the wire
@@ -81,30 +97,43 @@ class CommStats:
 
 class Handle:
     """Result of ``async_op=True``: ``wait()`` blocks (and re-raises errors), ``get_future()``
-    gives a ``torch.futures.Future`` completed with the output tensor. ``decision``: what
-    ``codec="auto"`` chose (a :class:`flatcomm.autotune.Decision`), else None."""
+    gives a ``torch.futures.Future`` completed with the output tensor (CUDA-aware for CUDA
+    tensors: see the module docstring). ``decision``: what ``codec="auto"`` chose (a
+    :class:`flatcomm.autotune.Decision`), else None."""
 
     decision = None
 
-    def __init__(self, future: "concurrent.futures.Future", value: torch.Tensor):
+    def __init__(self, future: "concurrent.futures.Future", value: torch.Tensor,
+                 streams: Optional[_streams.CallStreams] = None):
         self._cf = future
         self._value = value
-        self._torch_future: torch.futures.Future = torch.futures.Future()
+        self._streams = streams  # CUDA only: the future is CUDA-aware (see the module docstring)
+        self._torch_future: torch.futures.Future = (
+            torch.futures.Future() if streams is None else streams.future())
         future.add_done_callback(self._complete)
 
     def _complete(self, cf: "concurrent.futures.Future") -> None:
         exc = cf.exception()
         if exc is not None:
             self._torch_future.set_exception(exc)
-        else:
+        elif self._streams is None:
             self._torch_future.set_result(self._value)
+        else:
+            try:
+                self._streams.complete(self._torch_future, self._value)
+            except BaseException as e:  # noqa: BLE001 - never leave the future pending
+                self._torch_future.set_exception(e)
 
     def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+        """Block until the collective is enqueued (CPU: done); with CUDA tensors the current
+        stream is then made to wait for it, like ``Work.wait()`` of NCCL."""
         self._cf.result(timeout)
+        if self._streams is not None:
+            self._streams.join_current()
         return self._value
 
     def is_completed(self) -> bool:
-        return self._cf.done()
+        return self._cf.done() and (self._streams is None or self._streams.finished())
 
     def get_future(self) -> torch.futures.Future:
         return self._torch_future
@@ -139,21 +168,49 @@ def _mark_worker(key) -> None:
     _worker.key = key
 
 
-def _run(fn: Callable[[], None], value: torch.Tensor, group, async_op: bool) -> Optional[Handle]:
+def _on_worker(fn: Callable[[], None], streams: Optional[_streams.CallStreams],
+               keep: Sequence[Optional[torch.Tensor]] = ()) -> Callable[[], None]:
+    """fn, run on the side stream when ``streams`` (CUDA) is given."""
+    if streams is None:
+        return fn
+
+    def on_side():
+        with streams.side(keep):
+            fn()
+
+    return on_side
+
+
+def _submit(group, device: torch.device, fn: Callable[[], None]) -> "concurrent.futures.Future":
+    """Queue ``fn`` (no collective) on the group's worker, on the side stream for CUDA tensors
+    (the DDP hook's norms, which read the bucket before the all-reduce rewrites it)."""
+    return _executor(group).submit(_on_worker(fn, _streams.for_call(_group_key(group), device)))
+
+
+def _run(fn: Callable[[], None], value: torch.Tensor, group, async_op: bool,
+         keep: Sequence[Optional[torch.Tensor]] = ()) -> Optional[Handle]:
+    """Run a collective's body on the group's worker. ``keep``: the caller's tensors it uses
+    (CUDA: protected from reuse by the caching allocator while the side stream runs)."""
     grad = torch.is_grad_enabled()  # grad mode is thread-local: keep the caller's
+    streams = _streams.for_call(_group_key(group), value.device)  # None unless CUDA
+    inner = _on_worker(fn, streams, keep)
 
     def body():
         with torch.set_grad_enabled(grad):
-            fn()
+            inner()
 
     if not async_op and getattr(_worker, "key", object()) == _group_key(group):
         body()  # already on this group's worker (called from a callback): run in order, inline
+        if streams is not None:
+            streams.join_current()
         return None
     future = _executor(group).submit(body)
     if not async_op:
         future.result()
+        if streams is not None:  # the work is enqueued: order the caller's stream after it
+            streams.join_current()
         return None
-    return Handle(future, value)
+    return Handle(future, value, streams)
 
 
 # ---- argument handling ---------------------------------------------------------------------------
@@ -201,7 +258,7 @@ def _check_consistent(group, fields: Sequence[Tuple[str, int]], device: torch.de
     for call patterns already known to agree (e.g. after a training loop's first step), since it
     costs a round trip per call."""
     world = dist.get_world_size(group)
-    if world == 1:
+    if world == 1 and not _EXCHANGE_ALONE:
         return
     mine = torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
     allv = torch.empty(world * len(fields), dtype=torch.int64, device=device)
@@ -321,7 +378,10 @@ def _plan(bounds: List[int], chunks: int, align: int, rank: int) -> _Plan:
 class _BufferPool:
     """Staging buffers reused across calls of one group. Fresh large allocations are page-faulted
     on first touch, which on CPU costs as much as the copy itself; collectives of a group run one
-    at a time on its worker thread, so a buffer taken by a call is free again when the call ends."""
+    at a time on its worker thread, so a buffer taken by a call is free again when the call ends.
+    CUDA: the call's kernels may still be queued then, but every call of the group runs on the
+    same side stream (after waiting for its NCCL work), so a later user of the buffer is ordered
+    after them (see flatcomm/_streams.py)."""
 
     MAX_BYTES = 1 << 31
 
@@ -383,7 +443,7 @@ class _Pipeline:
     def all_to_all(self, send: torch.Tensor, send_sizes: List[int], recv_row: int, world: int):
         recv = self.empty(world * recv_row, send.dtype, send.device)
         self.stats.wire_bytes += (send.numel() - send_sizes[dist.get_rank(self.group)]) * send.element_size()
-        if world == 1:
+        if world == 1 and not _EXCHANGE_ALONE:
             recv.copy_(send)
             return None, recv
         work = dist.all_to_all_single(recv, send, [recv_row] * world, send_sizes, group=self.group,
@@ -393,13 +453,17 @@ class _Pipeline:
     def all_gather(self, send: torch.Tensor, world: int):
         recv = self.empty(world * send.numel(), send.dtype, send.device)
         self.stats.wire_bytes += send.numel() * send.element_size() * (world - 1)
-        if world == 1:
+        if world == 1 and not _EXCHANGE_ALONE:
             recv.copy_(send)
             return None, recv
         return _all_gather_single(recv, send, group=self.group, async_op=True), recv
 
     def run(self, chunks: int, send: Callable, reduce: Callable, finish: Optional[Callable]) -> None:
-        """send(j) -> state; reduce(j, state) -> state2; finish(j, state2). Stages overlap."""
+        """send(j) -> state; reduce(j, state) -> state2; finish(j, state2). Stages overlap.
+
+        CUDA: send(j + 1) enqueues the exchange of chunk j + 1 on NCCL's stream before reduce(j)
+        makes the side stream wait for exchange j and enqueues its decode, so the GPU runs the
+        exchange of j + 1 (NCCL stream) while it decodes j (side stream), with no host wait."""
         sent = {0: send(0)} if chunks else {}
         reduced = {}
         for j in range(chunks):
@@ -485,7 +549,7 @@ def _exact_exponents(pipe: _Pipeline, src: torch.Tensor, plan: _Plan, block: int
     parts = [exact_exponents(src[plan.bounds[d]:plan.bounds[d + 1]], block) for d in range(plan.world)]
     sizes = [p.numel() for p in parts]
     allp = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int32)
-    if plan.world > 1 and allp.numel():
+    if (plan.world > 1 or _EXCHANGE_ALONE) and allp.numel():
         pipe.timed("exchange_s", lambda: dist.all_reduce(allp, dist.ReduceOp.MAX, group=pipe.group))
     return list(torch.split(allp, sizes))
 
@@ -618,7 +682,7 @@ def reduce_scatter(
             _ordered_reduce_scatter(pipe, src, out, plan, nchunks, c, scale, residual)
         pipe.release()
 
-    return _with_decision(_run(body, output, group, async_op), decision)
+    return _with_decision(_run(body, output, group, async_op, (src, out, residual)), decision)
 
 
 def all_gather(
@@ -665,7 +729,7 @@ def all_gather(
         pipe.timed("decode_s", dec)
         pipe.release()
 
-    return _run(body, output, group, async_op)
+    return _run(body, output, group, async_op, (src, out, residual))
 
 
 def all_reduce(
@@ -717,7 +781,8 @@ def all_reduce(
             _ordered_all_reduce(pipe, flat, plan, nchunks, c, scale, residual)
         pipe.release()
 
-    return _with_decision(_run(body, tensor, group, async_op), decision)
+    keep = (flat,) if residual is None else (flat, residual.client, residual.server)
+    return _with_decision(_run(body, tensor, group, async_op, keep), decision)
 
 
 def _ordered_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, chunks: int, c: Codec,
@@ -796,7 +861,7 @@ def _raw_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, c: Codec, 
                 scratch = pipe.empty(m, flat.dtype, flat.device)
                 outs.append(scratch)
                 tails.append((flat[a:a + keep], scratch[:keep]))
-        if world == 1:
+        if world == 1 and not _EXCHANGE_ALONE:
             outs[0].copy_(send_buf[off:off + m])
         else:
             pipe.wait(dist.all_gather(outs, send_buf[off:off + m], group=pipe.group, async_op=True))

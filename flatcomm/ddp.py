@@ -305,7 +305,7 @@ class State:
                     v += 2.0 * float(flat.dot(res.ef.client)) + res.client_sq
                 v_sq.append(v)
 
-            C._executor(group).submit(pre)
+            C._submit(group, tensor.device, pre)  # CUDA: on the all-reduce's side stream, in order
         cs = C.CommStats()
         with self._cond:
             self._inflight += 1
