@@ -11,9 +11,11 @@
 #      -> gpu_check.txt, gpu_check.json
 #   4. cupy / NVRTC path, when cupy imports: gpu_check.py --cupy (NVRTC kernels vs CPU and vs the
 #      compiled kernels, bitwise; int8 encode+EF time of both) -> cupy_check.txt, cupy_check.json
-#   5. compute-sanitizer memcheck on gpu_check.py --sanitize (tiny sizes, every op); racecheck and
+#   5. collectives over NCCL, world size 1 (<= 60 s): gpu_check.py --collectives (CUDA tensors vs CPU
+#      over gloo, bitwise; streams, CUDA-aware futures, a DDP step) -> collectives.txt, collectives.json
+#   6. compute-sanitizer memcheck on gpu_check.py --sanitize (tiny sizes, every op); racecheck and
 #      initcheck too when time is left -> sanitizer_<tool>.txt
-#   6. summary (also in summary.txt)
+#   7. summary (also in summary.txt)
 # Exit status: 0 everything passed; 1 a step failed; 2 no usable CUDA (torch without CUDA / no GPU).
 set -euo pipefail
 
@@ -117,7 +119,7 @@ fi
 CHECK_RC=skipped
 if [ "${STATUS[build]}" = ok ]; then
     section "3. gpu_check.py: CUDA vs CPU bitwise, then timing"
-    T_CHECK=$(min 240 $(( $(left) - 130 )))  # leaves time for the cupy step
+    T_CHECK=$(min 240 $(( $(left) - 190 )))  # leaves time for the cupy and collectives steps
     T_CHECK=$(( T_CHECK < 60 ? 60 : T_CHECK ))
     # the correctness sweep stops starting cases after --max-seconds, leaving ~60 s for CUDA
     # start-up and the timing table (typically: sweep ~1 min, timing ~20 s on an H200)
@@ -150,7 +152,8 @@ elif ! timeout 60 "$PY" -c 'import cupy' 2>/dev/null; then
 elif [ "$(left)" -lt 90 ]; then
     status cupy "skipped (time budget)"
 else
-    T_CUPY=$(min 180 $(( $(left) - 60 )))
+    T_CUPY=$(min 180 $(( $(left) - 120 )))  # leaves time for the collectives and the sanitizer
+    T_CUPY=$(( T_CUPY < 30 ? 30 : T_CUPY ))
     "$PY" -c 'import cupy; print("cupy", cupy.__version__, "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion())' || true
     set +e
     timeout -k 10 "$T_CUPY" "$PY" -u benchmarks/gpu_check.py --cupy ${SEED:+--seed $SEED} \
@@ -165,7 +168,37 @@ else
     esac
 fi
 
-# ---- 5. compute-sanitizer ----------------------------------------------------------------------
+# ---- 5. collectives over NCCL -------------------------------------------------------------------
+# flatcomm.collectives on CUDA tensors through a world-size-1 NCCL group (file:// rendezvous in a temp
+# dir, in one process) against the same calls on CPU tensors through gloo, bitwise, also with the
+# exchange forced through NCCL at world size 1; inputs written behind a busy caller stream, async
+# results consumed on another stream, three DDP steps with the int8 hook. Skipped (not failed) when
+# torch.distributed or NCCL is missing.
+section "5. collectives over NCCL (gpu_check.py --collectives, world size 1)"
+if [ "${STATUS[build]}" != ok ]; then
+    status collectives "skipped (no build)"
+elif ! "$PY" -c 'import sys, torch.distributed as d; sys.exit(0 if d.is_available() and d.is_nccl_available() else 1)' 2>/dev/null; then
+    echo "torch.distributed / NCCL not available: skipped"; status collectives "skipped (no NCCL)"
+elif [ "$(left)" -lt 90 ]; then
+    status collectives "skipped (time budget)"
+else
+    T_COLL=$(min 60 $(( $(left) - 60 )))  # leaves a minute for the sanitizer
+    set +e
+    timeout -k 10 "$T_COLL" "$PY" -u benchmarks/gpu_check.py --collectives ${SEED:+--seed $SEED} \
+        --max-seconds $(( T_COLL - 25 > 15 ? T_COLL - 25 : 15 )) --json "$RESULTS/collectives.json" 2>&1 \
+        | tee "$RESULTS/collectives.txt"
+    rc=${PIPESTATUS[0]}
+    set -e
+    case $rc in
+        0) if grep -q "^collectives: skipped\|  skipped: " "$RESULTS/collectives.txt"; then
+               status collectives "skipped ($(grep -m1 -o 'skipped: .*' "$RESULTS/collectives.txt" | sed 's/^skipped: //'))"
+           else status collectives ok; fi ;;
+        124|137) status collectives "TIMED OUT after ${T_COLL}s" ;;
+        *) status collectives "FAILED rc=$rc" ;;
+    esac
+fi
+
+# ---- 6. compute-sanitizer ----------------------------------------------------------------------
 SAN=$(command -v compute-sanitizer || true)
 for d in /usr/local/cuda/bin /usr/local/cuda-13.0/bin "${CUDA_HOME:-/nonexistent}/bin" "$(dirname "$(command -v nvcc || echo /x/x)")"; do
     if [ -z "$SAN" ] && [ -x "$d/compute-sanitizer" ]; then SAN=$d/compute-sanitizer; fi
@@ -177,7 +210,7 @@ run_sanitizer() {  # tool, max seconds
     # torch's own API calls may return benign errors; report kernel errors only
     if grep -q -- "--report-api-errors" <<<"$help"; then opts+=(--report-api-errors no); fi
     if grep -q -- "--print-limit" <<<"$help"; then opts+=(--print-limit 30); fi
-    section "5. compute-sanitizer --tool $tool (gpu_check.py --sanitize, ${t}s max)"
+    section "6. compute-sanitizer --tool $tool (gpu_check.py --sanitize, ${t}s max)"
     # No caching allocator: every tensor is its own cudaMalloc, so out-of-bounds accesses are seen.
     set +e
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 10 "$t" "$SAN" --tool "$tool" --error-exitcode 99 \
@@ -203,7 +236,7 @@ run_sanitizer() {  # tool, max seconds
 if [ "${STATUS[build]}" != ok ]; then
     status sanitizer "skipped (no build)"
 elif [ -z "$SAN" ]; then
-    section "5. compute-sanitizer"
+    section "6. compute-sanitizer"
     echo "compute-sanitizer not found (PATH, /usr/local/cuda/bin, CUDA_HOME/bin, next to nvcc): skipped"
     status sanitizer "skipped (compute-sanitizer not found)"
 else
@@ -216,12 +249,15 @@ else
     done
 fi
 
-# ---- 6. summary --------------------------------------------------------------------------------
-section "6. summary"
+# ---- 7. summary --------------------------------------------------------------------------------
+section "7. summary"
 {
     for k in "${ORDER[@]}"; do printf '  %-22s %s\n' "$k" "${STATUS[$k]}"; done
     if [ -f "$RESULTS/gpu_check.txt" ]; then
         grep -E "passed, .* failed|TARGET|cases skipped|context is broken" "$RESULTS/gpu_check.txt" | sed 's/^ */  /' || true
+    fi
+    if [ -f "$RESULTS/collectives.txt" ]; then
+        grep -E "collectives, .* passed|FAIL " "$RESULTS/collectives.txt" | head -12 | sed 's/^ */  /' || true
     fi
     echo "  total time: $((SECONDS - T0))s; results in $RESULTS"
 } | tee "$RESULTS/summary.txt"

@@ -14,6 +14,9 @@ def test_gpu_check_self_test_passes():
     # the cupy / NVRTC section runs too (CPU against CPU here: its harness, not the NVRTC kernels)
     assert "sweep, NVRTC vs cpu:" in r.stdout and " 0 failed (" in r.stdout
     assert "encode+EF and decode of every codec: bitwise equal" in r.stdout
+    # the collectives section runs too (gloo on CPU in place of NCCL: its harness and the CPU path)
+    line = next((x for x in r.stdout.splitlines() if "collectives, cpu over gloo" in x), "")
+    assert " 0 failed, 0 skipped" in line and " 28 passed" in line, line or r.stdout[-3000:]
 
 
 def test_gpu_check_shell_script_parses():

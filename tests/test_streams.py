@@ -1,0 +1,60 @@
+"""The CUDA stream handling of the collectives stays off the CPU path (the GPU side is checked by
+benchmarks/gpu_check.py --collectives, which the gpu_check self-test runs with gloo)."""
+import threading
+
+import torch
+
+from flatcomm import _streams
+from flatcomm import collectives as C
+from flatcomm import spawn
+
+
+def test_for_call_is_none_for_cpu_tensors():
+    assert _streams.for_call(None, torch.device("cpu")) is None
+    assert _streams.for_call(123, torch.empty(1).device) is None
+
+
+def test_on_worker_leaves_cpu_bodies_alone():
+    def fn():
+        pass
+
+    assert C._on_worker(fn, None) is fn
+    assert C._on_worker(fn, None, (torch.empty(1),)) is fn
+
+
+def test_submit_runs_in_order_on_the_group_worker():
+    seen = []
+    futs = [C._submit("test-streams-group", torch.device("cpu"),
+                      lambda i=i: seen.append((i, threading.current_thread().name))) for i in range(5)]
+    for f in futs:
+        f.result(10)
+    assert [i for i, _ in seen] == list(range(5))
+    assert all(name.startswith("flatcomm") for _, name in seen)
+
+
+def _rank(rank, world):
+    def boom(*a, **k):
+        raise AssertionError("CallStreams built for CPU tensors")
+
+    _streams.CallStreams = boom  # any use on the CPU path fails the run
+    out = {}
+    for alone in (False, True):
+        C._EXCHANGE_ALONE = alone  # world size 1 through gloo's all_to_all / all_gather
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(300_001, generator=g)
+        t, ef = x.clone(), C.ErrorFeedback.zeros(x.numel())
+        C.all_reduce(t, codec="int8", chunks=3, residual=ef)
+        h = C.all_reduce(t, codec="int8", chunks=3, residual=ef, async_op=True)
+        fut_val = h.get_future().wait()
+        assert fut_val is t and h.is_completed()
+        rs = torch.empty_like(x)
+        C.reduce_scatter(rs, x, codec="fp32")
+        ex = x.clone()
+        C.all_reduce(ex, mode="exact", chunks=3)
+        out[alone] = [t, ef.client, ef.server, rs, ex]
+    return [torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(out[False], out[True])]
+
+
+def test_cpu_path_never_builds_streams_and_world1_exchange_matches():
+    (eq,) = spawn.run(1, _rank, timeout_s=60.0)
+    assert all(eq), eq
