@@ -992,7 +992,8 @@ def collectives_section(device: torch.device, seed: int, max_seconds: float, sel
             return [v.cpu() for v in vals]
 
         def compare(name: str, got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> None:
-            bad = [i for i, (a, b) in enumerate(zip(got, want)) if a.shape != b.shape or not torch.equal(bits(a), bits(b))]
+            bad = [i for i, (a, b) in enumerate(zip(got, want))
+                   if a.shape != b.shape or not torch.equal(bits(a), bits(b))]
             if bad or len(got) != len(want):
                 out["failed"] += 1
                 where = []
