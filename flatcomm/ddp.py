@@ -277,13 +277,14 @@ class State:
             self._new_step = True
         tensor = bucket.buffer()
         key = tuple(id(p) for p in bucket.parameters())
-        codec = self.codec
+        codec, chunks = self.codec, self.chunks
         if self._auto:
             d = self.decisions.get(key)
             if d is None:  # pure given the (MAX-agreed) costs: every rank picks the same
                 d = self.decisions[key] = self.tuner.choose(tensor.numel(), key=f"bucket{index}", group=group,
                                                             device=tensor.device)
             codec = resolve(d.codec, self._block_size)
+            chunks = chunks or d.chunks
         res = None
         if self.error_feedback and not codec.lossless:
             res = self._buffer_for(bucket)
@@ -311,7 +312,7 @@ class State:
             self._inflight += 1
         try:
             h = C.all_reduce(tensor, codec=codec, op="avg", mode=self.mode, group=group, async_op=True,
-                             residual=res.ef if res is not None else None, chunks=self.chunks, stats=cs,
+                             residual=res.ef if res is not None else None, chunks=chunks, stats=cs,
                              **kwargs)
         except BaseException:
             self._finished()
