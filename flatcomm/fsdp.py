@@ -186,6 +186,11 @@ def _op_scale(op: Any, world: int) -> Tuple[str, Optional[float]]:
     raise ValueError(f"flatcomm: unsupported reduce op {op!r} (AVG, SUM or PREMUL_SUM)")
 
 
+def _group_sig(group) -> Tuple[int, ...]:
+    """The same value on every rank for the same group (unlike ``id(group)``)."""
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
 def _wire_codec(codec: Codec, dtype: torch.dtype) -> Codec:
     """The lossless codec sends bf16/fp16 inputs in their own dtype (exact, half the bytes)."""
     if codec.lossless and dtype == torch.bfloat16:
@@ -225,11 +230,12 @@ class _ScaledHandle:
 
 def _reduce(output: torch.Tensor, input: torch.Tensor, *, codec: Codec, op: Any, mode: str,
             group, async_op: bool, residual: Optional[torch.Tensor], chunks: Optional[int],
-            stats: C.CommStats):
+            stats: C.CommStats, validate: bool = True):
     world = dist.get_world_size(group)
     fop, factor = _op_scale(op, world)
     wc = _wire_codec(codec, input.dtype)
-    kw = dict(codec=wc, mode=mode, group=group, residual=residual, chunks=chunks, stats=stats)
+    kw = dict(codec=wc, mode=mode, group=group, residual=residual, chunks=chunks, stats=stats,
+              validate=validate)
     if factor is None:
         return C.reduce_scatter(output, input, op=fop, async_op=async_op, **kw)
     # PREMUL_SUM: fp32 sum, one fp32 multiply, then the output dtype (see the module docstring).
@@ -272,6 +278,18 @@ class _Backend:
         self.chunks = chunks
         self.stats = Stats()
         self._res = _Residuals()
+        self._validated: set = set()
+
+    def _first_call(self, *signature) -> bool:
+        """True the first time a call signature is seen: only then does the collective run its
+        cross-rank consistency check (a round trip, and a host sync on CUDA). FSDP issues the same
+        sequence of collectives on every rank, so a signature checked once stays consistent. The
+        signature must be equal across ranks for equal calls (no object ids or addresses): every
+        rank must make the same choice, or the check's all-gather pairs with a payload exchange."""
+        if signature in self._validated:
+            return False
+        self._validated.add(signature)
+        return True
 
     def _codec_for(self, numel: int, group, device: torch.device, kind: str) -> Codec:
         """The codec of one collective: fixed, or the tuner's choice for this size."""
@@ -347,9 +365,12 @@ class ReduceScatter(_Backend):
             pieces = self._pieces(sys._getframe(1), input_tensor.numel(), world)
             if not codec.lossless or self._res.holds(pieces):
                 residual = self._res.get(pieces, world, input_tensor.device)
+        fop = _op_scale(op, dist.get_world_size(group))[0]  # PREMUL_SUM's factor is applied locally
+        check = self._first_call("rs", _group_sig(group), input_tensor.numel(), input_tensor.dtype,
+                                 output_tensor.dtype, codec.name, fop)
         return _reduce(output_tensor, input_tensor, codec=codec, op=op, mode=self.mode,
                        group=group, async_op=async_op, residual=residual, chunks=self.chunks,
-                       stats=self.stats)
+                       stats=self.stats, validate=check)
 
     def _pieces(self, frame, numel: int, world: int) -> _Pieces:
         fallback = [(f"flat{numel}", numel // world)]
@@ -501,7 +522,8 @@ def fsdp1_hook(state: FSDP1State, grad: torch.Tensor, output: Optional[torch.Ten
                 ef.server.zero_()
         flat = grad if grad.is_contiguous() else grad.contiguous()
         C.all_reduce(flat, codec=_wire_codec(codec, grad.dtype), op="avg", mode=state.mode,
-                     group=group, residual=ef, chunks=state.chunks, stats=state.stats)
+                     group=group, residual=ef, chunks=state.chunks, stats=state.stats,
+                     validate=state._first_call("ar", _group_sig(group), flat.numel(), flat.dtype, codec.name))
         if flat is not grad:
             grad.copy_(flat)
         return None
@@ -511,5 +533,6 @@ def fsdp1_hook(state: FSDP1State, grad: torch.Tensor, output: Optional[torch.Ten
     if state.error_feedback and (not codec.lossless or state._res.holds(pieces)):
         residual = state._res.get(pieces, world, grad.device)
     _reduce(output, grad, codec=codec, op="avg", mode=state.mode, group=group, async_op=False,
-            residual=residual, chunks=state.chunks, stats=state.stats)
+            residual=residual, chunks=state.chunks, stats=state.stats,
+            validate=state._first_call("rs", _group_sig(group), grad.numel(), grad.dtype, output.dtype, codec.name))
     return None

@@ -421,3 +421,12 @@ def test_fsdp1_hook(ranks2, key):
         assert f["param_maxrel"] < 1e-4 and f["loss_diff"] < 1e-4, f
         assert f["int8_loss_rel"] < 0.01, f
         assert f["calls"] > 0 and f["sd_keys"] > 0 and f["sd_fp32"], f
+
+
+def test_consistency_check_runs_once_per_call_signature():
+    from flatcomm import fsdp
+
+    rs = fsdp.ReduceScatter("int8")
+    sig = ("rs", (0, 1), 1024, torch.float32, torch.float32, "int8", "avg")
+    assert rs._first_call(*sig) and not rs._first_call(*sig)
+    assert rs._first_call(*sig[:2], 2048, *sig[3:])  # another size is checked again
