@@ -72,11 +72,30 @@ STATE_DICT_VERSION = 1
 _HAS_VALIDATE = "validate" in inspect.signature(C.all_reduce).parameters
 
 
+def _norms_to_floats(rec: dict) -> None:
+    """Turn a record's lazy norms (0-dim tensors: read only when stats are asked for) into floats."""
+    lazy = rec.pop("_norms", None)
+    if lazy is None:
+        return
+    c_sq, s_sq, v_sq, rel = lazy
+    v = float(v_sq) if v_sq is not None else None
+    if c_sq is not None:
+        c = float(c_sq)
+        rec["client_residual_norm"] = math.sqrt(c)
+        rec["server_residual_norm"] = math.sqrt(float(s_sq))
+        rec["input_norm"] = math.sqrt(max(v, 0.0))
+        rec["rel_error"] = math.sqrt(c / v) if v > 0 else 0.0
+    else:
+        rec["client_residual_norm"] = rec["server_residual_norm"] = 0.0
+        rec["input_norm"] = math.sqrt(max(v, 0.0)) if v is not None else 0.0
+        rec["rel_error"] = rel
+
+
 @dataclasses.dataclass
 class _Buf:
     ef: C.ErrorFeedback
     layout: List[Tuple[int, int, int]]  # (id(p), offset, numel) in buffer order
-    client_sq: float = 0.0  # ||client||^2 after the last step (for the stats' relative error)
+    client_sq: Any = 0.0  # ||client||^2 after the last step, a float64 0-dim tensor once measured
 
 
 class State:
@@ -261,7 +280,7 @@ class State:
         for b in self._bufs.values():
             b.ef.client.mul_(f)
             b.ef.server.mul_(f)
-            b.client_sq *= f * f
+            b.client_sq = b.client_sq * (f * f)  # rebind: the old tensor is in a stats record
 
     # ---- the hook --------------------------------------------------------------------------------
 
@@ -299,11 +318,13 @@ class State:
         if self.track_norms:
             # ||g + client_old||^2 = g.g + 2 g.r + r.r (r.r kept from the last step): two read passes,
             # queued on the group's worker thread just before the all-reduce, off the backward thread.
+            # The norms stay 0-dim tensors (float64 sums of the fp32 dots, as Python floats would
+            # be) until stats() reads them: on CUDA no host sync per bucket.
             def pre():
                 flat = tensor.reshape(-1).float()
-                v = float(flat.dot(flat))
+                v = flat.dot(flat).double()
                 if res is not None:
-                    v += 2.0 * float(flat.dot(res.ef.client)) + res.client_sq
+                    v = v + 2.0 * flat.dot(res.ef.client).double() + res.client_sq
                 v_sq.append(v)
 
             C._submit(group, tensor.device, pre)  # CUDA: on the all-reduce's side stream, in order
@@ -358,17 +379,11 @@ class State:
         }
         if self.track_norms:
             if res is not None:
-                c_sq = float(res.ef.client.square().sum())
-                s_sq = float(res.ef.server.square().sum())
+                c_sq = res.ef.client.square().sum().double()
                 res.client_sq = c_sq
-                rec["client_residual_norm"] = math.sqrt(c_sq)
-                rec["server_residual_norm"] = math.sqrt(s_sq)
-                rec["input_norm"] = math.sqrt(max(v_sq, 0.0))
-                rec["rel_error"] = math.sqrt(c_sq / v_sq) if v_sq > 0 else 0.0
+                rec["_norms"] = (c_sq, res.ef.server.square().sum().double(), v_sq, None)
             else:
-                rec["client_residual_norm"] = rec["server_residual_norm"] = 0.0
-                rec["input_norm"] = math.sqrt(max(v_sq, 0.0)) if v_sq is not None else 0.0
-                rec["rel_error"] = 0.0 if codec.lossless else float("nan")
+                rec["_norms"] = (None, None, v_sq, 0.0 if codec.lossless else float("nan"))
         with self._lock:
             self._records.append(rec)
             if self._records and self._records[-1]["step"] - self._records[0]["step"] >= self.history:
@@ -390,6 +405,8 @@ class State:
         """
         self.wait()
         with self._lock:
+            for r in self._records:
+                _norms_to_floats(r)
             recs = [dict(r) for r in self._records]
         steps: Dict[int, dict] = {}
         for r in recs:
