@@ -9,6 +9,7 @@ import os
 import shutil
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 from torch.utils import cpp_extension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,8 +63,23 @@ def extension():
     )
 
 
+class BuildPyWithKernelSources(build_py):
+    """Ship the kernel headers as flatcomm/_csrc: the cupy path compiles them with NVRTC at run
+    time (flatcomm/cupy_backend.py), also from an installed wheel that has no source checkout."""
+
+    def run(self):
+        super().run()
+        for path in glob.glob(os.path.join(HERE, "csrc", "**", "*.h"), recursive=True) + glob.glob(
+                os.path.join(HERE, "csrc", "**", "*.cuh"), recursive=True):
+            rel = os.path.relpath(path, os.path.join(HERE, "csrc"))
+            dst = os.path.join(self.build_lib, "flatcomm", "_csrc", rel)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.copyfile(path, dst)
+
+
 setup(
     packages=find_packages(include=["flatcomm", "flatcomm.*"]),
     ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True),
+              "build_py": BuildPyWithKernelSources},
 )

@@ -48,9 +48,11 @@ NS = "flatcomm::gpu::kern::"
 
 
 def csrc_dir() -> Path:
-    """The C++ sources: $FLATCOMM_CSRC, else csrc/ beside the flatcomm package (source checkout)."""
+    """The C++ sources: $FLATCOMM_CSRC, else the headers an installed wheel ships in
+    flatcomm/_csrc (setup.py copies them), else csrc/ beside the package (source checkout)."""
     env = os.environ.get("FLATCOMM_CSRC")
-    d = Path(env) if env else Path(__file__).resolve().parents[1] / "csrc"
+    shipped = Path(__file__).resolve().parent / "_csrc"
+    d = Path(env) if env else shipped if shipped.is_dir() else Path(__file__).resolve().parents[1] / "csrc"
     if not (d / "cuda" / "device.cuh").is_file():
         raise RuntimeError(f"flatcomm: the cupy path needs the kernel sources (csrc/cuda/device.cuh), "
                            f"not found under {d}; set FLATCOMM_CSRC to the csrc directory of flatcomm")

@@ -343,3 +343,22 @@ def test_registered_ops_take_over_the_dispatch_key_and_give_it_back():
         lib._destroy()
     assert torch.equal(ops.ordered_sum(x), ref)
     assert len(rec.launches) == 2
+
+
+def test_installed_packages_ship_the_kernel_sources(tmp_path):
+    """setup.py's build_py copies the headers into flatcomm/_csrc, so an installed wheel (no source
+    checkout) gives NVRTC exactly the source a checkout gives, and csrc_dir() finds them there."""
+    import sys
+
+    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)], cwd=ROOT,
+                   check=True, capture_output=True)
+    shipped = tmp_path / "flatcomm" / "_csrc"
+    assert cb.nvrtc_source(shipped) == cb.nvrtc_source(ROOT / "csrc")
+    spec_file = tmp_path / "flatcomm" / "cupy_backend.py"
+    assert spec_file.is_file()  # the installed module resolves _csrc next to itself
+    code = ("import sys, importlib.util; s = importlib.util.spec_from_file_location('cb', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); print(m.csrc_dir())")
+    out = subprocess.run([sys.executable, "-c", code, str(spec_file)], capture_output=True, text=True,
+                         env={k: v for k, v in __import__("os").environ.items() if k != "FLATCOMM_CSRC"})
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()) == shipped
