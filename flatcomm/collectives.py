@@ -341,10 +341,9 @@ def _zero_copy(codec: Codec, dtype: torch.dtype, plan: "_Plan", chunks: int, res
     """Send and receive without staging: one chunk, raw payload, no error feedback (a residual
     would change what is sent), and every piece a whole payload (16-byte multiple), so the
     received rows are valid payload rows for the fused decode-sum."""
-    if chunks != 1 or residual is not None or _RAW_DTYPES.get(codec.name) != dtype:
+    if chunks != 1 or residual is not None or not _sends_raw(codec, dtype, "ordered"):
         return False
-    size = torch.empty(0, dtype=dtype).element_size()
-    return all((plan.bounds[d + 1] - plan.bounds[d]) * size % 16 == 0 for d in range(plan.world))
+    return all((plan.bounds[d + 1] - plan.bounds[d]) * dtype.itemsize % 16 == 0 for d in range(plan.world))
 
 
 def _align_of(codec: Codec, mode: str, exact_block: int) -> int:

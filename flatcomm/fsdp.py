@@ -56,7 +56,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -230,10 +230,12 @@ class _ScaledHandle:
 
 def _reduce(output: torch.Tensor, input: torch.Tensor, *, codec: Codec, op: Any, mode: str,
             group, async_op: bool, residual: Optional[torch.Tensor], chunks: Optional[int],
-            stats: C.CommStats, validate: bool = True):
+            stats: C.CommStats, first_call: Callable[..., bool]):
     world = dist.get_world_size(group)
     fop, factor = _op_scale(op, world)
     wc = _wire_codec(codec, input.dtype)
+    # PREMUL_SUM's factor is applied locally: the collective itself is a sum either way.
+    validate = first_call("rs", _group_sig(group), input.numel(), input.dtype, output.dtype, wc.name, fop)
     kw = dict(codec=wc, mode=mode, group=group, residual=residual, chunks=chunks, stats=stats,
               validate=validate)
     if factor is None:
@@ -365,12 +367,9 @@ class ReduceScatter(_Backend):
             pieces = self._pieces(sys._getframe(1), input_tensor.numel(), world)
             if not codec.lossless or self._res.holds(pieces):
                 residual = self._res.get(pieces, world, input_tensor.device)
-        fop = _op_scale(op, dist.get_world_size(group))[0]  # PREMUL_SUM's factor is applied locally
-        check = self._first_call("rs", _group_sig(group), input_tensor.numel(), input_tensor.dtype,
-                                 output_tensor.dtype, codec.name, fop)
         return _reduce(output_tensor, input_tensor, codec=codec, op=op, mode=self.mode,
                        group=group, async_op=async_op, residual=residual, chunks=self.chunks,
-                       stats=self.stats, validate=check)
+                       stats=self.stats, first_call=self._first_call)
 
     def _pieces(self, frame, numel: int, world: int) -> _Pieces:
         fallback = [(f"flat{numel}", numel // world)]
@@ -533,6 +532,5 @@ def fsdp1_hook(state: FSDP1State, grad: torch.Tensor, output: Optional[torch.Ten
     if state.error_feedback and (not codec.lossless or state._res.holds(pieces)):
         residual = state._res.get(pieces, world, grad.device)
     _reduce(output, grad, codec=codec, op="avg", mode=state.mode, group=group, async_op=False,
-            residual=residual, chunks=state.chunks, stats=state.stats,
-            validate=state._first_call("rs", _group_sig(group), grad.numel(), grad.dtype, output.dtype, codec.name))
+            residual=residual, chunks=state.chunks, stats=state.stats, first_call=state._first_call)
     return None
