@@ -838,7 +838,8 @@ def _ordered_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, chunks
 
 def _raw_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, c: Codec, scale: float) -> None:
     """Lossless all-reduce without staging copies: the one-hop reduce reads ``flat`` directly,
-    sums into the all-gather's send buffer, and with equal shards the gather lands in ``flat``."""
+    sums into the all-gather's send buffer, and the gather lands in ``flat`` (only the pieces past
+    a shorter shard's end go through scratch)."""
     me, world = plan.rank, plan.world
     sizes = [plan.bounds[d + 1] - plan.bounds[d] for d in range(world)]
     width = max(sizes)
