@@ -59,7 +59,9 @@ FC_HD int64_t to_fixed(float v, int32_t E, int32_t precision) {
     q = m >> k;
     q += (rem > half || (rem == half && (q & 1))) ? 1 : 0;
   }
-  return (u >> 31) ? -q : q;
+  // Negate as unsigned: for values past the block bound q can be INT64_MIN, whose signed negation
+  // is undefined behaviour (same bits either way on two's complement hardware).
+  return (u >> 31) ? static_cast<int64_t>(0 - static_cast<uint64_t>(q)) : q;
 }
 
 // Correctly rounded m * 2^(E - P) in fp32 (see the subnormal caveat above).
