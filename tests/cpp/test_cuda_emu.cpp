@@ -249,7 +249,7 @@ static std::vector<uint8_t> payload_rows(int32_t codec, int64_t n, int64_t block
   std::vector<uint8_t> all(rows * stride, 0x5a);
   for (int64_t r = 0; r < rows; ++r) {
     const std::vector<uint8_t> p = cpu_payload(codec, n, block, k);
-    std::memcpy(all.data() + r * stride, p.data(), p.size());
+    if (!p.empty()) std::memcpy(all.data() + r * stride, p.data(), p.size());  // topk k = 0: empty
   }
   return all;
 }
