@@ -363,7 +363,7 @@ class Checker:
         if torch.equal(a, b):
             self.passed[op] = self.passed.get(op, 0) + 1
             return True
-        differ = (a != b).reshape(-1) & ~_both_nan(ref, got.cpu(), layout)
+        differ = (a != b).reshape(-1) & ~_both_nan(ref.cpu(), got.cpu(), layout)
         if not bool(differ.any()):
             self.passed[op] = self.passed.get(op, 0) + 1
             return True

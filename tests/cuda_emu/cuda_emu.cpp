@@ -144,9 +144,8 @@ int try_release_warp(size_t first, size_t lanes) {
     }
   }
   for (size_t l = 0; l < lanes; ++l) {
+    if (!(mask >> l & 1u)) continue;  // not taking part (may wait at an op of another mask)
     Fiber& f = S.fibers[first + l];
-    if (f.state == kAtWarpOp && !(mask >> l & 1u)) continue;  // another op of a disjoint mask
-    if (!(mask >> l & 1u)) continue;
     const int width = f.width;
     const int base = static_cast<int>(l) / width * width, sub = static_cast<int>(l) % width;
     int src = static_cast<int>(l);
