@@ -426,7 +426,10 @@ static void test_rejections() {
 int main(int argc, char** argv) {
   const char* s = std::getenv("FLATCOMM_TEST_SEED");
   const uint64_t seed = s ? std::strtoull(s, nullptr, 10) : std::random_device{}();
-  const int rounds = argc > 1 ? std::atoi(argv[1]) : 1;
+  // test_cuda_emu [rounds] [--large]
+  const int rounds = argc > 1 && std::atoi(argv[1]) > 0 ? std::atoi(argv[1]) : 1;
+  bool large = false;
+  for (int i = 1; i < argc; ++i) large |= std::strcmp(argv[i], "--large") == 0;
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress survives a crash
   rng.seed(seed);
   fc_emu::seed(seed);
@@ -456,6 +459,11 @@ int main(int argc, char** argv) {
       test_exact(dt, pick_size(true), 2, 256, false);
     }
   }
+  // topk past 1024 chunks of 4096 (4.2M values): the scan kernel carries across its 1024-thread
+  // steps and the histogram kernels (capped at 1024 CTAs) stride through the grid; no other case
+  // reaches either. Several minutes under ASan, so only on request (`test_cuda_emu 1 --large`).
+  if (large)
+    test_encode(kCodecTopK, static_cast<int32_t>(rng() % 3), 1025 * gpu::kTopkChunk + 77, true, false, false);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const fc_emu::Stats st = fc_emu::stats();
   std::printf("emulated %llu launches, %llu CTAs, %llu threads, %llu barriers, %llu warp operations in %.1f s\n",
