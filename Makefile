@@ -7,7 +7,7 @@ DEPS := $(VENV)/.deps
 EXT := build/.ext-built
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 NVCC ?= nvcc
-NVCC_FLAGS := -std=c++17 -O3 -fmad=false -Icsrc \
+NVCC_FLAGS := -std=c++17 -O3 -fmad=false -Icsrc --threads 0 \
 	-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
 	-gencode arch=compute_90,code=compute_90
 
