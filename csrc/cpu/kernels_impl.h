@@ -431,6 +431,9 @@ static int64_t to_fixed_t(const ExactArgs& a, int64_t i0, int64_t i1) {
   for (int64_t b0 = i0; b0 < i1; b0 += a.block) {  // i0 is a multiple of the block size
     const int64_t e = min_(i1, b0 + a.block);
     const int32_t E = a.exponents[b0 / a.block];
+    // The plain to_fixed here: its branches are predictable within a block, and measured faster
+    // than to_fixed_in_block in this loop (5.3 vs 8.9 ms for 2M values, one thread), unlike in
+    // exact_sum below.
     for (int64_t i = b0; i < e; ++i) {
       const float v = Elem<DT>::load(x[i]);
       // A value above its block's bound would overflow the fixed point; a non-finite value in a
@@ -448,9 +451,21 @@ static int64_t to_fixed_impl(const ExactArgs& a, int64_t i0, int64_t i1) {
   return to_fixed_t<kF16>(a, i0, i1);
 }
 
+// Decodes one block's integers into out (from_fixed with the block's constants hoisted).
+static void from_fixed_block(const int64_t* m, int64_t count, int32_t E, int32_t precision, float* out) {
+  if (exp_is_special(E)) {
+    const float v = E == kExpZero ? 0.0f : u2f(0x7fc00000u);
+    for (int64_t j = 0; j < count; ++j) out[j] = v;
+    return;
+  }
+  const FixedScale sc = fixed_scale(E, precision);
+  for (int64_t j = 0; j < count; ++j) out[j] = from_fixed_in_block(m[j], sc);
+}
+
 static void from_fixed_impl(const ExactArgs& a, int64_t i0, int64_t i1) {
-  for (int64_t i = i0; i < i1; ++i)
-    a.out[i] = from_fixed(a.fixed[i], a.exponents[i / a.block], a.precision);
+  for (int64_t b0 = i0; b0 < i1; b0 += a.block)  // i0 is a multiple of the block size
+    from_fixed_block(a.fixed + b0, min_(i1, b0 + a.block) - b0, a.exponents[b0 / a.block], a.precision,
+                     a.out + b0);
 }
 
 template <int DT>
@@ -465,10 +480,14 @@ static void exact_sum_t(const ExactArgs& a, int64_t i0, int64_t i1) {
     const int32_t E = exponent_of_abs_bits(m);
     if (a.exponents) a.exponents[i / a.block] = E;
     for (int64_t j = i; j < e; ++j) acc[j - i] = 0;
-    for (int64_t r = 0; r < a.rows; ++r)
-      for (int64_t j = i; j < e; ++j)
-        acc[j - i] += to_fixed(Elem<DT>::load(x[r * a.row_stride + j]), E, a.precision);
-    for (int64_t j = i; j < e; ++j) a.out[j] = from_fixed(acc[j - i], E, a.precision);
+    if (!exp_is_special(E)) {
+      const int64_t off = fixed_shift_offset(E, a.precision);
+      for (int64_t r = 0; r < a.rows; ++r)
+        for (int64_t j = i; j < e; ++j)  // wrapping unsigned adds: the bits of the int64 sum
+          acc[j - i] = static_cast<int64_t>(static_cast<uint64_t>(acc[j - i]) +
+                                            static_cast<uint64_t>(to_fixed_in_block(Elem<DT>::load(x[r * a.row_stride + j]), off)));
+    }
+    from_fixed_block(acc, e - i, E, a.precision, a.out + i);
   }
 }
 

@@ -1,5 +1,6 @@
 // C++ tests of the torch-free core and CPU kernels (run by ctest). Fresh random inputs every run;
 // FLATCOMM_TEST_SEED pins them to reproduce a failure.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -97,6 +98,36 @@ static void test_exponents_and_fixed() {
   CHECK(std::isnan(from_fixed(0, kExpNonFinite, P)), "non-finite block decodes to NaN");
   CHECK(to_fixed(2.5f * std::ldexp(1.0f, -P), 0, P) == 2, "half to even (2.5 -> 2)");
   CHECK(to_fixed(3.5f * std::ldexp(1.0f, -P), 0, P) == 4, "half to even (3.5 -> 4)");
+}
+
+// The per-block forms the CPU loops use equal to_fixed / from_fixed on every input: random bit patterns (NaN, inf, subnormals, zeros included), every block exponent the
+// kernels can see plus out-of-range ones, every precision of headroom 0..62.
+static void test_fixed_in_block() {
+  std::uniform_int_distribution<uint32_t> bits;
+  int bad_fixed = 0, bad_from = 0;
+  const uint32_t edge[] = {0u, 0x80000000u, 1u, 0x007fffffu, 0x00800000u, 0x7f7fffffu, kInfBits, 0xff800000u,
+                           0x7fc00000u, 0xffffffffu, 0x3f800000u, 0x3fc00000u};
+  for (int32_t E = -160; E <= 140; ++E) {
+    if (exp_is_special(E)) continue;
+    for (int32_t P = 0; P <= 62; P += (E % 7 == 0 ? 1 : 13)) {
+      const int64_t off = fixed_shift_offset(E, P);
+      const FixedScale sc = fixed_scale(E, P);
+      for (int t = 0; t < 300; ++t) {
+        uint32_t u = t < 12 ? edge[t] : bits(rng);
+        if (t % 3 == 0 && t >= 12) {  // near the block bound, where the shift changes sign
+          const int32_t e = std::max(1, std::min(254, E + 126 - static_cast<int32_t>(bits(rng) % 40)));
+          u = (u & 0x807fffffu) | (static_cast<uint32_t>(e) << 23);
+        }
+        const float v = u2f(u);
+        bad_fixed += to_fixed_in_block(v, off) != to_fixed(v, E, P);
+        const int64_t m = static_cast<int64_t>((uint64_t{bits(rng)} << 32 | bits(rng)) >> (bits(rng) % 64));
+        const float a = from_fixed_in_block(t % 2 ? m : -m, sc), b = from_fixed(t % 2 ? m : -m, E, P);
+        bad_from += f2u(a) != f2u(b);
+      }
+    }
+  }
+  CHECK(bad_fixed == 0, "%d to_fixed_in_block results differ from to_fixed", bad_fixed);
+  CHECK(bad_from == 0, "%d from_fixed_in_block results differ from from_fixed", bad_from);
 }
 
 // The same bytes and residuals from every instruction set this CPU supports.
@@ -200,6 +231,7 @@ int main() {
   test_half_conversions();
   test_block_params();
   test_exponents_and_fixed();
+  test_fixed_in_block();
   test_isa_agreement();
   test_decode_sum_order();
   test_random_counter();
