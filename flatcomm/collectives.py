@@ -7,9 +7,11 @@ backend's algorithm or the arrival order. All-reduce is that reduce-scatter plus
 a lossy codec the reduced shard is re-encoded with a second, per-shard residual (server-side error
 feedback) and every rank, the owner included, uses the decoded shard, so all ranks hold equal bits.
 
-``mode="exact"`` sends int64 fixed point on per-block exponents agreed with a MAX all-reduce and
-sums integers (associative): the result does not depend on the order or grouping of contributions,
-so permuting which rank holds which input gives the same bits.
+``mode="exact"`` agrees per-block exponents with a MAX all-reduce, sends the values themselves, and
+the receiving rank turns every row into int64 fixed point on those exponents and sums integers
+(associative): the result does not depend on the order or grouping of contributions, so permuting
+which rank holds which input gives the same bits. (The conversion happens at the receiver so that
+the wire carries 4 bytes per fp32 value, not the 8 of the integers; same integers, same bits.)
 
 Large inputs are split into chunks: the exchange of chunk j+1 is in flight while chunk j is decoded.
 
@@ -311,7 +313,7 @@ def shard_bounds(numel: int, world: int, align: int = 1) -> List[int]:
 
 
 def _auto_chunks(numel: int, codec: Codec, world: int, mode: str) -> int:
-    wire = 8 * numel if mode == "exact" else codec.wire_bytes(numel)
+    wire = 4 * numel if mode == "exact" else codec.wire_bytes(numel)  # exact: the fp32 values
     if wire < MIN_PIPELINE_BYTES:
         return 1
     return int(min(MAX_AUTO_CHUNKS, max(2, round(wire / CHUNK_TARGET_BYTES))))
@@ -567,14 +569,11 @@ def _exact_reduce_scatter(pipe: _Pipeline, src: torch.Tensor, out: torch.Tensor,
         return exps[d][cb[j] // block: math.ceil(cb[j + 1] / block)]
 
     def send(j):
-        def enc():
-            pieces = []
-            for d in range(plan.world):
-                a, b = plan.piece(d, j)
-                pieces.append(to_exact(src[a:b], chunk_exps(d, j).contiguous(), block, headroom))
+        def stage():
+            pieces = [src[slice(*plan.piece(d, j))] for d in range(plan.world)]
             return torch.cat(pieces), [p.numel() for p in pieces]
 
-        buf, sizes = pipe.timed("encode_s", enc)
+        buf, sizes = pipe.timed("encode_s", stage)
         a, b = plan.piece(me, j)
         return pipe.all_to_all(buf, sizes, b - a, plan.world)
 
@@ -584,9 +583,15 @@ def _exact_reduce_scatter(pipe: _Pipeline, src: torch.Tensor, out: torch.Tensor,
         a, b = plan.piece(me, j)
 
         def dec():
-            # Integer addition is associative: any order gives the same sum.
-            acc = recv.view(plan.world, b - a).sum(0)
-            val = from_exact(acc, chunk_exps(me, j).contiguous(), block, headroom)
+            # Every sender's values on the agreed exponents, as integers (the integers the sender
+            # would have made: same values, same exponents); integer addition is associative, so
+            # any order gives the same sum.
+            e = chunk_exps(me, j).contiguous()
+            rows = recv.view(plan.world, b - a)
+            acc = to_exact(rows[0], e, block, headroom)
+            for r in range(1, plan.world):
+                acc += to_exact(rows[r], e, block, headroom)
+            val = from_exact(acc, e, block, headroom)
             if scale != 1.0:
                 val = val * scale
             _write(out[a - base:b - base], val)
@@ -604,7 +609,7 @@ def _setup(group, codec: CodecLike, mode: str, op: OpLike):
         raise ValueError(f"flatcomm: mode must be one of {MODES}, got {mode!r}")
     c = resolve(codec)
     if mode == "exact" and c.name != "fp32":
-        raise ValueError("flatcomm: mode='exact' sends int64 fixed point; use codec='fp32' with it")
+        raise ValueError("flatcomm: mode='exact' sums exact fixed point of the values; use codec='fp32' with it")
     world = dist.get_world_size(group)
     return c, world, dist.get_rank(group), _reduce_scale(op, world)
 

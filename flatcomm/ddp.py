@@ -136,7 +136,7 @@ class State:
             self.tuner = tuner if tuner is not None else Tuner()
         self.codec: Codec = resolve("fp32" if self._auto else codec, block_size, ratio)
         if mode == "exact" and self.codec.name != "fp32":
-            raise ValueError("flatcomm: mode='exact' sends int64 fixed point; use codec='fp32' with it")
+            raise ValueError("flatcomm: mode='exact' sums exact fixed point of the values; use codec='fp32' with it")
         self.mode = mode
         self.error_feedback = bool(error_feedback) and (self._auto or not self.codec.lossless) and mode == "ordered"
         self.chunks = chunks

@@ -274,7 +274,7 @@ class _Backend:
         self._block_size = block_size
         self.codec: Codec = resolve("fp32" if self._auto else codec, block_size, ratio)
         if mode == "exact" and not self.codec.lossless:
-            raise ValueError("flatcomm: mode='exact' sends int64 fixed point; use codec='fp32' with it")
+            raise ValueError("flatcomm: mode='exact' sums exact fixed point of the values; use codec='fp32' with it")
         self.mode = mode
         self.error_feedback = bool(error_feedback) and (self._auto or not self.codec.lossless)
         self.chunks = chunks
