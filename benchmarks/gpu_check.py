@@ -1042,7 +1042,6 @@ def collectives_section(device: torch.device, seed: int, max_seconds: float, sel
             bad = [i for i, (a, b) in enumerate(zip(got, want))
                    if a.shape != b.shape or not torch.equal(bits(a), bits(b))]
             if bad or len(got) != len(want):
-                out["failed"] += 1
                 where = []
                 for i in bad[:3]:
                     a, b = got[i].reshape(-1), want[i].reshape(-1)
@@ -1052,30 +1051,40 @@ def collectives_section(device: torch.device, seed: int, max_seconds: float, sel
                     j = int((bits(a) != bits(b)).nonzero()[0])
                     where.append(f"tensor {i}: {int((bits(a) != bits(b)).sum())} of {a.numel()} differ, "
                                  f"first [{j}] {_fmt(a, j)} vs cpu {_fmt(b, j)}")
-                out["failures"].append(f"{name}: " + "; ".join(where or ["count mismatch"]))
-                print(f"   FAIL {name}: " + "; ".join(where or ["count mismatch"]), flush=True)
+                fail(f"{name}: " + "; ".join(where or ["count mismatch"]))
             else:
                 out["passed"] += 1
 
-        def run_case(name: str, make_run, how: str, on_caller: bool) -> None:
-            """make_run(dev, group) -> run(async_op); compared device (as `how`) vs cpu (sync)."""
+        def fail(msg: str) -> None:
+            out["failed"] += 1
+            out["failures"].append(msg)
+            print(f"   FAIL {msg}", flush=True)
+
+        def both_exchange_paths(label: str, body: Callable[[str], None]) -> None:
+            """body(label) once through flatcomm's own exchange and once via dist (_EXCHANGE_ALONE),
+            within the time budget; an exception is that case's failure."""
             for alone in (False, True):
-                label = f"{name} [{how}{', caller stream' if on_caller else ''}{', via dist' if alone else ''}]"
+                lab = label.replace("]", ", via dist]") if alone else label
                 if time.monotonic() - t0 > max_seconds:
                     out["skipped_cases"] += 1
                     continue
                 C._EXCHANGE_ALONE = alone
                 try:
-                    want = consume(make_run(torch.device("cpu"), cpu_group), torch.device("cpu"), "sync")
-                    with on(caller if on_caller else None):
-                        got = consume(make_run(device, dev_group), device, how)
-                    compare(label, got, want)
+                    body(lab)
                 except Exception as e:  # noqa: BLE001
-                    out["failed"] += 1
-                    out["failures"].append(f"{label}: {type(e).__name__}: {e}")
-                    print(f"   FAIL {label}: {type(e).__name__}: {e}", flush=True)
+                    fail(f"{lab}: {type(e).__name__}: {e}")
                 finally:
                     C._EXCHANGE_ALONE = False
+
+        def run_case(name: str, make_run, how: str, on_caller: bool) -> None:
+            """make_run(dev, group) -> run(async_op); compared device (as `how`) vs cpu (sync)."""
+            def body(label: str) -> None:
+                want = consume(make_run(torch.device("cpu"), cpu_group), torch.device("cpu"), "sync")
+                with on(caller if on_caller else None):
+                    got = consume(make_run(device, dev_group), device, how)
+                compare(label, got, want)
+
+            both_exchange_paths(f"{name} [{how}{', caller stream' if on_caller else ''}]", body)
 
         hows = ("sync", "future", "handle")
         k = 0
@@ -1166,20 +1175,8 @@ def collectives_section(device: torch.device, seed: int, max_seconds: float, sel
                 raise RuntimeError(f"the flatcomm hook recorded {steps} steps on {dev}, expected {len(batches)}")
             return grads
 
-        for alone in (False, True):
-            label = f"DDP int8 hook, 3 steps{' [via dist]' if alone else ''}"
-            if time.monotonic() - t0 > max_seconds:
-                out["skipped_cases"] += 1
-                continue
-            C._EXCHANGE_ALONE = alone
-            try:
-                compare(label, ddp_grads(device, dev_group), ddp_grads(torch.device("cpu"), cpu_group))
-            except Exception as e:  # noqa: BLE001
-                out["failed"] += 1
-                out["failures"].append(f"{label}: {type(e).__name__}: {e}")
-                print(f"   FAIL {label}: {type(e).__name__}: {e}", flush=True)
-            finally:
-                C._EXCHANGE_ALONE = False
+        both_exchange_paths("DDP int8 hook, 3 steps [hook]", lambda label: compare(
+            label, ddp_grads(device, dev_group), ddp_grads(torch.device("cpu"), cpu_group)))
     finally:
         C._EXCHANGE_ALONE = False
         dist.destroy_process_group()

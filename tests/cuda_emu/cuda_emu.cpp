@@ -107,13 +107,8 @@ const char* op_name(WarpOp op) {
   switch (op) {
     case kShflUp: return "__shfl_up_sync";
     case kShflDown: return "__shfl_down_sync";
-    case kShflXor: return "__shfl_xor_sync";
-    case kShflIdx: return "__shfl_sync";
     case kReduceMax: return "__reduce_max_sync";
-    case kReduceAdd: return "__reduce_add_sync";
     case kBallot: return "__ballot_sync";
-    case kAny: return "__any_sync";
-    case kAll: return "__all_sync";
   }
   return "?";
 }
@@ -146,17 +141,11 @@ int try_release_warp(size_t first, size_t lanes) {
   for (size_t l = 0; l < lanes; ++l) {
     if (!(mask >> l & 1u)) continue;  // not taking part (may wait at an op of another mask)
     Fiber& f = S.fibers[first + l];
-    const int width = f.width;
-    const int base = static_cast<int>(l) / width * width, sub = static_cast<int>(l) % width;
-    int src = static_cast<int>(l);
-    switch (f.op) {
-      case kShflUp: src = sub - f.arg >= 0 ? static_cast<int>(l) - f.arg : static_cast<int>(l); break;
-      case kShflDown: src = sub + f.arg < width ? static_cast<int>(l) + f.arg : static_cast<int>(l); break;
-      case kShflXor: src = ((sub ^ f.arg) < width) ? base + (sub ^ f.arg) : static_cast<int>(l); break;
-      case kShflIdx: src = base + ((f.arg % width) + width) % width; break;
-      default: break;
-    }
-    if (f.op <= kShflIdx) {
+    if (f.op == kShflUp || f.op == kShflDown) {
+      // A source outside the lane's width-wide segment leaves the lane its own value.
+      const int lane = static_cast<int>(l), sub = lane % f.width;
+      const int src = f.op == kShflUp ? (sub - f.arg >= 0 ? lane - f.arg : lane)
+                                      : (sub + f.arg < f.width ? lane + f.arg : lane);
       if (src >= static_cast<int>(lanes) || !(mask >> src & 1u)) {
         std::fprintf(stderr, "cuda_emu: block (%u,%u,%u) warp %zu: lane %zu reads lane %d outside the mask 0x%08x\n",
                      blockIdx.x, blockIdx.y, blockIdx.z, first / 32, l, src, mask);
@@ -164,16 +153,13 @@ int try_release_warp(size_t first, size_t lanes) {
       }
       f.out = S.fibers[first + src].in;
     } else {
-      uint64_t acc = f.op == kAll ? 1 : 0;
+      uint64_t acc = 0;
       for (size_t m = 0; m < lanes; ++m) {
         if (!(mask >> m & 1u)) continue;
         const uint64_t v = S.fibers[first + m].in;
         switch (f.op) {
           case kReduceMax: acc = std::max(acc, v & 0xffffffffu); break;
-          case kReduceAdd: acc = (acc + v) & 0xffffffffu; break;
           case kBallot: acc |= (v ? 1ull : 0ull) << m; break;
-          case kAny: acc = acc || v; break;
-          case kAll: acc = acc && v; break;
           default: break;
         }
       }

@@ -48,15 +48,11 @@ struct alignas(16) float4 {
 struct alignas(8) uint2 {
   unsigned x, y;
 };
-struct alignas(16) uint4 {
-  unsigned x, y, z, w;
-};
 struct alignas(16) longlong2 {
   long long x, y;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
-inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 inline longlong2 make_longlong2(long long x, long long y) { return {x, y}; }
 
 // The built-in variables of the thread that is running (set by the scheduler before every switch).
@@ -66,7 +62,6 @@ extern dim3 blockDim;
 extern dim3 gridDim;
 
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
-inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 
 // Atomics: the fibers of a launch share one OS thread, so a plain read-modify-write is atomic.
 template <class T>
@@ -75,16 +70,11 @@ T atomicAdd(T* p, T v) {
   *p = static_cast<T>(old + v);
   return old;
 }
-template <class T>
-T atomicMax(T* p, T v) {
-  const T old = *p;
-  if (v > old) *p = v;
-  return old;
-}
 
 namespace fc_emu {
 
-enum WarpOp { kShflUp = 1, kShflDown, kShflXor, kShflIdx, kReduceMax, kReduceAdd, kBallot, kAny, kAll };
+// The warp intrinsics device.cuh uses (add others here and in cuda_emu.cpp when it needs them).
+enum WarpOp { kShflUp = 1, kShflDown, kReduceMax, kBallot };
 // One warp-wide operation of the calling fiber: blocks until every lane of `mask` has called the
 // same operation with the same mask, then returns this lane's result.
 uint64_t warp_op(WarpOp op, unsigned mask, uint64_t value, int arg, int width);
@@ -133,28 +123,11 @@ template <class T>
 T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   return fc_emu::from_bits<T>(fc_emu::warp_op(fc_emu::kShflDown, mask, fc_emu::to_bits(v), delta, width));
 }
-template <class T>
-T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
-  return fc_emu::from_bits<T>(fc_emu::warp_op(fc_emu::kShflXor, mask, fc_emu::to_bits(v), lane_mask, width));
-}
-template <class T>
-T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
-  return fc_emu::from_bits<T>(fc_emu::warp_op(fc_emu::kShflIdx, mask, fc_emu::to_bits(v), src, width));
-}
 inline unsigned __reduce_max_sync(unsigned mask, unsigned v) {
   return static_cast<unsigned>(fc_emu::warp_op(fc_emu::kReduceMax, mask, v, 0, 32));
 }
-inline unsigned __reduce_add_sync(unsigned mask, unsigned v) {
-  return static_cast<unsigned>(fc_emu::warp_op(fc_emu::kReduceAdd, mask, v, 0, 32));
-}
 inline unsigned __ballot_sync(unsigned mask, int pred) {
   return static_cast<unsigned>(fc_emu::warp_op(fc_emu::kBallot, mask, pred != 0, 0, 32));
-}
-inline int __any_sync(unsigned mask, int pred) {
-  return static_cast<int>(fc_emu::warp_op(fc_emu::kAny, mask, pred != 0, 0, 32));
-}
-inline int __all_sync(unsigned mask, int pred) {
-  return static_cast<int>(fc_emu::warp_op(fc_emu::kAll, mask, pred != 0, 0, 32));
 }
 
 // ---- runtime -----------------------------------------------------------------------------------
