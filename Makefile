@@ -43,7 +43,7 @@ test-py: build
 	$(PY) -m pytest tests
 
 bench: build
-	$(PY) benchmarks/bench_kernels.py
+	$(PY) -m flatcomm.bench kernels
 
 # Every CUDA source must compile with this machine's nvcc, GPU or not. The torch binding
 # (ops_cuda.cpp) is syntax-checked against torch's headers and the CUDA toolkit; a CPU build of

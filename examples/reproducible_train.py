@@ -27,8 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from flatcomm import reproducible  # noqa: E402
+from flatcomm import reproducible
 
 
 def corpus() -> torch.Tensor:

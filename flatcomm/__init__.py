@@ -34,7 +34,7 @@ def build_info() -> dict:
     return info
 
 
-_SUBMODULES = ("ddp", "fsdp", "reproducible", "reference", "spawn", "netlink")
+_SUBMODULES = ("ddp", "fsdp", "reproducible", "reference")
 
 
 def __getattr__(name: str):

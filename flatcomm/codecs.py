@@ -24,7 +24,7 @@ CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk")
 BLOCKWISE = ("int8", "int4", "sign")
 
 # 256 values per scale: wire overhead 1.6% for int8 (4 B per 256 B), and fast on CPU (the block and
-# its codes stay in L1). benchmarks/bench_kernels.py --block-sizes shows the trade-off measured.
+# its codes stay in L1). `python -m flatcomm.tools.bench.kernels --block-sizes` shows the trade-off measured.
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_TOPK_RATIO = 0.01
 

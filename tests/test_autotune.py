@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 import flatcomm as fc
-from flatcomm import ErrorFeedback, spawn
+from flatcomm import ErrorFeedback
+from flatcomm.tools import spawn
 from flatcomm.autotune import PRECISION, CostModel, Tuner, allowed, decide, predict
 
 GB = 1e9

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import flatcomm
-from flatcomm import spawn
+from flatcomm.tools import spawn
 from flatcomm import collectives as C
 from flatcomm import reference as R
 from flatcomm.codecs import Codec, decode, decode_sum, encode

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatcomm.ddp as fddp
-from flatcomm import spawn
+from flatcomm.tools import spawn
 
 EPS32 = torch.finfo(torch.float32).eps
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from flatcomm import spawn
+from flatcomm.tools import spawn
 
 # ---- models and helpers (run on the ranks) --------------------------------------------------------
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from flatcomm import netlink
-from flatcomm.netlink import Link, LinkError, LinkUnavailable
+from flatcomm.tools import netlink
+from flatcomm.tools.netlink import Link, LinkError, LinkUnavailable
 
 OK, WHY = netlink.available()
 needs_netns = pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")

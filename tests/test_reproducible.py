@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flatcomm import reproducible as rp
-from flatcomm import spawn
+from flatcomm.tools import spawn
 
 WORLDS = (1, 2, 4)
 M = 8           # micro-batches per step

@@ -13,7 +13,7 @@ import torch
 
 import flatcomm.stats as fs
 from flatcomm import collectives as C
-from flatcomm import spawn
+from flatcomm.tools import spawn
 
 HAS_TB = importlib.util.find_spec("tensorboard") is not None
 HAS_PROM = importlib.util.find_spec("prometheus_client") is not None

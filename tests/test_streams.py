@@ -6,7 +6,7 @@ import torch
 
 from flatcomm import _streams
 from flatcomm import collectives as C
-from flatcomm import spawn
+from flatcomm.tools import spawn
 
 
 def test_for_call_is_none_for_cpu_tensors():

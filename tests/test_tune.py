@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flatcomm import spawn
-from flatcomm.tune import PRECISION, CostModel, Decision, Tuner, allowed, decide, predict
+from flatcomm.tools import spawn
+from flatcomm.autotune import PRECISION, CostModel, Decision, Tuner, allowed, decide, predict
 
 GB = 1e9
 

@@ -7,14 +7,13 @@ reduce-scatter), the bytes one rank puts on the wire (flatcomm's CommStats; gloo
 volume), and the ratio to gloo's dist.all_reduce / dist.reduce_scatter_tensor (fp32, SUM) on the
 same data in the same run. A chunks=1 vs automatic chunking comparison shows the overlap gain.
 
-    python benchmarks/bench_collectives.py                    # 2 ranks, 1M and 25M values
-    python benchmarks/bench_collectives.py --world 3 --sizes 4M --codecs fp32,int8 --json out.json
+    python -m flatcomm.tools.bench.collectives                    # 2 ranks, 1M and 25M values
+    python -m flatcomm.tools.bench.collectives --world 3 --sizes 4M --codecs fp32,int8 --json out.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -23,11 +22,9 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from flatcomm import spawn  # noqa: E402
-from flatcomm import collectives as C  # noqa: E402
-from flatcomm.codecs import CODECS, Codec  # noqa: E402
+from flatcomm import collectives as C
+from flatcomm.codecs import CODECS, Codec
+from flatcomm.tools import spawn
 
 
 # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (the old name warns).

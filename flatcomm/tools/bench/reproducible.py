@@ -1,9 +1,10 @@
 """Step time and memory of flatcomm.reproducible vs plain DDP (fp32 all-reduce), on gloo ranks.
 
-    .venv/bin/python benchmarks/bench_reproducible.py                 # 2 ranks, the example's model
-    .venv/bin/python benchmarks/bench_reproducible.py --dim 256 --steps 10
+    python -m flatcomm.tools.bench.reproducible                 # 2 ranks, the example's model
+    python -m flatcomm.tools.bench.reproducible --dim 256 --steps 10 [--example PATH]
 
-The model and data are those of examples/reproducible_train.py (a byte-level transformer). Modes
+The model and data are those of examples/reproducible_train.py (a byte-level transformer), loaded
+from the source checkout (or ``--example PATH``: the example is not installed with the package). Modes
 (same global batch and optimizer):
 
 * ``reproducible``: ExactGradAccumulator, M micro-batches, exact int64 accumulation and reduction;
@@ -21,20 +22,28 @@ to_exact result) against the parameter bytes, and each mode's max RSS (a short s
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import resource
 import statistics
-import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
+from flatcomm import reproducible
+from flatcomm.tools import spawn
 
-from flatcomm import reproducible, spawn  # noqa: E402
+# The checkout's example, next to flatcomm/ (flatcomm/tools/bench/reproducible.py -> 3 levels up).
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "reproducible_train.py"
+
+
+def _load_example(path: str):
+    spec = importlib.util.spec_from_file_location("reproducible_train", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class _Mode:
@@ -87,7 +96,7 @@ class _Mode:
 
 def _rank(rank: int, world: int, modes: list, args: dict) -> dict:
     """Runs the modes interleaved step by step (load changes on a shared machine hit all alike)."""
-    import reproducible_train as ex  # the example's model and data
+    ex = _load_example(args["example"])  # the example's model and data
 
     reproducible.configure()
     data = ex.corpus()
@@ -117,7 +126,10 @@ def main() -> None:
     ap.add_argument("--no-digest", dest="digest", action="store_false", help="skip the per-step sha256")
     ap.add_argument("--no-rss", dest="rss", action="store_false", help="skip the per-mode max-RSS runs")
     ap.add_argument("--modes", default="reproducible,ddp-micro,ddp")
+    ap.add_argument("--example", default=str(EXAMPLE), help="path of examples/reproducible_train.py")
     a = ap.parse_args()
+    if not os.path.isfile(a.example):
+        ap.error(f"--example {a.example}: not found (the source checkout's examples/reproducible_train.py)")
     args = vars(a)
     modes = a.modes.split(",")
     per_rank = spawn.run(a.world, _rank, modes, args, timeout_s=600)

@@ -7,11 +7,13 @@
     common: [--json PATH] [--plot PATH.png] [--timeout S]
 
 ``--link`` runs each rank in its own network namespace joined by a rate-limited link
-(:mod:`flatcomm.netlink`, needs root); without it the ranks talk over loopback (:mod:`flatcomm.spawn`).
+(:mod:`flatcomm.tools.netlink`, needs root); without it the ranks talk over loopback
+(:mod:`flatcomm.tools.spawn`).
 
-The measurements are the scripts in ``benchmarks/`` of the repository checkout (imported, not
-copied): ``bench_kernels.bench_size``, ``bench_collectives._rank_main``, ``bench_ddp._worker`` and
-``bench_fsdp._rank_main``; this module adds the runner (loopback or link), one table, JSON and plots.
+The measurements live beside this module: ``kernels.bench_size``, ``collectives._rank_main``,
+``ddp._worker`` and ``fsdp._rank_main`` (each also runs alone: ``python -m
+flatcomm.tools.bench.kernels --block-sizes``, ...); this module adds the runner (loopback or link),
+one table, JSON and plots.
 
 JSON: ``{"command", "world", "link", "results": [...], "failed": [...]}``;
 every record in ``results`` has ``name`` (``torch-allreduce``, ``torch-quant-perchannel``,
@@ -30,7 +32,6 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional
 
@@ -48,24 +49,13 @@ def ddp_targets(link: Optional[dict]) -> Dict[str, float]:
     """The comm/torch targets that apply to this run's link (``meta["link"]``)."""
     if not link:
         return DDP_TARGETS_LOOPBACK
-    from flatcomm.netlink import parse_rate
+    from flatcomm.tools.netlink import parse_rate
 
     return DDP_TARGETS if abs(parse_rate(link.get("spec", "").split(",")[0]) - 1e9) < 1e6 else {}
 
 
 def _say(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def _bench_module(name: str):
-    """Import ``benchmarks/<name>.py`` from the repository checkout this flatcomm lives in."""
-    root = Path(__file__).resolve().parents[2] / "benchmarks"
-    if not (root / f"{name}.py").exists():
-        raise SystemExit(f"flatcomm.bench: needs {root / (name + '.py')} (the repository checkout's "
-                         f"benchmarks/); it is not installed with the package")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))  # ranks inherit sys.path (spawn and netlink both pass it on)
-    return importlib.import_module(name)
 
 
 def parse_size(s: str) -> int:
@@ -87,7 +77,7 @@ def _names(text: str) -> List[str]:
 
 def _run_ranks(a: argparse.Namespace, meta: dict, fn: Callable, *args: Any, timeout_s: float) -> List[Any]:
     if a.link:
-        from flatcomm.netlink import Link, LinkUnavailable
+        from flatcomm.tools.netlink import Link, LinkUnavailable
 
         try:
             link = Link(a.ranks, a.link, require_delay=not a.allow_no_delay)
@@ -98,7 +88,7 @@ def _run_ranks(a: argparse.Namespace, meta: dict, fn: Callable, *args: Any, time
             meta["link"] = dict(link.info(), spec=a.link)
             _say(f"link: {link.describe()}")
             return link.run(a.ranks, fn, *args, timeout_s=timeout_s, threads=a.threads)
-    from flatcomm import spawn
+    from flatcomm.tools import spawn
 
     meta["link"] = None
     return spawn.run(a.ranks, fn, *args, timeout_s=timeout_s, threads=a.threads)
@@ -110,7 +100,7 @@ def _run_ranks(a: argparse.Namespace, meta: dict, fn: Callable, *args: Any, time
 def bench_kernels(a: argparse.Namespace, meta: dict) -> List[dict]:
     import flatcomm
 
-    bk = _bench_module("bench_kernels")
+    bk = importlib.import_module(".kernels", __name__)
     if a.quick:
         sizes, codecs, reps = [1 << 20, 25_000_000], ["int8", "int4", "sign", "bf16"], 5
     else:
@@ -166,7 +156,7 @@ def table_kernels(results: List[dict]) -> str:
 def bench_collectives(a: argparse.Namespace, meta: dict) -> List[dict]:
     from flatcomm.codecs import CODECS
 
-    bc = _bench_module("bench_collectives")
+    bc = importlib.import_module(".collectives", __name__)
     if a.quick:
         sizes, codecs, reps, exact, chunk = [1 << 18], ["fp32", "int8", "int4", "sign", "auto"], 3, False, []
     else:
@@ -231,7 +221,7 @@ def _ddp_name(hook: str) -> str:
 
 
 def bench_ddp(a: argparse.Namespace, meta: dict) -> List[dict]:
-    bd = _bench_module("bench_ddp")
+    bd = importlib.import_module(".ddp", __name__)
     back = {_ddp_name(h): h for h in bd.HOOKS}
     hooks = list(bd.HOOKS)
     if a.hooks:
@@ -345,7 +335,7 @@ def table_ddp(results: List[dict], meta: dict) -> str:
 
 
 def bench_fsdp(a: argparse.Namespace, meta: dict) -> List[dict]:
-    bf = _bench_module("bench_fsdp")
+    bf = importlib.import_module(".fsdp", __name__)
     codecs = _names(a.codecs) if a.codecs else ["default", "fp32", "int8", "int4", "sign", "auto"]
     if "default" not in codecs:
         codecs.insert(0, "default")

@@ -11,14 +11,13 @@ reach the same reduce-scatter); ``codec ms`` is flatcomm's own encode + exchange
 The configurations take turns step by step (round robin) so machine noise hits all alike. The last
 column is the loss after the run (mean over ranks): same init and data for every configuration.
 
-    python benchmarks/bench_fsdp.py                       # 2 ranks, default, fp32, int8, int4, sign
-    python benchmarks/bench_fsdp.py --codecs default,int8 --steps 20 --json out.json
+    python -m flatcomm.tools.bench.fsdp                       # 2 ranks, default, fp32, int8, int4, sign
+    python -m flatcomm.tools.bench.fsdp --codecs default,int8 --steps 20 --json out.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -28,9 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from flatcomm import spawn  # noqa: E402
+from flatcomm.tools import spawn
 
 
 class Transformer(nn.Module):

@@ -5,11 +5,10 @@
 
 Each size gets a row: the chosen codec and chunk count, the predicted milliseconds of every codec in
 the budget and the reason; the last line is a ``pinned={...}`` dict (numel ranges) ready to paste
-into ``Tuner(pinned=...)``. ``--link`` runs the ranks behind a shaped link (:mod:`flatcomm.netlink`,
-root only); without it they talk over loopback (:mod:`flatcomm.spawn`).
+into ``Tuner(pinned=...)``. ``--link`` runs the ranks behind a shaped link (:mod:`flatcomm.tools.netlink`,
+root only); without it they talk over loopback (:mod:`flatcomm.tools.spawn`).
 
-The engine lives in :mod:`flatcomm.autotune` (``Tuner``, ``decide``, ``measure``, ...); its names
-are re-exported here for backward compatibility.
+The engine lives in the library, :mod:`flatcomm.autotune` (``Tuner``, ``decide``, ``measure``, ...).
 """
 from __future__ import annotations
 
@@ -20,11 +19,9 @@ import math
 import sys
 from typing import List, Optional, Sequence
 
-from .autotune import (KINDS, PRECISION, CostModel, Decision, Tuner, allowed, decide, measure,  # noqa: F401
-                       predict, tuner_for)
+from flatcomm.autotune import KINDS, PRECISION, Decision, allowed, decide, measure
 
-__all__ = ["PRECISION", "CostModel", "Decision", "Tuner", "allowed", "decide", "measure", "predict",
-           "tuner_for", "main", "pinned_ranges"]
+__all__ = ["main", "pinned_ranges"]
 
 
 def _parse_size(s: str) -> int:
@@ -77,7 +74,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     sizes = [_parse_size(s) for s in a.sizes.split(",") if s.strip()]
     if a.ranks < 2:
         ap.error("--ranks must be >= 2")
-    from . import tune as importable  # `python -m` runs this file as __main__: ranks need the real name
+    from flatcomm.tools import tune as importable  # `python -m` runs this file as __main__: ranks need the real name
 
     args = (sizes, a.budget, a.collective)
     if a.link:

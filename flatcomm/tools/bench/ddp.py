@@ -1,6 +1,6 @@
 """DDP step time and communication cost: flatcomm's hook vs torch's comm hooks, 2 gloo ranks.
 
-    python benchmarks/bench_ddp.py [--params 25e6] [--steps 8] [--warmup 3] [--json PATH]
+    python -m flatcomm.tools.bench.ddp [--params 25e6] [--steps 8] [--warmup 3] [--json PATH]
 
 A ~25M-parameter MLP in one bucket (``bucket_cap_mb`` large), 1 thread per rank. Per hook: the
 median step time (forward + backward + SGD step), the communication cost = step - the no-comm hook's
@@ -21,7 +21,6 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 HOOKS = ("noop", "torch allreduce", "torch quant_perchannel", "torch powerSGD r1", "torch powerSGD r4",
          "flatcomm fp32", "flatcomm bf16", "flatcomm int8", "flatcomm int4", "flatcomm sign", "flatcomm auto")
@@ -186,7 +185,7 @@ def main(argv=None) -> int:
         if must not in names:
             names.insert(0 if must == "noop" else 1, must)
 
-    from flatcomm import spawn
+    from flatcomm.tools import spawn
 
     t0 = time.perf_counter()
     print(f"bench_ddp: {args.world} gloo ranks x 1 thread, MLP of ~{args.params / 1e6:.0f}M parameters, one bucket, "

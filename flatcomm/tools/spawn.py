@@ -61,7 +61,7 @@ def run(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0
                     dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                     if dead or time.monotonic() > deadline:
                         why = f"ranks {dead} exited abnormally" if dead else "timed out"
-                        raise RuntimeError(f"flatcomm.spawn: {why}; "
+                        raise RuntimeError(f"flatcomm.tools.spawn: {why}; "
                                            f"{len(results)} of {world} ranks reported") from None
                     continue
                 if ok:

@@ -1,13 +1,13 @@
 """A cluster-like link on one machine: N gloo ranks, each in its own network namespace, joined by a
 rate-limited (and optionally delayed) virtual network. Needs root and ``ip netns`` / ``tc``.
 
-    from flatcomm.netlink import Link
+    from flatcomm.tools.netlink import Link
 
     with Link(ranks=2, rate="1gbit") as link:            # or Link(2, "1gbit,0.2ms")
-        results = link.run(2, fn, arg1, arg2, timeout_s=120)   # like flatcomm.spawn.run
+        results = link.run(2, fn, arg1, arg2, timeout_s=120)   # like flatcomm.tools.spawn.run
 
-    python -m flatcomm.netlink check --link 1gbit       # 100 MB all_reduce + 6 MB all_to_all
-    python -m flatcomm.netlink cleanup                  # remove namespaces left by killed runs
+    python -m flatcomm.tools.netlink check --link 1gbit       # 100 MB all_reduce + 6 MB all_to_all
+    python -m flatcomm.tools.netlink cleanup                  # remove namespaces left by killed runs
 
 Topology. Rank r runs in namespace ``fcnet-<pid>-<tag>-r`` with address ``10.77.0.(r+1)/24`` on an
 interface ``fc0`` (``lo`` is up too). Two ranks are joined by one veth pair; more ranks by one veth
@@ -30,7 +30,7 @@ rank's traceback.
 
 Cleanup. Namespaces (and with them the veths and the bridge) are removed on ``__exit__``/``close()``,
 at interpreter exit (atexit) and on SIGINT/SIGTERM (the previous handler runs afterwards); the rank
-processes are killed first. A SIGKILLed parent cannot clean up: ``python -m flatcomm.netlink
+processes are killed first. A SIGKILLed parent cannot clean up: ``python -m flatcomm.tools.netlink
 cleanup`` removes ``fcnet-<pid>-*`` namespaces whose pid is gone (``Link`` does this on setup too).
 """
 from __future__ import annotations
@@ -132,11 +132,11 @@ def _cmd(argv: List[str], check: bool = True, timeout: float = 15.0) -> subproce
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError as e:
-        raise LinkUnavailable(f"flatcomm.netlink: {argv[0]!r} not found (install iproute2)") from e
+        raise LinkUnavailable(f"flatcomm.tools.netlink: {argv[0]!r} not found (install iproute2)") from e
     except subprocess.TimeoutExpired as e:
-        raise LinkError(f"flatcomm.netlink: `{' '.join(argv)}` timed out after {timeout:g} s") from e
+        raise LinkError(f"flatcomm.tools.netlink: `{' '.join(argv)}` timed out after {timeout:g} s") from e
     if check and p.returncode != 0:
-        raise LinkError(f"flatcomm.netlink: `{' '.join(argv)}` failed: {p.stderr.strip() or p.returncode}")
+        raise LinkError(f"flatcomm.tools.netlink: `{' '.join(argv)}` failed: {p.stderr.strip() or p.returncode}")
     return p
 
 
@@ -174,7 +174,7 @@ def _probe() -> str:
 def _require() -> None:
     ok, why = available()
     if not ok:
-        raise LinkUnavailable(f"flatcomm.netlink: cannot build a link here: {why}")
+        raise LinkUnavailable(f"flatcomm.tools.netlink: cannot build a link here: {why}")
 
 
 def _netns_list() -> List[str]:
@@ -271,14 +271,14 @@ class Link:
     def __init__(self, ranks: int = 2, rate: str = "1gbit", delay: Optional[str] = None, *,
                  burst: Optional[int] = None, queue_s: float = 0.05, require_delay: bool = True):
         if ranks < 2:
-            raise ValueError("flatcomm.netlink: a link joins at least 2 ranks")
+            raise ValueError("flatcomm.tools.netlink: a link joins at least 2 ranks")
         if ranks > 250:
-            raise ValueError("flatcomm.netlink: at most 250 ranks (one /24)")
+            raise ValueError("flatcomm.tools.netlink: at most 250 ranks (one /24)")
         self.ranks = ranks
         self.rate_bps, d = parse_link(rate)
         if delay is not None:
             if d is not None:
-                raise ValueError("flatcomm.netlink: delay given twice (in rate and delay=)")
+                raise ValueError("flatcomm.tools.netlink: delay given twice (in rate and delay=)")
             d = parse_delay(delay)
         self.delay_s = d
         self.burst = burst or max(64 << 10, int(self.rate_bps / 8 * 0.002))
@@ -323,7 +323,7 @@ class Link:
         if self._up:
             return self
         if self._closed:
-            raise LinkError("flatcomm.netlink: this Link was closed; make a new one")
+            raise LinkError("flatcomm.tools.netlink: this Link was closed; make a new one")
         _require()
         cleanup_stale()
         _register(self)
@@ -376,7 +376,7 @@ class Link:
                 self.delay_applied = True
                 return
             why = p.stderr.strip()
-            msg = (f"flatcomm.netlink: cannot add a delay: `tc qdisc add ... netem` failed ({why}); "
+            msg = (f"flatcomm.tools.netlink: cannot add a delay: `tc qdisc add ... netem` failed ({why}); "
                    f"this kernel probably lacks sch_netem. Use a link without a delay (e.g. "
                    f"'{_fmt_rate(self.rate_bps)}')")
             if self.require_delay:
@@ -420,13 +420,13 @@ class Link:
             threads: int = 1, grace_s: float = 10.0, echo: bool = True,
             env: Optional[Dict[str, str]] = None) -> List[Any]:
         """Run ``fn(rank, world, *args)`` in a gloo process group, rank r in namespace r; return the
-        results in rank order (like :func:`flatcomm.spawn.run`). Bounded by ``timeout_s`` (the
+        results in rank order (like :func:`flatcomm.tools.spawn.run`). Bounded by ``timeout_s`` (the
         ranks' Python start-up included); any rank's failure raises :class:`LinkError` with its
         traceback. ``echo``: relay the ranks' output to stderr (other ranks' lines prefixed)."""
         if not self._up:
-            raise LinkError("flatcomm.netlink: the link is not set up (use `with Link(...) as link`)")
+            raise LinkError("flatcomm.tools.netlink: the link is not set up (use `with Link(...) as link`)")
         if not 1 <= world <= self.ranks:
-            raise ValueError(f"flatcomm.netlink: world {world} must be between 1 and {self.ranks}")
+            raise ValueError(f"flatcomm.tools.netlink: world {world} must be between 1 and {self.ranks}")
         fn = _importable(fn)
         call = pickle.dumps((fn, args))
         with tempfile.TemporaryDirectory(prefix=f"{self.tag}-run-") as tmp:
@@ -451,7 +451,7 @@ class Link:
                 for r in range(world):
                     e = dict(base_env, RANK=str(r), LOCAL_RANK=str(r))
                     argv = ["ip", "netns", "exec", self.namespaces[r], sys.executable, "-c",
-                            "from flatcomm.netlink import _child_main; _child_main()", ppath, str(r)]
+                            "from flatcomm.tools.netlink import _child_main; _child_main()", ppath, str(r)]
                     p = subprocess.Popen(argv, env=e, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, start_new_session=True)
                     self._procs.append(p)
@@ -479,7 +479,7 @@ class Link:
                 return
             if now > deadline:
                 running = [r for r, c in enumerate(codes) if c is None]
-                raise LinkError(f"flatcomm.netlink: run timed out after {timeout_s:g} s; ranks "
+                raise LinkError(f"flatcomm.tools.netlink: run timed out after {timeout_s:g} s; ranks "
                                 f"{running} still running. Last output:\n" + _tails(tails, running))
             time.sleep(0.05)
 
@@ -502,7 +502,7 @@ class Link:
         if errors:
             # Put real tracebacks first: ranks that were merely killed are a consequence.
             errors.sort(key=lambda s: "without a result" in s)
-            raise LinkError("flatcomm.netlink: " + "\n".join(errors))
+            raise LinkError("flatcomm.tools.netlink: " + "\n".join(errors))
         return [results[r] for r in range(world)]
 
 
@@ -515,7 +515,7 @@ def _importable(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     spec = getattr(sys.modules["__main__"], "__spec__", None)
     if spec is None or not spec.name:
-        raise ValueError("flatcomm.netlink: fn must be importable by the rank processes "
+        raise ValueError("flatcomm.tools.netlink: fn must be importable by the rank processes "
                          "(define it in a module, not in a script's __main__)")
     return getattr(importlib.import_module(spec.name), fn.__qualname__)
 
@@ -620,7 +620,7 @@ def measure(rank: int, world: int, allreduce_bytes: int = 100_000_000, a2a_bytes
 
 
 def _main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flatcomm.netlink", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m flatcomm.tools.netlink", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="measure a gloo all_reduce and all_to_all across the link")
     c.add_argument("--link", default="1gbit", help="RATE[,DELAY] (default 1gbit)")

@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join("out", "demo_loss.png"))
     args = ap.parse_args(argv)
 
-    from flatcomm import spawn
+    from flatcomm.tools import spawn
 
     t0 = time.perf_counter()
     print(f"flatcomm demo: {args.world} gloo ranks x 1 thread, char transformer ({LAYERS} layers, d_model "

@@ -4,25 +4,23 @@ For each op and size: median time, effective GB/s (the bytes the op must read an
 to copy_'s GB/s measured in the same run at the same size, and the speedup over the pure-torch
 composition in flatcomm.reference. Outputs are preallocated, as in the collectives.
 
-    python benchmarks/bench_kernels.py                 # full table, 1M..64M elements
-    python benchmarks/bench_kernels.py --quick         # the demo: a few ops at 1M and 25M
-    python benchmarks/bench_kernels.py --block-sizes   # int8 encode+EF speed and error by block size
+    python -m flatcomm.tools.bench.kernels                 # full table, 1M..64M elements
+    python -m flatcomm.tools.bench.kernels --quick         # the demo: a few ops at 1M and 25M
+    python -m flatcomm.tools.bench.kernels --block-sizes   # int8 encode+EF speed and error by block size
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable, List, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import flatcomm  # noqa: E402
-from flatcomm import reference  # noqa: E402
+import flatcomm
+from flatcomm import reference
 
 WORLD = 4  # rows for the sums
 

@@ -1,5 +1,0 @@
-import sys
-
-from flatcomm.bench import main
-
-sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from flatcomm.tools.bench import main
+
+sys.exit(main())
