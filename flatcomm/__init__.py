@@ -18,6 +18,7 @@ from .codecs import (
 )
 from .sums import exact_exponents, exact_sum, from_exact, ordered_sum, to_exact
 from .collectives import CommStats, ErrorFeedback, all_gather, all_reduce, reduce_scatter
+from . import autotune  # noqa: F401,E402  (registers the default tuner of codec="auto")
 
 __version__ = "0.1.0"
 

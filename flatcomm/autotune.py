@@ -26,8 +26,9 @@ fastest time wins if it is more precise (so plain fp32 is kept when compression 
     all_reduce(t, codec=d.codec, chunks=d.chunks, group=group)
     all_reduce(t, codec="auto", tuner=tuner, group=group)    # the same, inside the collective
 
-This module sits beside :mod:`flatcomm.collectives` (which imports it lazily for ``codec="auto"``);
-:mod:`flatcomm.tune` is the command-line tool built on it.
+This module sits above :mod:`flatcomm.collectives` and registers :func:`tuner_for` there for
+``codec="auto"`` (``import flatcomm`` imports it);
+:mod:`flatcomm.tools.tune` (``python -m flatcomm.tune``) is the command-line tool built on it.
 """
 from __future__ import annotations
 
@@ -304,3 +305,6 @@ def tuner_for(group=None) -> Tuner:
         if t is None:
             t = _default_tuners[key] = Tuner()
         return t
+
+
+C._default_tuner_for = tuner_for  # codec="auto" in the collectives (which cannot import this module)

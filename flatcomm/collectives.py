@@ -614,6 +614,11 @@ def _setup(group, codec: CodecLike, mode: str, op: OpLike):
     return c, world, dist.get_rank(group), _reduce_scale(op, world)
 
 
+# codec="auto" without a tuner uses the group's default Tuner from flatcomm.autotune, a layer above
+# this module (it times these collectives); autotune registers its tuner_for here when imported.
+_default_tuner_for: Optional[Callable[[object], object]] = None
+
+
 def _resolve_auto(codec: CodecLike, chunks: Optional[int], tuner, numel: int, group, device,
                   mode: str, kind: str):
     """``codec="auto"``: (codec, chunks, decision) from the tuner (default: one per group), the
@@ -622,9 +627,9 @@ def _resolve_auto(codec: CodecLike, chunks: Optional[int], tuner, numel: int, gr
         return codec, chunks, None
     if mode != "ordered":
         raise ValueError("flatcomm: codec='auto' needs mode='ordered'")
-    from . import autotune  # lazily: autotune builds on this module
-
-    t = tuner if tuner is not None else autotune.tuner_for(group)
+    if tuner is None and _default_tuner_for is None:
+        raise RuntimeError("flatcomm: codec='auto' needs flatcomm.autotune imported (`import flatcomm` does it)")
+    t = tuner if tuner is not None else _default_tuner_for(group)
     d = t.choose(numel, group=group, device=device, kind=kind)
     return d.codec, chunks, d  # d.chunks is what the collective's default picks for d.codec
 

@@ -925,7 +925,7 @@ def cuda_path() -> str:
 def smoke_test() -> str:
     """For benchmarks/gpu_check.sh: one int8 encode + decode through this path on cuda:0, compared
     with the CPU kernels bit for bit. Raises on a mismatch."""
-    from ._ops import ops as torch_ops
+    torch_ops = torch.ops.flatcomm  # the CPU kernels, registered by flatcomm._ops (which imports this module)
 
     ops = make_ops()
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))

@@ -1,0 +1,10 @@
+"""``python -m flatcomm.tune``: the codec autotuner's CLI, :mod:`flatcomm.tools.tune` (a tool, apart from the library).
+
+Importing this module does nothing; only running it imports the tool.
+"""
+if __name__ == "__main__":
+    import sys
+
+    from flatcomm.tools.tune import main
+
+    sys.exit(main())
