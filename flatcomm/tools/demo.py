@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import math
 import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+from flatcomm.tools._cli import add_version, positive, say
 
 RUNS = (
     ("torch allreduce", None),
@@ -120,7 +121,7 @@ def _train(rank: int, world: int, steps: int, log_every: int):
             losses.append(lt.item() / world)
             if rank == 0 and (step % log_every == 0 or step == steps - 1):
                 print(f"  [{label:17s}] step {step:4d}/{steps}  loss {losses[-1]:.4f}  "
-                      f"{time.perf_counter() - t_run:6.1f}s", flush=True)
+                      f"{time.perf_counter() - t_run:6.1f}s", file=sys.stderr, flush=True)
         if state is not None:
             st = state.stats()["steps"]
             wire = [s["wire_bytes"] for s in st]
@@ -172,22 +173,27 @@ def plot(results, path: str) -> None:
     plt.close(fig)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m flatcomm.demo", description=__doc__.split("\n")[0])
+    add_version(ap)
+    ap.add_argument("--steps", type=positive(int), default=300, help="training steps per run (default 300)")
+    ap.add_argument("--world", type=positive(int), default=2, help="gloo ranks (default 2)")
+    ap.add_argument("--out", default=os.path.join("out", "demo_loss.png"), help="PNG of the loss curves")
+    return ap
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--out", default=os.path.join("out", "demo_loss.png"))
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
 
     from flatcomm.tools import spawn
 
     t0 = time.perf_counter()
-    print(f"flatcomm demo: {args.world} gloo ranks x 1 thread, char transformer ({LAYERS} layers, d_model "
-          f"{D_MODEL}, context {CONTEXT}, batch {BATCH}/rank), {args.steps} steps per run", flush=True)
+    say("demo", f"{args.world} gloo ranks x 1 thread, char transformer ({LAYERS} layers, d_model "
+          f"{D_MODEL}, context {CONTEXT}, batch {BATCH}/rank), {args.steps} steps per run")
     out = spawn.run(args.world, _train, args.steps, max(1, args.steps // 6), timeout_s=900)
     results = out[0]["results"]
     base = results[0]
-    print()
+    print(f"flatcomm demo: {args.world} gloo ranks, {args.steps} steps per run")
     hdr = (f"{'run':18s} {'final loss':>10s} {'val loss':>9s} {'bytes/step':>11s} {'vs torch':>8s} "
            f"{'step ms':>8s} {'sha256':>13s}")
     print(hdr)
@@ -202,7 +208,7 @@ def main(argv=None) -> int:
           f"one rank puts on the wire (~: 2(W-1)/W x 4 B x params, the ring all-reduce's volume); step ms = "
           f"median; sha256 of the final weights (rank 0, equal on all ranks unless marked).")
     plot(results, args.out)
-    print(f"loss curves: {args.out}; total {time.perf_counter() - t0:.0f}s "
+    say("demo", f"loss curves: {args.out}; total {time.perf_counter() - t0:.0f}s "
           f"(training {out[0]['seconds']:.0f}s)")
     return 0
 

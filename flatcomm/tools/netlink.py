@@ -110,6 +110,15 @@ def parse_link(text: str) -> Tuple[float, Optional[float]]:
     return parse_rate(parts[0]), (parse_delay(parts[1]) if len(parts) == 2 and parts[1] else None)
 
 
+def link_arg(text: str) -> str:
+    """argparse type for ``--link``: the text, checked by :func:`parse_link` (a usage error otherwise)."""
+    try:
+        parse_link(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _fmt_rate(bps: float) -> str:
     for unit, f in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
         if bps >= f:
@@ -619,18 +628,26 @@ def measure(rank: int, world: int, allreduce_bytes: int = 100_000_000, a2a_bytes
             "all_to_all_s": a2a, "all_to_all_all_s": a2a_all, "all_to_all_bytes": 4 * n, "correct": ok}
 
 
-def _main(argv: Optional[List[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from flatcomm.tools._cli import add_version, positive
+
     ap = argparse.ArgumentParser(prog="python -m flatcomm.tools.netlink", description=__doc__.split("\n")[0])
+    add_version(ap)
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="measure a gloo all_reduce and all_to_all across the link")
-    c.add_argument("--link", default="1gbit", help="RATE[,DELAY] (default 1gbit)")
-    c.add_argument("--ranks", type=int, default=2)
-    c.add_argument("--allreduce-mb", type=float, default=100)
-    c.add_argument("--a2a-mb", type=float, default=6)
-    c.add_argument("--reps", type=int, default=3)
-    c.add_argument("--timeout", type=float, default=120)
+    c.add_argument("--link", type=link_arg, default="1gbit", help="RATE[,DELAY] (default 1gbit)")
+    c.add_argument("--ranks", type=positive(int), default=2)
+    c.add_argument("--allreduce-mb", type=positive(float), default=100)
+    c.add_argument("--a2a-mb", type=positive(float), default=6)
+    c.add_argument("--reps", type=positive(int), default=3)
+    c.add_argument("--timeout", type=positive(float), default=120)
     sub.add_parser("cleanup", help="remove namespaces left behind by killed runs")
     sub.add_parser("available", help="say whether links can be built here")
+    return ap
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     if a.cmd == "available":
         ok, why = available()
@@ -642,8 +659,10 @@ def _main(argv: Optional[List[str]] = None) -> int:
         print(f"{len(removed)} stale namespace(s) removed")
         return 0
     rate, _ = parse_link(a.link)
+    if a.ranks < 2:
+        ap.error("--ranks must be >= 2 (a link joins at least 2 ranks)")
     with Link(a.ranks, a.link) as link:
-        print(f"link: {link.describe()}", flush=True)
+        print(f"[netlink] link: {link.describe()}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         res = link.run(a.ranks, measure, int(a.allreduce_mb * 1e6), int(a.a2a_mb * 1e6), a.reps,
                        timeout_s=a.timeout)[0]

@@ -20,14 +20,11 @@ import sys
 from typing import List, Optional, Sequence
 
 from flatcomm.autotune import KINDS, PRECISION, Decision, allowed, decide, measure
+from flatcomm.tools._cli import add_version, format_size, positive, say
+from flatcomm.tools._cli import sizes as size_list
+from flatcomm.tools.netlink import link_arg
 
 __all__ = ["main", "pinned_ranges"]
-
-
-def _parse_size(s: str) -> int:
-    s = s.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
 
 
 def _rank(rank: int, world: int, sizes: Sequence[int], budget: str, kind: str):
@@ -56,27 +53,36 @@ def _table(sizes, decisions: List[Decision], budget: str) -> str:
     lines = [hdr, "-" * len(hdr)]
     for n, d in zip(sizes, decisions):
         ms = " ".join(f"{d.predicted_s[c] * 1e3:10.3f}" for c in cands)
-        lines.append(f"{n:>10} {d.codec:>6} {d.chunks:>6} {ms}  {d.reason.split(' for ')[0]}")
+        lines.append(f"{format_size(n):>10} {d.codec:>6} {d.chunks:>6} {ms}  {d.reason.split(' for ')[0]}")
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m flatcomm.tune", description=__doc__.split("\n")[0])
-    ap.add_argument("--ranks", type=int, default=2, help="gloo ranks (default 2)")
-    ap.add_argument("--link", metavar="RATE[,DELAY]", help="shaped link, e.g. 1gbit (needs root)")
+    add_version(ap)
+    ap.add_argument("--ranks", type=positive(int), default=2, help="gloo ranks, at least 2 (default 2)")
+    ap.add_argument("--link", metavar="RATE[,DELAY]", type=link_arg, help="shaped link, e.g. 1gbit (needs root)")
     ap.add_argument("--budget", default="int8", choices=PRECISION, help="least precise codec allowed")
-    ap.add_argument("--sizes", default="64K,1M,25M", help="fp32 element counts (K/M/G suffixes)")
+    ap.add_argument("--sizes", type=size_list, default=size_list("64K,1M,25M"),
+                    help="fp32 element counts, comma separated (K/M/G suffixes; default 64K,1M,25M)")
     ap.add_argument("--collective", default="all_reduce", choices=KINDS)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--threads", type=positive(int), default=1, help="torch threads per rank (default 1)")
+    ap.add_argument("--timeout", type=positive(float), default=300, help="seconds (default 300)")
     ap.add_argument("--json", metavar="PATH", help="write costs, decisions and pinned as JSON")
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
-    sizes = [_parse_size(s) for s in a.sizes.split(",") if s.strip()]
+    sizes = a.sizes
     if a.ranks < 2:
         ap.error("--ranks must be >= 2")
     from flatcomm.tools import tune as importable  # `python -m` runs this file as __main__: ranks need the real name
 
     args = (sizes, a.budget, a.collective)
+    where = f"a {a.link} link" if a.link else "loopback"
+    say("tune", f"{a.ranks} ranks over {where}: measuring the cost model")
     if a.link:
         from .netlink import Link, LinkUnavailable
 
@@ -94,7 +100,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     costs, decisions = res[0]
     if any(r[1] != decisions for r in res[1:]):
         raise SystemExit("flatcomm.tune: ranks disagree (a bug: the costs are MAX-agreed)")
-    where = f"a {a.link} link" if a.link else "loopback"
     print(f"flatcomm.tune: {a.ranks} ranks over {where}, {a.collective}, budget {a.budget}")
     print(f"link {costs.link_Bps / 1e9:.3g} GB/s, latency {costs.latency_s * 1e6:.3g} us; pipeline compute "
           + ", ".join(f"{c} {v / 1e9:.3g}" for c, v in costs.compute_Bps.items()) + " GB/s (fp32 input)")
@@ -108,7 +113,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                "pinned": pinned}
         with open(a.json, "w") as fh:
             json.dump(doc, fh, indent=1, default=str)
-        print(f"wrote {a.json}")
+        say("tune", f"wrote {a.json}")
     return 0
 
 

@@ -1,0 +1,113 @@
+"""The command-line tools' surface (in process, no ranks): bad values are argparse usage errors (exit 2,
+no traceback), every tool has --version, sizes read and print as 64K / 1M / 25M, plot labels do not
+repeat, and a noisy timing is flagged."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import flatcomm
+from flatcomm.tools import _cli, demo, netlink, tune
+from flatcomm.tools import bench
+from flatcomm.tools.bench import kernels
+
+PARSERS = {"bench": bench.build_parser, "tune": tune.build_parser, "demo": demo.build_parser,
+           "netlink": netlink.build_parser}
+
+
+def test_sizes_read_and_print_as_written():
+    for text, n in (("64K", 65536), ("1M", 1 << 20), ("25M", 25 << 20), ("1.5K", 1536), ("1000", 1000), ("2g", 2 << 30)):
+        assert _cli.parse_size(text) == n
+        assert _cli.parse_size(_cli.format_size(n)) == n
+    assert [_cli.format_size(n) for n in (65536, 1 << 20, 25 << 20, 1000, 3)] == ["64K", "1M", "25M", "1000", "3"]
+    assert _cli.format_size(25_000_000) == "23.8M"  # not exact in binary units: 3 digits
+    assert _cli.sizes("64K, 1M,25M") == [65536, 1 << 20, 25 << 20]
+    for bad in ("abc", "0", "-1K", "1.3", "K", "1e400", "nan"):
+        with pytest.raises(ValueError):
+            _cli.parse_size(bad)
+
+
+BAD = [
+    ("bench", ["kernels", "--sizes", "abc"], "abc"),
+    ("bench", ["kernels", "--codecs", "int9"], "int9"),
+    ("bench", ["kernels", "--reps", "0"], "--reps"),
+    ("bench", ["collectives", "--codecs", "int8,int9"], "int9"),
+    ("bench", ["collectives", "--sizes", "1M,x"], "'x'"),
+    ("bench", ["collectives", "--link", "1gbps"], "gbit"),
+    ("bench", ["ddp", "--hooks", "int8,nope"], "nope"),
+    ("bench", ["ddp", "--ranks", "0"], "--ranks"),
+    ("bench", ["fsdp", "--codecs", "int9"], "int9"),
+    ("tune", ["--sizes", "abc"], "abc"),
+    ("tune", ["--budget", "int9"], "int9"),
+    ("tune", ["--link", "fast"], "fast"),
+    ("demo", ["--steps", "x"], "'x'"),
+    ("netlink", ["check", "--link", "1gbps"], "gbit"),
+    ("netlink", ["check", "--reps", "-1"], "-1"),
+]
+
+
+@pytest.mark.parametrize("tool,argv,names", BAD, ids=[" ".join([t] + a) for t, a, _ in BAD])
+def test_bad_values_are_usage_errors(tool, argv, names, capsys):
+    with pytest.raises(SystemExit) as e:
+        PARSERS[tool]().parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage:" in err and names in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("tool", sorted(PARSERS))
+def test_version(tool, capsys):
+    with pytest.raises(SystemExit) as e:
+        PARSERS[tool]().parse_args(["--version"])
+    assert e.value.code == 0 and f"flatcomm {flatcomm.__version__}" in capsys.readouterr().out
+
+
+def test_good_values_parse():
+    a = bench.build_parser().parse_args(["kernels", "--sizes", "64K,1M", "--codecs", "int8,sign"])
+    assert a.sizes == [65536, 1 << 20] and a.codecs == ["int8", "sign"]
+    a = bench.build_parser().parse_args(["ddp", "--hooks", "int8,torch-allreduce", "--link", "1gbit,0.2ms"])
+    assert a.hooks == ["int8", "torch-allreduce"] and a.link == "1gbit,0.2ms"
+    assert tune.build_parser().parse_args([]).sizes == [64 << 10, 1 << 20, 25 << 20]
+
+
+def test_plot_labels_do_not_repeat():
+    rows = [{"op": "copy_", "name": "copy_", "numel": 65536}, {"op": "encode+EF", "name": "int8", "numel": 25 << 20}]
+    assert bench.plot_labels(rows, "kernels") == ["copy_ 64K", "encode+EF int8 25M"]
+    rows = [{"name": "int8", "collective": "all_reduce", "numel": 16384}]
+    assert bench.plot_labels(rows, "collectives") == ["int8 all_reduce 16K"]
+
+
+def test_measure_reports_the_spread_and_flags_noise():
+    calls = []
+
+    def uneven():  # every other call 4x slower: a disturbed measurement
+        calls.append(1)
+        time.sleep(0.004 if len(calls) % 2 else 0.001)
+
+    t = kernels.measure(uneven, reps=4, min_time=0.0)
+    assert t["samples"] >= 4 and t["calls_per_sample"] == 1
+    assert t["min_s"] <= t["median_s"] <= t["max_s"] and t["max_s"] / t["min_s"] > kernels.NOISY_SPREAD
+    steady = [{"spread": 1.1}, {"spread": 1.2}]
+    assert bench.noisy_warning(steady) is None
+    assert "1 of 3" in bench.noisy_warning(steady + [{"spread": t["max_s"] / t["min_s"]}])
+
+
+def test_measure_batches_fast_calls():
+    """A call far below a millisecond is timed in batches: per-call time, not timer resolution."""
+    t = kernels.measure(lambda: None, reps=3, min_time=0.0)
+    assert t["calls_per_sample"] > 1 and 0 < t["min_s"] < 1e-3
+
+
+def test_microbench_suite_runs():
+    """benchmarks/test_microbench.py (pytest-benchmark; `make microbench`) collects and runs, once per case."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("pytest_benchmark")
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-disable",
+                        "-k", "64K and (int8 or exact)", str(root / "benchmarks" / "test_microbench.py")],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and " passed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
