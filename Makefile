@@ -11,14 +11,14 @@ NVCC_FLAGS := -std=c++17 -O3 -fmad=false -Icsrc --threads 0 \
 	-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
 	-gencode arch=compute_90,code=compute_90
 
-.PHONY: all venv build demo test test-cpp test-py bench cuda-check clean
+.PHONY: all venv build demo test test-cpp test-py bench microbench dist-check cuda-check clean
 
 all: build
 
 $(DEPS): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q setuptools wheel ninja pytest hypothesis numpy matplotlib
+	$(PY) -m pip install -q setuptools wheel ninja pytest pytest-benchmark hypothesis numpy matplotlib
 	touch $@
 
 venv: $(DEPS)
@@ -44,6 +44,16 @@ test-py: build
 
 bench: build
 	$(PY) -m flatcomm.bench kernels
+
+# The kernels under pytest-benchmark (min/median/max, --benchmark-compare against a saved run).
+microbench: build
+	$(PY) -m pytest benchmarks/test_microbench.py --benchmark-only --benchmark-sort=name
+
+# The package as users get it: sdist -> wheel -> install into a fresh venv (torch from the package
+# index, nothing from this checkout or .venv) -> import, one op and `python -m flatcomm.bench kernels
+# --quick` from a directory outside the checkout (.ci/dist_check.sh).
+dist-check: $(DEPS)
+	bash .ci/dist_check.sh $(PY) $(PYTHON)
 
 # Every CUDA source must compile with this machine's nvcc, GPU or not. The torch binding
 # (ops_cuda.cpp) is syntax-checked against torch's headers and the CUDA toolkit; a CPU build of

@@ -6,6 +6,7 @@ ordered sums and exact (order-independent) sums. See README.md for the whole pic
 from __future__ import annotations
 
 from . import _ops
+from ._version import __version__
 from ._ops import _C
 from .codecs import (
     CODECS,
@@ -19,8 +20,6 @@ from .codecs import (
 from .sums import exact_exponents, exact_sum, from_exact, ordered_sum, to_exact
 from .collectives import CommStats, ErrorFeedback, all_gather, all_reduce, reduce_scatter
 from . import autotune  # noqa: F401,E402  (registers the default tuner of codec="auto")
-
-__version__ = "0.1.0"
 
 
 def build_info() -> dict:
@@ -49,6 +48,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "__version__",
     "CODECS",
     "CommStats",
     "ErrorFeedback",
