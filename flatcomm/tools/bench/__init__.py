@@ -170,7 +170,8 @@ def bench_collectives(a: argparse.Namespace, meta: dict) -> List[dict]:
     cfg = dict(sizes=sizes, codecs=codecs, exact=exact, reps=reps, warmup=1, chunk_codecs=chunk,
                chunk_compare=bool(chunk))
     meta["config"] = cfg
-    _say(f"collectives: {a.ranks} ranks, sizes {sizes}, codecs {codecs}, {reps} reps")
+    _say(f"collectives: {a.ranks} ranks, sizes {', '.join(map(format_size, sizes))}, codecs {', '.join(codecs)}, "
+         f"{reps} reps")
     rows = _run_ranks(a, meta, bc._rank_main, cfg, timeout_s=a.timeout)[0]
     base = {(r["collective"], r["numel"]): r["time_ms"] for r in rows if r["impl"] == "gloo"}
     out = []
@@ -297,8 +298,8 @@ def table_ddp(results: List[dict], meta: dict) -> str:
         loss = f"{r['final_loss']:10.5f}" if r.get("final_loss") is not None else f"{'-':>10}"
         if r.get("decisions"):
             vs = f"{r['auto_vs_best']:.2f}x the comm of " if r.get("auto_vs_best") is not None else ""
-            notes.append("chose " + ",".join(d["codec"] for d in r["decisions"]) +
-                         f" ({vs}the best fixed codec, {r['best_fixed']})")
+            best = f" ({vs}the best fixed codec, {r['best_fixed']})" if r.get("best_fixed") else ""
+            notes.append("chose " + ",".join(d["codec"] for d in r["decisions"]) + best)
         lines.append(f"{label:<24} {r['step_s'] * 1e3:8.1f} {r['comm_s'] * 1e3:8.1f} {ratio} {wire:>8} "
                      f"{wr} {loss}  {'; '.join(notes)}")
     for f in meta.get("failed", []):

@@ -149,7 +149,7 @@ def _round(rank, world, args, names):
     out = []
     for name in names:
         if rank == 0:
-            print(f"  {name} ...", flush=True)
+            print(f"  {name} ...", file=sys.stderr, flush=True)
         if name in args.skip:
             out.append({"name": name, "failed": "skipped"})
             continue
