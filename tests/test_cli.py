@@ -107,7 +107,7 @@ def test_microbench_suite_runs():
 
     pytest.importorskip("pytest_benchmark")
     root = Path(__file__).resolve().parents[1]
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-disable",
+    p = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "--benchmark-disable",
                         "-k", "64K and (int8 or exact)", str(root / "benchmarks" / "test_microbench.py")],
                        cwd=root, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and " passed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]

@@ -106,3 +106,10 @@ def test_library_modules_import_without_cycles():
 def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_examples_import_the_installed_package():
+    """An example that puts the checkout first on sys.path hides the installed flatcomm (and fails
+    where the checkout is not built)."""
+    for path in sorted((ROOT / "examples").glob("*.py")):
+        assert "sys.path" not in path.read_text(), f"{path} edits sys.path"
