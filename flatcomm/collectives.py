@@ -15,12 +15,20 @@ the wire carries 4 bytes per fp32 value, not the 8 of the integers; same integer
 
 Large inputs are split into chunks: the exchange of chunk j+1 is in flight while chunk j is decoded.
 
+**Groups and headers.** Each call runs on flatcomm's private copy of the named group
+(:mod:`flatcomm._groups`: the caller's own collectives never interleave with flatcomm's; the
+parent's timeout) and first all-gathers a fixed-size header per rank (:mod:`flatcomm._header`): the
+call's fields, its number on the group and, for a rank whose arguments were rejected, the reason.
+Every rank checks the same table before any payload moves, so mismatches raise on every rank (also
+with ``validate=False``, kept for compatibility) and argument errors keep the group in step.
+
 **CUDA streams** (:mod:`flatcomm._streams`; untested on a GPU so far). With CUDA tensors a call
 records an event on the caller's current stream at submission; the group's worker runs the
 collective's kernels on a side stream per (group, device) that waits on that event, and NCCL
 issues each exchange on its own stream after waiting for the side stream, so the worker only
-enqueues: no host synchronisation, except the ``validate=True`` consistency check, which reads a
-tiny tensor back (the DDP hook validates once per bucket layout). A synchronous call returns once
+enqueues: no host synchronisation (the call header, below, travels on the group's CPU backend; on an
+NCCL-only group it is read back from the GPU, so it runs there only with ``validate=True``, which
+the DDP hook passes once per bucket layout). A synchronous call returns once
 the work is enqueued, with the caller's current stream made to wait for it; ``Handle.wait()`` does
 the same; ``Handle.get_future()`` is a CUDA-aware ``torch.futures.Future`` whose ``wait()`` makes the
 consumer's current stream wait (DDP's reducer does that). ``CommStats`` times are host times, i.e.

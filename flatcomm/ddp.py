@@ -68,7 +68,7 @@ from .codecs import Codec, resolve
 __all__ = ["State", "hook", "register"]
 
 STATE_DICT_VERSION = 1
-# collectives.all_reduce(validate=...) skips the per-call consistency all-gather when False.
+# all_reduce(validate=False) skips only a call header that costs a host sync (NCCL-only group).
 _HAS_VALIDATE = "validate" in inspect.signature(C.all_reduce).parameters
 
 
