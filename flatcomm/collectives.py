@@ -611,6 +611,8 @@ class _Pipeline:
 
 def _encode_pieces(pipe: _Pipeline, src: torch.Tensor, plan: _Plan, j: int, codec: Codec,
                    residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, List[int]]:
+    if residual is not None:  # encoding updates the residual: never for a call that then fails its check
+        pipe.checked()
     sizes = [codec.wire_bytes(b - a) for a, b in (plan.piece(d, j) for d in range(plan.world))]
     buf = pipe.empty(sum(sizes), torch.uint8, src.device)
 
@@ -863,6 +865,8 @@ def all_gather(
         if stats is not None:
             stats.calls += 1
         payload = pipe.empty(c.wire_bytes(n), torch.uint8, src.device)
+        if residual is not None:  # as in _encode_pieces
+            pipe.checked()
         pipe.timed("encode_s", lambda: _encode(src, c, residual=residual, out=payload))
         work, recv = pipe.all_gather(payload, world)
         pipe.wait(work)

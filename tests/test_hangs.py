@@ -91,6 +91,10 @@ def _headers(rank: int, world: int) -> Dict[str, str]:
     out["dtype bf16 vs fp16 (names)"] = _expect(
         lambda: C.all_reduce(torch.zeros(512, dtype=dt), validate=False), ValueError,
         "ranks disagree on dtype: rank 0 torch.bfloat16, rank 1 torch.float16")
+    ef = C.ErrorFeedback.zeros(512)
+    out["failed check leaves the residual untouched"] = _expect(
+        lambda: C.all_reduce(torch.randn(512).to(dt), codec="int8", residual=ef, validate=False), ValueError,
+        "dtype") or ("" if not ef.client.any() and not ef.server.any() else "residual changed")
     out["codec bf16 vs fp16 (names)"] = _expect(
         lambda: C.all_reduce(torch.zeros(512), codec="bf16" if rank == 0 else "fp16", validate=False),
         ValueError, "ranks disagree on codec: rank 0 bf16, rank 1 fp16")
