@@ -200,6 +200,7 @@ def measure(group=None, *, device: Optional[torch.device] = None, codecs=PRECISI
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:  # nothing to send: compression never pays
         return CostModel(math.inf, 0.0, {c: math.inf for c in codecs}, {c: math.inf for c in codecs})
+    group = C.private_group(group)  # time the group the collectives will use, on its worker
 
     def body():
         t = [_time_a2a(small, world, group, device), _time_a2a(large, world, group, device)]

@@ -15,12 +15,20 @@ the wire carries 4 bytes per fp32 value, not the 8 of the integers; same integer
 
 Large inputs are split into chunks: the exchange of chunk j+1 is in flight while chunk j is decoded.
 
+**Groups and headers.** Each call runs on flatcomm's private copy of the named group
+(:mod:`flatcomm._groups`: the caller's own collectives never interleave with flatcomm's; the
+parent's timeout) and first all-gathers a fixed-size header per rank (:mod:`flatcomm._header`): the
+call's fields, its number on the group and, for a rank whose arguments were rejected, the reason.
+Every rank checks the same table before any payload moves, so mismatches raise on every rank (also
+with ``validate=False``, kept for compatibility) and argument errors keep the group in step.
+
 **CUDA streams** (:mod:`flatcomm._streams`; untested on a GPU so far). With CUDA tensors a call
 records an event on the caller's current stream at submission; the group's worker runs the
 collective's kernels on a side stream per (group, device) that waits on that event, and NCCL
 issues each exchange on its own stream after waiting for the side stream, so the worker only
-enqueues: no host synchronisation, except the ``validate=True`` consistency check, which reads a
-tiny tensor back (the DDP hook validates once per bucket layout). A synchronous call returns once
+enqueues: no host synchronisation (the call header, below, travels on the group's CPU backend; on an
+NCCL-only group it is read back from the GPU, so it runs there only with ``validate=True``, which
+the DDP hook passes once per bucket layout). A synchronous call returns once
 the work is enqueued, with the caller's current stream made to wait for it; ``Handle.wait()`` does
 the same; ``Handle.get_future()`` is a CUDA-aware ``torch.futures.Future`` whose ``wait()`` makes the
 consumer's current stream wait (DDP's reducer does that). ``CommStats`` times are host times, i.e.
@@ -38,7 +46,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _streams
+from . import _groups, _header, _streams
 from .codecs import CODECS, Codec, CodecLike, resolve
 from .codecs import decode as _decode
 from .codecs import decode_sum as _decode_sum
@@ -106,8 +114,10 @@ class Handle:
     decision = None
 
     def __init__(self, future: "concurrent.futures.Future", value: torch.Tensor,
-                 streams: Optional[_streams.CallStreams] = None):
+                 streams: Optional[_streams.CallStreams] = None, what: str = "collective", group=None):
         self._cf = future
+        self._what = what  # for the timeout message
+        self._group = group
         self._value = value
         self._streams = streams  # CUDA only: the future is CUDA-aware (see the module docstring)
         self._torch_future: torch.futures.Future = (
@@ -128,8 +138,19 @@ class Handle:
 
     def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
         """Block until the collective is enqueued (CPU: done); with CUDA tensors the current
-        stream is then made to wait for it, like ``Work.wait()`` of NCCL."""
-        self._cf.result(timeout)
+        stream is then made to wait for it, like ``Work.wait()`` of NCCL. ``timeout`` (seconds):
+        raise ``TimeoutError`` naming the collective if it has not finished by then (it stays in
+        flight: wait again; the group's own timeout fails it if a peer never joins)."""
+        try:
+            self._cf.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if self._cf.done():  # the collective itself raised a TimeoutError: keep it
+                raise
+            t = _groups.group_timeout(self._group)
+            raise TimeoutError(
+                f"flatcomm: {self._what} did not finish within {timeout} s (still in flight; "
+                f"the group's own timeout{f' of {t}' if t is not None else ''} fails it if a peer never joins)"
+            ) from None
         if self._streams is not None:
             self._streams.join_current()
         return self._value
@@ -148,7 +169,9 @@ class Handle:
 # peer (gloo matches collectives by issue order) and hang. Nothing blocks inside a future callback.
 _executors: dict = {}
 _executors_lock = threading.Lock()
-_worker = threading.local()  # .key: the group key of the worker thread we are on, if any
+_worker = _groups.on_worker  # .key: the group key of the worker thread we are on, if any
+private_group = _groups.private_group
+group_timeout = _groups.group_timeout
 
 
 def _group_key(group):
@@ -168,6 +191,7 @@ def _executor(group) -> concurrent.futures.ThreadPoolExecutor:
 
 def _mark_worker(key) -> None:
     _worker.key = key
+    _worker.active = True
 
 
 def _on_worker(fn: Callable[[], None], streams: Optional[_streams.CallStreams],
@@ -190,7 +214,7 @@ def _submit(group, device: torch.device, fn: Callable[[], None]) -> "concurrent.
 
 
 def _run(fn: Callable[[], None], value: torch.Tensor, group, async_op: bool,
-         keep: Sequence[Optional[torch.Tensor]] = ()) -> Optional[Handle]:
+         keep: Sequence[Optional[torch.Tensor]] = (), what: str = "collective") -> Optional[Handle]:
     """Run a collective's body on the group's worker. ``keep``: the caller's tensors it uses
     (CUDA: protected from reuse by the caching allocator while the side stream runs)."""
     grad = torch.is_grad_enabled()  # grad mode is thread-local: keep the caller's
@@ -212,7 +236,7 @@ def _run(fn: Callable[[], None], value: torch.Tensor, group, async_op: bool,
         if streams is not None:  # the work is enqueued: order the caller's stream after it
             streams.join_current()
         return None
-    return Handle(future, value, streams)
+    return Handle(future, value, streams, what, group)
 
 
 # ---- argument handling ---------------------------------------------------------------------------
@@ -254,26 +278,119 @@ def _check_residual(r: Optional[torch.Tensor], numel: int, ref: torch.Tensor, wh
         raise ValueError(f"flatcomm: {what} is on {r.device} but the data is on {ref.device}")
 
 
+def _shown(name: str, v: int):
+    """A signature field's value as a user wrote it (names, not numbers) for error messages."""
+    try:
+        if name == "collective":
+            return _header.KINDS[v]
+        if name == "codec":
+            return CODECS[v]
+        if name == "mode":
+            return MODES[v]
+        if name == "dtype":
+            return str(_DTYPES[v])
+    except (IndexError, KeyError):
+        return v
+    if name == "topk ratio":
+        return v / 1e6
+    if name == "op scale":
+        return v / 1e9
+    return v
+
+
+def _has_cpu_backend(group) -> bool:
+    try:
+        (group if group is not None else dist.group.WORLD)._get_backend(torch.device("cpu"))
+        return True
+    except Exception:  # noqa: BLE001 - e.g. an NCCL-only group
+        return False
+
+
+def _exchange_table(group, mine: torch.Tensor, device: torch.device, async_op: bool):
+    world = dist.get_world_size(group)
+    allv = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+    work = _all_gather_single(allv, mine.to(device), group=group, async_op=async_op)
+    return work, allv.view(world, -1)
+
+
 def _check_consistent(group, fields: Sequence[Tuple[str, int]], device: torch.device) -> None:
-    """One tiny all-gather so that mismatched calls fail on every rank with a clear message
-    instead of hanging or exchanging garbage. Collectives skip it with ``validate=False``: only
-    for call patterns already known to agree (e.g. after a training loop's first step), since it
-    costs a round trip per call."""
+    """One tiny all-gather of ``fields`` so that mismatched calls fail on every rank with a clear
+    message instead of hanging or exchanging garbage (used where no call header runs, e.g. by
+    :mod:`flatcomm.reproducible`)."""
     world = dist.get_world_size(group)
     if world == 1 and not _EXCHANGE_ALONE:
         return
-    mine = torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
-    allv = torch.empty(world * len(fields), dtype=torch.int64, device=device)
-    _all_gather_single(allv, mine, group=group)
-    table = allv.view(world, len(fields)).cpu()
-    for i, (name, _) in enumerate(fields):
-        col = table[:, i].tolist()
-        if len(set(col)) != 1:
-            shown = {CODECS[v] if name == "codec" else v for v in col}
-            raise ValueError(
-                f"flatcomm: ranks disagree on {name}: {', '.join(f'rank {r}: {v}' for r, v in enumerate(col))}"
-                + (f" ({sorted(map(str, shown))})" if name == "codec" else "")
-            )
+    _, table = _exchange_table(group, _header.row(0, False, fields, len(fields)), device, False)
+    problems = _header.check(table, fields, _shown)
+    if problems:
+        raise ValueError("flatcomm: " + "; ".join(problems))
+
+
+# Every call on a group first all-gathers one fixed-size header per rank (see flatcomm/_header.py):
+# its fields, in this order (a failed call sends only the first and zeros).
+_FIELDS = ("collective", "numel", "codec", "block_size", "topk ratio", "mode", "op scale", "dtype",
+           "chunks", "exact_block", "headroom")
+_calls: dict = {}  # group key -> number of the next call on that group (advanced on its worker, in order)
+
+
+class _CallHeader:
+    """The header exchange of one call, started at once and checked before the first payload
+    byte moves (:meth:`_Pipeline.checked`)."""
+
+    def __init__(self, group, fields: Sequence[Tuple[str, int]], device: torch.device,
+                 reason: Optional[str] = None):
+        key = _group_key(group)
+        self.call = _calls.get(key, 0)
+        _calls[key] = self.call + 1
+        self.group, self.fields = group, list(fields)
+        mine = _header.row(self.call, reason is not None, fields, len(_FIELDS), reason or "")
+        self.work, self.table = _exchange_table(group, mine, device, True)
+
+    def finish(self) -> None:
+        self.work.wait()
+        names = [(n, 0) for n in _FIELDS]
+        problems = _header.check(self.table, names, _shown)
+        if not problems:
+            return
+        if problems[0].startswith("ranks are out of step"):
+            # Every rank saw the same table: resume numbering together, so that the next calls
+            # (if the ranks' programs agree again) are in step.
+            _calls[_group_key(self.group)] = max(_header.call_numbers(self.table.cpu())) + 1
+            raise RuntimeError("flatcomm: " + problems[0])
+        raise ValueError("flatcomm: " + "; ".join(problems))
+
+
+def _header_device(group, device: torch.device, validate: bool) -> Optional[torch.device]:
+    """Where the header travels: on the CPU when the group has a CPU backend (no host sync for
+    CUDA data); on an NCCL-only group on the data's device, which reads it back on the host, so
+    only with ``validate=True`` there."""
+    if device.type == "cpu" or _has_cpu_backend(group):
+        return torch.device("cpu")
+    return device if validate else None
+
+
+def _fail_in_step(group, kind: int, err: BaseException) -> None:
+    """A rank whose arguments were rejected still takes part in the call's header exchange (status
+    failed, the reason), so its peers raise "rank r failed: ..." instead of waiting, and every
+    rank's next call pairs with the peers' next call. Not waited for: the caller raises at once."""
+    try:
+        if dist.get_world_size(group) == 1 and not _EXCHANGE_ALONE:
+            return
+        device = torch.device("cpu") if _has_cpu_backend(group) else torch.device("cuda", torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - no usable group: nothing to keep in step
+        return
+    reason = f"{type(err).__name__}: {str(err).removeprefix('flatcomm: ')}"
+
+    def body():
+        _CallHeader(group, [("collective", kind)], device, reason).finish()
+
+    if getattr(_worker, "key", object()) == _group_key(group):
+        try:
+            body()
+        except Exception:  # noqa: BLE001 - the caller's own error is the one to report
+            pass
+        return
+    _executor(group).submit(body)
 
 
 def _signature(kind: int, numel: int, codec: Codec, mode: str, scale: float, dtype: torch.dtype,
@@ -283,9 +400,9 @@ def _signature(kind: int, numel: int, codec: Codec, mode: str, scale: float, dty
         ("numel", numel),
         ("codec", CODECS.index(codec.name)),
         ("block_size", codec.block_size),
-        ("topk ratio (x1e6)", int(round(codec.ratio * 1e6))),
+        ("topk ratio", int(round(codec.ratio * 1e6))),
         ("mode", MODES.index(mode)),
-        ("op scale (x1e9)", int(round(scale * 1e9))),
+        ("op scale", int(round(scale * 1e9))),
         ("dtype", _DTYPES.index(dtype)),
         ("chunks", chunks),
     ] + list(extra)
@@ -414,11 +531,23 @@ _pools: dict = {}
 class _Pipeline:
     """Runs one collective chunk by chunk: while chunk j is exchanged, j-1 is decoded."""
 
-    def __init__(self, group, stats: Optional[CommStats]):
+    def __init__(self, group, stats: Optional[CommStats], fields: Sequence[Tuple[str, int]],
+                 device: torch.device, validate: bool = True):
         self.group = group
         self.stats = stats if stats is not None else CommStats()
         self.pool = _pools.setdefault(id(group) if group is not None else None, _BufferPool())
         self.taken: List[torch.Tensor] = []
+        self.header: Optional[_CallHeader] = None
+        if dist.get_world_size(group) > 1 or _EXCHANGE_ALONE:
+            where = _header_device(group, device, validate)
+            if where is not None:
+                self.header = _CallHeader(group, fields, where)
+
+    def checked(self) -> None:
+        """Wait for the call's header exchange and check it: before any payload byte is sent."""
+        if self.header is not None:
+            h, self.header = self.header, None
+            self.timed("exchange_s", h.finish)
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         t = self.pool.take(numel, dtype, device)
@@ -427,6 +556,7 @@ class _Pipeline:
 
     def release(self) -> None:
         """Return this call's buffers to the pool (the call's collectives have all completed)."""
+        self.checked()  # a call that exchanged nothing (zero values) still checks its header
         for t in self.taken:
             self.pool.give(t)
         self.taken = []
@@ -442,6 +572,7 @@ class _Pipeline:
             self.timed("exchange_s", work.wait)
 
     def all_to_all(self, send: torch.Tensor, send_sizes: List[int], recv_row: int, world: int):
+        self.checked()
         recv = self.empty(world * recv_row, send.dtype, send.device)
         self.stats.wire_bytes += (send.numel() - send_sizes[dist.get_rank(self.group)]) * send.element_size()
         if world == 1 and not _EXCHANGE_ALONE:
@@ -452,6 +583,7 @@ class _Pipeline:
         return work, recv
 
     def all_gather(self, send: torch.Tensor, world: int):
+        self.checked()
         recv = self.empty(world * send.numel(), send.dtype, send.device)
         self.stats.wire_bytes += send.numel() * send.element_size() * (world - 1)
         if world == 1 and not _EXCHANGE_ALONE:
@@ -479,6 +611,8 @@ class _Pipeline:
 
 def _encode_pieces(pipe: _Pipeline, src: torch.Tensor, plan: _Plan, j: int, codec: Codec,
                    residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, List[int]]:
+    if residual is not None:  # encoding updates the residual: never for a call that then fails its check
+        pipe.checked()
     sizes = [codec.wire_bytes(b - a) for a, b in (plan.piece(d, j) for d in range(plan.world))]
     buf = pipe.empty(sum(sizes), torch.uint8, src.device)
 
@@ -550,6 +684,7 @@ def _exact_exponents(pipe: _Pipeline, src: torch.Tensor, plan: _Plan, block: int
     parts = [exact_exponents(src[plan.bounds[d]:plan.bounds[d + 1]], block) for d in range(plan.world)]
     sizes = [p.numel() for p in parts]
     allp = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int32)
+    pipe.checked()
     if (plan.world > 1 or _EXCHANGE_ALONE) and allp.numel():
         pipe.timed("exchange_s", lambda: dist.all_reduce(allp, dist.ReduceOp.MAX, group=pipe.group))
     return list(torch.split(allp, sizes))
@@ -663,26 +798,30 @@ def reduce_scatter(
     ``codec="auto"``: ``tuner`` (a :class:`flatcomm.autotune.Tuner`, default one per group) picks
     the codec and chunks per input size, the same on every rank (``Handle.decision``).
     """
-    codec, chunks, decision = _resolve_auto(codec, chunks, tuner, input.numel(), group, input.device,
-                                            mode, "reduce_scatter")
-    c, world, rank, scale = _setup(group, codec, mode, op)
-    src, out = _flat(input, "input"), _flat(output, "output")
-    if src.numel() != world * out.numel():
-        raise ValueError(f"flatcomm: reduce_scatter input has {src.numel()} values; it must be "
-                         f"world size ({world}) x output ({out.numel()})")
-    if out.device != src.device:
-        raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
-    _check_residual(residual, src.numel(), src, "residual")
-    align = _align_of(c, mode, exact_block)
-    nchunks = chunks or _default_chunks(out.numel(), c, world, mode, src.dtype, "reduce_scatter")
-    bounds = [r * out.numel() for r in range(world + 1)]
-    plan = _plan(bounds, nchunks, align, rank)
+    group = private_group(group)
+    try:
+        codec, chunks, decision = _resolve_auto(codec, chunks, tuner, input.numel(), group, input.device,
+                                                mode, "reduce_scatter")
+        c, world, rank, scale = _setup(group, codec, mode, op)
+        src, out = _flat(input, "input"), _flat(output, "output")
+        if src.numel() != world * out.numel():
+            raise ValueError(f"flatcomm: reduce_scatter input has {src.numel()} values; it must be "
+                             f"world size ({world}) x output ({out.numel()})")
+        if out.device != src.device:
+            raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
+        _check_residual(residual, src.numel(), src, "residual")
+        align = _align_of(c, mode, exact_block)
+        nchunks = chunks or _default_chunks(out.numel(), c, world, mode, src.dtype, "reduce_scatter")
+        bounds = [r * out.numel() for r in range(world + 1)]
+        plan = _plan(bounds, nchunks, align, rank)
+        fields = _signature(1, src.numel(), c, mode, scale, src.dtype, nchunks,
+                            _exact_fields(mode, exact_block, headroom))
+    except (ValueError, TypeError) as e:
+        _fail_in_step(group, 1, e)
+        raise
 
     def body():
-        if validate:
-            _check_consistent(group, _signature(1, src.numel(), c, mode, scale, src.dtype, nchunks,
-                                              _exact_fields(mode, exact_block, headroom)), src.device)
-        pipe = _Pipeline(group, stats)
+        pipe = _Pipeline(group, stats, fields, src.device, validate)
         if stats is not None:
             stats.calls += 1
         if mode == "exact":
@@ -691,7 +830,8 @@ def reduce_scatter(
             _ordered_reduce_scatter(pipe, src, out, plan, nchunks, c, scale, residual)
         pipe.release()
 
-    return _with_decision(_run(body, output, group, async_op, (src, out, residual)), decision)
+    return _with_decision(_run(body, output, group, async_op, (src, out, residual),
+                               f"reduce_scatter of {src.numel()} values ({c.name})"), decision)
 
 
 def all_gather(
@@ -710,22 +850,28 @@ def all_gather(
     With a lossy ``codec`` each rank's input is sent encoded (``residual`` keeps what was not
     sent) and every rank, the sender included, receives the decoded values.
     """
-    c = resolve(codec)
-    world = dist.get_world_size(group)
-    src, out = _flat(input, "input"), _flat(output, "output")
-    n = src.numel()
-    if out.numel() != world * n:
-        raise ValueError(f"flatcomm: all_gather output has {out.numel()} values; it must be "
-                         f"world size ({world}) x input ({n})")
-    _check_residual(residual, n, src, "residual")
+    group = private_group(group)
+    try:
+        c = resolve(codec)
+        world = dist.get_world_size(group)
+        src, out = _flat(input, "input"), _flat(output, "output")
+        n = src.numel()
+        if out.numel() != world * n:
+            raise ValueError(f"flatcomm: all_gather output has {out.numel()} values; it must be "
+                             f"world size ({world}) x input ({n})")
+        _check_residual(residual, n, src, "residual")
+        fields = _signature(2, n, c, "ordered", 1.0, src.dtype, 1)
+    except (ValueError, TypeError) as e:
+        _fail_in_step(group, 2, e)
+        raise
 
     def body():
-        if validate:
-            _check_consistent(group, _signature(2, n, c, "ordered", 1.0, src.dtype, 1), src.device)
-        pipe = _Pipeline(group, stats)
+        pipe = _Pipeline(group, stats, fields, src.device, validate)
         if stats is not None:
             stats.calls += 1
         payload = pipe.empty(c.wire_bytes(n), torch.uint8, src.device)
+        if residual is not None:  # as in _encode_pieces
+            pipe.checked()
         pipe.timed("encode_s", lambda: _encode(src, c, residual=residual, out=payload))
         work, recv = pipe.all_gather(payload, world)
         pipe.wait(work)
@@ -738,7 +884,7 @@ def all_gather(
         pipe.timed("decode_s", dec)
         pipe.release()
 
-    return _run(body, output, group, async_op, (src, out, residual))
+    return _run(body, output, group, async_op, (src, out, residual), f"all_gather of {n} values ({c.name})")
 
 
 def all_reduce(
@@ -765,23 +911,26 @@ def all_reduce(
     codec and chunks per numel, the same on every rank (``Handle.decision``); a residual works
     with any choice (an fp32 choice adds the client residual once and zeroes it).
     """
-    codec, chunks, decision = _resolve_auto(codec, chunks, tuner, tensor.numel(), group, tensor.device,
-                                            mode, "all_reduce")
-    c, world, rank, scale = _setup(group, codec, mode, op)
-    flat = _flat(tensor, "tensor")
-    n = flat.numel()
-    if residual is not None:
-        _check_residual(residual.client, n, flat, "residual.client")
-        _check_residual(residual.server, n, flat, "residual.server")
-    align = _align_of(c, mode, exact_block)
-    nchunks = chunks or _default_chunks(max(1, n // world), c, world, mode, flat.dtype)
-    plan = _plan(shard_bounds(n, world, align), nchunks, align, rank)
+    group = private_group(group)
+    try:
+        codec, chunks, decision = _resolve_auto(codec, chunks, tuner, tensor.numel(), group, tensor.device,
+                                                mode, "all_reduce")
+        c, world, rank, scale = _setup(group, codec, mode, op)
+        flat = _flat(tensor, "tensor")
+        n = flat.numel()
+        if residual is not None:
+            _check_residual(residual.client, n, flat, "residual.client")
+            _check_residual(residual.server, n, flat, "residual.server")
+        align = _align_of(c, mode, exact_block)
+        nchunks = chunks or _default_chunks(max(1, n // world), c, world, mode, flat.dtype)
+        plan = _plan(shard_bounds(n, world, align), nchunks, align, rank)
+        fields = _signature(3, n, c, mode, scale, flat.dtype, nchunks, _exact_fields(mode, exact_block, headroom))
+    except (ValueError, TypeError) as e:
+        _fail_in_step(group, 3, e)
+        raise
 
     def body():
-        if validate:
-            _check_consistent(group, _signature(3, n, c, mode, scale, flat.dtype, nchunks,
-                                              _exact_fields(mode, exact_block, headroom)), flat.device)
-        pipe = _Pipeline(group, stats)
+        pipe = _Pipeline(group, stats, fields, flat.device, validate)
         if stats is not None:
             stats.calls += 1
         if mode == "exact":
@@ -791,7 +940,8 @@ def all_reduce(
         pipe.release()
 
     keep = (flat,) if residual is None else (flat, residual.client, residual.server)
-    return _with_decision(_run(body, tensor, group, async_op, keep), decision)
+    return _with_decision(_run(body, tensor, group, async_op, keep, f"all_reduce of {n} values ({c.name})"),
+                          decision)
 
 
 def _ordered_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, chunks: int, c: Codec,

@@ -10,11 +10,11 @@ Usage::
 
 The hook averages like DDP's default hook (``op="avg"``): every rank ends with the same bits.
 
-**Process group.** By default flatcomm's traffic runs on a dedicated group created at the first hook
-call with ``dist.new_group(ranks of the DDP group)`` (DDP calls the hook in the same order on every
-rank, so this is safe; it works on gloo). Keeping it off DDP's own group means DDP's collectives (the
-unused-parameter bitmap, the bucket rebuild broadcast) never interleave with flatcomm's in a
-different order on different ranks. Pass ``group=`` to use another one.
+**Process group.** flatcomm's traffic runs on its private copy of the DDP group (or of ``group=``),
+:func:`flatcomm.collectives.private_group`, created at the first hook call (DDP calls the hook in
+the same order on every rank, so this is safe) with that group's timeout. Keeping it off DDP's own
+group means DDP's collectives (the unused-parameter bitmap, the bucket rebuild broadcast) never
+interleave with flatcomm's in a different order on different ranks.
 
 **Ordering.** The hook calls ``all_reduce(bucket.buffer(), ..., async_op=True)`` and returns
 ``handle.get_future()`` (its value is the bucket buffer, averaged in place). flatcomm runs every
@@ -68,7 +68,7 @@ from .codecs import Codec, resolve
 __all__ = ["State", "hook", "register"]
 
 STATE_DICT_VERSION = 1
-# collectives.all_reduce(validate=...) skips the per-call consistency all-gather when False.
+# all_reduce(validate=False) skips only a call header that costs a host sync (NCCL-only group).
 _HAS_VALIDATE = "validate" in inspect.signature(C.all_reduce).parameters
 
 
@@ -167,13 +167,8 @@ class State:
         return pg if pg is not None else dist.group.WORLD
 
     def _ensure_group(self):
-        if self.group is None:
-            ddp_pg = self._ddp_group()
-            ranks = dist.get_process_group_ranks(ddp_pg)
-            if len(ranks) == dist.get_world_size():
-                self.group = dist.new_group(ranks)
-            else:  # only the members call the hook: synchronise among them only
-                self.group = dist.new_group(ranks, use_local_synchronization=True)
+        # flatcomm's private copy of DDP's group (or of group=), with that group's timeout; cached.
+        self.group = C.private_group(self.group if self.group is not None else self._ddp_group())
         return self.group
 
     def _scale(self) -> float:
