@@ -328,3 +328,74 @@ def test_one_rank_sends_nothing_and_is_exact():
         assert r[codec] == {"ar": True, "rs": True, "wire": 0}, (codec, r[codec])
     assert r["ef"]["equal"] and r["ef"]["left"] == 0.0, r["ef"]
     assert r["ddp"]["equal"] and r["ddp"]["rel_error"] == 0.0, r["ddp"]
+
+
+# ---- FSDP2 / FSDP1 loads are checked too ----------------------------------------------------------
+
+
+def _w_fsdp(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    import flatcomm.fsdp as F
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 4))
+    fully_shard(net[0])
+    fully_shard(net)
+    rs = F.apply(net, "int8")
+    g = torch.Generator().manual_seed(rank)
+    net(torch.randn(8, 16, generator=g)).square().mean().backward()
+    sd = {k: v.clone() for k, v in rs.state_dict().items()}
+    p = f"rank{rank}."
+    key = p + "0.weight"
+
+    def changed(fn):
+        d = {k: v.clone() for k, v in sd.items()}
+        fn(d)
+        return d
+
+    def load_into(d, codec="int8"):
+        return lambda: F.apply(net, codec).load_state_dict(d)
+
+    cases = {
+        "missing": changed(lambda d: d.pop(key)),
+        "int64": changed(lambda d: d.__setitem__(key, d[key].long())),
+        "nan": changed(lambda d: d[key].__setitem__(0, float("nan"))),
+        "size": changed(lambda d: d.__setitem__(key, torch.zeros(d[key].numel() + 1))),
+        "world": changed(lambda d: d.__setitem__("rank7.0.weight", d[key])),
+    }
+    out = {k: _error(load_into(d)) for k, d in cases.items()}
+    out["fp32"] = _error(load_into(sd, "fp32"))
+    out["ok"] = _error(load_into(sd))
+    out["held"] = bool(sd[key].any())
+    # FSDP1 NO_SHARD: a residual of the wrong length (was silently replaced by zeros)
+    st = F.FSDP1State("int8")
+    st.load_state_dict({f"{p}flat100.client": torch.zeros(150), f"{p}flat100.server": torch.zeros(150)})
+    out["fsdp1_long"] = _error(lambda: F.fsdp1_hook(st, torch.randn(100)))
+    out["fsdp1_nan"] = _error(lambda: F.FSDP1State("int8").load_state_dict(
+        {f"{p}u.client": torch.full((4,), float("nan")), f"{p}u.server": torch.zeros(4)}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_units():
+    return spawn.run(2, _w_fsdp, timeout_s=90)
+
+
+@pytest.mark.parametrize("case,kind,words", [
+    ("missing", "KeyError", ["missing", "'0.weight'"]),
+    ("int64", "TypeError", ["'0.weight'", "int64"]),
+    ("nan", "ValueError", ["'0.weight'", "inf/NaN"]),
+    ("size", "ValueError", ["'0.weight'", "same world size"]),
+    ("world", "ValueError", ["rank 7", "2 ranks"]),
+    ("fp32", "ValueError", ["dropped"]),
+    ("fsdp1_long", "ValueError", ["'flat100'", "150 values"]),
+    ("fsdp1_nan", "ValueError", ["'u'", "inf/NaN"]),
+])
+def test_fsdp_bad_checkpoint_fails_naming_the_problem(fsdp_units, case, kind, words):
+    for u in fsdp_units:
+        assert u["ok"] is None and u["held"], (u["ok"], u["held"])
+        err = u[case]
+        assert err is not None and err[0] == kind, (case, err)
+        for w in words:
+            assert w in err[1], (w, err)
