@@ -5,8 +5,9 @@ Usage::
     ddp = DistributedDataParallel(model)
     state = flatcomm.ddp.register(ddp, "int8")          # or: ddp.register_comm_hook(State("int8"), hook)
     ...
-    ckpt["flatcomm"] = state.state_dict()                # a collective: call it on every rank
-    state.load_state_dict(ckpt["flatcomm"])             # any world size
+    ckpt["flatcomm"] = state.state_dict()        # this rank's state, no communication (any rank)
+    state.load_state_dict(ckpt["flatcomm"])      # same rank, same world size: continues bit for bit
+    total = state.resharded_state_dict()         # a collective: loads at any world size
 
 The hook averages like DDP's default hook (``op="avg"``): every rank ends with the same bits.
 
@@ -38,11 +39,18 @@ old buffer is freed when no parameter refers to it any more.
 **What a residual is worth.** With ``scale = 1/W`` (averaging over W ranks) the next step effectively
 adds ``T = scale * sum_r client_r + server_owner`` to the averaged gradient, where ``server_owner``
 is the server residual of the rank that reduces that shard (other ranks hold zeros there, so it is
-``sum_r server_r``). :meth:`State.state_dict` computes ``T`` per parameter (a SUM all-reduce of
-``scale * client_r + server_r``, flatcomm's ordered fp32 sum, so it is deterministic) and stores it
-under the parameter's name; :meth:`State.load_state_dict` at any world size W' sets
-``client = T / (scale' * W') = T`` on every rank and ``server = 0``, so the next step adds
-``scale' * W' * T = T`` again.
+``sum_r server_r``). :meth:`State.resharded_state_dict` computes ``T`` per parameter (a SUM
+all-reduce of ``scale * client_r + server_r``, flatcomm's ordered fp32 sum, so it is deterministic;
+:func:`reshard` gives the same bits from every rank's :meth:`State.state_dict` without
+communication); loading it at any world size W' sets ``client = T / (scale' * W') = T`` on every
+rank and ``server = 0``, so the next step adds ``scale' * W' * T = T`` again.
+
+**Checkpoints.** :meth:`State.state_dict` is this rank's own state (client and server residual per
+parameter, the bucket layout, ``auto`` decisions, the GradScaler scale last seen): no communication.
+Loaded on the same rank at the same world size, the run continues bit for bit: DDP's first
+iteration after a restart puts every parameter in one bucket, so that step reduces each saved
+bucket's values as they were laid out (a copy) and DDP's rebuilt buckets then match the saved ones.
+Every load checks keys, shapes, dtype, finiteness, codec and world size, naming the parameter.
 
 **AMP / GradScaler.** A non-finite value in any rank's bucket makes the codec send that block as NaN,
 so the averaged gradient is non-finite on every rank (GradScaler skips the step), and the block keeps
