@@ -14,6 +14,7 @@ import flatcomm.ddp as fddp
 from flatcomm import collectives as C
 from flatcomm import spawn
 from flatcomm.autotune import Tuner
+from test_autotune import _Bucket  # a fake dist.GradBucket
 
 CODECS = ["fp32", "bf16", "fp16", "int8", "int4", "sign", "topk", "auto"]
 
@@ -99,33 +100,6 @@ def test_restart_same_world_size_continues_bit_for_bit():
 # ---- state_dict on one rank, checked loads, the resharded form (fake buckets: no DDP start-up) ----
 
 
-class _Bucket:
-    """What flatcomm.ddp reads from a dist.GradBucket."""
-
-    def __init__(self, index, params, grads, last=True):
-        self._index, self._params, self._last = index, list(params), last
-        self._buf = torch.cat([g.reshape(-1) for g in grads])
-        self._grads, off = [], 0
-        for p in self._params:
-            self._grads.append(self._buf[off:off + p.numel()].view(p.shape))
-            off += p.numel()
-
-    def buffer(self):
-        return self._buf
-
-    def parameters(self):
-        return self._params
-
-    def gradients(self):
-        return self._grads
-
-    def index(self):
-        return self._index
-
-    def is_last(self):
-        return self._last
-
-
 def _model():
     m = torch.nn.Module()
     m.a = torch.nn.Parameter(torch.zeros(3, 100))
@@ -137,6 +111,13 @@ def _one_step(state, m, rank, step=0):
     g = torch.Generator().manual_seed(10 * step + rank)
     return state._launch(_Bucket(0, [m.a, m.b], [torch.randn(3, 100, generator=g),
                                                  torch.randn(77, generator=g)])).wait()
+
+
+def _changed(sd, fn):
+    """A deep copy of ``sd`` with ``fn`` applied."""
+    d = _roundtrip(sd)
+    fn(d)
+    return d
 
 
 def _error(fn):
@@ -164,21 +145,16 @@ def _w_units(rank, world):
         s = fddp.State(codec, model=_model() if "model" not in kw else kw.pop("model"), **kw)
         return lambda: s.load_state_dict(d)
 
-    def changed(fn):
-        d = _roundtrip(sd)
-        fn(d)
-        return d
-
     cases = {
-        "nan": changed(lambda d: d["client"]["a"].view(-1).__setitem__(5, float("nan"))),
-        "inf": changed(lambda d: d["server"]["b"].__setitem__(3, float("inf"))),
-        "broadcast": changed(lambda d: d["client"].__setitem__("b", torch.ones(1))),
-        "shape": changed(lambda d: d["server"].__setitem__("a", torch.zeros(300))),
-        "int64": changed(lambda d: d["client"].__setitem__("b", torch.zeros(77, dtype=torch.int64))),
-        "missing": changed(lambda d: d["client"].pop("b")),
-        "unknown": changed(lambda d: d["server"].__setitem__("c", torch.zeros(2))),
-        "other_rank": changed(lambda d: d.__setitem__("rank", 1 - rank)),
-        "bucket_twice": changed(lambda d: d.__setitem__("buckets", [["a", "b"], ["b"]])),
+        "nan": _changed(sd, lambda d: d["client"]["a"].view(-1).__setitem__(5, float("nan"))),
+        "inf": _changed(sd, lambda d: d["server"]["b"].__setitem__(3, float("inf"))),
+        "broadcast": _changed(sd, lambda d: d["client"].__setitem__("b", torch.ones(1))),
+        "shape": _changed(sd, lambda d: d["server"].__setitem__("a", torch.zeros(300))),
+        "int64": _changed(sd, lambda d: d["client"].__setitem__("b", torch.zeros(77, dtype=torch.int64))),
+        "missing": _changed(sd, lambda d: d["client"].pop("b")),
+        "unknown": _changed(sd, lambda d: d["server"].__setitem__("c", torch.zeros(2))),
+        "other_rank": _changed(sd, lambda d: d.__setitem__("rank", 1 - rank)),
+        "bucket_twice": _changed(sd, lambda d: d.__setitem__("buckets", [["a", "b"], ["b"]])),
     }
     out["errors"] = {k: _error(load_into(d)) for k, d in cases.items()}
     out["errors"]["codec"] = _error(load_into(sd, "int4"))
@@ -349,20 +325,15 @@ def _w_fsdp(rank, world):
     p = f"rank{rank}."
     key = p + "0.weight"
 
-    def changed(fn):
-        d = {k: v.clone() for k, v in sd.items()}
-        fn(d)
-        return d
-
     def load_into(d, codec="int8"):
         return lambda: F.apply(net, codec).load_state_dict(d)
 
     cases = {
-        "missing": changed(lambda d: d.pop(key)),
-        "int64": changed(lambda d: d.__setitem__(key, d[key].long())),
-        "nan": changed(lambda d: d[key].__setitem__(0, float("nan"))),
-        "size": changed(lambda d: d.__setitem__(key, torch.zeros(d[key].numel() + 1))),
-        "world": changed(lambda d: d.__setitem__("rank7.0.weight", d[key])),
+        "missing": _changed(sd, lambda d: d.pop(key)),
+        "int64": _changed(sd, lambda d: d.__setitem__(key, d[key].long())),
+        "nan": _changed(sd, lambda d: d[key].__setitem__(0, float("nan"))),
+        "size": _changed(sd, lambda d: d.__setitem__(key, torch.zeros(d[key].numel() + 1))),
+        "world": _changed(sd, lambda d: d.__setitem__("rank7.0.weight", d[key])),
     }
     out = {k: _error(load_into(d)) for k, d in cases.items()}
     out["fp32"] = _error(load_into(sd, "fp32"))
