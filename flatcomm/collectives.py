@@ -754,6 +754,14 @@ def _setup(group, codec: CodecLike, mode: str, op: OpLike):
 _default_tuner_for: Optional[Callable[[object], object]] = None
 
 
+def _alone(c: Codec, world: int, dtype: torch.dtype) -> Codec:
+    """With one rank nothing moves, so nothing is compressed: the lossless codec of the data's
+    own dtype, and the result is exact (a residual is added once and zeroed)."""
+    if world != 1 or _EXCHANGE_ALONE or c.lossless:
+        return c
+    return resolve({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"))
+
+
 def _resolve_auto(codec: CodecLike, chunks: Optional[int], tuner, numel: int, group, device,
                   mode: str, kind: str):
     """``codec="auto"``: (codec, chunks, decision) from the tuner (default: one per group), the
@@ -804,6 +812,7 @@ def reduce_scatter(
                                                 mode, "reduce_scatter")
         c, world, rank, scale = _setup(group, codec, mode, op)
         src, out = _flat(input, "input"), _flat(output, "output")
+        c = _alone(c, world, src.dtype)
         if src.numel() != world * out.numel():
             raise ValueError(f"flatcomm: reduce_scatter input has {src.numel()} values; it must be "
                              f"world size ({world}) x output ({out.numel()})")
@@ -917,6 +926,7 @@ def all_reduce(
                                                 mode, "all_reduce")
         c, world, rank, scale = _setup(group, codec, mode, op)
         flat = _flat(tensor, "tensor")
+        c = _alone(c, world, flat.dtype)
         n = flat.numel()
         if residual is not None:
             _check_residual(residual.client, n, flat, "residual.client")
@@ -949,6 +959,12 @@ def _ordered_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, chunks
     me, world = plan.rank, plan.world
     client = residual.client if residual is not None else None
     server = residual.server if residual is not None and not c.lossless else None
+    if residual is not None and c.lossless:
+        # Nothing re-encodes the reduced shard, so a server residual left by an earlier lossy call
+        # (codec="auto" switching to fp32, one rank) would never be sent: fold it into the client
+        # residual (the next step adds scale * client), which this encode sends and zeroes.
+        residual.client.add_(residual.server, alpha=1.0 / scale)
+        residual.server.zero_()
     if _zero_copy(c, flat.dtype, plan, chunks, client):
         _raw_all_reduce(pipe, flat, plan, c, scale)
         return

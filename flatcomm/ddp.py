@@ -5,8 +5,9 @@ Usage::
     ddp = DistributedDataParallel(model)
     state = flatcomm.ddp.register(ddp, "int8")          # or: ddp.register_comm_hook(State("int8"), hook)
     ...
-    ckpt["flatcomm"] = state.state_dict()                # a collective: call it on every rank
-    state.load_state_dict(ckpt["flatcomm"])             # any world size
+    ckpt["flatcomm"] = state.state_dict()        # this rank's state, no communication (any rank)
+    state.load_state_dict(ckpt["flatcomm"])      # same rank, same world size: continues bit for bit
+    total = state.resharded_state_dict()         # a collective: loads at any world size
 
 The hook averages like DDP's default hook (``op="avg"``): every rank ends with the same bits.
 
@@ -38,11 +39,18 @@ old buffer is freed when no parameter refers to it any more.
 **What a residual is worth.** With ``scale = 1/W`` (averaging over W ranks) the next step effectively
 adds ``T = scale * sum_r client_r + server_owner`` to the averaged gradient, where ``server_owner``
 is the server residual of the rank that reduces that shard (other ranks hold zeros there, so it is
-``sum_r server_r``). :meth:`State.state_dict` computes ``T`` per parameter (a SUM all-reduce of
-``scale * client_r + server_r``, flatcomm's ordered fp32 sum, so it is deterministic) and stores it
-under the parameter's name; :meth:`State.load_state_dict` at any world size W' sets
-``client = T / (scale' * W') = T`` on every rank and ``server = 0``, so the next step adds
-``scale' * W' * T = T`` again.
+``sum_r server_r``). :meth:`State.resharded_state_dict` computes ``T`` per parameter (a SUM
+all-reduce of ``scale * client_r + server_r``, flatcomm's ordered fp32 sum, so it is deterministic;
+:func:`reshard` gives the same bits from every rank's :meth:`State.state_dict` without
+communication); loading it at any world size W' sets ``client = T / (scale' * W') = T`` on every
+rank and ``server = 0``, so the next step adds ``scale' * W' * T = T`` again.
+
+**Checkpoints.** :meth:`State.state_dict` is this rank's own state (client and server residual per
+parameter, the bucket layout, ``auto`` decisions, the GradScaler scale last seen): no communication.
+Loaded on the same rank at the same world size, the run continues bit for bit: DDP's first
+iteration after a restart puts every parameter in one bucket, so that step reduces each saved
+bucket's values as they were laid out (a copy) and DDP's rebuilt buckets then match the saved ones.
+Every load checks keys, shapes, dtype, finiteness, codec and world size, naming the parameter.
 
 **AMP / GradScaler.** A non-finite value in any rank's bucket makes the codec send that block as NaN,
 so the averaged gradient is non-finite on every rank (GradScaler skips the step), and the block keeps
@@ -62,12 +70,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import checkpoint as check
 from . import collectives as C
 from .codecs import Codec, resolve
 
-__all__ = ["State", "hook", "register"]
+__all__ = ["State", "hook", "register", "reshard"]
 
-STATE_DICT_VERSION = 1
+STATE_DICT_VERSION = 2
 # all_reduce(validate=False) skips only a call header that costs a host sync (NCCL-only group).
 _HAS_VALIDATE = "validate" in inspect.signature(C.all_reduce).parameters
 
@@ -149,7 +158,10 @@ class State:
         self._bufs: Dict[Tuple[int, ...], _Buf] = {}
         self._where: Dict[int, Tuple[Tuple[int, ...], int, int]] = {}
         self._refs: Dict[Tuple[int, ...], int] = {}
+        # Loaded per-rank client residuals (server folded in) of parameters not yet in a buffer.
         self._pending: Dict[str, torch.Tensor] = {}
+        # After a same-world-size load: the saved buffer keys, replayed by the first step (_launch).
+        self._replay: Optional[List[Tuple[int, ...]]] = None
         self._names: Optional[Dict[int, str]] = None
         self._seen: set = set()
         self._inflight = 0
@@ -205,18 +217,13 @@ class State:
             raise RuntimeError(f"flatcomm: DDP bucket parameters hold {off} values, buffer {buf.numel()}")
         return out
 
-    def _buffer_for(self, bucket) -> _Buf:
-        params = bucket.parameters()
-        key = tuple(id(p) for p in params)
+    def _buffer_for(self, key: Tuple[int, ...], params, layout: List[Tuple[int, int, int]], n: int,
+                    dev: torch.device) -> _Buf:
         b = self._bufs.get(key)
         if b is not None:
             return b
-        layout = self._layout(bucket)
-        n = bucket.buffer().numel()
-        dev = bucket.buffer().device
         ef = C.ErrorFeedback.zeros(n, device=dev)
         scale = self._scale()
-        world = dist.get_world_size(self.group)
         names = self._name_map() if self._pending else None
         dropped = set()
         for (pid, off, ln), p in zip(layout, params):
@@ -232,8 +239,8 @@ class State:
                 if self._refs[okey] == 0:
                     dropped.add(okey)
             elif names is not None and names.get(pid) in self._pending:
-                t = self._pending.pop(names[pid])
-                dst.copy_(t.reshape(-1).to(device=dev, dtype=torch.float32) / (scale * world))
+                # A per-rank client residual (server folded in): the next step adds scale * sum_r of it.
+                dst.copy_(self._pending.pop(names[pid]).reshape(-1).to(device=dev))
             self._where[pid] = (key, off, ln)
         for okey in dropped:
             del self._bufs[okey], self._refs[okey]
@@ -242,22 +249,21 @@ class State:
         self._refs[key] = len(layout)
         return b
 
-    def _carries(self, bucket) -> bool:
+    def _carries(self, params) -> bool:
         """Whether a parameter of this bucket still has a residual (from a lossy bucket or a checkpoint)."""
-        if any(id(p) in self._where for p in bucket.parameters()):
+        if any(id(p) in self._where for p in params):
             return True
         if not self._pending:
             return False
         names = self._name_map()
-        return any(names.get(id(p)) in self._pending for p in bucket.parameters())
+        return any(names.get(id(p)) in self._pending for p in params)
 
-    def _flush_into_lossless(self, bucket) -> _Buf:
+    def _flush_into_lossless(self, key, params, layout, n, dev) -> _Buf:
         """codec="auto" chose fp32 for a bucket whose parameters carry residuals: assemble them once
         (server folded into client, so the buffer holds ``T / scale`` per rank, see the module docs)
         and forget them. The fp32 encode adds the client residual to the gradient and zeroes it, so
         the averaged result gains ``scale * sum_r client_r = T``: nothing is lost, nothing is kept."""
-        b = self._buffer_for(bucket)
-        key = tuple(id(p) for p in bucket.parameters())
+        b = self._buffer_for(key, params, layout, n, dev)
         for pid, _, _ in b.layout:
             self._where.pop(pid, None)
         del self._bufs[key], self._refs[key]
@@ -286,24 +292,83 @@ class State:
             if self.grad_scaler is not None and self.error_feedback:
                 self._rescale_for_scaler()
         step, index = self._step, bucket.index()
+        params = list(bucket.parameters())
+        key = tuple(id(p) for p in params)
+        known = self._bufs.get(key)
+        layout = known.layout if known is not None and not self._replay else self._layout(bucket)
+        tensor = bucket.buffer()
+        parts = self._replay_parts(params, layout) if self._replay else None
         if bucket.is_last():
             self._step += 1
             self._new_step = True
-        tensor = bucket.buffer()
-        key = tuple(id(p) for p in bucket.parameters())
+            self._replay = None  # only the first step after a load can have DDP's initial layout
+        if parts is None:
+            return self._reduce(group, tensor, key, params, layout, step, index, f"bucket{index}")
+        # The first step after a same-world-size load: DDP's first iteration puts every parameter in
+        # one bucket, the saved buffers are its rebuilt buckets. Reduce each saved bucket's values as
+        # they were laid out then (a copy), so the codec's blocks and shards, hence the bits, are
+        # those of an uninterrupted run; then copy the results back into DDP's buffer.
+        flat = tensor.view(-1)
+        offs = {pid: (off, ln) for pid, off, ln in layout}
+        futs, temps = [], []
+        for j, (key, ps) in enumerate(parts):
+            tmp = torch.cat([flat[offs[id(p)][0]:offs[id(p)][0] + p.numel()] for p in ps])
+            lay, o = [], 0
+            for p in ps:
+                lay.append((id(p), o, p.numel()))
+                o += p.numel()
+            futs.append(self._reduce(group, tmp, key, ps, lay, step, index, f"bucket{index}.{j}"))
+            temps.append((tmp, ps))
+
+        def scatter(fut: torch.futures.Future) -> torch.Tensor:
+            for f in fut.value():
+                f.value()  # re-raise a failed part
+            for tmp, ps in temps:
+                o = 0
+                for p in ps:
+                    a = offs[id(p)][0]
+                    flat[a:a + p.numel()].copy_(tmp[o:o + p.numel()])
+                    o += p.numel()
+            return tensor
+
+        return torch.futures.collect_all(futs).then(scatter)
+
+    def _replay_parts(self, params, layout) -> Optional[List[Tuple[Tuple[int, ...], list]]]:
+        """The saved buckets wholly inside this bucket (in saved parameter order), plus one part for
+        the remaining parameters; None when the bucket is itself a saved one or holds none."""
+        key = tuple(id(p) for p in params)
+        if key in self._bufs:
+            return None
+        by_id = {id(p): p for p in params}
+        parts, used = [], set()
+        for skey in self._replay:
+            if skey in self._bufs and all(pid in by_id for pid in skey):
+                parts.append((skey, [by_id[pid] for pid in skey]))
+                used.update(skey)
+        if not parts:
+            return None
+        rest = [p for p in params if id(p) not in used]
+        if rest:
+            parts.append((tuple(id(p) for p in rest), rest))
+        return parts
+
+    def _reduce(self, group, tensor: torch.Tensor, key: Tuple[int, ...], params, layout, step: int,
+                index: int, tuner_key: str) -> torch.futures.Future:
+        """One flatcomm all-reduce of a bucket's values (``layout``: (id(p), offset, numel))."""
         codec, chunks = self.codec, self.chunks
         if self._auto:
             d = self.decisions.get(key)
             if d is None:  # pure given the (MAX-agreed) costs: every rank picks the same
-                d = self.decisions[key] = self.tuner.choose(tensor.numel(), key=f"bucket{index}", group=group,
+                d = self.decisions[key] = self.tuner.choose(tensor.numel(), key=tuner_key, group=group,
                                                             device=tensor.device)
             codec = resolve(d.codec, self._block_size)
             chunks = chunks or d.chunks
         res = None
+        where = (key, params, layout, tensor.numel(), tensor.device)
         if self.error_feedback and not codec.lossless:
-            res = self._buffer_for(bucket)
-        elif self.error_feedback and self._carries(bucket):
-            res = self._flush_into_lossless(bucket)
+            res = self._buffer_for(*where)
+        elif codec.lossless and self.mode == "ordered" and self._carries(params):
+            res = self._flush_into_lossless(*where)
         kwargs = {}
         if _HAS_VALIDATE:  # the consistency round trip only for a bucket layout not seen before
             kwargs["validate"] = key not in self._seen
@@ -435,59 +500,239 @@ class State:
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
+    def _params(self) -> Dict[str, torch.nn.Parameter]:
+        if self.model is None:
+            self._name_map()  # raises with the how-to
+        mod = getattr(self.model, "module", self.model)
+        return dict(mod.named_parameters())
+
+    def _world_rank(self) -> Tuple[int, int]:
+        g = self.group if self.group is not None else self._ddp_group()
+        return dist.get_world_size(g), dist.get_rank(g)
+
+    def _meta(self) -> dict:
+        return {"codec": "auto" if self._auto else self.codec.name, "block_size": self.codec.block_size,
+                "mode": self.mode, "error_feedback": self.error_feedback, "step": self._step,
+                "scale_seen": self._scale_seen}
+
+    def _rank_residuals(self, name: str, p: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(client, server) of one parameter on this rank, fp32 views or fresh zeros."""
+        loc = self._where.get(id(p))
+        if loc is not None:
+            key, off, ln = loc
+            ef = self._bufs[key].ef
+            return ef.client[off:off + ln], ef.server[off:off + ln]
+        z = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        return (self._pending[name].to(p.device) if name in self._pending else z), z
+
     def state_dict(self) -> dict:
-        """The residuals as one tensor per parameter name, in averaged-gradient units (``T``).
+        """This rank's state: its own client and server residuals per parameter name, as they are.
 
-        A collective on flatcomm's group: call it on every rank at the same point. Every rank gets
-        the same dict; it holds only tensors, strings and numbers (``torch.load(weights_only=True)``).
+        No communication: call it on any rank(s), e.g. every rank saving its own file (like torch's
+        DCP does), and :meth:`load_state_dict` it on the same rank at the same world size to continue
+        bit for bit. To change the world size, load the list of every rank's dicts (or
+        :func:`reshard` it), or save :meth:`resharded_state_dict` (a collective) instead. Plain
+        tensors, strings and numbers (``torch.load(weights_only=True)``).
         """
         self.wait()
-        residual: Dict[str, torch.Tensor] = {}
-        if self._where:
+        world, rank = self._world_rank()
+        client: Dict[str, torch.Tensor] = {}
+        server: Dict[str, torch.Tensor] = {}
+        buckets: List[List[str]] = []
+        decisions: List[list] = []
+        if self.model is not None:
             names = self._name_map()
-            group = self._ensure_group()
-            scale = self._scale()
-            mod = getattr(self.model, "module", self.model)
-            entries = [(n, p) for n, p in mod.named_parameters() if id(p) in self._where]
-            parts = []
-            for n, p in entries:
-                key, off, ln = self._where[id(p)]
-                ef = self._bufs[key].ef
-                parts.append(ef.client[off:off + ln] * scale + ef.server[off:off + ln])
-            flat = torch.cat(parts) if parts else torch.zeros(0)
-            C.all_reduce(flat, codec="fp32", op="sum", mode="ordered", group=group)
-            for (n, p), t in zip(entries, torch.split(flat, [p.numel() for _, p in entries])):
-                residual[n] = t.reshape(p.shape).cpu().clone()
-            del names
-        for n, t in self._pending.items():  # loaded, not yet used: already a global total
-            residual[n] = t.clone()
-        return {"version": STATE_DICT_VERSION, "codec": "auto" if self._auto else self.codec.name,
-                "block_size": self.codec.block_size,
-                "world_size": dist.get_world_size(self.group) if self.group is not None else dist.get_world_size(),
-                "step": self._step, "residual": residual}
+            for n, p in self._params().items():
+                c, s = self._rank_residuals(n, p)
+                client[n] = c.reshape(p.shape).cpu().clone()
+                server[n] = s.reshape(p.shape).cpu().clone()
+            buckets = [[names[pid] for pid, _, _ in b.layout] for b in self._bufs.values()]
+            decisions = [[[names[pid] for pid in key], d.codec, d.chunks] for key, d in self.decisions.items()
+                         if all(pid in names for pid in key)]
+        return {"version": STATE_DICT_VERSION, "form": "per_rank", **self._meta(), "world_size": world,
+                "rank": rank, "buckets": buckets, "decisions": decisions, "client": client, "server": server}
 
-    def load_state_dict(self, sd: dict) -> None:
-        """Restore residuals saved by :meth:`state_dict`, at any world size (see the module docs).
-
-        Residuals are placed when their parameters' buckets next reach the hook.
-        """
-        if sd.get("version") != STATE_DICT_VERSION:
-            raise ValueError(f"flatcomm: unsupported DDP state version {sd.get('version')!r}")
+    def resharded_state_dict(self) -> dict:
+        """The world-size-independent form: per parameter, the total ``T`` that the next step adds
+        to the averaged gradient (see the module docs). A collective on flatcomm's group: call it
+        on every rank at the same point; every rank gets the same dict, loadable at any world size
+        (not bit for bit: the residuals are re-spread over the new ranks)."""
         self.wait()
-        names = set(self._name_map().values())
-        unknown = sorted(set(sd["residual"]) - names)
-        if unknown:
-            raise KeyError(f"flatcomm: checkpoint has residuals for unknown parameters: {unknown[:5]}")
+        world, _ = self._world_rank()
+        residual: Dict[str, torch.Tensor] = {}
+        if self.model is not None:
+            params = self._params()
+            parts = []
+            for n, p in params.items():
+                c, s = self._rank_residuals(n, p)
+                parts.append(c * (1.0 / world) + s)
+            flat = torch.cat(parts) if parts else torch.zeros(0)
+            if flat.numel():
+                C.all_reduce(flat, codec="fp32", op="sum", mode="ordered", group=self._ensure_group())
+            for (n, p), t in zip(params.items(), torch.split(flat, [p.numel() for p in params.values()])):
+                residual[n] = t.reshape(p.shape).cpu().clone()
+        return {"version": STATE_DICT_VERSION, "form": "total", **self._meta(), "world_size": world,
+                "residual": residual}
+
+    def load_state_dict(self, sd, *, allow_codec_change: bool = False) -> None:
+        """Restore a state saved by :meth:`state_dict` (this rank's own, same world size: the run
+        continues bit for bit), by :meth:`resharded_state_dict`, or a list of every rank's
+        :meth:`state_dict` (any world size). Every entry is checked (keys, shapes, dtype,
+        finiteness, codec, world size, rank); errors name the parameter. Residuals saved with
+        another codec, block size or mode load only with ``allow_codec_change=True`` (the next steps
+        send them with this State's codec). No communication.
+        """
+        if isinstance(sd, (list, tuple)):
+            sd = reshard(sd)
+        version = check.field(sd, "version", int)
+        if version != STATE_DICT_VERSION:
+            raise ValueError(f"flatcomm: DDP state version {version} is not supported (this flatcomm "
+                             f"reads version {STATE_DICT_VERSION})")
+        form = check.field(sd, "form", str)
+        if form not in ("per_rank", "total"):
+            raise ValueError(f"flatcomm: unknown DDP state form {form!r} (per_rank or total)")
+        self.wait()
+        changed = self._check_codec(sd, allow_codec_change)
+        params = self._params()
+        world, rank = self._world_rank()
+        if form == "per_rank":
+            sw, sr = check.field(sd, "world_size", int), check.field(sd, "rank", int)
+            if sw != world:
+                raise ValueError(
+                    f"flatcomm: this DDP state was saved by rank {sr} of {sw} ranks and this run has {world}: "
+                    f"a per-rank state_dict() loads only at the world size it was saved at. To change the "
+                    f"world size, pass the list of every rank's state_dict() to load_state_dict (or save "
+                    f"state.resharded_state_dict(), a collective, instead)")
+            if sr != rank:
+                raise ValueError(f"flatcomm: this DDP state is rank {sr}'s and this is rank {rank}: each rank "
+                                 f"loads the state_dict() its own rank saved")
+            client = self._checked(sd, "client", params)
+            server = self._checked(sd, "server", params)
+        else:
+            # every rank's client = T / (scale * W): the next step adds scale * sum_r client_r = T
+            client = {n: t / (self._scale_for(world) * world)
+                      for n, t in self._checked(sd, "residual", params).items()}
+            server = {}
+        self._restore(params, client, server, sd.get("buckets", []) if form == "per_rank" else [], world)
+        if self._auto and not changed and form == "per_rank":
+            self._restore_decisions(params, check.field(sd, "decisions", list))
+        self._step = check.field(sd, "step", int)
+        scale_seen = sd.get("scale_seen")
+        self._scale_seen = float(scale_seen) if scale_seen is not None else None
+
+    @staticmethod
+    def _scale_for(world: int) -> float:
+        return 1.0 / world  # the hook averages
+
+    def _check_codec(self, sd: dict, allow: bool) -> bool:
+        saved = (check.field(sd, "codec", str), check.field(sd, "block_size", int), check.field(sd, "mode", str))
+        mine = ("auto" if self._auto else self.codec.name, self.codec.block_size, self.mode)
+        if saved == mine:
+            return False
+        if not allow:
+            raise ValueError(f"flatcomm: the DDP state was saved with codec={saved[0]!r}, block_size={saved[1]}, "
+                             f"mode={saved[2]!r}; this State has codec={mine[0]!r}, block_size={mine[1]}, "
+                             f"mode={mine[2]!r}. Create the State with the saved settings, or pass "
+                             f"allow_codec_change=True to send the saved residuals with the new codec")
+        return True
+
+    def _checked(self, sd: dict, field: str, params) -> Dict[str, torch.Tensor]:
+        """sd[field] checked against the model; an empty dict (saved without error feedback) is zeros."""
+        d = check.field(sd, field, dict)
+        if not d:
+            return {}
+        check.keys(d, params, f"{field} residuals")
+        out = {n: check.residual(n, d[n], params[n].shape, f"{field} residual") for n in params}
+        held = [n for n, t in out.items() if t.any()]
+        if held and not (self.error_feedback or (self.codec.lossless and self.mode == "ordered")):
+            raise ValueError(f"flatcomm: the checkpoint holds residuals (e.g. for {held[0]!r}) but this State "
+                             f"cannot send them (codec={self.codec.name!r}, error_feedback={self.error_feedback}, "
+                             f"mode={self.mode!r}); they would be dropped. Use error feedback or an ordered "
+                             f"fp32 State, or zero them yourself to discard them on purpose")
+        return out
+
+    def _restore(self, params, client, server, buckets, world: int) -> None:
         self._bufs.clear()
         self._where.clear()
         self._refs.clear()
-        self._pending = {n: t.detach().to(torch.float32).clone() for n, t in sd["residual"].items()}
-        self._step = int(sd.get("step", 0))
-        self._scale_seen = None
+        self._pending = {}
+        self._replay = None
+        placed = set()
+        if not isinstance(buckets, list):
+            raise TypeError("flatcomm: checkpoint field 'buckets' is not a list")
+        for names in buckets:
+            for n in names:
+                if n not in client or n in placed:
+                    raise ValueError(f"flatcomm: checkpoint bucket lists {n!r} "
+                                     f"{'twice' if n in placed else 'without its residuals'}")
+                placed.add(n)
+            ps = [params[n] for n in names]
+            key = tuple(id(p) for p in ps)
+            c = torch.cat([client[n].reshape(-1) for n in names]).to(ps[0].device)
+            s = torch.cat([server[n].reshape(-1) for n in names]).to(ps[0].device)
+            layout, off = [], 0
+            for p in ps:
+                layout.append((id(p), off, p.numel()))
+                self._where[id(p)] = (key, off, p.numel())
+                off += p.numel()
+            self._bufs[key] = _Buf(C.ErrorFeedback(c, s), layout, float(c.square().sum()) if self.track_norms else 0.0)
+            self._refs[key] = len(layout)
+        if self._bufs:
+            self._replay = list(self._bufs)
+        for n, c in client.items():
+            if n in placed:
+                continue
+            # Not in a buffer: fold the server residual into the client one (client + server / scale).
+            t = c.reshape(-1) + server[n].reshape(-1) * world if n in server else c.reshape(-1).clone()
+            if t.any():
+                self._pending[n] = t
+
+    def _restore_decisions(self, params, saved: list) -> None:
+        from .autotune import Decision
+
+        self.decisions = {}
+        for names, codec, chunks in saved:
+            key = tuple(id(params[n]) for n in names if n in params)
+            self.decisions[key] = Decision(str(codec), int(chunks), "restored from a checkpoint", {})
 
     def total_residual(self) -> Dict[str, torch.Tensor]:
-        """``T`` per parameter name (a collective, like :meth:`state_dict`)."""
-        return self.state_dict()["residual"]
+        """``T`` per parameter name (a collective, like :meth:`resharded_state_dict`)."""
+        return self.resharded_state_dict()["residual"]
+
+
+def reshard(states) -> dict:
+    """Every rank's :meth:`State.state_dict` (one save, any order) combined into the
+    world-size-independent form of :meth:`State.resharded_state_dict`, with the same bits, without
+    communication: ``T = sum over ranks r, in rank order, of client_r / W + server_r``."""
+    states = list(states)
+    if not states or not all(isinstance(s, dict) and s.get("form") == "per_rank" for s in states):
+        raise ValueError("flatcomm: reshard takes the list of every rank's state_dict() (per-rank form)")
+    world = len(states)
+    by_rank = {check.field(s, "rank", int): s for s in states}
+    if sorted(by_rank) != list(range(world)) or any(s.get("world_size") != world for s in states):
+        raise ValueError(f"flatcomm: reshard needs the state_dict() of every rank of one save: got ranks "
+                         f"{sorted(s.get('rank') for s in states)} of world sizes "
+                         f"{sorted({s.get('world_size') for s in states})}")
+    meta = ("codec", "block_size", "mode", "step")
+    for s in states:
+        if any(s.get(k) != states[0].get(k) for k in meta):
+            raise ValueError(f"flatcomm: reshard: the ranks' states disagree on {meta} (not one save)")
+    first = by_rank[0]
+    names = list(first["client"])
+    residual = {}
+    for n in names:
+        acc = None
+        for r in range(world):
+            s = by_rank[r]
+            if n not in s["client"] or n not in s["server"]:
+                raise KeyError(f"flatcomm: reshard: rank {r}'s state has no residual for {n!r}")
+            shape = getattr(first["client"][n], "shape", ())
+            c = check.residual(n, s["client"][n], shape, f"rank {r} client residual")
+            v = c * (1.0 / world) + check.residual(n, s["server"][n], c.shape, f"rank {r} server residual")
+            acc = v if acc is None else acc + v
+        residual[n] = acc
+    out = {k: first[k] for k in ("version", "codec", "block_size", "mode", "error_feedback", "step", "scale_seen")}
+    return {**out, "form": "total", "world_size": world, "residual": residual}
 
 
 def hook(state: State, bucket: "dist.GradBucket") -> torch.futures.Future:

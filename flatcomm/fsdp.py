@@ -54,6 +54,7 @@ units first reduce) and live in the same kind of dict.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -61,12 +62,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from . import checkpoint as check
 from . import collectives as C
 from .codecs import Codec, resolve
 
 __all__ = ["ReduceScatter", "FSDP1State", "fsdp1_hook", "apply", "Stats"]
 
 _Pieces = List[Tuple[str, int]]  # (name, values per rank) in the input's row layout
+_RANK_KEY = re.compile(r"rank(\d+)\.")
 
 
 @dataclasses.dataclass
@@ -157,13 +160,19 @@ class _Residuals:
         return out
 
     def load_state_dict(self, sd: Dict[str, torch.Tensor], prefix: str) -> None:
-        loaded = {k[len(prefix):]: v.detach().to(torch.float32).reshape(-1).clone()
-                  for k, v in sd.items() if k.startswith(prefix)}
-        for name, t in loaded.items():
+        loaded = {}
+        for k, v in sd.items():
+            if not k.startswith(prefix):
+                continue
+            name = k[len(prefix):]
             n = self.templates.get(name)
-            if n is not None and n != t.numel():
-                raise ValueError(f"flatcomm: loaded residual for {name!r} has {t.numel()} values, "
+            shape = (n,) if n is not None else tuple(getattr(v, "shape", ()))
+            if n is not None and isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() != n:
+                raise ValueError(f"flatcomm: loaded residual for {name!r} has {v.numel()} values, "
                                  f"this model needs {n} (same world size required)")
+            loaded[name] = check.residual(name, v, shape).reshape(-1).clone()
+        if self.templates:  # the model is known: every parameter must come back
+            check.keys([n for n in loaded if n in self.templates], self.templates, f"{prefix[:-1]} residuals")
         self._bufs.clear()
         self._where.clear()
         self._pending = loaded
@@ -321,9 +330,33 @@ class _Backend:
 
     def load_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
         """Restore residuals saved by :meth:`state_dict` at the same world size (keys of other
-        ranks are ignored, so one merged dict can be given to every rank)."""
+        ranks are ignored, so one merged dict can be given to every rank). Checked: float32,
+        finite, sizes, every known parameter present, no rank beyond this world size; a State
+        without error feedback refuses nonzero residuals (they would be dropped)."""
+        self._check_ranks(state_dict)
         if self.error_feedback:
             self._res.load_state_dict(state_dict, self._prefix())
+        else:
+            self._refuse_residuals(state_dict)
+
+    def _check_ranks(self, state_dict) -> None:
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"flatcomm: a flatcomm FSDP state dict is a dict, got {type(state_dict).__name__}")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        ranks = {int(m.group(1)) for m in map(_RANK_KEY.match, state_dict) if m}
+        if ranks and max(ranks) >= world:
+            raise ValueError(f"flatcomm: the checkpoint holds residuals of rank {max(ranks)} and this run has "
+                             f"{world} ranks: FSDP residuals load only at the world size they were saved at "
+                             f"(another world size changes every shard). Leave flatcomm's state out of the "
+                             f"load to restart error feedback from zero")
+
+    def _refuse_residuals(self, state_dict) -> None:
+        p = self._prefix()
+        held = [k for k, v in state_dict.items() if k.startswith(p) and isinstance(v, torch.Tensor) and v.any()]
+        if held:
+            raise ValueError(f"flatcomm: the checkpoint holds residuals (e.g. {held[0]!r}) but this backend has no "
+                             f"error feedback (codec={self.codec.name!r}): they would be dropped. Use the "
+                             f"saved codec, or leave flatcomm's state out of the load")
 
     def residual(self, name: str) -> Optional[torch.Tensor]:
         """This rank's residual of one parameter / unit (flat, padded numel), or None."""
@@ -487,7 +520,9 @@ class FSDP1State(_Backend):
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        self._check_ranks(state_dict)
         if not self.error_feedback:
+            self._refuse_residuals(state_dict)
             return
         p = self._prefix()
         ef = {}
@@ -495,8 +530,9 @@ class FSDP1State(_Backend):
         for k, v in state_dict.items():
             if k.startswith(p) and k.endswith(".client") and k[:-7] + ".server" in state_dict:
                 name = k[len(p):-7]
-                ef[name] = C.ErrorFeedback(v.detach().float().clone(),
-                                           state_dict[k[:-7] + ".server"].detach().float().clone())
+                c = check.residual(name, v, (getattr(v, "numel", lambda: 0)(),), "client residual")
+                sv = state_dict[k[:-7] + ".server"]
+                ef[name] = C.ErrorFeedback(c.clone(), check.residual(name, sv, c.shape, "server residual").clone())
             elif not (k.startswith(p) and k.endswith(".server")):
                 rest[k] = v
         self._ef = ef
@@ -514,8 +550,13 @@ def fsdp1_hook(state: FSDP1State, grad: torch.Tensor, output: Optional[torch.Ten
         ef = None
         if state.error_feedback and (not codec.lossless or name in state._ef):
             ef = state._ef.get(name)
-            if ef is None or ef.client.numel() != grad.numel():
+            if ef is not None and ef.client.numel() != grad.numel():
+                raise ValueError(f"flatcomm: the residual of FSDP unit {name!r} has {ef.client.numel()} values "
+                                 f"but its gradient {grad.numel()} (a checkpoint of another model or world size)")
+            if ef is None:
                 ef = state._ef[name] = C.ErrorFeedback.zeros(grad.numel(), grad.device)
+            elif ef.client.device != grad.device:  # loaded on the CPU
+                ef = state._ef[name] = C.ErrorFeedback(ef.client.to(grad.device), ef.server.to(grad.device))
             if codec.lossless:  # auto chose fp32: the fp32 encode sends client + server once
                 ef.client.add_(ef.server, alpha=float(world))
                 ef.server.zero_()

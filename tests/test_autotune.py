@@ -142,7 +142,7 @@ def _sec_ddp_move(rank, world):
     after = state.total_residual()
     codecs = [[b["codec"] for b in s["buckets"]] for s in state.stats()["steps"]]
     return {"T": t_before["a"], "expected": mean + t_before["a"], "got": res.clone(), "plain_mean": mean,
-            "after_keys": sorted(after), "b_kept": torch.equal(after["b"], t_before["b"]), "codecs": codecs}
+            "after_keys": sorted(after), "a_spent": not after["a"].any(), "b_kept": torch.equal(after["b"], t_before["b"]), "codecs": codecs}
 
 
 def _sec_fsdp(rank, world):
@@ -227,7 +227,7 @@ def test_ddp_residual_moves_into_fp32_bucket(ranks):
         assert m["T"].abs().max() > 1e-4  # int8 left something to carry
         torch.testing.assert_close(m["got"], m["expected"], rtol=1e-5, atol=1e-6)
         assert not torch.allclose(m["got"], m["plain_mean"], rtol=1e-5, atol=1e-6)  # residual not dropped
-        assert m["after_keys"] == ["b"] and m["b_kept"]  # a's residual was spent and freed; b's kept
+        assert m["after_keys"] == ["a", "b"] and m["a_spent"] and m["b_kept"]  # a's residual was sent; b's kept
     assert torch.equal(ranks[0]["ddp_move"]["got"], ranks[1]["ddp_move"]["got"])
 
 

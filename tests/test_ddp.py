@@ -166,12 +166,14 @@ def _w_ef_save(rank, world, codecs, steps):
 def _ef_save(rank, world, codec, steps):
     ddp, state = _make(rank, {}, codec)
     dec, true = _ef_steps(rank, world, ddp, state, steps)
-    sd = state.state_dict()
+    sd = state.resharded_state_dict()
+    per_rank = state.state_dict()
     buf = io.BytesIO()
     torch.save(sd, buf)
     params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
     nb = [len(s["buckets"]) for s in state.stats()["steps"]]
-    return {"dec": dec, "true": true, "sd": buf.getvalue(), "params": params, "nbuckets": nb}
+    return {"dec": dec, "true": true, "sd": buf.getvalue(), "params": params, "nbuckets": nb,
+            "per_rank": per_rank}
 
 
 def _w_ef_load(rank, world, codec, sd_bytes, params, steps):
@@ -182,7 +184,7 @@ def _w_ef_load(rank, world, codec, sd_bytes, params, steps):
     sd = torch.load(io.BytesIO(sd_bytes), weights_only=True)
     state.load_state_dict(sd)
     dec, true = _ef_steps(rank, world, ddp, state, steps, step0=100)
-    after = state.state_dict()["residual"]
+    after = state.resharded_state_dict()["residual"]
     return {"dec": dec, "true": true, "after": after}
 
 
@@ -226,6 +228,20 @@ def test_checkpoint_saved_at_2_ranks_loaded_at_3(ef_runs):
         _check_conserved(res3[r]["dec"], res3[r]["true"], sd["residual"], res3[r]["after"], f"int8 rank {r} of 3")
     for n, t in res3[0]["after"].items():
         assert torch.equal(t, res3[2]["after"][n])
+
+
+def test_every_ranks_state_dict_reshards_to_the_same_bits(ef_runs):
+    # Without communication: the list of per-rank dicts gives the collective's totals bit for bit,
+    # and a per-rank dict refuses another world size.
+    for codec in ("int8", "sign"):
+        sd = torch.load(io.BytesIO(ef_runs[0][codec]["sd"]), weights_only=True)
+        merged = fddp.reshard([ef_runs[1][codec]["per_rank"], ef_runs[0][codec]["per_rank"]])
+        assert merged["form"] == "total" and merged["world_size"] == 2
+        assert sorted(merged["residual"]) == sorted(sd["residual"])
+        for n, t in sd["residual"].items():
+            assert torch.equal(merged["residual"][n].view(torch.int32), t.view(torch.int32)), (codec, n)
+    with pytest.raises(ValueError, match="every rank"):
+        fddp.reshard([ef_runs[0]["int8"]["per_rank"]])
 
 
 # ---- int8 + error feedback trains like fp32; stats --------------------------------------------------
