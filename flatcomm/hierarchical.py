@@ -10,7 +10,10 @@ All-reduce of n values, on every rank:
    instead of the flat path's ~2*G*c*S;
 3. inside the node, an all-gather of the reduced shards.
 
-Each step is a flatcomm collective on the tier's group, so sums run in a fixed order: the result is
+The shard is cut into segments (:func:`segments_of`) that flow through the three steps as a
+pipeline: the tiers' collectives run on their groups' worker threads, so the node reduce-scatter
+of segment j+1 and the node all-gather of segment j-1 overlap the exchange of segment j across
+nodes. Each step is a flatcomm collective on the tier's group, so sums run in a fixed order: the result is
 the same bits on every rank and every run, for a given topology (not the same bits as the flat
 path: the grouping of the sum differs). ``mode="exact"`` agrees per-block exponents over all W
 ranks, sums fixed-point integers inside the node, sends the *integer* partial sums across nodes and
@@ -38,7 +41,7 @@ import concurrent.futures
 import dataclasses
 import math
 import threading
-from typing import Callable, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -47,6 +50,10 @@ from . import collectives as C
 from .codecs import Codec, CodecLike, resolve
 from .sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM, exact_exponents, from_exact, to_exact
 from .topology import Topology
+
+# Pipeline segments of a hierarchical all-reduce: about SEGMENT_BYTES of fp32 shard each.
+SEGMENT_BYTES = 4 << 20
+MAX_SEGMENTS = 8
 
 
 @dataclasses.dataclass
@@ -107,6 +114,15 @@ def shard_numel(numel: int, topology: Topology, codec: CodecLike = "fp32", intra
     return max(0, min(m, numel - topology.local_rank * m))
 
 
+def shard_range(numel: int, topology: Topology, codec: CodecLike = "fp32",
+                intra_codec: CodecLike = "fp32") -> tuple:
+    """(start, end) of this rank's data in its intra-node shard, in the tensor's indices: where an
+    integration keeping full-size residual buffers holds the inter tier's state."""
+    m = padded_shard(numel, topology.local_size, _align(codec, intra_codec, "ordered", DEFAULT_EXACT_BLOCK))
+    lo = min(numel, topology.local_rank * m)
+    return lo, lo + shard_numel(numel, topology, codec, intra_codec)
+
+
 # ---- one worker per topology ---------------------------------------------------------------------
 
 _executors: dict = {}
@@ -148,6 +164,12 @@ def _run(topo: Topology, body: Callable[[], None], value: torch.Tensor, async_op
         future.result()
         return None
     return C.Handle(future, value)
+
+
+def submit(topology: Topology, fn: Callable[[], None]) -> None:
+    """Queue ``fn`` (no collective) on the topology's worker, in order with its collectives (the
+    DDP hook's norms, which read a bucket before the all-reduce rewrites it)."""
+    _run(topology, fn, torch.empty(0), async_op=True)
 
 
 # ---- argument handling ---------------------------------------------------------------------------
@@ -215,7 +237,9 @@ def all_reduce(tensor: torch.Tensor, topology: Topology, *, codec: CodecLike = "
                tuner=None) -> Optional[C.Handle]:
     """Hierarchical all-reduce of ``tensor`` in place (see the module docstring). ``codec``: the
     inter-node codec (``"auto"``: chosen by ``tuner``, default one per inter-node group);
-    ``intra_codec``: the node's. ``stats``: a CommStats (totals) or a :class:`TierStats`."""
+    ``intra_codec``: the node's. ``chunks``: pipeline segments (:func:`segments_of`; keep it the
+    same from call to call with error feedback). ``stats``: a CommStats (totals) or a
+    :class:`TierStats`."""
     topo = _hierarchical(topology)
     if mode not in C.MODES:
         raise ValueError(f"flatcomm: mode must be one of {C.MODES}, got {mode!r}")
@@ -229,7 +253,8 @@ def all_reduce(tensor: torch.Tensor, topology: Topology, *, codec: CodecLike = "
     scale = C._reduce_scale(op, topo.world)
     flat = C._flat(tensor, "tensor")
     n = flat.numel()
-    m = padded_shard(n, topo.local_size, _align(codec, ci, mode, exact_block))
+    align = _align(codec, ci, mode, exact_block)
+    m = padded_shard(n, topo.local_size, align)
     inter_fb, intra_fb = _tiers(residual, m, shard_numel(n, topo, codec, ci, mode, exact_block),
                                 topo.local_size, not ci.lossless, flat)
     tiers = _stats_of(stats)
@@ -238,31 +263,73 @@ def all_reduce(tensor: torch.Tensor, topology: Topology, *, codec: CodecLike = "
         if mode == "exact":
             _exact_all_reduce(topo, flat, m, scale, exact_block, headroom, tiers)
         else:
-            _ordered_all_reduce(topo, flat, m, codec, ci, scale, inter_fb, intra_fb, chunks, validate, tiers, tuner)
+            _ordered_all_reduce(topo, flat, m, align, codec, ci, scale, inter_fb, intra_fb, chunks, validate,
+                                tiers, tuner)
         _report(stats, tiers)
 
     return _run(topo, body, tensor, async_op)
 
 
-def _ordered_all_reduce(topo, flat, m, codec, ci, scale, inter_fb, intra_fb, chunks, validate, tiers, tuner):
-    g = topo.local_size
+def segments_of(m: int, align: int, chunks: Optional[int] = None) -> List[int]:
+    """Boundaries of the pipeline segments within a shard of ``m`` values (aligned): the node
+    reduce-scatter of segment j+1 and the all-gather of j-1 run while j crosses nodes. Automatic:
+    about SEGMENT_BYTES of fp32 shard per segment, at most MAX_SEGMENTS. The same on every rank and
+    every call for a given numel (the server residuals' layout depends on it)."""
+    k = chunks if chunks else int(min(MAX_SEGMENTS, max(1, round(4 * m / SEGMENT_BYTES))))
+    bounds = C.shard_bounds(m, k, align)
+    return [a for i, a in enumerate(bounds) if i == 0 or a > bounds[i - 1]]  # no empty segments
+
+
+def _ordered_all_reduce(topo, flat, m, align, codec, ci, scale, inter_fb, intra_fb, chunks, validate,
+                        tiers, tuner):
+    g, n, dev = topo.local_size, flat.numel(), flat.device
     src = _padded(flat, g * m)
-    shard = torch.empty(m, dtype=torch.float32, device=flat.device)
-    C.reduce_scatter(shard, src, codec=ci, op="sum", group=topo.intra_group, validate=validate,
-                     residual=intra_fb.client if intra_fb is not None else None, stats=tiers.intra)
+    rows = src.view(g, m)
+    shard = torch.empty(m, dtype=torch.float32, device=dev)
+    seg = segments_of(m, align, chunks)
+    k = len(seg) - 1
     # Only the shard's data crosses nodes: padding in a block would change sign's scale, and its
     # residual would be kept for values that do not exist. The same width on the whole inter group.
-    real = max(0, min(m, flat.numel() - topo.local_rank * m))
-    if real:
-        C.all_reduce(shard[:real], codec=codec, op="sum", group=topo.inter_group, residual=inter_fb,
-                     chunks=chunks, validate=validate, stats=tiers.inter, tuner=tuner)
-    if scale != 1.0:
-        shard.mul_(scale)
-    out = flat if src is flat else torch.empty(g * m, dtype=flat.dtype, device=flat.device)
-    C.all_gather(out, shard, codec=ci, group=topo.intra_group, validate=validate,
-                 residual=intra_fb.server if intra_fb is not None else None, stats=tiers.intra)
-    if out is not flat:
-        flat.copy_(out[:flat.numel()])
+    real = max(0, min(m, n - topo.local_rank * m))
+    rs, ar, ag = [], [], []
+    for j in range(k):  # the intra client residual is laid out segment by segment (G x width each)
+        a, b = seg[j], seg[j + 1]
+        piece = src if k == 1 else rows[:, a:b].contiguous()
+        res = intra_fb.client[g * a:g * b] if intra_fb is not None else None
+        rs.append(C.reduce_scatter(shard[a:b], piece, codec=ci, op="sum", group=topo.intra_group,
+                                   validate=validate, residual=res, stats=tiers.intra, async_op=True))
+    for j in range(k):
+        rs[j].wait()
+        a, b = seg[j], min(seg[j + 1], real)
+        if b > a:
+            fb = C.ErrorFeedback(inter_fb.client[a:b], inter_fb.server[a:b]) if inter_fb is not None else None
+            ar.append(C.all_reduce(shard[a:b], codec=codec, op="sum", group=topo.inter_group, residual=fb,
+                                   validate=validate, stats=tiers.inter, tuner=tuner, async_op=True))
+        else:
+            ar.append(None)
+    whole = k == 1 and src is flat
+    for j in range(k):
+        if ar[j] is not None:
+            ar[j].wait()
+        a, b = seg[j], seg[j + 1]
+        if scale != 1.0:
+            shard[a:b].mul_(scale)
+        out = flat if whole else torch.empty(g * (b - a), dtype=flat.dtype, device=dev)
+        res = intra_fb.server[a:b] if intra_fb is not None else None
+        ag.append((out, C.all_gather(out, shard[a:b], codec=ci, group=topo.intra_group, validate=validate,
+                                     residual=res, stats=tiers.intra, async_op=True)))
+    for j, (out, h) in enumerate(ag):
+        h.wait()
+        if whole:
+            continue
+        a, b = seg[j], seg[j + 1]
+        if src is flat:
+            rows[:, a:b].copy_(out.view(g, b - a))
+        else:  # padded: write back the part that holds data
+            for lr in range(g):
+                lo, hi = lr * m + a, min(lr * m + b, n)
+                if hi > lo:
+                    flat[lo:hi].copy_(out[lr * (b - a):lr * (b - a) + hi - lo])
 
 
 def _agreed_exponents(topo: Topology, x: torch.Tensor, block: int, tiers: TierStats) -> torch.Tensor:
