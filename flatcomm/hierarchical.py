@@ -41,6 +41,7 @@ import concurrent.futures
 import dataclasses
 import math
 import threading
+import time
 from typing import Callable, List, Optional, Union
 
 import torch
@@ -51,9 +52,11 @@ from .codecs import Codec, CodecLike, resolve
 from .sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM, exact_exponents, from_exact, to_exact
 from .topology import Topology
 
-# Pipeline segments of a hierarchical all-reduce: about SEGMENT_BYTES of fp32 shard each.
-SEGMENT_BYTES = 4 << 20
-MAX_SEGMENTS = 8
+# Pipeline segments of a hierarchical all-reduce: about SEGMENT_BYTES of fp32 shard each. On
+# loopback with 2 shared cores (4 ranks, 4M values) 2 segments cost more than they hid (the node
+# tier is not the bottleneck there); pipelining pays when the cross-node link is: large shards only.
+SEGMENT_BYTES = 16 << 20
+MAX_SEGMENTS = 4
 
 
 @dataclasses.dataclass
@@ -315,11 +318,14 @@ def _ordered_all_reduce(topo, flat, m, align, codec, ci, scale, inter_fb, intra_
         if scale != 1.0:
             shard[a:b].mul_(scale)
         out = flat if whole else torch.empty(g * (b - a), dtype=flat.dtype, device=dev)
+        if ci.lossless and flat.dtype == torch.float32:
+            ag.append((out, _raw_gather(topo, out, shard[a:b], tiers.intra)))
+            continue
         res = intra_fb.server[a:b] if intra_fb is not None else None
         ag.append((out, C.all_gather(out, shard[a:b], codec=ci, group=topo.intra_group, validate=validate,
                                      residual=res, stats=tiers.intra, async_op=True)))
     for j, (out, h) in enumerate(ag):
-        h.wait()
+        h.result() if isinstance(h, concurrent.futures.Future) else h.wait()
         if whole:
             continue
         a, b = seg[j], seg[j + 1]
@@ -332,14 +338,27 @@ def _ordered_all_reduce(topo, flat, m, align, codec, ci, scale, inter_fb, intra_
                     flat[lo:hi].copy_(out[lr * (b - a):lr * (b - a) + hi - lo])
 
 
+def _raw_gather(topo: Topology, out: torch.Tensor, shard: torch.Tensor,
+                st: C.CommStats) -> "concurrent.futures.Future":
+    """Lossless fp32 node all-gather straight into ``out`` (no encode/decode copies: measured 4x
+    faster than the codec path on loopback), queued on the node group's worker so it keeps its
+    place among that group's collectives."""
+    st.wire_bytes += (topo.local_size - 1) * shard.numel() * 4
+
+    def gather():
+        t0 = time.perf_counter()
+        C._all_gather_single(out, shard, group=topo.intra_group)
+        st.exchange_s += time.perf_counter() - t0
+
+    return C._submit(topo.intra_group, shard.device, gather)
+
+
 def _agreed_exponents(topo: Topology, x: torch.Tensor, block: int, tiers: TierStats) -> torch.Tensor:
     """Per-block exponents of ``x`` (1-D), the MAX over all W ranks (node, then across nodes)."""
     return _agree_max(topo, exact_exponents(x, block), tiers)
 
 
 def _timed(st: C.CommStats, fn: Callable[[], object]) -> None:
-    import time
-
     t0 = time.perf_counter()
     fn()
     st.exchange_s += time.perf_counter() - t0
