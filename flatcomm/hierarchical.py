@@ -243,17 +243,7 @@ def all_reduce(tensor: torch.Tensor, topology: Topology, *, codec: CodecLike = "
     ``intra_codec``: the node's. ``chunks``: pipeline segments (:func:`segments_of`; keep it the
     same from call to call with error feedback). ``stats``: a CommStats (totals) or a
     :class:`TierStats`."""
-    topo = _hierarchical(topology)
-    if mode not in C.MODES:
-        raise ValueError(f"flatcomm: mode must be one of {C.MODES}, got {mode!r}")
-    ci = resolve(intra_codec)
-    if mode == "exact" and (not ci.lossless or not (codec == "fp32" or resolve(codec).lossless)):
-        raise ValueError("flatcomm: mode='exact' sums exact fixed point of the values; use codec='fp32' "
-                         "and intra_codec='fp32' with it")
-    if mode == "exact" and topo.world > (1 << headroom):
-        raise ValueError(f"flatcomm: exact mode with headroom {headroom} supports up to {1 << headroom} "
-                         f"ranks, got {topo.world}")
-    scale = C._reduce_scale(op, topo.world)
+    topo, ci, scale = _setup(topology, codec, intra_codec, mode, op, headroom)
     flat = C._flat(tensor, "tensor")
     n = flat.numel()
     align = _align(codec, ci, mode, exact_block)
@@ -413,14 +403,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology
                    tuner=None) -> Optional[C.Handle]:
     """Hierarchical reduce-scatter: rank r gets shard r of the sum, as the flat one. ``residual``
     (the inter-node tier's, fp32): input numel / G values (the N shards this rank reduces)."""
-    topo = _hierarchical(topology)
-    if mode not in C.MODES:
-        raise ValueError(f"flatcomm: mode must be one of {C.MODES}, got {mode!r}")
-    ci = resolve(intra_codec)
-    if mode == "exact" and (not ci.lossless or not (codec == "fp32" or resolve(codec).lossless)):
-        raise ValueError("flatcomm: mode='exact' sums exact fixed point of the values; use codec='fp32' "
-                         "and intra_codec='fp32' with it")
-    scale = C._reduce_scale(op, topo.world)
+    topo, ci, scale = _setup(topology, codec, intra_codec, mode, op, headroom)
     src, out = C._flat(input, "input"), C._flat(output, "output")
     width = out.numel()
     if src.numel() != topo.world * width:
@@ -509,6 +492,21 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, topology: Topology, *,
         _report(stats, tiers)
 
     return _run(topo, body, output, async_op)
+
+
+def _setup(topology, codec: CodecLike, intra_codec: CodecLike, mode: str, op: C.OpLike, headroom: int):
+    """(topology, intra codec, op scale) after the checks every reduction shares."""
+    topo = _hierarchical(topology)
+    if mode not in C.MODES:
+        raise ValueError(f"flatcomm: mode must be one of {C.MODES}, got {mode!r}")
+    ci = resolve(intra_codec)
+    if mode == "exact" and (not ci.lossless or not (codec == "fp32" or resolve(codec).lossless)):
+        raise ValueError("flatcomm: mode='exact' sums exact fixed point of the values; use codec='fp32' "
+                         "and intra_codec='fp32' with it")
+    if mode == "exact" and topo.world > (1 << headroom):
+        raise ValueError(f"flatcomm: exact mode with headroom {headroom} supports up to {1 << headroom} "
+                         f"ranks, got {topo.world}")
+    return topo, ci, C._reduce_scale(op, topo.world)
 
 
 def _hierarchical(topology) -> Topology:
