@@ -334,13 +334,8 @@ def _raw_gather(topo: Topology, out: torch.Tensor, shard: torch.Tensor,
     faster than the codec path on loopback), queued on the node group's worker so it keeps its
     place among that group's collectives."""
     st.wire_bytes += (topo.local_size - 1) * shard.numel() * 4
-
-    def gather():
-        t0 = time.perf_counter()
-        C._all_gather_single(out, shard, group=topo.intra_group)
-        st.exchange_s += time.perf_counter() - t0
-
-    return C._submit(topo.intra_group, shard.device, gather)
+    return _queued(st, topo.intra_group, shard.device,
+                   lambda: C._all_gather_single(out, shard, group=topo.intra_group))
 
 
 def _agreed_exponents(topo: Topology, x: torch.Tensor, block: int, tiers: TierStats) -> torch.Tensor:
@@ -348,10 +343,19 @@ def _agreed_exponents(topo: Topology, x: torch.Tensor, block: int, tiers: TierSt
     return _agree_max(topo, exact_exponents(x, block), tiers)
 
 
-def _timed(st: C.CommStats, fn: Callable[[], object]) -> None:
-    t0 = time.perf_counter()
-    fn()
-    st.exchange_s += time.perf_counter() - t0
+def _queued(st: C.CommStats, group, device: torch.device, fn: Callable[[], object]) -> "concurrent.futures.Future":
+    """Queue one exchange of ``group`` on that group's worker (so it keeps its place among the
+    group's other flatcomm collectives on every rank), counting its time."""
+    def call():
+        t0 = time.perf_counter()
+        fn()
+        st.exchange_s += time.perf_counter() - t0
+
+    return C._submit(group, device, call)
+
+
+def _timed(st: C.CommStats, group, device: torch.device, fn: Callable[[], object]) -> None:
+    _queued(st, group, device, fn).result()
 
 
 def _exact_node_sum(topo: Topology, rows_out: torch.Tensor, send: torch.Tensor, exps: torch.Tensor,
@@ -359,7 +363,8 @@ def _exact_node_sum(topo: Topology, rows_out: torch.Tensor, send: torch.Tensor, 
     """All-to-all ``send`` (G pieces of ``width`` values) inside the node and sum what arrives as
     fixed-point integers on ``exps`` (this rank's piece): the node's int64 partial sum."""
     g = topo.local_size
-    _timed(tiers.intra, lambda: dist.all_to_all_single(rows_out, send, group=topo.intra_group))
+    _timed(tiers.intra, topo.intra_group, send.device,
+           lambda: dist.all_to_all_single(rows_out, send, group=topo.intra_group))
     tiers.intra.wire_bytes += (g - 1) * width * send.element_size()
     rows = rows_out.view(g, width)
     acc = to_exact(rows[0], exps, block, headroom)
@@ -376,13 +381,15 @@ def _exact_all_reduce(topo, flat, m, scale, block, headroom, tiers):
     recv = torch.empty(g * m, dtype=src.dtype, device=src.device)
     acc = _exact_node_sum(topo, recv, src, mine, m, block, headroom, tiers)
     # Partial sums cross nodes as integers: converting them to fp32 first would round per node.
-    _timed(tiers.inter, lambda: dist.all_reduce(acc, dist.ReduceOp.SUM, group=topo.inter_group))
+    _timed(tiers.inter, topo.inter_group, acc.device,
+           lambda: dist.all_reduce(acc, dist.ReduceOp.SUM, group=topo.inter_group))
     tiers.inter.wire_bytes += 2 * (topo.nodes - 1) * acc.numel() * 8 // topo.nodes
     val = from_exact(acc, mine, block, headroom)
     if scale != 1.0:
         val = val * scale
     gathered = torch.empty(g * m, dtype=torch.float32, device=flat.device)
-    _timed(tiers.intra, lambda: C._all_gather_single(gathered, val, group=topo.intra_group))
+    _timed(tiers.intra, topo.intra_group, val.device,
+           lambda: C._all_gather_single(gathered, val, group=topo.intra_group))
     tiers.intra.wire_bytes += (g - 1) * m * 4
     flat.copy_(gathered[:flat.numel()])
 
@@ -441,7 +448,8 @@ def _exact_reduce_scatter(topo, src, grouped, out, width, scale, block, headroom
     exps = _agree_max(topo, exps, tiers)
     mine = _by_local_rank(exps, topo, nb)[lr]  # [N, nb]: the exponents of the shards I reduce
     recv = torch.empty(g * nodes * width, dtype=src.dtype, device=src.device)
-    _timed(tiers.intra, lambda: dist.all_to_all_single(recv, grouped, group=topo.intra_group))
+    _timed(tiers.intra, topo.intra_group, recv.device,
+           lambda: dist.all_to_all_single(recv, grouped, group=topo.intra_group))
     tiers.intra.wire_bytes += (g - 1) * nodes * width * src.element_size()
     arrived = recv.view(g, nodes, width)
     acc = torch.empty(nodes, width, dtype=torch.int64, device=src.device)
@@ -451,7 +459,8 @@ def _exact_reduce_scatter(topo, src, grouped, out, width, scale, block, headroom
             acc[k] += to_exact(arrived[s, k], mine[k], block, headroom)
     # Integer partial sums cross nodes: node k' gets row k' from every node and adds integers.
     got = torch.empty_like(acc)
-    _timed(tiers.inter, lambda: dist.all_to_all_single(got.view(-1), acc.view(-1), group=topo.inter_group))
+    _timed(tiers.inter, topo.inter_group, acc.device,
+           lambda: dist.all_to_all_single(got.view(-1), acc.view(-1), group=topo.inter_group))
     tiers.inter.wire_bytes += (nodes - 1) * width * 8
     total = got.sum(dim=0)
     val = from_exact(total, mine[topo.node].contiguous(), block, headroom)
@@ -461,7 +470,7 @@ def _exact_reduce_scatter(topo, src, grouped, out, width, scale, block, headroom
 def _agree_max(topo: Topology, e: torch.Tensor, tiers: TierStats) -> torch.Tensor:
     """``e`` (int32 exponents) replaced by its MAX over all W ranks: inside the node, then across."""
     for grp, st in ((topo.intra_group, tiers.intra), (topo.inter_group, tiers.inter)):
-        _timed(st, lambda: dist.all_reduce(e, dist.ReduceOp.MAX, group=grp))
+        _timed(st, grp, e.device, lambda: dist.all_reduce(e, dist.ReduceOp.MAX, group=grp))
         st.wire_bytes += e.numel() * 4
     return e
 
