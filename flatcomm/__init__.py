@@ -19,7 +19,9 @@ from .codecs import (
 )
 from .sums import exact_exponents, exact_sum, from_exact, ordered_sum, to_exact
 from .collectives import CommStats, ErrorFeedback, all_gather, all_reduce, reduce_scatter
+from .topology import Topology
 from . import autotune  # noqa: F401,E402  (registers the default tuner of codec="auto")
+from . import hierarchical  # noqa: F401,E402  (registers the two-level path of topology=)
 
 
 def build_info() -> dict:
@@ -34,7 +36,7 @@ def build_info() -> dict:
     return info
 
 
-_SUBMODULES = ("ddp", "fsdp", "reproducible", "reference")
+_SUBMODULES = ("ddp", "fsdp", "fsdp_hybrid", "reproducible", "reference")
 
 
 def __getattr__(name: str):
@@ -56,6 +58,7 @@ __all__ = [
     "all_reduce",
     "reduce_scatter",
     "Codec",
+    "Topology",
     "build_info",
     "decode",
     "decode_sum",

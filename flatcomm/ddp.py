@@ -72,6 +72,7 @@ import torch.distributed as dist
 
 from . import checkpoint as check
 from . import collectives as C
+from . import ddp_tiers as _tiers
 from .codecs import Codec, resolve
 
 __all__ = ["State", "hook", "register", "reshard"]
@@ -105,6 +106,7 @@ class _Buf:
     ef: C.ErrorFeedback
     layout: List[Tuple[int, int, int]]  # (id(p), offset, numel) in buffer order
     client_sq: Any = 0.0  # ||client||^2 after the last step, a float64 0-dim tensor once measured
+    carry: Optional[torch.Tensor] = None  # hierarchical: residual brought in, added to the next gradient
 
 
 class State:
@@ -121,6 +123,9 @@ class State:
     track_norms: compute the residual/gradient norms for :meth:`stats` (two dot products over the
         bucket before sending and one norm of each residual after).
     history: how many steps :meth:`stats` keeps.
+    topology: a :class:`flatcomm.Topology`, ``"flat"``, or None (default: from torchrun's
+        ``LOCAL_WORLD_SIZE``, flat when unset; built at the first hook call). Hierarchical: see
+        :mod:`flatcomm.ddp_tiers` for where the residuals live.
     codec="auto": a :class:`flatcomm.autotune.Tuner` (``tuner=``, default error budget int8) picks the
         codec of each bucket at its first hook call; ``decisions`` / ``stats()["decisions"]`` say what
         and why. A parameter that moves (bucket rebuild) from a lossy bucket into one where fp32 was
@@ -130,7 +135,8 @@ class State:
     def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: str = "ordered",
                  group=None, chunks: Optional[int] = None, block_size: Optional[int] = None,
                  ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None,
-                 grad_scaler=None, track_norms: bool = True, history: int = 100, tuner=None):
+                 grad_scaler=None, track_norms: bool = True, history: int = 100, tuner=None,
+                 topology=None):
         if mode not in C.MODES:
             raise ValueError(f"flatcomm: mode must be one of {C.MODES}, got {mode!r}")
         # codec="auto": flatcomm.autotune picks a codec per bucket key at its first hook call (the same
@@ -151,6 +157,8 @@ class State:
         self.chunks = chunks
         self.group = group
         self._dedicated = group is None
+        self._topology_arg = topology
+        self.topology = None  # resolved at the first hook call (creating groups is collective)
         self.model = model
         self.grad_scaler = grad_scaler
         self.track_norms = track_norms
@@ -162,6 +170,7 @@ class State:
         self._pending: Dict[str, torch.Tensor] = {}
         # After a same-world-size load: the saved buffer keys, replayed by the first step (_launch).
         self._replay: Optional[List[Tuple[int, ...]]] = None
+        self._replay_tiered = False  # whether the replayed buffers were saved by a hierarchical State
         self._names: Optional[Dict[int, str]] = None
         self._seen: set = set()
         self._inflight = 0
@@ -223,18 +232,18 @@ class State:
         if b is not None:
             return b
         ef = C.ErrorFeedback.zeros(n, device=dev)
+        carry = _tiers.new_carry(n, dev) if self._tiered() else None
         scale = self._scale()
         names = self._name_map() if self._pending else None
         dropped = set()
         for (pid, off, ln), p in zip(layout, params):
             old = self._where.get(pid)
-            dst = ef.client[off:off + ln]
+            dst = ef.client[off:off + ln] if not self._tiered() else _tiers.carry_slice(carry, off, ln)
             if old is not None:
                 okey, ooff, oln = old
                 ob = self._bufs[okey]
                 # Fold the server residual into the client one: the shard layout changes.
-                torch.add(ob.ef.client[ooff:ooff + oln], ob.ef.server[ooff:ooff + oln], alpha=1.0 / scale,
-                          out=dst)
+                _tiers.fold(ob, ooff, oln, scale, self._tiered(), out=dst)
                 self._refs[okey] -= 1
                 if self._refs[okey] == 0:
                     dropped.add(okey)
@@ -244,7 +253,8 @@ class State:
             self._where[pid] = (key, off, ln)
         for okey in dropped:
             del self._bufs[okey], self._refs[okey]
-        b = _Buf(ef, layout, float(ef.client.square().sum()) if self.track_norms else 0.0)
+        b = _Buf(ef, layout, float(ef.client.square().sum()) if self.track_norms else 0.0,
+                 _tiers.nonzero_or_none(carry))
         self._bufs[key] = b
         self._refs[key] = len(layout)
         return b
@@ -285,8 +295,19 @@ class State:
 
     # ---- the hook --------------------------------------------------------------------------------
 
+    def _tiered(self) -> bool:
+        return self.topology is not None and not self.topology.flat
+
     def _launch(self, bucket) -> torch.futures.Future:
         group = self._ensure_group()
+        if self.topology is None:
+            self.topology = _tiers.resolve_topology(self._topology_arg, group)
+            if self._replay is not None and self._replay_tiered != self._tiered():
+                raise ValueError(
+                    "flatcomm: this rank's state_dict() was saved with a "
+                    f"{'hierarchical' if self._replay_tiered else 'flat'} topology and this State is "
+                    f"{'hierarchical' if self._tiered() else 'flat'}: the residuals live in other places. "
+                    "Load the list of every rank's state_dict() (or a resharded_state_dict()) instead")
         if self._new_step:
             self._new_step = False
             if self.grad_scaler is not None and self.error_feedback:
@@ -369,6 +390,8 @@ class State:
             res = self._buffer_for(*where)
         elif codec.lossless and self.mode == "ordered" and self._carries(params):
             res = self._flush_into_lossless(*where)
+        if self._tiered():
+            _tiers.add_carry(tensor, res)
         kwargs = {}
         if _HAS_VALIDATE:  # the consistency round trip only for a bucket layout not seen before
             kwargs["validate"] = key not in self._seen
@@ -387,14 +410,20 @@ class State:
                     v = v + 2.0 * flat.dot(res.ef.client).double() + res.client_sq
                 v_sq.append(v)
 
-            C._submit(group, tensor.device, pre)  # CUDA: on the all-reduce's side stream, in order
+            if self._tiered():
+                _tiers.submit(self.topology, pre)
+            else:
+                C._submit(group, tensor.device, pre)  # CUDA: on the all-reduce's side stream, in order
         cs = C.CommStats()
         with self._cond:
             self._inflight += 1
         try:
-            h = C.all_reduce(tensor, codec=codec, op="avg", mode=self.mode, group=group, async_op=True,
-                             residual=res.ef if res is not None else None, chunks=chunks, stats=cs,
-                             **kwargs)
+            if self._tiered():
+                h = _tiers.all_reduce(tensor, self.topology, codec, self.mode, res, chunks, cs, kwargs)
+            else:
+                h = C.all_reduce(tensor, codec=codec, op="avg", mode=self.mode, group=group, async_op=True,
+                                 residual=res.ef if res is not None else None, chunks=chunks, stats=cs,
+                                 **kwargs)
         except BaseException:
             self._finished()
             raise
@@ -496,6 +525,7 @@ class State:
                 "decisions": [{"codec": d.codec, "chunks": d.chunks, "reason": d.reason,
                                "predicted_s": dict(d.predicted_s)} for d in self.decisions.values()],
                 "world_size": dist.get_world_size(self.group) if self.group is not None else None,
+                "topology": self.topology.describe() if self.topology is not None else None,
                 "steps": out}
 
     # ---- checkpoints -----------------------------------------------------------------------------
@@ -513,6 +543,7 @@ class State:
     def _meta(self) -> dict:
         return {"codec": "auto" if self._auto else self.codec.name, "block_size": self.codec.block_size,
                 "mode": self.mode, "error_feedback": self.error_feedback, "step": self._step,
+                "tiered": self._tiered(),
                 "scale_seen": self._scale_seen}
 
     def _rank_residuals(self, name: str, p: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -565,7 +596,8 @@ class State:
             parts = []
             for n, p in params.items():
                 c, s = self._rank_residuals(n, p)
-                parts.append(c * (1.0 / world) + s)
+                # what this rank adds to T (see ddp_tiers for the hierarchical form)
+                parts.append((c + s) * (1.0 / world) if self._tiered() else c * (1.0 / world) + s)
             flat = torch.cat(parts) if parts else torch.zeros(0)
             if flat.numel():
                 C.all_reduce(flat, codec="fp32", op="sum", mode="ordered", group=self._ensure_group())
@@ -613,7 +645,8 @@ class State:
             client = {n: t / (self._scale_for(world) * world)
                       for n, t in self._checked(sd, "residual", params).items()}
             server = {}
-        self._restore(params, client, server, sd.get("buckets", []) if form == "per_rank" else [], world)
+        self._restore(params, client, server, sd.get("buckets", []) if form == "per_rank" else [], world,
+                      sd.get("tiered", False))
         if self._auto and not changed and form == "per_rank":
             self._restore_decisions(params, check.field(sd, "decisions", list))
         self._step = check.field(sd, "step", int)
@@ -651,7 +684,7 @@ class State:
                              f"fp32 State, or zero them yourself to discard them on purpose")
         return out
 
-    def _restore(self, params, client, server, buckets, world: int) -> None:
+    def _restore(self, params, client, server, buckets, world: int, tiered: bool = False) -> None:
         self._bufs.clear()
         self._where.clear()
         self._refs.clear()
@@ -679,11 +712,14 @@ class State:
             self._refs[key] = len(layout)
         if self._bufs:
             self._replay = list(self._bufs)
+            self._replay_tiered = bool(tiered)
         for n, c in client.items():
             if n in placed:
                 continue
             # Not in a buffer: fold the server residual into the client one (client + server / scale).
-            t = c.reshape(-1) + server[n].reshape(-1) * world if n in server else c.reshape(-1).clone()
+            # (hierarchical: the server residual is already in client units, see ddp_tiers)
+            t = (c.reshape(-1) + server[n].reshape(-1) * (1 if tiered else world) if n in server
+                 else c.reshape(-1).clone())
             if t.any():
                 self._pending[n] = t
 
@@ -728,7 +764,8 @@ def reshard(states) -> dict:
                 raise KeyError(f"flatcomm: reshard: rank {r}'s state has no residual for {n!r}")
             shape = getattr(first["client"][n], "shape", ())
             c = check.residual(n, s["client"][n], shape, f"rank {r} client residual")
-            v = c * (1.0 / world) + check.residual(n, s["server"][n], c.shape, f"rank {r} server residual")
+            srv = check.residual(n, s["server"][n], c.shape, f"rank {r} server residual")
+            v = (c + srv) * (1.0 / world) if first.get("tiered") else c * (1.0 / world) + srv
             acc = v if acc is None else acc + v
         residual[n] = acc
     out = {k: first[k] for k in ("version", "codec", "block_size", "mode", "error_feedback", "step", "scale_seen")}
