@@ -130,9 +130,9 @@ def test_nodes_hold_ranks_and_count_what_leaves_them():
     # inside a node: 0+1 on node 0, 2+3 on node 1; then across all four ranks: 1+1+5+5
     assert all(r["sum"] == 12.0 for r in res), res
     for r in res:
-        assert r["inside"] < 64 << 10  # barriers only: the node's own traffic stays on its loopback
+        assert r["inside"] < 64 << 10, r  # barriers only: the node's own traffic stays on its loopback
         # a ring over 4 ranks sends 2 (W-1)/W = 1.5 x 1 MB off each node (plus headers and ACKs)
-        assert 1.4 * 4 * n < r["across"] < 1.8 * 4 * n, r
+        assert 1.4 * 4 * n < r["across"] < 2.0 * 4 * n, r
     with pytest.raises(ValueError, match="ranks_per_node"):
         Link(2, "1gbit", ranks_per_node=0)
 
