@@ -2,6 +2,8 @@
 
     python -m flatcomm.bench kernels     [--quick] [--sizes 1M,25M] [--codecs int8,int4]
     python -m flatcomm.bench collectives [--ranks N] [--link RATE[,DELAY]] [--sizes 1M] [--quick]
+    python -m flatcomm.bench collectives --nodes N --ranks-per-node G --link 1gbit [--sizes 24M]
+    python -m flatcomm.bench scale       [--measured P.json ...] [--project 128x8] [--plot P.png]
     python -m flatcomm.bench ddp         [--ranks N] [--link 1gbit] [--params 25e6] [--hooks ...]
     python -m flatcomm.bench fsdp        [--ranks N] [--link 1gbit] [--codecs default,int8]
     common: [--json PATH] [--plot PATH.png] [--timeout S]
@@ -19,6 +21,11 @@ every record in ``results`` has ``name`` (``torch-allreduce``, ``torch-quant-per
 (medians per step; for a collective both are its time, for a kernel ``comm_s`` is 0) and
 ``wire_bytes`` (bytes one rank sends per step; ``wire_estimated`` marks nominal volumes of torch's
 own collectives).
+
+``collectives --nodes N`` (with ``--link``) runs N namespaces of G ranks (``benchmarks/bench_nodes.py``)
+and writes records ``{"path": "torch"|"flat"|"hierarchical", "codec", "time_s", "cross_node_bytes",
+...}``: ``cross_node_bytes`` is what left the busiest node per all-reduce, from the kernel's
+counters of its link interface.
 """
 from __future__ import annotations
 
@@ -89,15 +96,20 @@ def _run_ranks(a: argparse.Namespace, meta: dict, fn: Callable, *args: Any, time
     if a.link:
         from flatcomm.netlink import Link, LinkUnavailable
 
+        nodes, g = getattr(a, "nodes", None), getattr(a, "ranks_per_node", 1)
         try:
-            link = Link(a.ranks, a.link, require_delay=not a.allow_no_delay)
+            if nodes:
+                link = Link(nodes, a.link, ranks_per_node=g, require_delay=not a.allow_no_delay)
+            else:
+                link = Link(a.ranks, a.link, require_delay=not a.allow_no_delay)
             link.setup()
         except (LinkUnavailable, ValueError) as e:
             raise SystemExit(f"flatcomm.bench: --link {a.link}: {e}") from None
         with link:
             meta["link"] = dict(link.info(), spec=a.link)
             _say(f"link: {link.describe()}")
-            return link.run(a.ranks, fn, *args, timeout_s=timeout_s, threads=a.threads)
+            return link.run(link.world if nodes else a.ranks, fn, *args, timeout_s=timeout_s,
+                            threads=a.threads)
     from flatcomm import spawn
 
     meta["link"] = None
@@ -163,9 +175,68 @@ def table_kernels(results: List[dict]) -> str:
 # ---- collectives -------------------------------------------------------------------------------------
 
 
+def bench_nodes(a: argparse.Namespace, meta: dict) -> List[dict]:
+    """``collectives --nodes``: torch / flat / hierarchical all-reduce with cross-node bytes."""
+    from flatcomm.codecs import CODECS
+
+    if not a.link:
+        raise SystemExit("flatcomm.bench: --nodes needs --link (the nodes are joined by a shaped link)")
+    bn = _bench_module("bench_nodes")
+    sizes = _sizes(a.sizes) if a.sizes else [1 << 20]
+    codecs = _names(a.codecs) if a.codecs else ["fp32", "int8", "int4", "sign"]
+    for c in codecs:
+        if c not in CODECS:
+            raise SystemExit(f"flatcomm.bench: unknown codec {c!r} for --nodes (one of {', '.join(CODECS)})")
+    paths = _names(a.paths)
+    for p in paths:
+        if p not in ("torch", "flat", "hierarchical"):
+            raise SystemExit(f"flatcomm.bench: unknown path {p!r} (torch, flat, hierarchical)")
+    if "hierarchical" in paths and not bn.hierarchical_available():
+        _say("this flatcomm has no two-level all-reduce (flatcomm.Topology): hierarchical rows skipped")
+    cfg = dict(sizes=sizes, codecs=codecs, paths=paths, reps=3 if a.quick else a.reps, warmup=1)
+    meta["config"] = cfg
+    meta["world"] = a.nodes * a.ranks_per_node
+    _say(f"collectives: {a.nodes} nodes x {a.ranks_per_node} ranks, sizes {sizes}, codecs {codecs}, paths {paths}")
+    rows = _run_ranks(a, meta, bn._rank_main, cfg, timeout_s=a.timeout)[0]
+    base = {r["numel"]: r for r in rows if r["path"] == "torch"}
+    flat = {(r["numel"], r["codec"]): r for r in rows if r["path"] == "flat"}
+    for r in rows:
+        r.update(name=f"{r['path']}-{r['codec']}", step_s=r["time_s"], comm_s=r["time_s"],
+                 wire_bytes=int(r["cross_node_bytes"]), wire_estimated=False)
+        t = base.get(r["numel"])
+        if t is not None:
+            r["time_vs_torch"] = r["time_s"] / t["time_s"]
+            r["bytes_vs_torch"] = r["cross_node_bytes"] / max(t["cross_node_bytes"], 1.0)
+        f = flat.get((r["numel"], r["codec"]))
+        if f is not None and r["path"] == "hierarchical":
+            r["time_vs_flat"] = r["time_s"] / f["time_s"]
+            r["bytes_vs_flat"] = r["cross_node_bytes"] / max(f["cross_node_bytes"], 1.0)
+    return rows
+
+
+def table_nodes(results: List[dict]) -> str:
+    hdr = (f"{'size':>8} {'path':<13} {'codec':<6} {'time ms':>9} {'MB left node':>12} {'t/torch':>8} "
+           f"{'B/torch':>8} {'t/flat':>7} {'B/flat':>7}")
+    lines = [hdr, "-" * len(hdr)]
+
+    def f(r, k, w):
+        return f"{r[k]:{w}.3f}" if k in r else f"{'-':>{w}}"
+
+    for r in results:
+        lines.append(f"{4 * r['numel'] / 1e6:7.3g}M {r['path']:<13} {r['codec']:<6} {r['time_s'] * 1e3:9.1f} "
+                     f"{r['cross_node_bytes'] / 1e6:12.2f} {f(r, 'time_vs_torch', 8)} {f(r, 'bytes_vs_torch', 8)} "
+                     f"{f(r, 'time_vs_flat', 7)} {f(r, 'bytes_vs_flat', 7)}")
+    lines.append("size = fp32 input in MB; time = median of the slowest rank; MB left node = bytes the busiest "
+                 "node sent per all-reduce, from its link interface's kernel counters (headers included), median; "
+                 "lossy codecs with error feedback.")
+    return "\n".join(lines)
+
+
 def bench_collectives(a: argparse.Namespace, meta: dict) -> List[dict]:
     from flatcomm.codecs import CODECS
 
+    if a.nodes:
+        return bench_nodes(a, meta)
     bc = _bench_module("bench_collectives")
     if a.quick:
         sizes, codecs, reps, exact, chunk = [1 << 18], ["fp32", "int8", "int4", "sign", "auto"], 3, False, []
@@ -407,7 +478,7 @@ def plot(results: List[dict], command: str, path: str, title: str) -> bool:
         second, xlabel2 = None, None
     else:
         def lab(r):
-            extra = f" {r['collective']} {4 * r['numel'] / 1e6:.3g}MB" if command == "collectives" else ""
+            extra = f" {r.get('collective', 'all_reduce')} {4 * r['numel'] / 1e6:.3g}MB" if command == "collectives" else ""
             return r["name"] + extra
         labels = [lab(r) for r in results]
         values, xlabel = [r["comm_s"] * 1e3 for r in results], "communication ms per step"
@@ -465,6 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--codecs", help="comma separated (default: all)")
     c.add_argument("--reps", type=int, default=5)
     c.add_argument("--no-exact", action="store_true", help="skip mode='exact'")
+    c.add_argument("--nodes", type=int, help="N namespaces ('nodes') of --ranks-per-node ranks each (needs --link)")
+    c.add_argument("--ranks-per-node", type=int, default=1, help="ranks per node with --nodes (default 1)")
+    c.add_argument("--paths", default="torch,flat,hierarchical", help="with --nodes: torch,flat,hierarchical")
 
     d = sub.add_parser("ddp", parents=[common, dist_opts], help="DDP comm hooks: comm time per step")
     d.add_argument("--params", type=float, default=25e6, help="MLP parameters (default 25e6)")
@@ -498,6 +572,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if a.link and a.ranks < 2:
             raise SystemExit("flatcomm.bench: --link needs --ranks >= 2")
         meta["world"] = a.ranks
+        if getattr(a, "nodes", None) is not None:
+            if a.nodes < 2 or a.ranks_per_node < 1:
+                raise SystemExit("flatcomm.bench: --nodes needs at least 2 nodes and --ranks-per-node >= 1")
+            a.ranks = meta["world"] = a.nodes * a.ranks_per_node
     # Backstop bound on the whole command (rank runs have their own, tighter timeouts).
     def _alarm(signum, frame):
         raise TimeoutError(f"flatcomm.bench: gave up after --timeout {a.timeout:g} s (+60 s)")
@@ -524,11 +602,14 @@ def _main(a: argparse.Namespace, meta: Dict[str, Any], t0: float) -> int:
         where = f" on a {L['rate']} link ({L['topology']}{delay})"
     elif a.command != "kernels":
         where = " over loopback"
-    title = f"flatcomm.bench {a.command}: " + (f"{a.ranks} ranks" if a.command != "kernels" else "1 process") + where
+    who = f"{a.ranks} ranks" if a.command != "kernels" else "1 process"
+    if getattr(a, "nodes", None):
+        who = f"{a.nodes} nodes x {a.ranks_per_node} ranks"
+    title = f"flatcomm.bench {a.command}: {who}{where}"
     if a.command == "kernels":
         table = table_kernels(results)
     elif a.command == "collectives":
-        table = table_collectives(results)
+        table = table_nodes(results) if getattr(a, "nodes", None) else table_collectives(results)
     elif a.command == "ddp":
         table = table_ddp(results, meta)
     else:
