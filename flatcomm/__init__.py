@@ -18,6 +18,7 @@ from .codecs import (
 )
 from .sums import exact_exponents, exact_sum, from_exact, ordered_sum, to_exact
 from .collectives import CommStats, ErrorFeedback, all_gather, all_reduce, reduce_scatter
+from .topology import Topology
 
 __version__ = "0.1.0"
 
@@ -34,7 +35,7 @@ def build_info() -> dict:
     return info
 
 
-_SUBMODULES = ("ddp", "fsdp", "reproducible", "reference", "spawn", "netlink")
+_SUBMODULES = ("ddp", "fsdp", "reproducible", "reference", "spawn", "netlink", "hierarchical")
 
 
 def __getattr__(name: str):
@@ -55,6 +56,7 @@ __all__ = [
     "all_reduce",
     "reduce_scatter",
     "Codec",
+    "Topology",
     "build_info",
     "decode",
     "decode_sum",

@@ -604,6 +604,16 @@ def _exact_reduce_scatter(pipe: _Pipeline, src: torch.Tensor, out: torch.Tensor,
 # ---- public API -----------------------------------------------------------------------------------
 
 
+def _topology_group(topology, group):
+    """The group a flat topology runs on (the caller's ``group`` must not contradict it)."""
+    def same(a, b):
+        return (a if a is not None else dist.group.WORLD) is (b if b is not None else dist.group.WORLD)
+
+    if group is not None and not same(group, topology.group):
+        raise ValueError("flatcomm: pass either group= or topology= (the topology has its own group)")
+    return topology.group
+
+
 def _setup(group, codec: CodecLike, mode: str, op: OpLike):
     if mode not in MODES:
         raise ValueError(f"flatcomm: mode must be one of {MODES}, got {mode!r}")
@@ -651,13 +661,24 @@ def reduce_scatter(
     exact_block: int = DEFAULT_EXACT_BLOCK,
     headroom: int = DEFAULT_HEADROOM,
     tuner=None,
+    topology=None,
+    intra_codec: CodecLike = "fp32",
 ) -> Optional[Handle]:
     """Reduce ``input`` (world x ``output.numel()`` values) across ranks; rank r gets shard r.
 
     ``residual`` (fp32, input's numel) turns on error feedback for a lossy ``codec``.
     ``codec="auto"``: ``tuner`` (a :class:`flatcomm.autotune.Tuner`, default one per group) picks
     the codec and chunks per input size, the same on every rank (``Handle.decision``).
+    ``topology`` (a :class:`flatcomm.Topology`): two levels, see :mod:`flatcomm.hierarchical`.
     """
+    if topology is not None:
+        group = _topology_group(topology, group)
+        if not topology.flat:
+            from . import hierarchical
+            return hierarchical.reduce_scatter(
+                output, input, topology, codec=codec, intra_codec=intra_codec, op=op, mode=mode,
+                async_op=async_op, residual=residual, chunks=chunks, stats=stats, validate=validate,
+                exact_block=exact_block, headroom=headroom, tuner=tuner)
     codec, chunks, decision = _resolve_auto(codec, chunks, tuner, input.numel(), group, input.device,
                                             mode, "reduce_scatter")
     c, world, rank, scale = _setup(group, codec, mode, op)
@@ -699,12 +720,22 @@ def all_gather(
     residual: Optional[torch.Tensor] = None,
     stats: Optional[CommStats] = None,
     validate: bool = True,
+    topology=None,
+    intra_codec: CodecLike = "fp32",
 ) -> Optional[Handle]:
     """Gather every rank's ``input`` into ``output`` (world x input numel), in rank order.
 
     With a lossy ``codec`` each rank's input is sent encoded (``residual`` keeps what was not
     sent) and every rank, the sender included, receives the decoded values.
+    ``topology`` (a :class:`flatcomm.Topology`): two levels, see :mod:`flatcomm.hierarchical`.
     """
+    if topology is not None:
+        group = _topology_group(topology, group)
+        if not topology.flat:
+            from . import hierarchical
+            return hierarchical.all_gather(output, input, topology, codec=codec, intra_codec=intra_codec,
+                                           async_op=async_op, residual=residual, stats=stats,
+                                           validate=validate)
     c = resolve(codec)
     world = dist.get_world_size(group)
     src, out = _flat(input, "input"), _flat(output, "output")
@@ -751,6 +782,8 @@ def all_reduce(
     exact_block: int = DEFAULT_EXACT_BLOCK,
     headroom: int = DEFAULT_HEADROOM,
     tuner=None,
+    topology=None,
+    intra_codec: CodecLike = "fp32",
 ) -> Optional[Handle]:
     """All-reduce ``tensor`` in place: reduce-scatter, then all-gather of the reduced shards.
 
@@ -759,7 +792,17 @@ def all_reduce(
     step did not send into the next. ``codec="auto"``: ``tuner`` (default one per group) picks the
     codec and chunks per numel, the same on every rank (``Handle.decision``); a residual works
     with any choice (an fp32 choice adds the client residual once and zeroes it).
+    ``topology`` (a :class:`flatcomm.Topology`): reduce inside the node with ``intra_codec``,
+    exchange ``codec`` across nodes (``residual``: that tier's, see :mod:`flatcomm.hierarchical`).
     """
+    if topology is not None:
+        group = _topology_group(topology, group)
+        if not topology.flat:
+            from . import hierarchical
+            return hierarchical.all_reduce(
+                tensor, topology, codec=codec, intra_codec=intra_codec, op=op, mode=mode,
+                async_op=async_op, residual=residual, chunks=chunks, stats=stats, validate=validate,
+                exact_block=exact_block, headroom=headroom, tuner=tuner)
     codec, chunks, decision = _resolve_auto(codec, chunks, tuner, tensor.numel(), group, tensor.device,
                                             mode, "all_reduce")
     c, world, rank, scale = _setup(group, codec, mode, op)

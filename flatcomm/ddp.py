@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
+from . import ddp_tiers as _tiers
 from .codecs import Codec, resolve
 
 __all__ = ["State", "hook", "register"]
@@ -96,6 +97,7 @@ class _Buf:
     ef: C.ErrorFeedback
     layout: List[Tuple[int, int, int]]  # (id(p), offset, numel) in buffer order
     client_sq: Any = 0.0  # ||client||^2 after the last step, a float64 0-dim tensor once measured
+    carry: Optional[torch.Tensor] = None  # hierarchical: residual brought in, added to the next gradient
 
 
 class State:
@@ -112,6 +114,9 @@ class State:
     track_norms: compute the residual/gradient norms for :meth:`stats` (two dot products over the
         bucket before sending and one norm of each residual after).
     history: how many steps :meth:`stats` keeps.
+    topology: a :class:`flatcomm.Topology`, ``"flat"``, or None (default: from torchrun's
+        ``LOCAL_WORLD_SIZE``, flat when unset; built at the first hook call). Hierarchical: see
+        :mod:`flatcomm.ddp_tiers` for where the residuals live.
     codec="auto": a :class:`flatcomm.autotune.Tuner` (``tuner=``, default error budget int8) picks the
         codec of each bucket at its first hook call; ``decisions`` / ``stats()["decisions"]`` say what
         and why. A parameter that moves (bucket rebuild) from a lossy bucket into one where fp32 was
@@ -121,7 +126,8 @@ class State:
     def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: str = "ordered",
                  group=None, chunks: Optional[int] = None, block_size: Optional[int] = None,
                  ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None,
-                 grad_scaler=None, track_norms: bool = True, history: int = 100, tuner=None):
+                 grad_scaler=None, track_norms: bool = True, history: int = 100, tuner=None,
+                 topology=None):
         if mode not in C.MODES:
             raise ValueError(f"flatcomm: mode must be one of {C.MODES}, got {mode!r}")
         # codec="auto": flatcomm.autotune picks a codec per bucket key at its first hook call (the same
@@ -142,6 +148,8 @@ class State:
         self.chunks = chunks
         self.group = group
         self._dedicated = group is None
+        self._topology_arg = topology
+        self.topology = None  # resolved at the first hook call (creating groups is collective)
         self.model = model
         self.grad_scaler = grad_scaler
         self.track_norms = track_norms
@@ -220,19 +228,19 @@ class State:
         n = bucket.buffer().numel()
         dev = bucket.buffer().device
         ef = C.ErrorFeedback.zeros(n, device=dev)
+        carry = _tiers.new_carry(n, dev) if self._tiered() else None
         scale = self._scale()
         world = dist.get_world_size(self.group)
         names = self._name_map() if self._pending else None
         dropped = set()
         for (pid, off, ln), p in zip(layout, params):
             old = self._where.get(pid)
-            dst = ef.client[off:off + ln]
+            dst = ef.client[off:off + ln] if not self._tiered() else _tiers.carry_slice(carry, off, ln)
             if old is not None:
                 okey, ooff, oln = old
                 ob = self._bufs[okey]
                 # Fold the server residual into the client one: the shard layout changes.
-                torch.add(ob.ef.client[ooff:ooff + oln], ob.ef.server[ooff:ooff + oln], alpha=1.0 / scale,
-                          out=dst)
+                _tiers.fold(ob, ooff, oln, scale, self._tiered(), out=dst)
                 self._refs[okey] -= 1
                 if self._refs[okey] == 0:
                     dropped.add(okey)
@@ -242,7 +250,8 @@ class State:
             self._where[pid] = (key, off, ln)
         for okey in dropped:
             del self._bufs[okey], self._refs[okey]
-        b = _Buf(ef, layout, float(ef.client.square().sum()) if self.track_norms else 0.0)
+        b = _Buf(ef, layout, float(ef.client.square().sum()) if self.track_norms else 0.0,
+                 _tiers.nonzero_or_none(carry))
         self._bufs[key] = b
         self._refs[key] = len(layout)
         return b
@@ -284,8 +293,13 @@ class State:
 
     # ---- the hook --------------------------------------------------------------------------------
 
+    def _tiered(self) -> bool:
+        return self.topology is not None and not self.topology.flat
+
     def _launch(self, bucket) -> torch.futures.Future:
         group = self._ensure_group()
+        if self.topology is None:
+            self.topology = _tiers.resolve_topology(self._topology_arg, group)
         if self._new_step:
             self._new_step = False
             if self.grad_scaler is not None and self.error_feedback:
@@ -309,6 +323,8 @@ class State:
             res = self._buffer_for(bucket)
         elif self.error_feedback and self._carries(bucket):
             res = self._flush_into_lossless(bucket)
+        if self._tiered():
+            _tiers.add_carry(tensor, res)
         kwargs = {}
         if _HAS_VALIDATE:  # the consistency round trip only for a bucket layout not seen before
             kwargs["validate"] = key not in self._seen
@@ -327,14 +343,20 @@ class State:
                     v = v + 2.0 * flat.dot(res.ef.client).double() + res.client_sq
                 v_sq.append(v)
 
-            C._submit(group, tensor.device, pre)  # CUDA: on the all-reduce's side stream, in order
+            if self._tiered():
+                _tiers.submit(self.topology, pre)
+            else:
+                C._submit(group, tensor.device, pre)  # CUDA: on the all-reduce's side stream, in order
         cs = C.CommStats()
         with self._cond:
             self._inflight += 1
         try:
-            h = C.all_reduce(tensor, codec=codec, op="avg", mode=self.mode, group=group, async_op=True,
-                             residual=res.ef if res is not None else None, chunks=chunks, stats=cs,
-                             **kwargs)
+            if self._tiered():
+                h = _tiers.all_reduce(tensor, self.topology, codec, self.mode, res, chunks, cs, kwargs)
+            else:
+                h = C.all_reduce(tensor, codec=codec, op="avg", mode=self.mode, group=group, async_op=True,
+                                 residual=res.ef if res is not None else None, chunks=chunks, stats=cs,
+                                 **kwargs)
         except BaseException:
             self._finished()
             raise
@@ -436,6 +458,7 @@ class State:
                 "decisions": [{"codec": d.codec, "chunks": d.chunks, "reason": d.reason,
                                "predicted_s": dict(d.predicted_s)} for d in self.decisions.values()],
                 "world_size": dist.get_world_size(self.group) if self.group is not None else None,
+                "topology": self.topology.describe() if self.topology is not None else None,
                 "steps": out}
 
     # ---- checkpoints -----------------------------------------------------------------------------
@@ -457,8 +480,7 @@ class State:
             parts = []
             for n, p in entries:
                 key, off, ln = self._where[id(p)]
-                ef = self._bufs[key].ef
-                parts.append(ef.client[off:off + ln] * scale + ef.server[off:off + ln])
+                parts.append(_tiers.total(self._bufs[key], off, ln, scale, self._tiered()))
             flat = torch.cat(parts) if parts else torch.zeros(0)
             C.all_reduce(flat, codec="fp32", op="sum", mode="ordered", group=group)
             for (n, p), t in zip(entries, torch.split(flat, [p.numel() for _, p in entries])):
