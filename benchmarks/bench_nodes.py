@@ -38,6 +38,15 @@ def hierarchical_available() -> bool:
     return hasattr(flatcomm, "Topology") and "topology" in inspect.signature(C.all_reduce).parameters
 
 
+def _residual_numel(numel: int, codec: str, topology) -> int:
+    """Error feedback covers the whole tensor flat, this rank's intra-node shard hierarchical."""
+    if topology is None:
+        return numel
+    from flatcomm import hierarchical
+
+    return hierarchical.shard_numel(numel, topology, codec)
+
+
 def _bracket(fn: Callable[[], None], nodes: int, local_rank: int, node: int) -> tuple:
     """(slowest rank's seconds, bytes each node sent) for one call of ``fn``."""
     dist.barrier()
@@ -114,8 +123,8 @@ def _rank_main(rank: int, world: int, cfg: dict) -> Optional[List[Dict]]:
                 continue
             for codec in cfg["codecs"]:
                 lossy = not Codec(codec).lossless
-                ef = C.ErrorFeedback.zeros(numel) if lossy else None
                 kw = {"topology": topology} if path == "hierarchical" else {}
+                ef = C.ErrorFeedback.zeros(_residual_numel(numel, codec, topology if kw else None)) if lossy else None
                 st = C.CommStats()
                 copy_in()
                 C.all_reduce(work, codec=codec, residual=ef, stats=st, **kw)  # also warms the pools
