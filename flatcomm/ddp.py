@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from . import collectives as C
 from . import ddp_tiers as _tiers
+from .autotune import BACKEND as _BACKEND
 from .codecs import Codec, resolve
 
 __all__ = ["State", "hook", "register"]
@@ -133,6 +134,7 @@ class State:
         # codec="auto": flatcomm.autotune picks a codec per bucket key at its first hook call (the same
         # on every rank); self.decisions[key] holds the Decision (codec, chunks, reason, predicted_s).
         self._auto = isinstance(codec, str) and codec == "auto"
+        self._open = False  # auto may hand buckets to the backend's all-reduce (register() without mode=)
         self._block_size = block_size
         self.decisions: Dict[Tuple[int, ...], Any] = {}
         if self._auto:
@@ -315,8 +317,11 @@ class State:
             d = self.decisions.get(key)
             if d is None:  # pure given the (MAX-agreed) costs: every rank picks the same
                 d = self.decisions[key] = self.tuner.choose(tensor.numel(), key=f"bucket{index}", group=group,
-                                                            device=tensor.device)
-            codec = resolve(d.codec, self._block_size)
+                                                            device=tensor.device, deterministic=not self._open)
+            if d.codec == _BACKEND and not (self.error_feedback and self._carries(bucket)):
+                return self._backend(tensor, step, index)
+            # (a bucket still carrying residuals from a lossy one sends them once through fp32)
+            codec = resolve("fp32" if d.codec == _BACKEND else d.codec, self._block_size)
             chunks = chunks or d.chunks
         res = None
         if self.error_feedback and not codec.lossless:
@@ -374,6 +379,37 @@ class State:
 
         fut.add_done_callback(record)  # runs on the worker thread; does not block
         return fut
+
+    def _backend(self, tensor: torch.Tensor, step: int, index: int) -> torch.futures.Future:
+        """codec="auto" chose the backend's own all-reduce: exactly torch's default hook (divide,
+        ``dist.all_reduce`` on DDP's group, its future), plus a statistics record."""
+        pg = self._ddp_group()
+        world = dist.get_world_size(pg)
+        t0 = time.perf_counter()
+        with self._cond:
+            self._inflight += 1
+        try:
+            tensor.div_(world)
+            fut = dist.all_reduce(tensor, group=pg, async_op=True).get_future()
+        except BaseException:
+            self._finished()
+            raise
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            try:
+                out = f.value()[0]
+                ring = int(2 * (world - 1) * 4 * tensor.numel() // world)
+                with self._lock:
+                    self._records.append({"step": step, "bucket": index, "numel": tensor.numel(),
+                                          "codec": _BACKEND, "wire_bytes": ring, "fp32_bytes": ring,
+                                          "encode_s": 0.0, "exchange_s": time.perf_counter() - t0,
+                                          "decode_s": 0.0, "comm_s": time.perf_counter() - t0,
+                                          "client_residual_norm": 0.0, "server_residual_norm": 0.0})
+                return out
+            finally:
+                self._finished()
+
+        return fut.then(done)
 
     def _finished(self) -> None:
         with self._cond:
@@ -526,9 +562,18 @@ def hook(state: State, bucket: "dist.GradBucket") -> torch.futures.Future:
 hook.__annotations__ = {"state": State, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
 
 
-def register(ddp_model, codec: Any = "int8", *, error_feedback: bool = True, mode: str = "ordered",
+def register(ddp_model, codec: Any = "int8", *, error_feedback: bool = True, mode: Optional[str] = None,
              **opts) -> State:
-    """Create a :class:`State` that knows ``ddp_model`` and register :func:`hook` on it."""
-    state = State(codec, error_feedback=error_feedback, mode=mode, model=ddp_model, **opts)
+    """Create a :class:`State` that knows ``ddp_model`` and register :func:`hook` on it.
+
+    ``mode``: None (the default) means the caller did not ask for determinism: fixed codecs run
+    ``"ordered"`` (flatcomm's sums are the same bits every run anyway), and ``codec="auto"`` may
+    also hand a bucket to the backend's own all-reduce (torch's default hook: gloo's / NCCL's
+    algorithm, whose bits flatcomm does not control) where that is predicted fastest, so auto
+    never costs more than the default hook beyond the model's error. ``mode="ordered"`` or
+    ``"exact"`` asks for determinism: auto then chooses among flatcomm's own collectives only.
+    """
+    state = State(codec, error_feedback=error_feedback, mode=mode or "ordered", model=ddp_model, **opts)
+    state._open = state._auto and mode is None
     ddp_model.register_comm_hook(state, hook)
     return state
