@@ -132,3 +132,89 @@ def _rank_main(rank: int, world: int, cfg: dict) -> Optional[List[Dict]]:
                     {"error_feedback": lossy, "self_reported_wire_bytes": st.wire_bytes})
         del x, work
     return rows if rank == 0 else None
+
+
+# ---- probes for the scaling model (flatcomm.costmodel) ------------------------------------------
+
+
+def _fit(sizes, times):
+    """(latency s, bytes/s) of ``t = latency + bytes / rate`` through the smallest and largest size."""
+    (b0, t0), (b1, t1) = (sizes[0], times[0]), (sizes[-1], times[-1])
+    rate = (b1 - b0) / (t1 - t0) if t1 > t0 else b1 / max(t1, 1e-9)
+    return max(0.0, t0 - b0 / rate), rate
+
+
+def _a2a_time(nbytes: int, group, members: int, reps: int) -> float:
+    per = max(1, nbytes // 4 // members)
+    send, recv = torch.zeros(per * members), torch.empty(per * members)
+    best = float("inf")
+    for _ in range(reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if group is not None:
+            dist.all_to_all_single(recv, send, group=group)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        best = min(best, float(dt))
+    return best
+
+
+def probe_rank(rank: int, world: int, cfg: dict) -> Optional[Dict]:
+    """Tier latency and bandwidth on this harness. Inter: an all-to-all among the first rank of every
+    node (the others idle), bytes = what one node sends. Intra: an all-to-all inside every node at
+    once (each rank sends (G-1)/G of the buffer), bytes = what one rank sends."""
+    g = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    nodes, node, lr = world // g, rank // g, rank % g
+    leaders = dist.new_group(list(range(0, world, g)))
+    mine = None
+    for k in range(nodes):
+        grp = dist.new_group(list(range(k * g, (k + 1) * g))) if g > 1 else None
+        if k == node:
+            mine = grp
+    small, large, reps = cfg.get("small", 64 << 10), cfg.get("large", 16 << 20), cfg.get("reps", 2)
+    out = {}
+    if nodes > 1:
+        t = [_a2a_time(b, leaders if lr == 0 else None, nodes, reps) for b in (small, large)]
+        sent = [b * (nodes - 1) / nodes for b in (small, large)]
+        out["inter"] = _fit(sent, t)
+    if g > 1:
+        t = [_a2a_time(b, mine, g, reps) for b in (small, large)]
+        sent = [b * (g - 1) / g for b in (small, large)]
+        out["intra"] = _fit(sent, t)
+    return out if rank == 0 else None
+
+
+def kernel_costs(codecs, numel: int = 1 << 22, world: int = 2, reps: int = 3) -> Dict:
+    """Seconds per fp32 value, one thread, of the compute in one rank's flat all-reduce per codec
+    (encode + error feedback of the input, decode-sum of ``world`` rows of a shard with the re-encode
+    and its residual, decode of the gathered payloads), and of a plain add (the ring's reduction)."""
+    import flatcomm
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(numel, generator=gen)
+    shard = numel // world
+
+    def best(fn):
+        b = float("inf")
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            fn()
+            b = min(b, time.perf_counter() - t0)
+        return b
+
+    out = {}
+    for c in codecs:
+        lossy = not Codec(c).lossless
+        r, rs = torch.zeros(numel), torch.zeros(shard)
+        payload = flatcomm.encode(x, c, residual=r if lossy else None)
+        srows = flatcomm.encode(x[:shard], c).unsqueeze(0).expand(world, -1).contiguous()
+        t = best(lambda: flatcomm.decode_sum(srows, c, shard, scale=1.0 / world))
+        if lossy:  # fp32 sends the input as it is and gathers into the tensor: the sum is all
+            t += best(lambda: flatcomm.encode(x, c, residual=r))
+            t += best(lambda: flatcomm.encode(x[:shard], c, residual=rs))
+            t += best(lambda: flatcomm.decode(payload, c, numel))
+        out[c] = t / numel
+    a, b = torch.randn(numel, generator=gen), torch.randn(numel, generator=gen)
+    out_add = best(lambda: torch.add(a, b, out=a)) / numel
+    return {"codec_s": out, "reduce_s": out_add, "numel": numel, "threads": 1}

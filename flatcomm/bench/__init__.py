@@ -41,7 +41,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional
 
-COMMANDS = ("kernels", "collectives", "ddp", "fsdp")
+COMMANDS = ("kernels", "collectives", "ddp", "fsdp", "scale")
 # Issue targets: DDP communication time per step relative to torch's fp32 all-reduce hook, on the
 # 1 Gbit/s link (issue #1) and over loopback (issue #3); other links have none.
 DDP_TARGETS = {"int8": 0.30, "int4": 0.17, "sign": 0.08}
@@ -289,6 +289,151 @@ def table_collectives(results: List[dict]) -> str:
                  "one rank sends (~ = gloo's nominal ring volume); vs torch = time / gloo's fp32 collective of the "
                  "same kind; chunks aN = automatic.")
     return "\n".join(lines)
+
+
+# ---- scale: the alpha-beta model, validated on the harness and projected -------------------------------
+
+# Stated projection parameters (override on the command line): 8 x 400 Gbit/s NICs per node, NVLink
+# 900 GB/s per GPU, and a GPU pipeline throughput assumed until benchmarks/gpu_check.sh measures one.
+PROJECT_INTER_GBPS = 8 * 400 / 8
+PROJECT_INTRA_GBPS = 900.0
+PROJECT_INTER_LATENCY_US = 10.0
+PROJECT_INTRA_LATENCY_US = 3.0
+PROJECT_GPU_GBPS = 1000.0  # fp32 input bytes/s of one GPU's whole flat pipeline per codec (assumed)
+PROJECT_GPU_REDUCE_GBPS = 3000.0  # fp32 adds (HBM bound, assumed)
+
+
+def _probe_cluster(spec: str, nodes: int, g: int, kern: dict, timeout: float):
+    """A :class:`flatcomm.costmodel.Cluster` for ``nodes`` x ``g`` ranks on a ``spec`` link of this
+    machine: tiers from a probe on the harness, compute from ``kern``, shared cores."""
+    from flatcomm import costmodel as M
+    from flatcomm.netlink import Link
+
+    bn = _bench_module("bench_nodes")
+    with Link(nodes, spec, ranks_per_node=g) as link:
+        _say(f"probe: {link.describe()}")
+        tiers = link.run(link.world, bn.probe_rank, {}, timeout_s=timeout, echo=False)[0]
+    inter = M.Tier(*tiers["inter"])
+    intra = M.Tier(*tiers["intra"]) if "intra" in tiers else M.Tier(0.0, float("inf"))
+    share = min(1.0, (os.cpu_count() or 1) / (nodes * g))
+    return M.Cluster(nodes, g, inter, intra, kern["codec_s"], kern["reduce_s"], share)
+
+
+def bench_scale(a: argparse.Namespace, meta: dict) -> List[dict]:
+    from flatcomm import costmodel as M
+
+    bn = _bench_module("bench_nodes")
+    codecs = _names(a.codecs) if a.codecs else ["fp32", "int8", "int4", "sign"]
+    out: List[dict] = []
+    if a.measured:
+        _say("kernel probe (1 thread) for the model's compute")
+        kern = bn.kernel_costs(codecs, parse_size(a.kernel_numel))
+        meta["kernels"] = kern
+        clusters = {}
+        for path in _names(a.measured):
+            with open(path) as fh:
+                doc = json.load(fh)
+            L = doc.get("link") or {}
+            nodes, g = L.get("nodes"), L.get("ranks_per_node")
+            if not nodes or not g:
+                raise SystemExit(f"flatcomm.bench scale: {path} is not a `collectives --nodes` result")
+            key = (L["spec"], nodes, g)
+            if key not in clusters:
+                clusters[key] = _probe_cluster(L["spec"], nodes, g, kern, a.timeout)
+                meta.setdefault("probes", []).append(dict(clusters[key].describe(), link=L["spec"]))
+            cl = clusters[key]
+            for r in doc["results"]:
+                if r["codec"] not in cl.codec_s:
+                    continue
+                model = M.predict(cl, r["path"], r["numel"], r["codec"])
+                out.append({"kind": "validation", "source": path, "nodes": nodes, "ranks_per_node": g,
+                            "path": r["path"], "codec": r["codec"], "numel": r["numel"],
+                            "measured_s": r["time_s"], "model_s": model, "ratio": r["time_s"] / model,
+                            "within_25pct": abs(r["time_s"] / model - 1) <= 0.25})
+    g = a.project_gpus
+    gpu = {c: 4.0 / (a.gpu_gbps * 1e9) for c in codecs}
+    meta["projection"] = {"ranks_per_node": g, "inter_GBps_per_node": a.inter_gbps, "intra_GBps": a.intra_gbps,
+                          "inter_latency_us": a.inter_latency_us, "intra_latency_us": a.intra_latency_us,
+                          "gpu_pipeline_GBps": a.gpu_gbps, "gpu_reduce_GBps": a.gpu_reduce_gbps,
+                          "gpu_figures": "assumed (not yet measured by benchmarks/gpu_check.sh)"}
+    n = 1
+    while n <= a.project_nodes:
+        cl = M.Cluster(n, g, M.Tier(a.inter_latency_us * 1e-6, a.inter_gbps * 1e9),
+                       M.Tier(a.intra_latency_us * 1e-6, a.intra_gbps * 1e9), gpu, 4.0 / (a.gpu_reduce_gbps * 1e9))
+        for numel in _sizes(a.project_sizes):
+            out.append({"kind": "projection", "nodes": n, "ranks_per_node": g, "path": "torch", "codec": "fp32",
+                        "numel": numel, "model_s": M.ring(cl, numel)})
+            for path in ("flat", "hierarchical"):
+                for c in codecs:
+                    out.append({"kind": "projection", "nodes": n, "ranks_per_node": g, "path": path, "codec": c,
+                                "numel": numel, "model_s": M.predict(cl, path, numel, c)})
+        n *= 2
+    for r in out:  # the generic fields the JSON and plots of the other commands have
+        r.update(name=f"{r['path']}-{r['codec']}", step_s=r.get("measured_s", r["model_s"]),
+                 comm_s=r.get("measured_s", r["model_s"]), wire_bytes=None)
+    return out
+
+
+def table_scale(results: List[dict]) -> str:
+    lines = []
+    val = [r for r in results if r["kind"] == "validation"]
+    if val:
+        hdr = f"{'N x G':>6} {'size':>8} {'path':<13} {'codec':<6} {'measured ms':>11} {'model ms':>9} {'meas/model':>10}"
+        lines += ["validation (harness vs model)", hdr, "-" * len(hdr)]
+        for r in val:
+            lines.append(f"{r['nodes']}x{r['ranks_per_node']:<4} {4 * r['numel'] / 1e6:7.3g}M {r['path']:<13} "
+                         f"{r['codec']:<6} {r['measured_s'] * 1e3:11.1f} {r['model_s'] * 1e3:9.1f} {r['ratio']:10.2f}"
+                         + ("" if r["within_25pct"] else "  (outside +-25%)"))
+        lines.append("")
+    proj = [r for r in results if r["kind"] == "projection"]
+    for numel in sorted({r["numel"] for r in proj}):
+        rows = [r for r in proj if r["numel"] == numel]
+        cols = []
+        for r in rows:
+            if (r["path"], r["codec"]) not in cols:
+                cols.append((r["path"], r["codec"]))
+        names = ["torch" if p == "torch" else f"{p[:4]} {c}" for p, c in cols]
+        hdr = f"{'nodes':>5} " + " ".join(f"{nm:>10}" for nm in names)
+        lines += [f"projection: all-reduce of {4 * numel / 1e6:.4g} MB fp32, ms, G = {rows[0]['ranks_per_node']}",
+                  hdr, "-" * len(hdr)]
+        for n in sorted({r["nodes"] for r in rows}):
+            by = {(r["path"], r["codec"]): r["model_s"] for r in rows if r["nodes"] == n}
+            lines.append(f"{n:>5} " + " ".join(f"{by[k] * 1e3:10.3f}" for k in cols))
+    return "\n".join(lines)
+
+
+def plot_scale(results: List[dict], path: str, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"flatcomm.bench: --plot needs matplotlib; no plot written to {path}", file=sys.stderr)
+        return False
+    proj = [r for r in results if r["kind"] == "projection"]
+    numel = max(r["numel"] for r in proj)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in [("torch", "fp32"), ("flat", "int8"), ("flat", "sign"), ("hierarchical", "fp32"),
+                ("hierarchical", "int8"), ("hierarchical", "int4"), ("hierarchical", "sign")]:
+        pts = sorted((r["nodes"], r["model_s"] * 1e3) for r in proj
+                     if (r["path"], r["codec"]) == key and r["numel"] == numel)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+                    label="torch ring fp32" if key[0] == "torch" else f"{key[0]} {key[1]}",
+                    ls="--" if key[0] == "flat" else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"nodes (x {proj[0]['ranks_per_node']} GPUs)")
+    ax.set_ylabel(f"all-reduce of {4 * numel / 1e6:.4g} MB, ms (model)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 # ---- DDP ------------------------------------------------------------------------------------------------
@@ -550,6 +695,21 @@ def build_parser() -> argparse.ArgumentParser:
                                    "torch-powersgd-r1, torch-powersgd-r4, fp32, bf16, int8, int4, sign, auto "
                                    "(default all; auto's error budget is sign)")
 
+    sc = sub.add_parser("scale", parents=[common], help="alpha-beta model: validate on the harness, project")
+    sc.add_argument("--measured", help="JSON files of `collectives --nodes` runs to validate against (comma separated)")
+    sc.add_argument("--codecs", help="comma separated (default fp32,int8,int4,sign)")
+    sc.add_argument("--kernel-numel", default="4M", help="values for the kernel probe (default 4M)")
+    sc.add_argument("--project-nodes", type=int, default=128)
+    sc.add_argument("--project-gpus", type=int, default=8, help="GPUs per node in the projection")
+    sc.add_argument("--project-sizes", default="25M", help="fp32 values per all-reduce (default 25M)")
+    sc.add_argument("--inter-gbps", type=float, default=PROJECT_INTER_GBPS, help="GB/s a node sends (default 8 x 400 Gbit/s)")
+    sc.add_argument("--intra-gbps", type=float, default=PROJECT_INTRA_GBPS, help="GB/s per GPU inside a node (NVLink)")
+    sc.add_argument("--inter-latency-us", type=float, default=PROJECT_INTER_LATENCY_US)
+    sc.add_argument("--intra-latency-us", type=float, default=PROJECT_INTRA_LATENCY_US)
+    sc.add_argument("--gpu-gbps", type=float, default=PROJECT_GPU_GBPS,
+                    help="fp32 input GB/s of one GPU's flat pipeline per codec (assumed until measured)")
+    sc.add_argument("--gpu-reduce-gbps", type=float, default=PROJECT_GPU_REDUCE_GBPS)
+
     f = sub.add_parser("fsdp", parents=[common, dist_opts], help="FSDP2 reduce-scatter: default vs codecs")
     f.add_argument("--codecs", help="comma separated, 'default' = FSDP's own (default: default,fp32,int8,int4,sign,auto)")
     f.add_argument("--steps", type=int, default=0, help="timed steps (default 8)")
@@ -566,7 +726,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     meta: Dict[str, Any] = {"command": a.command, "argv": list(sys.argv[1:] if argv is None else argv),
                             "torch": torch.__version__, "build": flatcomm.build_info()}
-    if a.command != "kernels":
+    if a.command not in ("kernels", "scale"):
         if a.ranks < 1:
             raise SystemExit("flatcomm.bench: --ranks must be >= 1")
         if a.link and a.ranks < 2:
@@ -591,7 +751,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _main(a: argparse.Namespace, meta: Dict[str, Any], t0: float) -> int:
-    runner = {"kernels": bench_kernels, "collectives": bench_collectives, "ddp": bench_ddp, "fsdp": bench_fsdp}
+    runner = {"kernels": bench_kernels, "collectives": bench_collectives, "ddp": bench_ddp, "fsdp": bench_fsdp,
+              "scale": bench_scale}
     results = runner[a.command](a, meta)
     where = ""
     if meta.get("link"):
@@ -600,9 +761,11 @@ def _main(a: argparse.Namespace, meta: Dict[str, Any], t0: float) -> int:
         if L["delay_s"]:
             delay = f", delay {L['delay_s'] * 1e3:g} ms" + ("" if L["delay_applied"] else " NOT applied (no netem)")
         where = f" on a {L['rate']} link ({L['topology']}{delay})"
-    elif a.command != "kernels":
+    elif a.command not in ("kernels", "scale"):
         where = " over loopback"
-    who = f"{a.ranks} ranks" if a.command != "kernels" else "1 process"
+    who = f"{a.ranks} ranks" if a.command not in ("kernels", "scale") else "1 process"
+    if a.command == "scale":
+        who = "alpha-beta model"
     if getattr(a, "nodes", None):
         who = f"{a.nodes} nodes x {a.ranks_per_node} ranks"
     title = f"flatcomm.bench {a.command}: {who}{where}"
@@ -612,6 +775,8 @@ def _main(a: argparse.Namespace, meta: Dict[str, Any], t0: float) -> int:
         table = table_nodes(results) if getattr(a, "nodes", None) else table_collectives(results)
     elif a.command == "ddp":
         table = table_ddp(results, meta)
+    elif a.command == "scale":
+        table = table_scale(results)
     else:
         table = table_fsdp(results)
     print()
@@ -627,6 +792,9 @@ def _main(a: argparse.Namespace, meta: Dict[str, Any], t0: float) -> int:
         with open(a.json, "w") as fh:
             json.dump(doc, fh, indent=1, default=str)
         print(f"wrote {a.json}")
-    if a.plot and plot(results, a.command, a.plot, title):
+    if a.plot and a.command == "scale":
+        if plot_scale(results, a.plot, title):
+            print(f"wrote {a.plot}")
+    elif a.plot and plot(results, a.command, a.plot, title):
         print(f"wrote {a.plot}")
     return 0
