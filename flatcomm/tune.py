@@ -1,12 +1,14 @@
 """The codec autotuner as a tool: measure the cost model on N ranks and print the decision table.
 
     python -m flatcomm.tune [--ranks N] [--link RATE] [--budget int8] [--sizes 64K,1M,25M]
-                            [--collective all_reduce|reduce_scatter] [--json PATH]
+                            [--collective all_reduce|reduce_scatter] [--json PATH] [--save PROFILE]
 
 Each size gets a row: the chosen codec and chunk count, the predicted milliseconds of every codec in
 the budget and the reason; the last line is a ``pinned={...}`` dict (numel ranges) ready to paste
 into ``Tuner(pinned=...)``. ``--link`` runs the ranks behind a shaped link (:mod:`flatcomm.netlink`,
-root only); without it they talk over loopback (:mod:`flatcomm.spawn`).
+root only); without it they talk over loopback (:mod:`flatcomm.spawn`). ``--save profile.json`` writes
+the measured cost model as a profile: ``Tuner(profile="profile.json")`` then makes the same
+decisions on every run, without measuring.
 
 The engine lives in :mod:`flatcomm.autotune` (``Tuner``, ``decide``, ``measure``, ...); its names
 are re-exported here for backward compatibility.
@@ -21,7 +23,7 @@ import sys
 from typing import List, Optional, Sequence
 
 from .autotune import (KINDS, PRECISION, CostModel, Decision, Tuner, allowed, decide, measure,  # noqa: F401
-                       predict, tuner_for)
+                       predict, save_profile, tuner_for)
 
 __all__ = ["PRECISION", "CostModel", "Decision", "Tuner", "allowed", "decide", "measure", "predict",
            "tuner_for", "main", "pinned_ranges"]
@@ -73,6 +75,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--json", metavar="PATH", help="write costs, decisions and pinned as JSON")
+    ap.add_argument("--save", metavar="PROFILE", help="write the measured costs as a profile for Tuner(profile=...)")
     a = ap.parse_args(argv)
     sizes = [_parse_size(s) for s in a.sizes.split(",") if s.strip()]
     if a.ranks < 2:
@@ -104,6 +107,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(_table(sizes, decisions, a.budget))
     pinned = pinned_ranges(sizes, [d.codec for d in decisions])
     print(f"pinned={pinned!r}")
+    if a.save:
+        save_profile(a.save, costs, world=a.ranks, link=a.link, budget=a.budget,
+                     measured_on="a {} link".format(a.link) if a.link else "loopback")
+        print(f"wrote profile {a.save}: flatcomm.autotune.Tuner(profile={a.save!r})")
     if a.json:
         doc = {"ranks": a.ranks, "link": a.link, "budget": a.budget, "collective": a.collective,
                "costs": dataclasses.asdict(costs),
