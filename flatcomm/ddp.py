@@ -107,7 +107,8 @@ class State:
     codec: ``fp32`` (lossless, ordered sum), ``bf16``/``fp16``, ``int8``, ``int4``, ``sign``, ``topk``
     or a :class:`flatcomm.Codec`; ``block_size`` / ``ratio`` override its parameters.
     error_feedback: keep client/server residuals for lossy codecs.
-    mode: ``ordered`` or ``exact`` (fp32 only, rank-count independent bits).
+    mode: ``ordered`` or ``exact`` (fp32 only, rank-count independent bits); None (default): not
+        asked, i.e. ``ordered``, and ``codec="auto"`` may use the backend's all-reduce (see register).
     group: process group for flatcomm's traffic (default: a dedicated copy of DDP's group).
     chunks: pipeline chunks per all-reduce (default: automatic).
     model: the DDP model (or its module), for parameter names in checkpoints; :func:`register` sets it.
@@ -124,17 +125,19 @@ class State:
         chosen brings its residual along: it is added once to that bucket's lossless all-reduce.
     """
 
-    def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: str = "ordered",
+    def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: Optional[str] = None,
                  group=None, chunks: Optional[int] = None, block_size: Optional[int] = None,
                  ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None,
                  grad_scaler=None, track_norms: bool = True, history: int = 100, tuner=None,
                  topology=None):
+        # mode None: the caller did not ask for determinism (see register()); fixed codecs run ordered
+        self._open = mode is None and isinstance(codec, str) and codec == "auto"
+        mode = "ordered" if mode is None else mode
         if mode not in C.MODES:
             raise ValueError(f"flatcomm: mode must be one of {C.MODES}, got {mode!r}")
         # codec="auto": flatcomm.autotune picks a codec per bucket key at its first hook call (the same
         # on every rank); self.decisions[key] holds the Decision (codec, chunks, reason, predicted_s).
         self._auto = isinstance(codec, str) and codec == "auto"
-        self._open = False  # auto may hand buckets to the backend's all-reduce (register() without mode=)
         self._block_size = block_size
         self.decisions: Dict[Tuple[int, ...], Any] = {}
         if self._auto:
@@ -573,7 +576,6 @@ def register(ddp_model, codec: Any = "int8", *, error_feedback: bool = True, mod
     never costs more than the default hook beyond the model's error. ``mode="ordered"`` or
     ``"exact"`` asks for determinism: auto then chooses among flatcomm's own collectives only.
     """
-    state = State(codec, error_feedback=error_feedback, mode=mode or "ordered", model=ddp_model, **opts)
-    state._open = state._auto and mode is None
+    state = State(codec, error_feedback=error_feedback, mode=mode, model=ddp_model, **opts)
     ddp_model.register_comm_hook(state, hook)
     return state

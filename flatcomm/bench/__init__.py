@@ -448,6 +448,8 @@ def _ddp_name(hook: str) -> str:
 
 def bench_ddp(a: argparse.Namespace, meta: dict) -> List[dict]:
     bd = _bench_module("bench_ddp")
+    if a.nodes and not a.link:
+        raise SystemExit("flatcomm.bench: --nodes needs --link (the nodes are joined by a shaped link)")
     back = {_ddp_name(h): h for h in bd.HOOKS}
     hooks = list(bd.HOOKS)
     if a.hooks:
@@ -686,6 +688,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--paths", default="torch,flat,hierarchical", help="with --nodes: torch,flat,hierarchical")
 
     d = sub.add_parser("ddp", parents=[common, dist_opts], help="DDP comm hooks: comm time per step")
+    d.add_argument("--nodes", type=int, help="N namespaces of --ranks-per-node ranks (needs --link); flatcomm "
+                                             "hooks go two-level (topology from LOCAL_WORLD_SIZE)")
+    d.add_argument("--ranks-per-node", type=int, default=1)
     d.add_argument("--params", type=float, default=25e6, help="MLP parameters (default 25e6)")
     d.add_argument("--batch", type=int, default=32)
     d.add_argument("--steps", type=int, default=0, help="timed steps per hook (default 4)")
