@@ -461,7 +461,7 @@ def bench_ddp(a: argparse.Namespace, meta: dict) -> List[dict]:
     for must in ("torch allreduce", "noop"):  # the baselines every ratio needs
         if must not in hooks:
             hooks.insert(0, must)
-    wargs = SimpleNamespace(params=a.params, batch=a.batch, steps=a.steps if a.steps else (4 if not a.quick else 2),
+    wargs = SimpleNamespace(auto_budget=a.auto_budget, params=a.params, batch=a.batch, steps=a.steps if a.steps else (4 if not a.quick else 2),
                             warmup=a.warmup, rounds=a.rounds if a.rounds else (2 if a.link else 3), skip=set())
     if a.quick:
         wargs.rounds = 1
@@ -691,6 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--nodes", type=int, help="N namespaces of --ranks-per-node ranks (needs --link); flatcomm "
                                              "hooks go two-level (topology from LOCAL_WORLD_SIZE)")
     d.add_argument("--ranks-per-node", type=int, default=1)
+    d.add_argument("--auto-budget", help="the auto hook's error budget (default sign; int8 = Tuner's default)")
     d.add_argument("--params", type=float, default=25e6, help="MLP parameters (default 25e6)")
     d.add_argument("--batch", type=int, default=32)
     d.add_argument("--steps", type=int, default=0, help="timed steps per hook (default 4)")
