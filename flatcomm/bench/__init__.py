@@ -429,11 +429,7 @@ def plot_scale(results: List[dict], path: str, title: str) -> bool:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 # ---- DDP ------------------------------------------------------------------------------------------------
@@ -609,6 +605,14 @@ def table_fsdp(results: List[dict]) -> str:
 # ---- output ----------------------------------------------------------------------------------------------
 
 
+def _save(plt, fig, path: str) -> bool:
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plot(results: List[dict], command: str, path: str, title: str) -> bool:
     try:
         import matplotlib
@@ -645,11 +649,7 @@ def plot(results: List[dict], command: str, path: str, title: str) -> bool:
         axes[0][1].invert_yaxis()
         axes[0][1].set_xlabel(xlabel2)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def build_parser() -> argparse.ArgumentParser:
