@@ -7,10 +7,8 @@ flat collectives themselves (exact mode: the same bits flat or hierarchical, any
 """
 from __future__ import annotations
 
-import os
 import random
 import time
-import zlib
 from typing import Dict, List, Tuple
 
 import pytest
@@ -22,6 +20,8 @@ from flatcomm import collectives as C
 from flatcomm import hierarchical as H
 from flatcomm import spawn
 from flatcomm.topology import Topology
+from test_collectives import _with_delays, bits, same_bits
+import test_collectives as TC
 
 WORLD = 4
 G = 2
@@ -31,26 +31,7 @@ Checks = List[Tuple[str, str, bool, str]]
 
 
 def inputs(tag: str, n: int, dtype: torch.dtype = torch.float32, kind: str = "mixed") -> List[torch.Tensor]:
-    xs = []
-    for r in range(WORLD):
-        g = torch.Generator().manual_seed(zlib.crc32(f"{tag}/{r}".encode()))
-        x = torch.randn(n, generator=g)
-        if kind == "mixed":
-            x = x * torch.exp2(torch.randint(-6, 7, (n,), generator=g).float())
-            x[torch.rand(n, generator=g) < 0.03] = 0.0
-        elif kind == "wide":
-            x = x * torch.exp2(torch.randint(-30, 31, (n,), generator=g).float())
-        xs.append(x.to(dtype))
-    return xs
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+    return TC.inputs(tag, WORLD, n, dtype, kind)
 
 
 def gather(t: torch.Tensor) -> List[torch.Tensor]:
@@ -71,39 +52,8 @@ def plan_all_reduce_fp32(xs: List[torch.Tensor], scale: float) -> torch.Tensor:
     return (total * scale if scale != 1.0 else total).to(xs[0].dtype)
 
 
-class _Log:
-    def __init__(self, rank: int):
-        self.rank = rank
-        self.checks: Checks = []
-
-    def add(self, section: str, name: str, ok: bool, msg: str = "") -> None:
-        self.checks.append((section, name, bool(ok), msg))
-
-    def bitwise(self, section: str, name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
-        ok = same_bits(got, ref)
-        msg = ""
-        if not ok and got.shape == ref.shape and got.dtype == ref.dtype:
-            d = (bits(got) != bits(ref)).nonzero().flatten()
-            msg = f"{d.numel()}/{got.numel()} differ; first at {int(d[0])}: {got[d[0]].item()!r} vs {ref[d[0]].item()!r}"
-        elif not ok:
-            msg = f"{got.dtype}{tuple(got.shape)} vs {ref.dtype}{tuple(ref.shape)}"
-        self.add(section, name, ok, msg)
-
-    def same_everywhere(self, section: str, name: str, t: torch.Tensor) -> None:
-        allv = gather(t)
-        self.add(section, name, all(same_bits(allv[0], v) for v in allv[1:]), "ranks hold different bits")
-
-
-def _expect(log: _Log, name: str, exc: type, fn, words: Tuple[str, ...] = ()) -> None:
-    try:
-        fn()
-    except exc as e:
-        log.add("bad_input", f"rank {log.rank}: {name}", all(w in str(e) for w in words), str(e)[:300])
-        return
-    except Exception as e:  # noqa: BLE001
-        log.add("bad_input", f"rank {log.rank}: {name}", False, f"wrong exception {e!r}"[:300])
-        return
-    log.add("bad_input", f"rank {log.rank}: {name}", False, "no exception")
+_Log = TC._Log
+_expect = TC._expect
 
 
 # ---- sections -------------------------------------------------------------------------------------
@@ -190,7 +140,7 @@ def _lossy(log: _Log, rank: int, topo: Topology) -> None:
             bad = ~(err <= bound)
             log.add(s, f"{codec} n={n} within the two-stage bound", not bool(bad.any()),
                     f"{int(bad.sum())} outside; max err/bound {float((err / bound).max()):.3f}")
-            log.same_everywhere(s, f"{codec} n={n} same bits on every rank", t)
+            TC._identical_across_ranks(log, s, f"{codec} n={n} same bits on every rank", t)
             # one-hop across 2 nodes: the other node's piece, then the widest reduced piece
             b = C.shard_bounds(H.shard_numel(n, topo, codec), 2, 256)
             pieces = [flatcomm.wire_bytes(codec, b[k + 1] - b[k]) for k in range(2)]
@@ -202,22 +152,10 @@ def _lossy(log: _Log, rank: int, topo: Topology) -> None:
     xs = inputs("lossy/intra", 5000)
     t = xs[rank].clone()
     C.all_reduce(t, codec="int8", intra_codec="bf16", topology=topo)
-    log.same_everywhere(s, "intra bf16 + inter int8: same bits on every rank", t)
+    TC._identical_across_ranks(log, s, "intra bf16 + inter int8: same bits on every rank", t)
     ref = sum(x.double() for x in xs) / WORLD
     rel = float((t.double() - ref).abs().max() / ref.abs().max())
     log.add(s, "intra bf16 + inter int8: close to the mean", rel < 0.05, f"rel err {rel:.3g}")
-
-
-def _with_delays(seed: int, max_s: float):
-    rng = random.Random(seed)
-    orig = C._Pipeline.wait
-
-    def wait(self, work):
-        time.sleep(rng.random() * max_s)
-        orig(self, work)
-
-    C._Pipeline.wait = wait
-    return lambda: setattr(C._Pipeline, "wait", orig)
 
 
 def _determinism(log: _Log, rank: int, topo: Topology) -> None:
@@ -245,7 +183,7 @@ def _determinism(log: _Log, rank: int, topo: Topology) -> None:
             undo()
     for k, v in runs.items():
         log.add(s, f"{k}: same bits in 3 delayed runs", all(same_bits(v[0], u) for u in v[1:]))
-        log.same_everywhere(s, f"{k}: same bits on every rank", v[0])
+        TC._identical_across_ranks(log, s, f"{k}: same bits on every rank", v[0])
     log.bitwise(s, "fp32 == plan", runs["fp32 step 0"][0], plan_all_reduce_fp32(inputs("det/fp32", n), 0.25))
 
 
@@ -403,6 +341,9 @@ def _bad_input(log: _Log, rank: int, topo: Topology) -> None:
     _expect(log, "intra state with a lossless intra codec", ValueError,
             lambda: C.all_reduce(torch.zeros(n), codec="int8", topology=topo,
                                  residual=H.TieredFeedback.zeros(n, topo, "int8", "bf16")), ("lossless",))
+    _expect(log, "exact reduce_scatter past the headroom", ValueError,
+            lambda: C.reduce_scatter(torch.zeros(256), torch.zeros(1024), mode="exact", headroom=1,
+                                     topology=topo), ("headroom",))
     _expect(log, "exact with int8", ValueError,
             lambda: C.all_reduce(torch.zeros(n), codec="int8", mode="exact", topology=topo), ("exact",))
     _expect(log, "group and topology both", ValueError,
