@@ -1,6 +1,6 @@
 """An alpha-beta cost model of an all-reduce on N nodes x G ranks: the backend's fp32 ring, flatcomm's
-flat one-hop path and its two-level (hierarchical) path, per codec. Pure arithmetic (no
-torch.distributed): the inputs are measured elsewhere (link probes, the kernels benchmark) or stated.
+flat one-hop path and its two-level (hierarchical) path, per codec. Pure arithmetic (it runs no
+collective): the inputs are measured elsewhere (link probes, the kernels benchmark) or stated.
 
 Per tier a latency and a bandwidth: ``inter`` is a node's network link(s) (every rank of the node
 shares it: bytes that leave the node / ``inter.Bps``), ``intra`` is what one rank sends to the
@@ -29,17 +29,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Mapping, Optional
 
+import torch
+
+from . import collectives as C
+from . import hierarchical as H
 from .codecs import Codec
 
 __all__ = ["Cluster", "Tier", "flat", "hierarchical", "predict", "ring", "PATHS"]
 
 PATHS = ("torch", "flat", "hierarchical")
-# Pipeline granularity of the flat and hierarchical paths (flatcomm.collectives and
-# flatcomm.hierarchical: ~1 MB of payload per chunk, ~4 MB of fp32 shard per segment).
-CHUNK_BYTES = 1 << 20
-MAX_CHUNKS = 16
-SEGMENT_BYTES = 4 << 20
-MAX_SEGMENTS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +102,8 @@ def ring(cl: Cluster, numel: int) -> float:
 
 
 def _chunks(numel: int, codec: str, world: int) -> int:
-    per_shard = Codec(codec).wire_bytes(max(1, numel // world))
-    return int(min(MAX_CHUNKS, max(1, round(per_shard / CHUNK_BYTES))))
+    """The pipeline chunks flatcomm.collectives picks by itself for this all-reduce."""
+    return C._default_chunks(max(1, numel // world), Codec(codec), world, "ordered", torch.float32, "all_reduce")
 
 
 def flat(cl: Cluster, numel: int, codec: str, chunks: Optional[int] = None) -> float:
@@ -137,7 +135,7 @@ def hierarchical(cl: Cluster, numel: int, codec: str, intra_codec: str = "fp32")
     across = _overlap(m * cl.codec_s[codec] / share, across_wire, k_in) + 2 * k_in * cl.inter.latency_s
     intra_ag = (g - 1) / g * ci * s / cl.intra.Bps + numel * cl.codec_s[intra_codec] / 2 / share
     steps = (intra_rs + cl.intra.latency_s, across, intra_ag + cl.intra.latency_s)
-    k = int(min(MAX_SEGMENTS, max(1, round(4 * m / SEGMENT_BYTES))))
+    k = len(H.segments_of(int(m), 1)) - 1  # flatcomm.hierarchical's own pipeline segments
     return max(steps) + (sum(steps) - max(steps)) / k
 
 
