@@ -21,6 +21,20 @@ Every measured time is MAX-reduced over the group (the slowest rank), so every r
 Rule: the fastest predicted codec within the budget, except that any codec within 5% of the
 fastest time wins if it is more precise (so plain fp32 is kept when compression does not pay).
 
+The backend's own all-reduce (``"backend"``: ``dist.all_reduce``, gloo's or NCCL's algorithm, fp32)
+is a candidate only where the caller did not ask for determinism (``choose(..., deterministic=
+False)``; the DDP hook's ``codec="auto"`` without an explicit ``mode``). It is modelled from two timed
+all-reduces (latency + bytes / bandwidth) and ranks first among near ties: compression has to beat
+it by more than 5% to be chosen, so ``auto`` does not lose to the default hook by more than the
+model's error.
+
+Reproducible decisions: a :class:`CostModel` saved with :func:`save_profile` (``python -m
+flatcomm.tune --save profile.json``) and loaded with ``Tuner(profile=...)`` gives the same decisions
+on every run (:func:`decide` is pure). Without one, the model is measured (MAX-agreed, so the same
+on every rank); either way each new decision is checked across the group (a tiny all-reduce of its
+hash: ranks that loaded different profiles get a ``ValueError``, not a hang) and logged once, on
+rank 0, to the ``flatcomm.autotune`` logger.
+
     tuner = Tuner(error_budget="int4", pinned={"0-65536": "fp32"})
     d = tuner.choose(numel, group=group)      # a collective the first time (measures)
     all_reduce(t, codec=d.codec, chunks=d.chunks, group=group)
@@ -33,11 +47,15 @@ This module sits above :mod:`flatcomm.collectives` and registers :func:`tuner_fo
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import math
+import os
 import re
 import threading
 import time
-from typing import Callable, Dict, Mapping, Optional, Tuple
+import zlib
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -45,10 +63,14 @@ import torch.distributed as dist
 from . import collectives as C
 from .codecs import Codec
 
-__all__ = ["PRECISION", "KINDS", "CostModel", "Decision", "Tuner", "allowed", "decide", "measure",
-           "predict", "tuner_for"]
+__all__ = ["BACKEND", "PRECISION", "KINDS", "CostModel", "Decision", "Tuner", "allowed", "decide",
+           "load_profile", "measure", "predict", "save_profile", "tuner_for"]
+
+log = logging.getLogger("flatcomm.autotune")
 
 PRECISION = ("fp32", "bf16", "int8", "int4", "sign")  # most precise first
+BACKEND = "backend"  # the backend's own fp32 all-reduce (not deterministic by flatcomm's standard)
+PROFILE_VERSION = 1
 KINDS = ("all_reduce", "reduce_scatter")
 NEAR_TIE = 0.05
 BENCH_NUMEL = 1 << 23  # 32 MB: past the caches, so per-value costs are those of large buckets
@@ -58,12 +80,16 @@ BENCH_NUMEL = 1 << 23  # 32 MB: past the caches, so per-value costs are those of
 class CostModel:
     """link_Bps: link bandwidth (bytes/s one rank sends); latency_s: per collective call;
     compute_Bps: codec -> fp32 input bytes/s of this rank's all-reduce pipeline (``inf`` = free);
-    rs_compute_Bps: the same for the reduce-scatter pipeline (default: twice ``compute_Bps``)."""
+    rs_compute_Bps: the same for the reduce-scatter pipeline (default: twice ``compute_Bps``);
+    backend_Bps / backend_latency_s: the backend's own fp32 all-reduce, ``latency + 4 numel / Bps``
+    (None: not measured, never a candidate)."""
 
     link_Bps: float
     latency_s: float
     compute_Bps: Mapping[str, float]
     rs_compute_Bps: Optional[Mapping[str, float]] = None
+    backend_Bps: Optional[float] = None
+    backend_latency_s: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +118,13 @@ def _chunks(codec: str, numel: int, world: int, kind: str = "all_reduce") -> int
 
 
 def predict(costs: CostModel, codec: str, numel: int, world: int, kind: str = "all_reduce") -> float:
-    """Predicted seconds of an ordered ``kind`` of ``numel`` fp32 input values with ``codec``."""
+    """Predicted seconds of an ordered ``kind`` of ``numel`` fp32 input values with ``codec``
+    (or of the backend's own all-reduce for ``codec="backend"``)."""
     _check_kind(kind)
+    if codec == BACKEND:
+        if kind != "all_reduce" or costs.backend_Bps is None:
+            raise ValueError(f"flatcomm: no backend cost for {kind} in this CostModel")
+        return 0.0 if world <= 1 else costs.backend_latency_s + 4.0 * numel / costs.backend_Bps
     compute, wire = _parts(costs, codec, numel, world, kind)
     if world <= 1:
         return compute
@@ -114,11 +145,14 @@ def _parts(costs: CostModel, codec: str, numel: int, world: int, kind: str) -> T
 
 
 def decide(costs: CostModel, numel: int, world: int, error_budget: str = "int8",
-           kind: str = "all_reduce") -> Decision:
-    """Pure: the codec for ``numel`` values on ``world`` ranks under ``costs`` and the budget."""
+           kind: str = "all_reduce", deterministic: bool = True) -> Decision:
+    """Pure: the codec for ``numel`` values on ``world`` ranks under ``costs`` and the budget;
+    ``deterministic=False`` adds the backend's own all-reduce (first among near ties)."""
     cands = [c for c in allowed(error_budget) if c in costs.compute_Bps]
     if "fp32" not in cands:
         cands.insert(0, "fp32")
+    if not deterministic and kind == "all_reduce" and costs.backend_Bps is not None and world > 1:
+        cands.insert(0, BACKEND)
     pred = {c: predict(costs, c, numel, world, kind) for c in cands}
     fastest = min(cands, key=lambda c: pred[c])
     best = next(c for c in cands if pred[c] <= pred[fastest] * (1.0 + NEAR_TIE))  # most precise near-tie
@@ -130,6 +164,8 @@ def decide(costs: CostModel, numel: int, world: int, error_budget: str = "int8",
     op = "" if kind == "all_reduce" else f" {kind}"
     reason = (f"{why} for{op} numel={numel} W={world} budget={error_budget} "
               f"(link {costs.link_Bps / 1e9:.3g} GB/s, latency {costs.latency_s * 1e6:.3g}us); predicted: {times}")
+    if best == BACKEND:
+        return Decision(best, 1, reason + "; the backend's own all-reduce (not flatcomm's same-bits sum)", pred)
     chunks = _chunks(best, numel, world, kind)
     compute, wire = _parts(costs, best, numel, world, kind)
     if best == "fp32" and chunks > 1 and wire < compute:
@@ -204,6 +240,7 @@ def measure(group=None, *, device: Optional[torch.device] = None, codecs=PRECISI
 
     def body():
         t = [_time_a2a(small, world, group, device), _time_a2a(large, world, group, device)]
+        t += [_time_backend(small // 4, group, device), _time_backend(numel, group, device, reps)]
         t += _time_codecs(codecs, numel, world, group, device, reps)
         t = torch.tensor(t, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank, on every rank
@@ -214,6 +251,8 @@ def measure(group=None, *, device: Optional[torch.device] = None, codecs=PRECISI
 
     vals = _on_worker(group, body)
     t_small, t_large = vals[0], vals[1]
+    b_lat, b_bps = _fit(4 * (small // 4), vals[2], 4 * numel, vals[3])
+    vals = vals[:2] + vals[4:]
     frac = (world - 1) / world
     b_small, b_large = small * frac, large * frac  # bytes one rank sends
     dt = t_large - t_small
@@ -230,7 +269,81 @@ def measure(group=None, *, device: Optional[torch.device] = None, codecs=PRECISI
         bps.append(4.0 * numel / local)
     n = len(codecs)
     return CostModel(link_Bps=link, latency_s=lat, compute_Bps=dict(zip(codecs, bps[:n])),
-                     rs_compute_Bps=dict(zip(codecs, bps[n:])))
+                     rs_compute_Bps=dict(zip(codecs, bps[n:])), backend_Bps=b_bps, backend_latency_s=b_lat)
+
+
+def _time_backend(numel: int, group, device: torch.device, reps: int = 3) -> float:
+    x = torch.zeros(max(1, numel), device=device)
+    return _best_of(lambda: dist.all_reduce(x, group=group), device, reps)
+
+
+def _fit(b_small: float, t_small: float, b_large: float, t_large: float) -> Tuple[float, float]:
+    """(latency s, bytes/s) of ``t = latency + bytes / rate`` through two timed sizes."""
+    dt = t_large - t_small
+    rate = (b_large - b_small) / dt if dt > 0 else b_large / max(t_large, 1e-9)
+    return max(0.0, min(t_small, t_large - b_large / rate)), rate
+
+
+# ---- profiles: the same decisions every run --------------------------------------------------------
+
+ProfileLike = Union[str, "os.PathLike[str]", Mapping[str, Any], CostModel]
+
+
+def _costs_to_json(costs: CostModel) -> dict:
+    def enc(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return "inf" if v > 0 else "-inf"
+        if isinstance(v, Mapping):
+            return {k: enc(x) for k, x in v.items()}
+        return v
+    return {f.name: enc(getattr(costs, f.name)) for f in dataclasses.fields(CostModel)}
+
+
+def _costs_from_json(d: Mapping[str, Any]) -> CostModel:
+    def dec(v):
+        if isinstance(v, str):
+            return float(v)
+        if isinstance(v, Mapping):
+            return {k: dec(x) for k, x in v.items()}
+        return v
+    names = {f.name for f in dataclasses.fields(CostModel)}
+    unknown = set(d) - names
+    missing = {"link_Bps", "latency_s", "compute_Bps"} - set(d)
+    if unknown or missing:
+        raise ValueError(f"flatcomm: profile costs: unknown fields {sorted(unknown)}, missing {sorted(missing)}")
+    costs = CostModel(**{k: dec(v) for k, v in d.items()})
+    for c in costs.compute_Bps:
+        if c not in PRECISION:
+            raise ValueError(f"flatcomm: profile costs name an unknown codec {c!r}")
+    return costs
+
+
+def save_profile(path: Union[str, "os.PathLike[str]"], costs: CostModel, **meta: Any) -> dict:
+    """Write ``costs`` (and ``meta``: world size, link, ...) as a JSON profile; returns the document."""
+    doc = {"flatcomm_profile": PROFILE_VERSION, "costs": _costs_to_json(costs), **meta}
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    os.replace(tmp, path)
+    return doc
+
+
+def load_profile(profile: ProfileLike) -> CostModel:
+    """A :class:`CostModel` from a profile path, its parsed document, or a CostModel itself."""
+    if isinstance(profile, CostModel):
+        return profile
+    if isinstance(profile, Mapping):
+        doc = profile
+    else:
+        try:
+            with open(profile) as fh:
+                doc = json.load(fh)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"flatcomm: cannot read profile {os.fspath(profile)!r}: {e}") from e
+    if doc.get("flatcomm_profile") != PROFILE_VERSION or "costs" not in doc:
+        raise ValueError(f"flatcomm: not a flatcomm profile (version {PROFILE_VERSION}); write one with "
+                         f"`python -m flatcomm.tune --save PATH`")
+    return _costs_from_json(doc["costs"])
 
 
 _RANGE = re.compile(r"^\s*(\d*)\s*-\s*(\d*)\s*$")
@@ -245,14 +358,22 @@ class Tuner:
         (lo inclusive, hi exclusive, either side may be empty). Pinned codecs bypass the budget.
     codec: a codec name other than ``"auto"`` pins every choice.
     costs: a :class:`CostModel` to use instead of measuring.
+    profile: a saved profile (path or document, see :func:`save_profile`) to take ``costs`` from:
+        the same decisions on every run.
 
     ``decisions`` maps ``(kind, numel)`` to the unpinned :class:`Decision` made for it (decided once,
-    then reused; the cost model is measured once, at the first unpinned choice).
+    agreed across the group, logged once, then reused; without ``costs``/``profile`` the cost model
+    is measured once, at the first unpinned choice); ``open_decisions`` holds those made with
+    ``deterministic=False`` (the backend's all-reduce a candidate).
     """
 
     def __init__(self, error_budget: str = "int8", *, pinned: Optional[Mapping[str, str]] = None,
-                 codec: str = "auto", costs: Optional[CostModel] = None):
+                 codec: str = "auto", costs: Optional[CostModel] = None, profile: Optional[ProfileLike] = None):
         allowed(error_budget)
+        if profile is not None:
+            if costs is not None:
+                raise ValueError("flatcomm: Tuner takes costs= or profile=, not both")
+            costs = load_profile(profile)
         self.error_budget = error_budget
         self.codec = codec
         if codec != "auto":
@@ -262,6 +383,7 @@ class Tuner:
             Codec(v)
         self.costs = costs
         self.decisions: Dict[Tuple[str, int], Decision] = {}  # unpinned choices, by (kind, numel)
+        self.open_decisions: Dict[Tuple[str, int], Decision] = {}  # the same with deterministic=False
 
     def _pin(self, numel: int, key: Optional[str]) -> Optional[Tuple[str, str]]:
         if self.codec != "auto":
@@ -275,23 +397,48 @@ class Tuner:
         return None
 
     def choose(self, numel: int, *, error_budget: Optional[str] = None, key: Optional[str] = None,
-               group=None, device: Optional[torch.device] = None, kind: str = "all_reduce") -> Decision:
-        """The codec for ``numel`` values. The first unpinned call measures (a collective on ``group``:
-        every rank must make its first unpinned choice at the same point)."""
+               group=None, device: Optional[torch.device] = None, kind: str = "all_reduce",
+               deterministic: bool = True) -> Decision:
+        """The codec for ``numel`` values. Every new unpinned decision is a collective on ``group``
+        (the first one also measures, unless costs were given): every rank must make its unpinned
+        choices in the same order. ``deterministic=False`` lets the backend's own all-reduce compete."""
         _check_kind(kind)
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         pin = self._pin(numel, key)
         if pin is not None:
             return Decision(pin[0], _chunks(pin[0], numel, world, kind), f"{pin[0]} by {pin[1]}", {})
         budget = error_budget or self.error_budget
-        d = self.decisions.get((kind, numel)) if budget == self.error_budget else None
+        cache = self.decisions if deterministic else self.open_decisions
+        d = cache.get((kind, numel)) if budget == self.error_budget else None
         if d is None:
             if self.costs is None:
                 self.costs = measure(group, device=device)
-            d = decide(self.costs, numel, world, budget, kind)
+            d = decide(self.costs, numel, world, budget, kind, deterministic)
+            _agree(d, group, device)
             if budget == self.error_budget:
-                self.decisions[(kind, numel)] = d
+                cache[(kind, numel)] = d
+            if world <= 1 or dist.get_rank(group) == 0:
+                log.info("flatcomm auto: %s: %s (chunks %d)", key or f"numel {numel}", d.reason, d.chunks)
         return d
+
+
+def _agree(d: Decision, group, device: Optional[torch.device]) -> None:
+    """Check that every rank of ``group`` made decision ``d`` (one tiny all-reduce on the group's
+    worker thread); ranks that disagree, e.g. with different profiles, get a ValueError."""
+    if not dist.is_initialized() or dist.get_world_size(group) <= 1:
+        return
+    h = zlib.crc32(f"{d.codec}/{d.chunks}".encode())
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+
+    def body():
+        t = torch.tensor([h, -h], dtype=torch.int64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t.tolist()
+
+    hi, neg_lo = _on_worker(group, body)
+    if hi != h or -neg_lo != h:
+        raise ValueError(f"flatcomm auto: ranks disagree on the decision ({d.codec}, chunks {d.chunks} here): "
+                         f"were they given different profiles or costs? {d.reason}")
 
 
 _default_tuners: Dict[object, Tuner] = {}

@@ -73,6 +73,7 @@ import torch.distributed as dist
 from . import checkpoint as check
 from . import collectives as C
 from . import ddp_tiers as _tiers
+from .autotune import BACKEND as _BACKEND
 from .codecs import Codec, resolve
 
 __all__ = ["State", "hook", "register", "reshard"]
@@ -115,7 +116,8 @@ class State:
     codec: ``fp32`` (lossless, ordered sum), ``bf16``/``fp16``, ``int8``, ``int4``, ``sign``, ``topk``
     or a :class:`flatcomm.Codec`; ``block_size`` / ``ratio`` override its parameters.
     error_feedback: keep client/server residuals for lossy codecs.
-    mode: ``ordered`` or ``exact`` (fp32 only, rank-count independent bits).
+    mode: ``ordered`` or ``exact`` (fp32 only, rank-count independent bits); None (default): not
+        asked, i.e. ``ordered``, and ``codec="auto"`` may use the backend's all-reduce (see register).
     group: process group for flatcomm's traffic (default: a dedicated copy of DDP's group).
     chunks: pipeline chunks per all-reduce (default: automatic).
     model: the DDP model (or its module), for parameter names in checkpoints; :func:`register` sets it.
@@ -132,11 +134,14 @@ class State:
         chosen brings its residual along: it is added once to that bucket's lossless all-reduce.
     """
 
-    def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: str = "ordered",
+    def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: Optional[str] = None,
                  group=None, chunks: Optional[int] = None, block_size: Optional[int] = None,
                  ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None,
                  grad_scaler=None, track_norms: bool = True, history: int = 100, tuner=None,
                  topology=None):
+        # mode None: the caller did not ask for determinism (see register()); fixed codecs run ordered
+        self._open = mode is None and isinstance(codec, str) and codec == "auto"
+        mode = "ordered" if mode is None else mode
         if mode not in C.MODES:
             raise ValueError(f"flatcomm: mode must be one of {C.MODES}, got {mode!r}")
         # codec="auto": flatcomm.autotune picks a codec per bucket key at its first hook call (the same
@@ -381,8 +386,11 @@ class State:
             d = self.decisions.get(key)
             if d is None:  # pure given the (MAX-agreed) costs: every rank picks the same
                 d = self.decisions[key] = self.tuner.choose(tensor.numel(), key=tuner_key, group=group,
-                                                            device=tensor.device)
-            codec = resolve(d.codec, self._block_size)
+                                                            device=tensor.device, deterministic=not self._open)
+            if d.codec == _BACKEND and not (self.error_feedback and self._carries(params)):
+                return self._backend(tensor, step, index)
+            # (a bucket still carrying residuals from a lossy one sends them once through fp32)
+            codec = resolve("fp32" if d.codec == _BACKEND else d.codec, self._block_size)
             chunks = chunks or d.chunks
         res = None
         where = (key, params, layout, tensor.numel(), tensor.device)
@@ -441,6 +449,37 @@ class State:
 
         fut.add_done_callback(record)  # runs on the worker thread; does not block
         return fut
+
+    def _backend(self, tensor: torch.Tensor, step: int, index: int) -> torch.futures.Future:
+        """codec="auto" chose the backend's own all-reduce: exactly torch's default hook (divide,
+        ``dist.all_reduce`` on DDP's group, its future), plus a statistics record."""
+        pg = self._ddp_group()
+        world = dist.get_world_size(pg)
+        t0 = time.perf_counter()
+        with self._cond:
+            self._inflight += 1
+        try:
+            tensor.div_(world)
+            fut = dist.all_reduce(tensor, group=pg, async_op=True).get_future()
+        except BaseException:
+            self._finished()
+            raise
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            try:
+                out = f.value()[0]
+                ring = int(2 * (world - 1) * 4 * tensor.numel() // world)
+                with self._lock:
+                    self._records.append({"step": step, "bucket": index, "numel": tensor.numel(),
+                                          "codec": _BACKEND, "wire_bytes": ring, "fp32_bytes": ring,
+                                          "encode_s": 0.0, "exchange_s": time.perf_counter() - t0,
+                                          "decode_s": 0.0, "comm_s": time.perf_counter() - t0,
+                                          "client_residual_norm": 0.0, "server_residual_norm": 0.0})
+                return out
+            finally:
+                self._finished()
+
+        return fut.then(done)
 
     def _finished(self) -> None:
         with self._cond:
@@ -781,9 +820,17 @@ def hook(state: State, bucket: "dist.GradBucket") -> torch.futures.Future:
 hook.__annotations__ = {"state": State, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
 
 
-def register(ddp_model, codec: Any = "int8", *, error_feedback: bool = True, mode: str = "ordered",
+def register(ddp_model, codec: Any = "int8", *, error_feedback: bool = True, mode: Optional[str] = None,
              **opts) -> State:
-    """Create a :class:`State` that knows ``ddp_model`` and register :func:`hook` on it."""
+    """Create a :class:`State` that knows ``ddp_model`` and register :func:`hook` on it.
+
+    ``mode``: None (the default) means the caller did not ask for determinism: fixed codecs run
+    ``"ordered"`` (flatcomm's sums are the same bits every run anyway), and ``codec="auto"`` may
+    also hand a bucket to the backend's own all-reduce (torch's default hook: gloo's / NCCL's
+    algorithm, whose bits flatcomm does not control) where that is predicted fastest, so auto
+    never costs more than the default hook beyond the model's error. ``mode="ordered"`` or
+    ``"exact"`` asks for determinism: auto then chooses among flatcomm's own collectives only.
+    """
     state = State(codec, error_feedback=error_feedback, mode=mode, model=ddp_model, **opts)
     ddp_model.register_comm_hook(state, hook)
     return state

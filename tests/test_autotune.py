@@ -253,8 +253,9 @@ def test_tune_cli(tmp_path):
     out = tmp_path / "tune.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-m", "flatcomm.tune", "--ranks", "2", "--sizes", "4K,256K",
-                        "--budget", "int4", "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=120)
+                        "--budget", "int4", "--json", str(out), "--save", str(tmp_path / "p.json")],
+                       cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert [d["numel"] for d in doc["decisions"]] == [4096, 262144]
@@ -265,6 +266,9 @@ def test_tune_cli(tmp_path):
     ns = {}
     exec(p.stdout.split("pinned=", 1)[1].splitlines()[0].join(("x = ", "")), ns)  # pastes as Python
     assert Tuner(pinned=ns["x"]).choose(4096).codec == doc["decisions"][0]["codec"]
+    # the saved profile reproduces the run's decisions without measuring
+    t = Tuner("int4", profile=tmp_path / "p.json")
+    assert [t.choose(n).codec for n in (4096, 262144)] == [d["codec"] for d in doc["decisions"]]
 
 
 def test_fp32_goes_zero_copy_in_one_chunk_only_where_the_wire_is_not_the_bottleneck():

@@ -46,6 +46,32 @@ def _hang(rank, world):
     time.sleep(300)
 
 
+def _node_traffic(rank, world, n):
+    """Bytes that left this rank's node (fc0's kernel counter) during an all-reduce among the ranks
+    of the node only, then during one among all ranks."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    g = int(os.environ["LOCAL_WORLD_SIZE"])
+    node = int(os.environ["GROUP_RANK"])
+    groups = [dist.new_group(list(range(k * g, (k + 1) * g))) for k in range(world // g)]
+    x = torch.full((n,), float(rank))
+
+    def sent(fn):
+        dist.barrier()
+        tx0, _ = netlink.interface_bytes()
+        fn()
+        dist.barrier()
+        return netlink.interface_bytes()[0] - tx0
+
+    inside = sent(lambda: dist.all_reduce(x, group=groups[node]))
+    across = sent(lambda: dist.all_reduce(x))
+    return {"local_rank": int(os.environ["LOCAL_RANK"]), "node": node, "inside": inside,
+            "across": across, "sum": float(x[0])}
+
+
 # ---- parsing (no namespaces needed) -----------------------------------------------------------------
 
 
@@ -90,6 +116,25 @@ def test_allreduce_across_link():
         assert torch.equal(x, expected)
         assert ifname == "fc0"
     assert not names & _netns()
+
+
+@needs_netns
+def test_nodes_hold_ranks_and_count_what_leaves_them():
+    n = 1 << 18  # 1 MB of fp32
+    with Link(2, "1gbit", ranks_per_node=2) as link:
+        assert link.world == 4 and link.info()["ranks_per_node"] == 2
+        tx0 = link.tx_bytes(0)
+        res = link.run(4, _node_traffic, n, timeout_s=90, echo=False)
+        assert link.tx_bytes(0) - tx0 >= res[0]["across"]  # the parent reads the same counter
+    assert [(r["node"], r["local_rank"]) for r in res] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # inside a node: 0+1 on node 0, 2+3 on node 1; then across all four ranks: 1+1+5+5
+    assert all(r["sum"] == 12.0 for r in res), res
+    for r in res:
+        assert r["inside"] < 64 << 10, r  # barriers only: the node's own traffic stays on its loopback
+        # a ring over 4 ranks sends 2 (W-1)/W = 1.5 x 1 MB off each node (plus headers and ACKs)
+        assert 1.4 * 4 * n < r["across"] < 2.0 * 4 * n, r
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        Link(2, "1gbit", ranks_per_node=0)
 
 
 @needs_netns

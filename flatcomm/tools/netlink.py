@@ -6,6 +6,10 @@ rate-limited (and optionally delayed) virtual network. Needs root and ``ip netns
     with Link(ranks=2, rate="1gbit") as link:            # or Link(2, "1gbit,0.2ms")
         results = link.run(2, fn, arg1, arg2, timeout_s=120)   # like flatcomm.tools.spawn.run
 
+    with Link(2, "1gbit", ranks_per_node=2) as link:     # 2 "nodes" x 2 ranks (ranks 0-1: node 0)
+        link.run(4, fn)                                   # rank r in namespace r // 2
+        # inside fn: netlink.interface_bytes() -> (tx, rx) of this node's fc0 (kernel counters)
+
     python -m flatcomm.tools.netlink check --link 1gbit       # 100 MB all_reduce + 6 MB all_to_all
     python -m flatcomm.tools.netlink cleanup                  # remove namespaces left by killed runs
 
@@ -13,7 +17,13 @@ Topology. Rank r runs in namespace ``fcnet-<pid>-<tag>-r`` with address ``10.77.
 interface ``fc0`` (``lo`` is up too). Two ranks are joined by one veth pair; more ranks by one veth
 pair each to a Linux bridge in a namespace of its own (``...-br``), like hosts on a switch.
 
-Shaping. Every rank's egress on ``fc0`` goes through ``tbf rate RATE`` (and, with a bridge, the
+Nodes. With ``ranks_per_node=G`` every namespace is a node holding G ranks (rank r in namespace
+``r // G``; ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` are set as torchrun sets them).
+The G ranks of a node reach each other through their shared address, which the kernel routes over
+the namespace's own loopback: only traffic between nodes crosses ``fc0`` and its shaping, so fc0's
+kernel counters (``interface_bytes()``, ``Link.tx_bytes(node)``) count exactly what left a node.
+
+Shaping. Every node's egress on ``fc0`` goes through ``tbf rate RATE`` (and, with a bridge, the
 switch port towards each rank too, so a rank also *receives* at most RATE, like a full-duplex NIC).
 A delay adds ``netem delay DELAY`` on each rank's egress (one-way delay DELAY, round trip 2 x
 DELAY), with tbf as netem's child. Kernels without ``sch_netem`` (this machine's: "Specified qdisc
@@ -54,8 +64,8 @@ import traceback
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-__all__ = ["Link", "LinkError", "LinkUnavailable", "available", "cleanup_stale", "parse_delay",
-           "parse_link", "parse_rate", "run"]
+__all__ = ["Link", "LinkError", "LinkUnavailable", "available", "cleanup_stale", "interface_bytes",
+           "parse_delay", "parse_link", "parse_rate", "run"]
 
 PREFIX = "fcnet"
 IFNAME = "fc0"
@@ -269,8 +279,9 @@ def _unregister(link: "Link") -> None:
 
 
 class Link:
-    """N network namespaces joined by a shaped virtual network (see the module docstring).
+    """N network namespaces ("nodes") joined by a shaped virtual network (see the module docstring).
 
+    ranks: the number of namespaces (nodes); ranks_per_node: ranks each one holds (default 1).
     rate: ``"1gbit"``-style, or ``"RATE,DELAY"``; delay: ``"0.2ms"``-style (netem, one way).
     burst: tbf bucket in bytes (default: 2 ms at the rate, at least 64 KiB).
     queue_s: tbf's queue limit expressed as latency (default 50 ms: TCP never sees drops).
@@ -278,12 +289,19 @@ class Link:
     """
 
     def __init__(self, ranks: int = 2, rate: str = "1gbit", delay: Optional[str] = None, *,
-                 burst: Optional[int] = None, queue_s: float = 0.05, require_delay: bool = True):
+                 burst: Optional[int] = None, queue_s: float = 0.05, require_delay: bool = True,
+                 ranks_per_node: int = 1):
         if ranks < 2:
-            raise ValueError("flatcomm.tools.netlink: a link joins at least 2 ranks")
+            raise ValueError("flatcomm.tools.netlink: a link joins at least 2 ranks (namespaces)")
         if ranks > 250:
             raise ValueError("flatcomm.tools.netlink: at most 250 ranks (one /24)")
-        self.ranks = ranks
+        if not isinstance(ranks_per_node, int) or not 1 <= ranks_per_node <= 64:
+            raise ValueError(f"flatcomm.tools.netlink: ranks_per_node must be an integer in [1, 64], got "
+                             f"{ranks_per_node!r}")
+        self.ranks = ranks  # namespaces (nodes); kept under this name for callers of G = 1 links
+        self.nodes = ranks
+        self.ranks_per_node = ranks_per_node
+        self.world = ranks * ranks_per_node
         self.rate_bps, d = parse_link(rate)
         if delay is not None:
             if d is not None:
@@ -310,10 +328,12 @@ class Link:
         if self.delay_s and not self.delay_applied and self._up:
             d += " (NOT applied: no netem)"
         topo = "veth pair" if self.ranks == 2 else "bridge"
-        return f"{self.ranks} namespaces, {topo}, tbf {_fmt_rate(self.rate_bps)}{d}"
+        g = f" x {self.ranks_per_node} ranks" if self.ranks_per_node > 1 else ""
+        return f"{self.ranks} namespaces{g}, {topo}, tbf {_fmt_rate(self.rate_bps)}{d}"
 
     def info(self) -> dict:
-        return {"ranks": self.ranks, "rate_bps": self.rate_bps, "rate": _fmt_rate(self.rate_bps),
+        return {"ranks": self.ranks, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
+                "world": self.world, "rate_bps": self.rate_bps, "rate": _fmt_rate(self.rate_bps),
                 "delay_s": self.delay_s, "delay_applied": self.delay_applied,
                 "topology": "veth" if self.ranks == 2 else "bridge", "burst_bytes": self.burst}
 
@@ -424,18 +444,42 @@ class Link:
             self._up = False
             _unregister(self)
 
+    # -- counters
+    def tx_bytes(self, node: int) -> int:
+        """Bytes node ``node`` has sent on its link interface so far (the kernel's counter)."""
+        return self._counter(node, "tx_bytes")
+
+    def rx_bytes(self, node: int) -> int:
+        return self._counter(node, "rx_bytes")
+
+    def _counter(self, node: int, name: str) -> int:
+        if not self._up:
+            raise LinkError("flatcomm.netlink: the link is not set up")
+        if not 0 <= node < self.nodes:
+            raise ValueError(f"flatcomm.netlink: node {node} out of range [0, {self.nodes})")
+        p = _ip("-n", self.namespaces[node], "-s", "-j", "link", "show", "dev", IFNAME)
+        import json
+
+        stats = json.loads(p.stdout)[0]["stats64"]
+        return int(stats["tx" if name == "tx_bytes" else "rx"]["bytes"])
+
     # -- running ranks
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
     def run(self, world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
             threads: int = 1, grace_s: float = 10.0, echo: bool = True,
             env: Optional[Dict[str, str]] = None) -> List[Any]:
-        """Run ``fn(rank, world, *args)`` in a gloo process group, rank r in namespace r; return the
+        """Run ``fn(rank, world, *args)`` in a gloo process group, rank r in namespace
+        ``r // ranks_per_node``; return the
         results in rank order (like :func:`flatcomm.tools.spawn.run`). Bounded by ``timeout_s`` (the
         ranks' Python start-up included); any rank's failure raises :class:`LinkError` with its
         traceback. ``echo``: relay the ranks' output to stderr (other ranks' lines prefixed)."""
         if not self._up:
             raise LinkError("flatcomm.tools.netlink: the link is not set up (use `with Link(...) as link`)")
-        if not 1 <= world <= self.ranks:
-            raise ValueError(f"flatcomm.tools.netlink: world {world} must be between 1 and {self.ranks}")
+        if not 1 <= world <= self.world:
+            raise ValueError(f"flatcomm.tools.netlink: world {world} must be between 1 and {self.world} "
+                             f"({self.nodes} nodes x {self.ranks_per_node} ranks)")
         fn = _importable(fn)
         call = pickle.dumps((fn, args))
         with tempfile.TemporaryDirectory(prefix=f"{self.tag}-run-") as tmp:
@@ -458,8 +502,10 @@ class Link:
             self._procs = []
             try:
                 for r in range(world):
-                    e = dict(base_env, RANK=str(r), LOCAL_RANK=str(r))
-                    argv = ["ip", "netns", "exec", self.namespaces[r], sys.executable, "-c",
+                    g = self.ranks_per_node
+                    e = dict(base_env, RANK=str(r), LOCAL_RANK=str(r % g), LOCAL_WORLD_SIZE=str(g),
+                             GROUP_RANK=str(r // g), ROLE_RANK=str(r), NODE_RANK=str(r // g))
+                    argv = ["ip", "netns", "exec", self.namespaces[self.node_of(r)], sys.executable, "-c",
                             "from flatcomm.tools.netlink import _child_main; _child_main()", ppath, str(r)]
                     p = subprocess.Popen(argv, env=e, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, start_new_session=True)
@@ -513,6 +559,22 @@ class Link:
             errors.sort(key=lambda s: "without a result" in s)
             raise LinkError("flatcomm.tools.netlink: " + "\n".join(errors))
         return [results[r] for r in range(world)]
+
+
+def interface_bytes(ifname: str = IFNAME) -> Tuple[int, int]:
+    """(tx, rx) bytes of ``ifname`` in the calling process's network namespace, from the kernel's
+    counters (``ip netns exec`` mounts the namespace's own /sys). Inside a rank of a :class:`Link`
+    that is what this rank's node sent to / received from the other nodes, headers included."""
+    base = f"/sys/class/net/{ifname}/statistics"
+    try:
+        with open(f"{base}/tx_bytes") as f:
+            tx = int(f.read())
+        with open(f"{base}/rx_bytes") as f:
+            rx = int(f.read())
+    except OSError as e:
+        raise LinkError(f"flatcomm.netlink: no counters for interface {ifname!r} here ({e}); "
+                        f"interface_bytes() is for code running inside a Link's rank") from e
+    return tx, rx
 
 
 def _importable(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -588,9 +650,11 @@ def _child_main() -> None:
 
 
 def run(world: int, fn: Callable[..., Any], *args: Any, link: str = "1gbit", timeout_s: float = 120.0,
-        threads: int = 1, **link_opts: Any) -> List[Any]:
-    """One-shot: build a ``world``-rank link, run ``fn`` on it, tear it down."""
-    with Link(world, link, **link_opts) as lk:
+        threads: int = 1, ranks_per_node: int = 1, **link_opts: Any) -> List[Any]:
+    """One-shot: build a link of ``world / ranks_per_node`` nodes, run ``fn`` on it, tear it down."""
+    if world % ranks_per_node:
+        raise ValueError(f"flatcomm.netlink: world {world} is not a multiple of ranks_per_node {ranks_per_node}")
+    with Link(world // ranks_per_node, link, ranks_per_node=ranks_per_node, **link_opts) as lk:
         return lk.run(world, fn, *args, timeout_s=timeout_s, threads=threads)
 
 

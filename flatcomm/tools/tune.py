@@ -1,7 +1,7 @@
 """The codec autotuner as a tool: measure the cost model on N ranks and print the decision table.
 
     python -m flatcomm.tune [--ranks N] [--link RATE] [--budget int8] [--sizes 64K,1M,25M]
-                            [--collective all_reduce|reduce_scatter] [--json PATH]
+                            [--collective all_reduce|reduce_scatter] [--json PATH] [--save PROFILE]
 
 Each size gets a row: the chosen codec and chunk count, the predicted milliseconds of every codec in
 the budget and the reason; the last line is a ``pinned={...}`` dict (numel ranges) ready to paste
@@ -19,7 +19,7 @@ import math
 import sys
 from typing import List, Optional, Sequence
 
-from flatcomm.autotune import KINDS, PRECISION, Decision, allowed, decide, measure
+from flatcomm.autotune import KINDS, PRECISION, Decision, allowed, decide, measure, save_profile
 from flatcomm.tools._cli import add_version, format_size, positive, say
 from flatcomm.tools._cli import sizes as size_list
 from flatcomm.tools.netlink import link_arg
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=positive(int), default=1, help="torch threads per rank (default 1)")
     ap.add_argument("--timeout", type=positive(float), default=300, help="seconds (default 300)")
     ap.add_argument("--json", metavar="PATH", help="write costs, decisions and pinned as JSON")
+    ap.add_argument("--save", metavar="PROFILE", help="write the measured costs as a profile for Tuner(profile=...)")
     return ap
 
 
@@ -106,6 +107,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(_table(sizes, decisions, a.budget))
     pinned = pinned_ranges(sizes, [d.codec for d in decisions])
     print(f"pinned={pinned!r}")
+    if a.save:
+        save_profile(a.save, costs, world=a.ranks, link=a.link, budget=a.budget,
+                     measured_on="a {} link".format(a.link) if a.link else "loopback")
+        print(f"wrote profile {a.save}: flatcomm.autotune.Tuner(profile={a.save!r})", file=sys.stderr)
     if a.json:
         doc = {"ranks": a.ranks, "link": a.link, "budget": a.budget, "collective": a.collective,
                "costs": dataclasses.asdict(costs),

@@ -2,6 +2,8 @@
 
     python -m flatcomm.bench kernels     [--quick] [--sizes 1M,25M] [--codecs int8,int4] [--block-sizes]
     python -m flatcomm.bench collectives [--ranks N] [--link RATE[,DELAY]] [--sizes 1M] [--quick]
+    python -m flatcomm.bench collectives --nodes N --ranks-per-node G --link 1gbit [--sizes 24M]
+    python -m flatcomm.bench scale       [--measured P.json ...] [--project 128x8] [--plot P.png]
     python -m flatcomm.bench ddp         [--ranks N] [--link 1gbit] [--params 25e6] [--hooks ...]
     python -m flatcomm.bench fsdp        [--ranks N] [--link 1gbit] [--codecs default,int8]
     common: [--json PATH] [--plot PATH.png] [--timeout S]; --version
@@ -20,6 +22,11 @@ every record in ``results`` has ``name`` (``torch-allreduce``, ``torch-quant-per
 (medians per step; for a collective both are its time, for a kernel ``comm_s`` is 0) and
 ``wire_bytes`` (bytes one rank sends per step; ``wire_estimated`` marks nominal volumes of torch's
 own collectives).
+
+``collectives --nodes N`` (with ``--link``) runs N namespaces of G ranks (``benchmarks/bench_nodes.py``)
+and writes records ``{"path": "torch"|"flat"|"hierarchical", "codec", "time_s", "cross_node_bytes",
+...}``: ``cross_node_bytes`` is what left the busiest node per all-reduce, from the kernel's
+counters of its link interface.
 """
 from __future__ import annotations
 
@@ -34,9 +41,9 @@ import time
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional
 
-from flatcomm.tools._cli import add_version, codecs, format_size, names, positive, say, sizes
+from flatcomm.tools._cli import add_version, codecs, format_size, names, parse_size, positive, say, sizes
 
-COMMANDS = ("kernels", "collectives", "ddp", "fsdp")
+COMMANDS = ("kernels", "collectives", "ddp", "fsdp", "scale")
 FIXED = ("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk")
 # The team's targets for these numbers are in docs/bench/targets.md, not in users' tables.
 
@@ -52,15 +59,20 @@ def _run_ranks(a: argparse.Namespace, meta: dict, fn: Callable, *args: Any, time
     if a.link:
         from flatcomm.tools.netlink import Link, LinkUnavailable
 
+        nodes, g = getattr(a, "nodes", None), getattr(a, "ranks_per_node", 1)
         try:
-            link = Link(a.ranks, a.link, require_delay=not a.allow_no_delay)
+            if nodes:
+                link = Link(nodes, a.link, ranks_per_node=g, require_delay=not a.allow_no_delay)
+            else:
+                link = Link(a.ranks, a.link, require_delay=not a.allow_no_delay)
             link.setup()
         except (LinkUnavailable, ValueError) as e:
             raise SystemExit(f"flatcomm.bench: --link {a.link}: {e}") from None
         with link:
             meta["link"] = dict(link.info(), spec=a.link)
             _say(f"link: {link.describe()}")
-            return link.run(a.ranks, fn, *args, timeout_s=timeout_s, threads=a.threads)
+            return link.run(link.world if nodes else a.ranks, fn, *args, timeout_s=timeout_s,
+                            threads=a.threads)
     from flatcomm.tools import spawn
 
     meta["link"] = None
@@ -155,9 +167,68 @@ def table_kernels(results: List[dict]) -> str:
 # ---- collectives -------------------------------------------------------------------------------------
 
 
+def bench_nodes(a: argparse.Namespace, meta: dict) -> List[dict]:
+    """``collectives --nodes``: torch / flat / hierarchical all-reduce with cross-node bytes."""
+    from flatcomm.codecs import CODECS
+
+    if not a.link:
+        raise SystemExit("flatcomm.bench: --nodes needs --link (the nodes are joined by a shaped link)")
+    bn = importlib.import_module(".nodes", __name__)
+    sizes = a.sizes or [1 << 20]
+    codecs = a.codecs or ["fp32", "int8", "int4", "sign"]
+    for c in codecs:
+        if c not in CODECS:
+            raise SystemExit(f"flatcomm.bench: unknown codec {c!r} for --nodes (one of {', '.join(CODECS)})")
+    paths = a.paths
+    for p in paths:
+        if p not in ("torch", "flat", "hierarchical"):
+            raise SystemExit(f"flatcomm.bench: unknown path {p!r} (torch, flat, hierarchical)")
+    if "hierarchical" in paths and not bn.hierarchical_available():
+        _say("this flatcomm has no two-level all-reduce (flatcomm.Topology): hierarchical rows skipped")
+    cfg = dict(sizes=sizes, codecs=codecs, paths=paths, reps=3 if a.quick else a.reps, warmup=1)
+    meta["config"] = cfg
+    meta["world"] = a.nodes * a.ranks_per_node
+    _say(f"collectives: {a.nodes} nodes x {a.ranks_per_node} ranks, sizes {sizes}, codecs {codecs}, paths {paths}")
+    rows = _run_ranks(a, meta, bn._rank_main, cfg, timeout_s=a.timeout)[0]
+    base = {r["numel"]: r for r in rows if r["path"] == "torch"}
+    flat = {(r["numel"], r["codec"]): r for r in rows if r["path"] == "flat"}
+    for r in rows:
+        r.update(name=f"{r['path']}-{r['codec']}", step_s=r["time_s"], comm_s=r["time_s"],
+                 wire_bytes=int(r["cross_node_bytes"]), wire_estimated=False)
+        t = base.get(r["numel"])
+        if t is not None:
+            r["time_vs_torch"] = r["time_s"] / t["time_s"]
+            r["bytes_vs_torch"] = r["cross_node_bytes"] / max(t["cross_node_bytes"], 1.0)
+        f = flat.get((r["numel"], r["codec"]))
+        if f is not None and r["path"] == "hierarchical":
+            r["time_vs_flat"] = r["time_s"] / f["time_s"]
+            r["bytes_vs_flat"] = r["cross_node_bytes"] / max(f["cross_node_bytes"], 1.0)
+    return rows
+
+
+def table_nodes(results: List[dict]) -> str:
+    hdr = (f"{'size':>8} {'path':<13} {'codec':<6} {'time ms':>9} {'MB left node':>12} {'t/torch':>8} "
+           f"{'B/torch':>8} {'t/flat':>7} {'B/flat':>7}")
+    lines = [hdr, "-" * len(hdr)]
+
+    def f(r, k, w):
+        return f"{r[k]:{w}.3f}" if k in r else f"{'-':>{w}}"
+
+    for r in results:
+        lines.append(f"{4 * r['numel'] / 1e6:7.3g}M {r['path']:<13} {r['codec']:<6} {r['time_s'] * 1e3:9.1f} "
+                     f"{r['cross_node_bytes'] / 1e6:12.2f} {f(r, 'time_vs_torch', 8)} {f(r, 'bytes_vs_torch', 8)} "
+                     f"{f(r, 'time_vs_flat', 7)} {f(r, 'bytes_vs_flat', 7)}")
+    lines.append("size = fp32 input in MB; time = median of the slowest rank; MB left node = bytes the busiest "
+                 "node sent per all-reduce, from its link interface's kernel counters (headers included), median; "
+                 "lossy codecs with error feedback.")
+    return "\n".join(lines)
+
+
 def bench_collectives(a: argparse.Namespace, meta: dict) -> List[dict]:
     from flatcomm.codecs import CODECS
 
+    if a.nodes:
+        return bench_nodes(a, meta)
     bc = importlib.import_module(".collectives", __name__)
     if a.quick:
         sizes, codecs, reps, exact, chunk = [1 << 18], ["fp32", "int8", "int4", "sign", "auto"], 3, False, []
@@ -207,6 +278,147 @@ def table_collectives(results: List[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---- scale: the alpha-beta model, validated on the harness and projected -------------------------------
+
+# Stated projection parameters (override on the command line): 8 x 400 Gbit/s NICs per node, NVLink
+# 900 GB/s per GPU, and a GPU pipeline throughput assumed until benchmarks/gpu_check.sh measures one.
+PROJECT_INTER_GBPS = 8 * 400 / 8
+PROJECT_INTRA_GBPS = 900.0
+PROJECT_INTER_LATENCY_US = 10.0
+PROJECT_INTRA_LATENCY_US = 3.0
+PROJECT_GPU_GBPS = 1000.0  # fp32 input bytes/s of one GPU's whole flat pipeline per codec (assumed)
+PROJECT_GPU_REDUCE_GBPS = 3000.0  # fp32 adds (HBM bound, assumed)
+
+
+def _probe_cluster(spec: str, nodes: int, g: int, kern: dict, timeout: float):
+    """A :class:`flatcomm.costmodel.Cluster` for ``nodes`` x ``g`` ranks on a ``spec`` link of this
+    machine: tiers from a probe on the harness, compute from ``kern``, shared cores."""
+    from flatcomm import costmodel as M
+    from flatcomm.tools.netlink import Link
+
+    bn = importlib.import_module(".nodes", __name__)
+    with Link(nodes, spec, ranks_per_node=g) as link:
+        _say(f"probe: {link.describe()}")
+        tiers = link.run(link.world, bn.probe_rank, {}, timeout_s=timeout, echo=False)[0]
+    inter = M.Tier(*tiers["inter"])
+    intra = M.Tier(*tiers["intra"]) if "intra" in tiers else M.Tier(0.0, float("inf"))
+    share = min(1.0, (os.cpu_count() or 1) / (nodes * g))
+    return M.Cluster(nodes, g, inter, intra, kern["codec_s"], kern["reduce_s"], share)
+
+
+def bench_scale(a: argparse.Namespace, meta: dict) -> List[dict]:
+    from flatcomm import costmodel as M
+
+    bn = importlib.import_module(".nodes", __name__)
+    codecs = a.codecs or ["fp32", "int8", "int4", "sign"]
+    out: List[dict] = []
+    if a.measured:
+        _say("kernel probe (1 thread) for the model's compute")
+        kern = bn.kernel_costs(codecs, parse_size(a.kernel_numel))
+        meta["kernels"] = kern
+        clusters = {}
+        for path in a.measured:
+            with open(path) as fh:
+                doc = json.load(fh)
+            L = doc.get("link") or {}
+            nodes, g = L.get("nodes"), L.get("ranks_per_node")
+            if not nodes or not g:
+                raise SystemExit(f"flatcomm.bench scale: {path} is not a `collectives --nodes` result")
+            key = (L["spec"], nodes, g)
+            if key not in clusters:
+                clusters[key] = _probe_cluster(L["spec"], nodes, g, kern, a.timeout)
+                meta.setdefault("probes", []).append(dict(clusters[key].describe(), link=L["spec"]))
+            cl = clusters[key]
+            for r in doc["results"]:
+                if r["codec"] not in cl.codec_s:
+                    continue
+                model = M.predict(cl, r["path"], r["numel"], r["codec"])
+                out.append({"kind": "validation", "source": path, "nodes": nodes, "ranks_per_node": g,
+                            "path": r["path"], "codec": r["codec"], "numel": r["numel"],
+                            "measured_s": r["time_s"], "model_s": model, "ratio": r["time_s"] / model,
+                            "within_25pct": abs(r["time_s"] / model - 1) <= 0.25})
+    g = a.project_gpus
+    gpu = {c: 4.0 / (a.gpu_gbps * 1e9) for c in codecs}
+    meta["projection"] = {"ranks_per_node": g, "inter_GBps_per_node": a.inter_gbps, "intra_GBps": a.intra_gbps,
+                          "inter_latency_us": a.inter_latency_us, "intra_latency_us": a.intra_latency_us,
+                          "gpu_pipeline_GBps": a.gpu_gbps, "gpu_reduce_GBps": a.gpu_reduce_gbps,
+                          "gpu_figures": "assumed (not yet measured by benchmarks/gpu_check.sh)"}
+    n = 1
+    while n <= a.project_nodes:
+        cl = M.Cluster(n, g, M.Tier(a.inter_latency_us * 1e-6, a.inter_gbps * 1e9),
+                       M.Tier(a.intra_latency_us * 1e-6, a.intra_gbps * 1e9), gpu, 4.0 / (a.gpu_reduce_gbps * 1e9))
+        for numel in a.project_sizes:
+            out.append({"kind": "projection", "nodes": n, "ranks_per_node": g, "path": "torch", "codec": "fp32",
+                        "numel": numel, "model_s": M.ring(cl, numel)})
+            for path in ("flat", "hierarchical"):
+                for c in codecs:
+                    out.append({"kind": "projection", "nodes": n, "ranks_per_node": g, "path": path, "codec": c,
+                                "numel": numel, "model_s": M.predict(cl, path, numel, c)})
+        n *= 2
+    for r in out:  # the generic fields the JSON and plots of the other commands have
+        r.update(name=f"{r['path']}-{r['codec']}", step_s=r.get("measured_s", r["model_s"]),
+                 comm_s=r.get("measured_s", r["model_s"]), wire_bytes=None)
+    return out
+
+
+def table_scale(results: List[dict]) -> str:
+    lines = []
+    val = [r for r in results if r["kind"] == "validation"]
+    if val:
+        hdr = f"{'N x G':>6} {'size':>8} {'path':<13} {'codec':<6} {'measured ms':>11} {'model ms':>9} {'meas/model':>10}"
+        lines += ["validation (harness vs model)", hdr, "-" * len(hdr)]
+        for r in val:
+            lines.append(f"{r['nodes']}x{r['ranks_per_node']:<4} {4 * r['numel'] / 1e6:7.3g}M {r['path']:<13} "
+                         f"{r['codec']:<6} {r['measured_s'] * 1e3:11.1f} {r['model_s'] * 1e3:9.1f} {r['ratio']:10.2f}"
+                         + ("" if r["within_25pct"] else "  (outside +-25%)"))
+        lines.append("")
+    proj = [r for r in results if r["kind"] == "projection"]
+    for numel in sorted({r["numel"] for r in proj}):
+        rows = [r for r in proj if r["numel"] == numel]
+        cols = []
+        for r in rows:
+            if (r["path"], r["codec"]) not in cols:
+                cols.append((r["path"], r["codec"]))
+        names = ["torch" if p == "torch" else f"{p[:4]} {c}" for p, c in cols]
+        hdr = f"{'nodes':>5} " + " ".join(f"{nm:>10}" for nm in names)
+        lines += [f"projection: all-reduce of {4 * numel / 1e6:.4g} MB fp32, ms, G = {rows[0]['ranks_per_node']}",
+                  hdr, "-" * len(hdr)]
+        for n in sorted({r["nodes"] for r in rows}):
+            by = {(r["path"], r["codec"]): r["model_s"] for r in rows if r["nodes"] == n}
+            lines.append(f"{n:>5} " + " ".join(f"{by[k] * 1e3:10.3f}" for k in cols))
+    return "\n".join(lines)
+
+
+def plot_scale(results: List[dict], path: str, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"flatcomm.bench: --plot needs matplotlib; no plot written to {path}", file=sys.stderr)
+        return False
+    proj = [r for r in results if r["kind"] == "projection"]
+    numel = max(r["numel"] for r in proj)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in [("torch", "fp32"), ("flat", "int8"), ("flat", "sign"), ("hierarchical", "fp32"),
+                ("hierarchical", "int8"), ("hierarchical", "int4"), ("hierarchical", "sign")]:
+        pts = sorted((r["nodes"], r["model_s"] * 1e3) for r in proj
+                     if (r["path"], r["codec"]) == key and r["numel"] == numel)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+                    label="torch ring fp32" if key[0] == "torch" else f"{key[0]} {key[1]}",
+                    ls="--" if key[0] == "flat" else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"nodes (x {proj[0]['ranks_per_node']} GPUs)")
+    ax.set_ylabel(f"all-reduce of {4 * numel / 1e6:.4g} MB, ms (model)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    return _save(plt, fig, path)
+
+
 # ---- DDP ------------------------------------------------------------------------------------------------
 
 _DDP_NAMES = {"noop": "noop", "torch allreduce": "torch-allreduce", "torch quant_perchannel": "torch-quant-perchannel",
@@ -219,12 +431,14 @@ def _ddp_name(hook: str) -> str:
 
 def bench_ddp(a: argparse.Namespace, meta: dict) -> List[dict]:
     bd = importlib.import_module(".ddp", __name__)
+    if a.nodes and not a.link:
+        raise SystemExit("flatcomm.bench: --nodes needs --link (the nodes are joined by a shaped link)")
     back = {_ddp_name(h): h for h in bd.HOOKS}
     hooks = [back[n] for n in a.hooks] if a.hooks else list(bd.HOOKS)
     for must in ("torch allreduce", "noop"):  # the baselines every ratio needs
         if must not in hooks:
             hooks.insert(0, must)
-    wargs = SimpleNamespace(params=a.params, batch=a.batch, steps=a.steps if a.steps else (4 if not a.quick else 2),
+    wargs = SimpleNamespace(auto_budget=a.auto_budget, params=a.params, batch=a.batch, steps=a.steps if a.steps else (4 if not a.quick else 2),
                             warmup=a.warmup, rounds=a.rounds if a.rounds else (2 if a.link else 3), skip=set())
     if a.quick:
         wargs.rounds = 1
@@ -374,6 +588,14 @@ def plot_labels(results: List[dict], command: str) -> List[str]:
     return [" ".join(dict.fromkeys(words(r))) for r in results]
 
 
+def _save(plt, fig, path: str) -> bool:
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plot(results: List[dict], command: str, path: str, title: str) -> bool:
     try:
         import matplotlib
@@ -409,11 +631,7 @@ def plot(results: List[dict], command: str, path: str, title: str) -> bool:
         axes[0][1].invert_yaxis()
         axes[0][1].set_xlabel(xlabel2)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def _hook_names() -> List[str]:
@@ -457,8 +675,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--codecs", type=names(lambda: (*codecs(), "auto"), "codec"), help="comma separated (default: all)")
     c.add_argument("--reps", type=count, default=5)
     c.add_argument("--no-exact", action="store_true", help="skip mode='exact'")
+    c.add_argument("--nodes", type=positive(int), help="N namespaces ('nodes') of --ranks-per-node ranks each (needs --link)")
+    c.add_argument("--ranks-per-node", type=positive(int), default=1, help="ranks per node with --nodes (default 1)")
+    c.add_argument("--paths", type=names(lambda: ("torch", "flat", "hierarchical"), "path"),
+                   default=["torch", "flat", "hierarchical"], help="with --nodes: torch,flat,hierarchical")
 
     d = sub.add_parser("ddp", parents=[common, dist_opts], help="DDP comm hooks: comm time per step")
+    d.add_argument("--nodes", type=positive(int), help="N namespaces of --ranks-per-node ranks (needs --link); "
+                                                       "flatcomm hooks go two-level (topology from LOCAL_WORLD_SIZE)")
+    d.add_argument("--ranks-per-node", type=positive(int), default=1)
+    d.add_argument("--auto-budget", choices=("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk"),
+                   help="the auto hook's error budget (default sign; int8 = Tuner's default)")
     d.add_argument("--params", type=positive(float), default=25e6, help="MLP parameters (default 25e6)")
     d.add_argument("--batch", type=count, default=32)
     d.add_argument("--steps", type=count, help="timed steps per hook (default 4; --quick 2)")
@@ -468,6 +695,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma separated: noop, torch-allreduce, torch-quant-perchannel, torch-powersgd-r1, "
                         "torch-powersgd-r4, fp32, bf16, int8, int4, sign, auto (default all; auto's error budget "
                         "is sign)")
+
+    sc = sub.add_parser("scale", parents=[common], help="alpha-beta model: validate on the harness, project")
+    sc.add_argument("--measured", type=lambda t: [x for x in t.split(",") if x], help="JSON files of `collectives --nodes` runs to validate against (comma separated)")
+    sc.add_argument("--codecs", type=codec_list, help="comma separated (default fp32,int8,int4,sign)")
+    sc.add_argument("--kernel-numel", default="4M", help="values for the kernel probe (default 4M)")
+    sc.add_argument("--project-nodes", type=int, default=128)
+    sc.add_argument("--project-gpus", type=int, default=8, help="GPUs per node in the projection")
+    sc.add_argument("--project-sizes", type=sizes, default=[25 << 20], help="fp32 values per all-reduce (default 25M)")
+    sc.add_argument("--inter-gbps", type=float, default=PROJECT_INTER_GBPS, help="GB/s a node sends (default 8 x 400 Gbit/s)")
+    sc.add_argument("--intra-gbps", type=float, default=PROJECT_INTRA_GBPS, help="GB/s per GPU inside a node (NVLink)")
+    sc.add_argument("--inter-latency-us", type=float, default=PROJECT_INTER_LATENCY_US)
+    sc.add_argument("--intra-latency-us", type=float, default=PROJECT_INTRA_LATENCY_US)
+    sc.add_argument("--gpu-gbps", type=float, default=PROJECT_GPU_GBPS,
+                    help="fp32 input GB/s of one GPU's flat pipeline per codec (assumed until measured)")
+    sc.add_argument("--gpu-reduce-gbps", type=float, default=PROJECT_GPU_REDUCE_GBPS)
 
     f = sub.add_parser("fsdp", parents=[common, dist_opts], help="FSDP2 reduce-scatter: default vs codecs")
     f.add_argument("--codecs", type=names(lambda: ("default", *codecs(), "auto"), "codec"),
@@ -486,10 +728,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     meta: Dict[str, Any] = {"command": a.command, "argv": list(sys.argv[1:] if argv is None else argv),
                             "torch": torch.__version__, "build": flatcomm.build_info()}
-    if a.command != "kernels":
+    if a.command not in ("kernels", "scale"):
         if a.link and a.ranks < 2:
             raise SystemExit("flatcomm.bench: --link needs --ranks >= 2")
         meta["world"] = a.ranks
+        if getattr(a, "nodes", None) is not None:
+            if a.nodes < 2 or a.ranks_per_node < 1:
+                raise SystemExit("flatcomm.bench: --nodes needs at least 2 nodes and --ranks-per-node >= 1")
+            a.ranks = meta["world"] = a.nodes * a.ranks_per_node
     # Backstop bound on the whole command (rank runs have their own, tighter timeouts).
     def _alarm(signum, frame):
         raise TimeoutError(f"flatcomm.bench: gave up after --timeout {a.timeout:g} s (+60 s)")
@@ -505,7 +751,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _main(a: argparse.Namespace, meta: Dict[str, Any], t0: float) -> int:
-    runner = {"kernels": bench_kernels, "collectives": bench_collectives, "ddp": bench_ddp, "fsdp": bench_fsdp}
+    runner = {"kernels": bench_kernels, "collectives": bench_collectives, "ddp": bench_ddp, "fsdp": bench_fsdp,
+              "scale": bench_scale}
     results = runner[a.command](a, meta)
     where = ""
     if meta.get("link"):
@@ -514,15 +761,22 @@ def _main(a: argparse.Namespace, meta: Dict[str, Any], t0: float) -> int:
         if L["delay_s"]:
             delay = f", delay {L['delay_s'] * 1e3:g} ms" + ("" if L["delay_applied"] else " NOT applied (no netem)")
         where = f" on a {L['rate']} link ({L['topology']}{delay})"
-    elif a.command != "kernels":
+    elif a.command not in ("kernels", "scale"):
         where = " over loopback"
-    title = f"flatcomm.bench {a.command}: " + (f"{a.ranks} ranks" if a.command != "kernels" else "1 process") + where
+    who = f"{a.ranks} ranks" if a.command not in ("kernels", "scale") else "1 process"
+    if a.command == "scale":
+        who = "alpha-beta model"
+    if getattr(a, "nodes", None):
+        who = f"{a.nodes} nodes x {a.ranks_per_node} ranks"
+    title = f"flatcomm.bench {a.command}: {who}{where}"
     if a.command == "kernels":
         table = table_kernels(results)
     elif a.command == "collectives":
-        table = table_collectives(results)
+        table = table_nodes(results) if getattr(a, "nodes", None) else table_collectives(results)
     elif a.command == "ddp":
         table = table_ddp(results, meta)
+    elif a.command == "scale":
+        table = table_scale(results)
     else:
         table = table_fsdp(results)
     print(title)
@@ -539,6 +793,9 @@ def _main(a: argparse.Namespace, meta: Dict[str, Any], t0: float) -> int:
         with open(a.json, "w") as fh:
             json.dump(doc, fh, indent=1, default=str)
         _say(f"wrote {a.json}")
-    if a.plot and plot(results, a.command, a.plot, title):
+    if a.plot and a.command == "scale":
+        if plot_scale(results, a.plot, title):
+            _say(f"wrote {a.plot}")
+    elif a.plot and plot(results, a.command, a.plot, title):
         _say(f"wrote {a.plot}")
     return 0

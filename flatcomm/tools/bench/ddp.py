@@ -80,7 +80,7 @@ def _bench_one(name, rank, world, args):
         from flatcomm.autotune import Tuner
 
         codec = name.split()[1]
-        tuner = Tuner(AUTO_BUDGET) if codec == "auto" else None
+        tuner = Tuner(getattr(args, "auto_budget", None) or AUTO_BUDGET) if codec == "auto" else None
         state = fddp.State(codec, model=ddp, track_norms=False, tuner=tuner)
         ddp.register_comm_hook(state, _timed(fddp.hook, hook_times))
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)

@@ -1,0 +1,71 @@
+"""The alpha-beta model of flatcomm.costmodel against hand-computed bytes and times, and the
+`bench scale` projection (no ranks: the model only)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flatcomm import costmodel as M
+from flatcomm.codecs import Codec
+
+INF = float("inf")
+
+
+def _cluster(nodes, g, inter=1e8, intra=1e10, codec_s=0.0, lat=0.0, share=1.0):
+    return M.Cluster(nodes, g, M.Tier(lat, inter), M.Tier(lat, intra),
+                     {c: codec_s for c in ("fp32", "int8", "int4", "sign")}, 0.0, share)
+
+
+def test_ring_bytes_and_latency():
+    n = 10_000_000  # S = 40 MB
+    cl = _cluster(2, 2, lat=1e-3)
+    # a node sends 2 (W-1)/W S = 60 MB at 100 MB/s, 2 (W-1) = 6 steps of latency
+    assert M.ring(cl, n) == pytest.approx(60e6 / 1e8 + 6e-3)
+    assert M.ring(_cluster(1, 1), n) == 0.0
+    one_node = _cluster(1, 4)  # only the intra tier: 2 x 3/4 x 40 MB at 10 GB/s
+    assert M.ring(one_node, n) == pytest.approx(60e6 / 1e10)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8", "sign"])
+def test_flat_and_hierarchical_bytes_off_a_node(codec):
+    n, nodes, g = 1 << 22, 2, 4
+    w = nodes * g
+    cs = Codec(codec).wire_bytes(n)
+    cl = _cluster(nodes, g, intra=INF)  # only the network counts
+    flat = (g * (w - g) / w + (w - 1) / w) * cs / 1e8
+    assert M.flat(cl, n, codec) == pytest.approx(flat, rel=1e-9)
+    m = n // g
+    hier = 2 * (nodes - 1) / nodes * Codec(codec).wire_bytes(m) * g / 1e8
+    assert M.hierarchical(cl, n, codec) == pytest.approx(hier, rel=1e-9)
+    # the issue's count: two-level sends ~ 2 c S per node, flat ~ G times more in the all-to-all
+    assert M.hierarchical(cl, n, codec) < 0.4 * M.flat(cl, n, codec)
+
+
+def test_overlap_and_shared_cores():
+    n = 1 << 24
+    cl = _cluster(2, 1, inter=1e9, codec_s=1e-9)  # compute 16.8 ms; wire of int8
+    k = M._chunks(n, "int8", 2)
+    wire = 2 * 0.5 * Codec("int8").wire_bytes(n) / 1e9
+    comp = n * 1e-9
+    assert k > 1 and M.flat(cl, n, "int8") == pytest.approx(max(comp, wire) + min(comp, wire) / k)
+    half = _cluster(2, 1, inter=1e9, codec_s=1e-9, share=0.5)  # two ranks per core: compute x2
+    assert M.flat(half, n, "int8") == pytest.approx(max(2 * comp, wire) + min(2 * comp, wire) / k)
+    # flat when one tier is missing
+    assert M.hierarchical(_cluster(1, 4), n, "int8") == M.flat(_cluster(1, 4), n, "int8")
+    with pytest.raises(ValueError, match="path"):
+        M.predict(cl, "tree", n)
+
+
+def test_bench_scale_projection(tmp_path, capsys):
+    from flatcomm.tools.bench import main
+
+    out = tmp_path / "scale.json"
+    assert main(["scale", "--project-nodes", "16", "--project-sizes", "1M", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = doc["results"]
+    assert {r["nodes"] for r in rows} == {1, 2, 4, 8, 16}
+    assert doc["projection"]["inter_GBps_per_node"] == 400 and "assumed" in doc["projection"]["gpu_figures"]
+    at16 = {(r["path"], r["codec"]): r["model_s"] for r in rows if r["nodes"] == 16}
+    assert at16[("hierarchical", "int8")] < at16[("flat", "int8")] < at16[("flat", "fp32")]
+    assert "projection" in capsys.readouterr().out
