@@ -116,12 +116,17 @@ class State:
         codec of each bucket at its first hook call; ``decisions`` / ``stats()["decisions"]`` say what
         and why. A parameter that moves (bucket rebuild) from a lossy bucket into one where fp32 was
         chosen brings its residual along: it is added once to that bucket's lossless all-reduce.
+    start_step: steps (hook rounds, counted like ``state_dict()["step"]``) sent in lossless fp32 before
+        the codec starts (like PowerSGD's ``start_powerSGD_iter``): early gradients are large and
+        change fast, and an adaptive optimizer's variance estimate forms from them. Residuals start
+        at zero when the codec does; a checkpoint's step count carries the warm-up across restarts.
     """
 
     def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: str = "ordered",
                  group=None, chunks: Optional[int] = None, block_size: Optional[int] = None,
                  ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None,
-                 grad_scaler=None, track_norms: bool = True, history: int = 100, tuner=None):
+                 grad_scaler=None, track_norms: bool = True, history: int = 100, tuner=None,
+                 start_step: int = 0):
         if mode not in C.MODES:
             raise ValueError(f"flatcomm: mode must be one of {C.MODES}, got {mode!r}")
         # codec="auto": flatcomm.autotune picks a codec per bucket key at its first hook call (the same
@@ -137,6 +142,9 @@ class State:
         self.codec: Codec = resolve("fp32" if self._auto else codec, block_size, ratio)
         if mode == "exact" and self.codec.name != "fp32":
             raise ValueError("flatcomm: mode='exact' sums exact fixed point of the values; use codec='fp32' with it")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"flatcomm: start_step must be an int >= 0, got {start_step!r}")
+        self.start_step = start_step
         self.mode = mode
         self.error_feedback = bool(error_feedback) and (self._auto or not self.codec.lossless) and mode == "ordered"
         self.chunks = chunks
@@ -304,6 +312,8 @@ class State:
                                                             device=tensor.device)
             codec = resolve(d.codec, self._block_size)
             chunks = chunks or d.chunks
+        if step < self.start_step:  # warm-up: lossless; a residual loaded from a checkpoint is flushed
+            codec = resolve("fp32")
         res = None
         if self.error_feedback and not codec.lossless:
             res = self._buffer_for(bucket)
