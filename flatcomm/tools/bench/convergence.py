@@ -9,7 +9,7 @@ seed and per row:
 * ``lm``: the character-level transformer of :mod:`flatcomm.demo` on ``pydoc_data.topics`` (text that
   ships with Python), AdamW with a linear learning-rate warm-up; held-out cross-entropy.
 * ``cnn``: a small convolutional net on generated 16x16 images (10 classes: a random template per
-  class, shifted by up to 2 pixels and drawn in Gaussian noise), AdamW; held-out cross-entropy.
+  class, shifted by up to 2 pixels, in Gaussian noise of 3x their sd), AdamW; held-out cross-entropy.
 * ``mlp_sgd``: an MLP learning a fixed random teacher network's labels from Gaussian inputs, SGD
   with Nesterov-free momentum 0.9; held-out cross-entropy.
 
@@ -121,7 +121,7 @@ def _templates(seed: int, classes: int = 10, size: int = 16) -> torch.Tensor:
     return (t - t.mean(dim=(2, 3), keepdim=True)) / t.std(dim=(2, 3), keepdim=True)
 
 
-def _images(templates: torch.Tensor, n: int, g: torch.Generator, noise: float = 1.5):
+def _images(templates: torch.Tensor, n: int, g: torch.Generator, noise: float = 3.0):
     y = torch.randint(0, templates.shape[0], (n,), generator=g)
     dx = torch.randint(-2, 3, (n,), generator=g).tolist()
     dy = torch.randint(-2, 3, (n,), generator=g).tolist()
