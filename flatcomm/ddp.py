@@ -68,6 +68,11 @@ from .codecs import Codec, resolve
 __all__ = ["State", "hook", "register"]
 
 STATE_DICT_VERSION = 1
+# What register(ddp, "sign") uses unless block_size= / start_step= say otherwise. Sign sends every
+# value of a block at the block's mean magnitude: with 256-value blocks Adam's second moment grew
+# 1.8x (median, 4x at p90) and the residual reached 6x the gradient early in training; smaller
+# blocks and lossless first steps keep both close (tools/bench/adam_probe.py, convergence.py).
+CODEC_DEFAULTS = {"sign": {"block_size": 64, "start_step": 20}}
 # collectives.all_reduce(validate=...) skips the per-call consistency all-gather when False.
 _HAS_VALIDATE = "validate" in inspect.signature(C.all_reduce).parameters
 
@@ -120,18 +125,22 @@ class State:
         the codec starts (like PowerSGD's ``start_powerSGD_iter``): early gradients are large and
         change fast, and an adaptive optimizer's variance estimate forms from them. Residuals start
         at zero when the codec does; a checkpoint's step count carries the warm-up across restarts.
+        Default 0, except for ``codec="sign"`` given by name: see ``CODEC_DEFAULTS`` (block_size too).
     """
 
     def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: str = "ordered",
                  group=None, chunks: Optional[int] = None, block_size: Optional[int] = None,
                  ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None,
                  grad_scaler=None, track_norms: bool = True, history: int = 100, tuner=None,
-                 start_step: int = 0):
+                 start_step: Optional[int] = None):
         if mode not in C.MODES:
             raise ValueError(f"flatcomm: mode must be one of {C.MODES}, got {mode!r}")
         # codec="auto": flatcomm.autotune picks a codec per bucket key at its first hook call (the same
         # on every rank); self.decisions[key] holds the Decision (codec, chunks, reason, predicted_s).
         self._auto = isinstance(codec, str) and codec == "auto"
+        defaults = CODEC_DEFAULTS.get(codec, {}) if isinstance(codec, str) else {}
+        block_size = defaults.get("block_size") if block_size is None else block_size
+        start_step = defaults.get("start_step", 0) if start_step is None else start_step
         self._block_size = block_size
         self.decisions: Dict[Tuple[int, ...], Any] = {}
         if self._auto:

@@ -84,7 +84,21 @@ def test_start_step_counts_from_the_checkpointed_step():
         assert codecs == [{"fp32"}, {"fp32"}, {"int8"}, {"int8"}]
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, "3", True, None])
+@pytest.mark.parametrize("bad", [-1, 1.5, "3", True])
 def test_start_step_rejects_bad_values(bad):
     with pytest.raises(ValueError, match="start_step"):
         fddp.State("sign", start_step=bad)
+
+
+def test_sign_by_name_gets_small_blocks_and_a_warm_up_by_default():
+    st = fddp.State("sign")
+    want = fddp.CODEC_DEFAULTS["sign"]
+    assert st.codec.block_size == want["block_size"] < 256 and st.start_step == want["start_step"] > 0
+    st = fddp.State("sign", block_size=256, start_step=0)  # explicit values win
+    assert st.codec.block_size == 256 and st.start_step == 0
+    for name in ("int8", "int4", "fp32"):
+        st = fddp.State(name)
+        assert st.codec.block_size == 256 and st.start_step == 0
+    from flatcomm.codecs import Codec
+
+    assert fddp.State(Codec("sign")).codec.block_size == 256  # a Codec carries its own parameters

@@ -322,14 +322,14 @@ def plot(doc: Dict[str, Any], path: str) -> None:
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
     for ax, wname in zip(axes[0], names):
         w = doc["workloads"][wname]
-        for r in w["rows"]:
+        for i, r in enumerate(w["rows"]):
             n = min(len(c) for c in r["curves"])
             sm = [_smooth(c[:n], 10) for c in r["curves"]]
             mean = [statistics.fmean(col) for col in zip(*sm)]
             lo = [min(col) for col in zip(*sm)]
             hi = [max(col) for col in zip(*sm)]
             rel = "" if r["rel_mean"] is None else f" ({100 * r['rel_mean']:+.1f}%)"
-            line, = ax.plot(range(n), mean, lw=1.3, label=r["row"] + rel)
+            line, = ax.plot(range(n), mean, lw=1.3, label=r["row"] + rel, color=plt.cm.tab20(i % 20))
             ax.fill_between(range(n), lo, hi, color=line.get_color(), alpha=0.15, lw=0)
         ax.set_title(f"{wname} ({w['optimizer']}), {doc['seeds']} seeds")
         ax.set_xlabel("step")
