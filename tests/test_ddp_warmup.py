@@ -60,7 +60,8 @@ def test_start_step_sends_fp32_then_the_codec():
     for r in out:
         assert r["exact"][:start] == [True] * start, r["exact"]
         assert not any(r["exact"][start:]), "sign must not reproduce the exact mean"
-        assert r["codecs"][:start] == [{"fp32"}] * start and r["codecs"][start:] == [{"sign"}] * (steps - start)
+        assert r["codecs"][:start] == [{"fp32"}] * start
+        assert r["codecs"][start:] == [{"sign"}] * (steps - start)
         assert r["residual"][:start] == [0.0] * start and all(v > 0 for v in r["residual"][start:])
         assert max(r["wire"][start:]) * 8 < min(r["wire"][:start])
         assert r["sd_step"] == steps

@@ -9,8 +9,8 @@ seed and per row:
 * ``lm``: the character-level transformer of :mod:`flatcomm.demo` on ``pydoc_data.topics`` (text that
   ships with Python), AdamW; held-out cross-entropy.
 * ``cnn``: a small convolutional net on generated 16x16 images (10 classes: a random template per
-  class, shifted by up to 2 pixels, in Gaussian noise of 1.5x their sd, a quarter of the labels replaced by
-  another class), AdamW; held-out cross-entropy.
+  class, shifted by up to 2 pixels, in Gaussian noise of 1.5x their sd, a quarter of the labels
+  replaced by another class), AdamW; held-out cross-entropy.
 * ``mlp_sgd``: an MLP learning a fixed random teacher network's labels from Gaussian inputs, SGD
   with momentum 0.9; held-out cross-entropy.
 
@@ -195,7 +195,8 @@ class MLPSGD(Workload):
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(5, self.steps))
 
     def batch(self, step, rank):
-        return self._data(self.BATCH, torch.Generator().manual_seed(1_000_003 * (10 + self.seed) + 7919 * step + rank))
+        g = torch.Generator().manual_seed(1_000_003 * (10 + self.seed) + 7919 * step + rank)
+        return self._data(self.BATCH, g)
 
     def held_out(self):
         return [self._data(1024, torch.Generator().manual_seed(55 + self.seed))]
