@@ -79,6 +79,11 @@ from .codecs import Codec, resolve
 __all__ = ["State", "hook", "register", "reshard"]
 
 STATE_DICT_VERSION = 2
+# What register(ddp, "sign") uses unless block_size= / start_step= say otherwise. Sign sends every
+# value of a block at the block's mean magnitude: with 256-value blocks Adam's second moment grew
+# 1.8x (median, 4x at p90) and the residual reached 6x the gradient early in training; smaller
+# blocks and lossless first steps keep both close (tools/bench/adam_probe.py, convergence.py).
+CODEC_DEFAULTS = {"sign": {"block_size": 64, "start_step": 20}}
 # all_reduce(validate=False) skips only a call header that costs a host sync (NCCL-only group).
 _HAS_VALIDATE = "validate" in inspect.signature(C.all_reduce).parameters
 
@@ -132,13 +137,18 @@ class State:
         codec of each bucket at its first hook call; ``decisions`` / ``stats()["decisions"]`` say what
         and why. A parameter that moves (bucket rebuild) from a lossy bucket into one where fp32 was
         chosen brings its residual along: it is added once to that bucket's lossless all-reduce.
+    start_step: steps (hook rounds, counted like ``state_dict()["step"]``) sent in lossless fp32 before
+        the codec starts (like PowerSGD's ``start_powerSGD_iter``): early gradients are large and
+        change fast, and an adaptive optimizer's variance estimate forms from them. Residuals start
+        at zero when the codec does; a checkpoint's step count carries the warm-up across restarts.
+        Default 0, except for ``codec="sign"`` given by name: see ``CODEC_DEFAULTS`` (block_size too).
     """
 
     def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: Optional[str] = None,
                  group=None, chunks: Optional[int] = None, block_size: Optional[int] = None,
                  ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None,
                  grad_scaler=None, track_norms: bool = True, history: int = 100, tuner=None,
-                 topology=None):
+                 topology=None, start_step: Optional[int] = None):
         # mode None: the caller did not ask for determinism (see register()); fixed codecs run ordered
         self._open = mode is None and isinstance(codec, str) and codec == "auto"
         mode = "ordered" if mode is None else mode
@@ -147,6 +157,9 @@ class State:
         # codec="auto": flatcomm.autotune picks a codec per bucket key at its first hook call (the same
         # on every rank); self.decisions[key] holds the Decision (codec, chunks, reason, predicted_s).
         self._auto = isinstance(codec, str) and codec == "auto"
+        defaults = CODEC_DEFAULTS.get(codec, {}) if isinstance(codec, str) else {}
+        block_size = defaults.get("block_size") if block_size is None else block_size
+        start_step = defaults.get("start_step", 0) if start_step is None else start_step
         self._block_size = block_size
         self.decisions: Dict[Tuple[int, ...], Any] = {}
         if self._auto:
@@ -157,6 +170,9 @@ class State:
         self.codec: Codec = resolve("fp32" if self._auto else codec, block_size, ratio)
         if mode == "exact" and self.codec.name != "fp32":
             raise ValueError("flatcomm: mode='exact' sums exact fixed point of the values; use codec='fp32' with it")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"flatcomm: start_step must be an int >= 0, got {start_step!r}")
+        self.start_step = start_step
         self.mode = mode
         self.error_feedback = bool(error_feedback) and (self._auto or not self.codec.lossless) and mode == "ordered"
         self.chunks = chunks
@@ -392,6 +408,8 @@ class State:
             # (a bucket still carrying residuals from a lossy one sends them once through fp32)
             codec = resolve("fp32" if d.codec == _BACKEND else d.codec, self._block_size)
             chunks = chunks or d.chunks
+        if step < self.start_step:  # warm-up: lossless; a residual loaded from a checkpoint is flushed
+            codec = resolve("fp32")
         res = None
         where = (key, params, layout, tensor.numel(), tensor.device)
         if self.error_feedback and not codec.lossless:

@@ -164,7 +164,7 @@ def _w_ef_save(rank, world, codecs, steps):
 
 
 def _ef_save(rank, world, codec, steps):
-    ddp, state = _make(rank, {}, codec)
+    ddp, state = _make(rank, {}, codec, start_step=0)  # the codec from step 0, not its warm-up
     dec, true = _ef_steps(rank, world, ddp, state, steps)
     sd = state.resharded_state_dict()
     per_rank = state.state_dict()
@@ -177,7 +177,7 @@ def _ef_save(rank, world, codec, steps):
 
 
 def _w_ef_load(rank, world, codec, sd_bytes, params, steps):
-    ddp, state = _make(rank, {"bucket_cap_mb": 0.02}, codec)
+    ddp, state = _make(rank, {"bucket_cap_mb": 0.02}, codec, start_step=0)
     with torch.no_grad():
         for n, p in ddp.module.named_parameters():
             p.copy_(params[n])

@@ -6,6 +6,7 @@
     python -m flatcomm.bench scale       [--measured P.json ...] [--project 128x8] [--plot P.png]
     python -m flatcomm.bench ddp         [--ranks N] [--link 1gbit] [--params 25e6] [--hooks ...]
     python -m flatcomm.bench fsdp        [--ranks N] [--link 1gbit] [--codecs default,int8]
+    python -m flatcomm.bench convergence [--quick] [--workloads lm,cnn,mlp_sgd] [--seeds 3] [--codecs ...]
     common: [--json PATH] [--plot PATH.png] [--timeout S]; --version
 
 ``--link`` runs each rank in its own network namespace joined by a rate-limited link
@@ -720,6 +721,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["convergence"]:  # its own CLI: training runs, not timings
+        return importlib.import_module(".convergence", __name__).main(args[1:])
     a = build_parser().parse_args(argv)
     t0 = time.perf_counter()
     import torch

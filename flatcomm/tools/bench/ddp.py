@@ -81,7 +81,8 @@ def _bench_one(name, rank, world, args):
 
         codec = name.split()[1]
         tuner = Tuner(getattr(args, "auto_budget", None) or AUTO_BUDGET) if codec == "auto" else None
-        state = fddp.State(codec, model=ddp, track_norms=False, tuner=tuner)
+        # start_step=0: time the codec itself from the first step, not its fp32 warm-up (sign has one)
+        state = fddp.State(codec, model=ddp, track_norms=False, tuner=tuner, start_step=0)
         ddp.register_comm_hook(state, _timed(fddp.hook, hook_times))
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
     g = torch.Generator().manual_seed(rank)

@@ -1,0 +1,411 @@
+"""Convergence benchmark: does a codec change what training reaches? (a tool; the library never imports it)
+
+    python -m flatcomm.tools.bench.convergence [--quick] [--workloads lm,cnn,mlp_sgd] [--seeds 3]
+        [--codecs torch,fp32,bf16,int8,int4,sign] [--json P] [--plot P.png] [--steps-scale F]
+
+Three workloads, each trained on 2 gloo ranks (:mod:`flatcomm.tools.spawn`, one thread per rank) once per
+seed and per row:
+
+* ``lm``: the character-level transformer of :mod:`flatcomm.tools.demo` on ``pydoc_data.topics`` (text that
+  ships with Python), AdamW; held-out cross-entropy.
+* ``cnn``: a small convolutional net on generated 16x16 images (10 classes: a random template per
+  class, shifted by up to 2 pixels, in Gaussian noise of 1.5x their sd, a quarter of the labels
+  replaced by another class), AdamW; held-out cross-entropy.
+* ``mlp_sgd``: an MLP learning a fixed random teacher network's labels from Gaussian inputs, SGD
+  with momentum 0.9; held-out cross-entropy.
+
+Every workload warms its learning rate up linearly and decays it along a cosine to a tenth.
+
+A row is torch's default all-reduce hook (``torch``) or ``flatcomm.ddp.register(ddp, codec, **opts)``
+with its defaults (error feedback on for lossy codecs); ``sign:block_size=32,start_step=50`` passes
+options. Within a seed every row starts from the same weights and sees the same batches, so the
+paired difference to ``torch`` measures the codec, not the seed. The held-out metric is reported
+relative to torch (``val / val_torch - 1`` per seed, then mean and sample sd over seeds).
+
+JSON: ``{"command": "convergence", "world", "seeds", "quick", "workloads": {name: {"optimizer",
+"steps", "params", "rows": [{"row", "codec", "options", "val": [per seed], "rel": [per seed],
+"rel_mean", "rel_sd", "curves": [[train loss per step] per seed], "residual_norm": [[...]],
+"rel_error": [[...]], "wire_bytes_per_step"}]}}, "seconds"}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_ROWS = ("torch", "fp32", "bf16", "int8", "int4", "sign")
+WORKLOADS = ("lm", "cnn", "mlp_sgd")
+TRACK_EVERY = 5  # steps between residual-norm samples (stats() reads are cheap but not free)
+
+
+# ---- rows ------------------------------------------------------------------------------------------
+
+def parse_row(spec: str) -> Tuple[str, Dict[str, Any]]:
+    """``"sign:block_size=32,start_step=50"`` -> ``("sign", {"block_size": 32, "start_step": 50})``."""
+    name, _, rest = spec.partition(":")
+    opts: Dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        k, eq, v = item.partition("=")
+        if not eq:
+            raise ValueError(f"convergence: row option {item!r} in {spec!r} is not key=value")
+        try:
+            opts[k] = int(v)
+        except ValueError:
+            try:
+                opts[k] = float(v)
+            except ValueError:
+                opts[k] = {"true": True, "false": False}.get(v.lower(), v)
+    if name == "torch" and opts:
+        raise ValueError("convergence: the torch row takes no options")
+    return name, opts
+
+
+# ---- workloads -------------------------------------------------------------------------------------
+
+class Workload:
+    """Model, optimizer, batches and held-out loss of one workload; ``scale`` shortens or lengthens it."""
+
+    name = ""
+    optimizer = ""
+    steps = 0
+
+    def __init__(self, seed: int, scale: float):
+        self.seed = seed
+        self.steps = max(4, int(round(self.steps * scale)))
+
+    # Subclasses give model(), make_optimizer(params) -> (optimizer, scheduler or None),
+    # batch(step, rank) -> (x, y) and held_out() -> [(x, y), ...].
+
+    def loss(self, out, y) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _warmup_cosine(warm: int, total: int) -> Callable[[int], float]:
+    """Linear warm-up over ``warm`` steps, then cosine decay to a tenth at ``total`` (a usual recipe:
+    with a constant rate the final loss measures the gradient noise level more than progress)."""
+    def f(s: int) -> float:
+        if s < warm:
+            return (s + 1) / warm
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, (s - warm) / max(1, total - warm))))
+    return f
+
+
+class LM(Workload):
+    name, optimizer, steps = "lm", "AdamW", 200
+
+    def __init__(self, seed, scale):
+        super().__init__(seed, scale)
+        from flatcomm.tools import demo
+
+        self.demo = demo
+        self.train, self.val, self.vocab = demo.load_text()
+
+    def model(self):
+        return self.demo.CharTransformer(self.vocab)
+
+    def make_optimizer(self, params):
+        opt = torch.optim.AdamW(params, lr=self.demo.LR, weight_decay=0.0)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(20, self.steps))
+
+    def batch(self, step, rank):
+        return self.demo.batch(self.train, step, rank, stream=10 + self.seed)
+
+    def held_out(self):
+        return [self.demo.batch(self.val, k, 0, n=32, stream=1) for k in range(4)]
+
+
+def _templates(seed: int, classes: int = 10, size: int = 16) -> torch.Tensor:
+    """One smooth random pattern per class (a low-resolution random field upsampled), unit variance."""
+    g = torch.Generator().manual_seed(424242 + seed)
+    low = torch.randn(classes, 1, 5, 5, generator=g)
+    t = torch.nn.functional.interpolate(low, size=(size, size), mode="bilinear", align_corners=False)
+    return (t - t.mean(dim=(2, 3), keepdim=True)) / t.std(dim=(2, 3), keepdim=True)
+
+
+def _images(templates: torch.Tensor, n: int, g: torch.Generator, noise: float = 1.5, flip: float = 0.25):
+    k = templates.shape[0]
+    y = torch.randint(0, k, (n,), generator=g)
+    dx = torch.randint(-2, 3, (n,), generator=g).tolist()
+    dy = torch.randint(-2, 3, (n,), generator=g).tolist()
+    x = torch.stack([torch.roll(templates[c], (a, b), dims=(1, 2)) for c, a, b in zip(y.tolist(), dx, dy)])
+    # Label noise: the held-out loss has a floor (about 1.1 nats at flip 0.25) instead of sinking
+    # towards 0, where relative differences say little; without it the noise level that keeps the
+    # task from being trivial made some seeds learn suddenly late and others early.
+    wrong = torch.rand(n, generator=g) < flip
+    y_noisy = torch.where(wrong, (y + torch.randint(1, k, (n,), generator=g)) % k, y)
+    return x + noise * torch.randn(x.shape, generator=g), y_noisy
+
+
+class CNN(Workload):
+    name, optimizer, steps = "cnn", "AdamW", 150
+    BATCH = 32
+
+    def __init__(self, seed, scale):
+        super().__init__(seed, scale)
+        self.templates = _templates(seed)
+
+    def model(self):
+        nn = torch.nn
+        return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def make_optimizer(self, params):
+        opt = torch.optim.AdamW(params, lr=2e-3, weight_decay=0.0)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(10, self.steps))
+
+    def batch(self, step, rank):
+        g = torch.Generator().manual_seed(1_000_003 * (10 + self.seed) + 7919 * step + rank)
+        return _images(self.templates, self.BATCH, g)
+
+    def held_out(self):
+        g = torch.Generator().manual_seed(99 + self.seed)
+        return [_images(self.templates, 256, g)]
+
+
+class MLPSGD(Workload):
+    name, optimizer, steps = "mlp_sgd", "SGD+momentum", 200
+    DIM, CLASSES, BATCH = 32, 8, 64
+
+    def __init__(self, seed, scale):
+        super().__init__(seed, scale)
+        g = torch.Generator().manual_seed(777 + seed)
+        self.teacher = [torch.randn(self.DIM, 64, generator=g) / math.sqrt(self.DIM),
+                        torch.randn(64, self.CLASSES, generator=g) / 8.0]
+
+    def _data(self, n, g):
+        x = torch.randn(n, self.DIM, generator=g)
+        return x, (torch.tanh(x @ self.teacher[0]) @ self.teacher[1]).argmax(dim=1)
+
+    def model(self):
+        nn = torch.nn
+        return nn.Sequential(nn.Linear(self.DIM, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                             nn.Linear(128, self.CLASSES))
+
+    def make_optimizer(self, params):
+        opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(5, self.steps))
+
+    def batch(self, step, rank):
+        g = torch.Generator().manual_seed(1_000_003 * (10 + self.seed) + 7919 * step + rank)
+        return self._data(self.BATCH, g)
+
+    def held_out(self):
+        return [self._data(1024, torch.Generator().manual_seed(55 + self.seed))]
+
+
+WORKLOAD_CLASSES = {c.name: c for c in (LM, CNN, MLPSGD)}
+
+
+# ---- one training run --------------------------------------------------------------------------------
+
+def _train_one(w: Workload, row: str, rank: int, world: int, seed: int) -> dict:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import flatcomm.ddp as fddp
+
+    name, opts = parse_row(row)
+    torch.manual_seed(1000 + seed)
+    model = w.model()
+    ddp = DDP(model)
+    state = None
+    if name == "torch":
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    else:
+        state = fddp.register(ddp, name, history=w.steps + 1, **opts)
+    opt, sched = w.make_optimizer(ddp.parameters())
+    curve = []
+    for step in range(w.steps):
+        x, y = w.batch(step, rank)
+        opt.zero_grad(set_to_none=True)
+        loss = w.loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        lt = loss.detach().reshape(1)
+        dist.all_reduce(lt)
+        curve.append(lt.item() / world)
+        if not math.isfinite(curve[-1]):
+            break
+    model.eval()
+    with torch.no_grad():  # the same held-out data on every rank; the weights are equal everywhere
+        val = sum(float(w.loss(model(x), y)) for x, y in w.held_out()) / len(w.held_out())
+    out = {"row": row, "codec": name, "options": opts, "val": val, "curve": curve}
+    if state is not None:
+        steps = state.stats()["steps"]
+        out["residual_norm"] = [s.get("residual_norm", 0.0) for s in steps][::TRACK_EVERY]
+        out["rel_error"] = [s.get("rel_error", 0.0) for s in steps][::TRACK_EVERY]
+        out["wire_bytes_per_step"] = statistics.fmean(s["wire_bytes"] for s in steps) if steps else 0.0
+    else:
+        n = sum(p.numel() for p in model.parameters())
+        out["wire_bytes_per_step"] = 2 * (world - 1) * 4 * n / world  # ring all-reduce, nominal
+    out["params"] = sum(p.numel() for p in model.parameters())
+    return out
+
+
+def _rank_main(rank: int, world: int, workloads: List[str], rows: List[str], seeds: int, scale: float,
+               log: bool) -> dict:
+    results: Dict[str, Dict[str, Any]] = {}
+    t0 = time.perf_counter()
+    for wname in workloads:
+        runs: Dict[str, List[dict]] = {r: [] for r in rows}
+        meta: Dict[str, Any] = {}
+        for seed in range(seeds):
+            w = WORKLOAD_CLASSES[wname](seed, scale)
+            meta = {"optimizer": w.optimizer, "steps": w.steps}
+            for row in rows:
+                r = _train_one(w, row, rank, world, seed)
+                runs[row].append(r)
+                meta["params"] = r["params"]
+                if log and rank == 0:
+                    print(f"  [{wname} seed {seed}] {row:28s} val {r['val']:.4f}  "
+                          f"{time.perf_counter() - t0:6.0f}s", file=sys.stderr, flush=True)
+        results[wname] = {"meta": meta, "runs": runs}
+    return results
+
+
+# ---- summary ---------------------------------------------------------------------------------------
+
+def summarize(raw: Dict[str, Any], rows: List[str]) -> Dict[str, Any]:
+    out = {}
+    for wname, wr in raw.items():
+        runs = wr["runs"]
+        base = [r["val"] for r in runs["torch"]] if "torch" in runs else None
+        table = []
+        for row in rows:
+            rs = runs[row]
+            vals = [r["val"] for r in rs]
+            rel = [v / b - 1.0 for v, b in zip(vals, base)] if base else []
+            rec = {"row": row, "codec": rs[0]["codec"], "options": rs[0]["options"], "val": vals, "rel": rel,
+                   "rel_mean": statistics.fmean(rel) if rel else None,
+                   "rel_sd": statistics.stdev(rel) if len(rel) > 1 else 0.0,
+                   "curves": [r["curve"] for r in rs],
+                   "wire_bytes_per_step": statistics.fmean(r["wire_bytes_per_step"] for r in rs)}
+            for k in ("residual_norm", "rel_error"):
+                if k in rs[0]:
+                    rec[k] = [r[k] for r in rs]
+            table.append(rec)
+        out[wname] = dict(wr["meta"], rows=table)
+    return out
+
+
+def print_table(doc: Dict[str, Any]) -> None:
+    for wname, w in doc["workloads"].items():
+        print(f"\n{wname}: {w['optimizer']}, {w['steps']} steps, {w['params']:,} parameters, "
+              f"{doc['world']} ranks, {doc['seeds']} seeds")
+        hdr = f"{'row':32s} {'held-out loss':>14s} {'vs torch (mean ± sd)':>22s} {'wire/step':>10s}"
+        print(hdr)
+        print("-" * len(hdr))
+        for r in w["rows"]:
+            v = statistics.fmean(r["val"])
+            rel = "" if r["rel_mean"] is None else f"{100 * r['rel_mean']:+.2f}% ± {100 * r['rel_sd']:.2f}%"
+            print(f"{r['row']:32s} {v:14.4f} {rel:>22s} {int(r['wire_bytes_per_step']):>10,d}")
+
+
+def plot(doc: Dict[str, Any], path: str) -> None:
+    """Training loss per workload: mean over seeds (10-step moving average), band = min..max of seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(doc["workloads"])
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
+    for ax, wname in zip(axes[0], names):
+        w = doc["workloads"][wname]
+        for i, r in enumerate(w["rows"]):
+            n = min(len(c) for c in r["curves"])
+            sm = [_smooth(c[:n], 10) for c in r["curves"]]
+            mean = [statistics.fmean(col) for col in zip(*sm)]
+            lo = [min(col) for col in zip(*sm)]
+            hi = [max(col) for col in zip(*sm)]
+            rel = "" if r["rel_mean"] is None else f" ({100 * r['rel_mean']:+.1f}%)"
+            line, = ax.plot(range(n), mean, lw=1.3, label=r["row"] + rel, color=plt.cm.tab20(i % 20))
+            ax.fill_between(range(n), lo, hi, color=line.get_color(), alpha=0.15, lw=0)
+        ax.set_title(f"{wname} ({w['optimizer']}), {doc['seeds']} seeds")
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (10-step mean)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, title="held-out vs torch", title_fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _smooth(xs: List[float], k: int) -> List[float]:
+    return [statistics.fmean(xs[max(0, i - k + 1):i + 1]) for i in range(len(xs))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flatcomm.bench convergence", description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--codecs", default=",".join(DEFAULT_ROWS),
+                    help="rows separated by ';' or ','; options after ':' (sign:block_size=32,start_step=50)")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every workload's step count")
+    ap.add_argument("--quick", action="store_true", help="CI: 2 seeds, a few steps, torch/fp32/int8/sign")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--timeout", type=float, default=3600.0)
+    args = ap.parse_args(argv)
+    sep = ";" if ";" in args.codecs else None
+    rows = [r for r in (args.codecs.split(sep) if sep else _split_rows(args.codecs)) if r]
+    if args.quick:
+        args.seeds = min(args.seeds, 2)
+        args.steps_scale = min(args.steps_scale, 0.04)
+        if args.codecs == ",".join(DEFAULT_ROWS):
+            rows = ["torch", "fp32", "int8", "sign"]
+    workloads = [w for w in args.workloads.split(",") if w]
+    for wname in workloads:
+        if wname not in WORKLOAD_CLASSES:
+            ap.error(f"unknown workload {wname!r}; expected some of {', '.join(WORKLOADS)}")
+    for r in rows:
+        parse_row(r)
+    if args.seeds < 1:
+        ap.error("--seeds must be >= 1")
+
+    from flatcomm.tools import spawn
+
+    t0 = time.perf_counter()
+    raw = spawn.run(args.world, _rank_main, workloads, rows, args.seeds, args.steps_scale, not args.quick,
+                    timeout_s=args.timeout)[0]
+    doc = {"command": "convergence", "world": args.world, "seeds": args.seeds, "quick": args.quick,
+           "steps_scale": args.steps_scale, "workloads": summarize(raw, rows),
+           "seconds": time.perf_counter() - t0}
+    print_table(doc)
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(doc, f)
+    if args.plot:
+        plot(doc, args.plot)
+    print(f"\n{doc['seconds']:.0f}s on {args.world} gloo ranks (1 thread each)"
+          + (f"; JSON {args.json}" if args.json else "") + (f"; plot {args.plot}" if args.plot else ""))
+    return 0
+
+
+def _split_rows(spec: str) -> List[str]:
+    """Split ``a,b:x=1,y=2,c`` at commas that start a new row (a token without '=' begins one)."""
+    rows: List[str] = []
+    for tok in spec.split(","):
+        if "=" in tok and rows and ":" not in tok:
+            rows[-1] += "," + tok
+        else:
+            rows.append(tok)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""flatcomm.tools.bench.convergence: row parsing, and a tiny run whose JSON has the documented shape
+and whose flatcomm fp32 row reproduces torch's all-reduce (2 ranks: (a + b) / 2 rounds the same)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from flatcomm.tools.bench import convergence as conv
+
+
+def test_parse_rows():
+    assert conv._split_rows("torch,sign:block_size=32,start_step=5,int8") == [
+        "torch", "sign:block_size=32,start_step=5", "int8"]
+    assert conv.parse_row("sign:block_size=32,start_step=5") == ("sign", {"block_size": 32, "start_step": 5})
+    assert conv.parse_row("int8") == ("int8", {})
+    with pytest.raises(ValueError, match="key=value"):
+        conv.parse_row("sign:block_size")
+    with pytest.raises(ValueError, match="torch row"):
+        conv.parse_row("torch:start_step=3")
+
+
+def test_quick_run_json(tmp_path):
+    path = tmp_path / "conv.json"
+    rows = ["torch", "fp32", "sign:start_step=2"]
+    assert conv.main(["--quick", "--workloads", "mlp_sgd", "--codecs", ",".join(rows), "--seeds", "2",
+                      "--json", str(path), "--timeout", "120"]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["command"] == "convergence" and doc["world"] == 2 and doc["seeds"] == 2
+    w = doc["workloads"]["mlp_sgd"]
+    assert w["optimizer"] == "SGD+momentum" and w["steps"] >= 4 and w["params"] > 0
+    assert [r["row"] for r in w["rows"]] == rows
+    for r in w["rows"]:
+        assert len(r["val"]) == len(r["rel"]) == len(r["curves"]) == 2
+        assert all(len(c) == w["steps"] and all(math.isfinite(x) for x in c) for c in r["curves"])
+        assert isinstance(r["rel_mean"], float) and r["rel_sd"] >= 0
+        assert r["wire_bytes_per_step"] > 0
+    torch_row, fp32_row, sign_row = w["rows"]
+    assert fp32_row["val"] == torch_row["val"] and fp32_row["curves"] == torch_row["curves"]
+    assert fp32_row["rel"] == [0.0, 0.0]
+    assert sign_row["options"] == {"start_step": 2} and sign_row["val"] != torch_row["val"]
+    assert sign_row["wire_bytes_per_step"] < fp32_row["wire_bytes_per_step"] / 2
