@@ -131,8 +131,9 @@ def test_nodes_hold_ranks_and_count_what_leaves_them():
     assert all(r["sum"] == 12.0 for r in res), res
     for r in res:
         assert r["inside"] < 64 << 10, r  # barriers only: the node's own traffic stays on its loopback
-        # a ring over 4 ranks sends 2 (W-1)/W = 1.5 x 1 MB off each node (plus headers and ACKs)
-        assert 1.4 * 4 * n < r["across"] < 2.0 * 4 * n, r
+        # two nodes: each must send at least S (half reduced, half gathered); gloo's ring sends
+        # 2 (W-1)/W S = 1.5 S, its algorithm may vary with the size (plus headers and ACKs)
+        assert 1.0 * 4 * n < r["across"] < 2.2 * 4 * n, r
     with pytest.raises(ValueError, match="ranks_per_node"):
         Link(2, "1gbit", ranks_per_node=0)
 
