@@ -28,14 +28,15 @@ SDIST=$(ls "$WORK"/dist/flatcomm-*.tar.gz)
 step "fresh venv ($("$BASE" --version 2>&1)) + $TORCH + build tools"
 "$BASE" -m venv "$WORK/venv"
 VPY=$WORK/venv/bin/python
-"$VPY" -m pip install -q "$TORCH" setuptools wheel ninja
+"$VPY" -m pip install -q "$TORCH" setuptools wheel ninja > "$WORK/venv.log" 2>&1 \
+    || { tail -50 "$WORK/venv.log"; exit 1; }
 
 step "wheel from the sdist"
 FLATCOMM_CUDA=0 "$VPY" -m pip wheel -q --no-build-isolation --no-deps -w "$WORK/wheels" "$SDIST" \
     > "$WORK/wheel.log" 2>&1 || { tail -50 "$WORK/wheel.log"; exit 1; }
 WHEEL=$(ls "$WORK"/wheels/flatcomm-*.whl)
 step "install $(basename "$WHEEL")"
-"$VPY" -m pip install -q "$WHEEL"
+"$VPY" -m pip install -q "$WHEEL" > "$WORK/install.log" 2>&1 || { tail -50 "$WORK/install.log"; exit 1; }
 
 mkdir -p "$WORK/elsewhere"
 cd "$WORK/elsewhere"  # nothing of the checkout on sys.path
@@ -55,7 +56,7 @@ x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
 r = torch.zeros_like(x)
 p = flatcomm.encode(x, "int8", residual=r)
 y = flatcomm.decode(p, "int8", x.numel())
-err = float((x - (y + r)).abs().max())  # error feedback: nothing is lost
+err = float((x.double() - (y.double() + r.double())).abs().max())  # error feedback: nothing is lost
 assert err == 0.0, err
 info = flatcomm.build_info()
 assert (where.parent / "py.typed").exists(), "py.typed missing from the wheel"

@@ -111,3 +111,11 @@ def test_microbench_suite_runs():
                         "-k", "64K and (int8 or exact)", str(root / "benchmarks" / "test_microbench.py")],
                        cwd=root, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and " passed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def test_kernel_table_columns_line_up():
+    row = dict(op="encode+EF", name="int8", numel=65536, step_s=1e-4, min_s=9e-5, spread=1.1, gbps=20.0, x_copy=0.9,
+               vs_torch=50.0, wire_bytes=66560)
+    rows = [row, dict(row, op="ordered_sum W=4", name="ordered_sum W=4", vs_torch=None, wire_bytes=0)]
+    lines = bench.table_kernels(rows).splitlines()
+    assert lines[2].index(" 64K ") == lines[3].index(" 64K ") and len(lines[2]) == len(lines[3]) == len(lines[0])

@@ -149,13 +149,15 @@ def table_kernels(results: List[dict]) -> str:
         lines.append("int8 encode with error feedback by block size (one fp32 scale per block); rel. error = "
                      "||decode - x|| / ||x|| on values of uneven magnitude.")
         return "\n".join(lines)
-    hdr = (f"{'name':<9} {'op':<16} {'size':>6} {'median ms':>10} {'min ms':>9} {'spread':>7} {'GB/s':>7} "
+    nw = max([4] + [len(r["name"]) for r in results])  # column widths: names like "ordered_sum W=4"
+    ow = max([2] + [len(r["op"]) for r in results if r["op"] != r["name"]])
+    hdr = (f"{'name':<{nw}} {'op':<{ow}} {'size':>6} {'median ms':>10} {'min ms':>9} {'spread':>7} {'GB/s':>7} "
            f"{'x copy':>7} {'vs torch':>9} {'wire MB':>8}")
     lines = [hdr, "-" * len(hdr)]
     for r in results:
         op = "" if r["op"] == r["name"] else r["op"]
         ref = f"{r['vs_torch']:8.1f}x" if r.get("vs_torch") else f"{'-':>9}"
-        lines.append(f"{r['name']:<9} {op:<16} {format_size(r['numel']):>6} {r['step_s'] * 1e3:10.3f} "
+        lines.append(f"{r['name']:<{nw}} {op:<{ow}} {format_size(r['numel']):>6} {r['step_s'] * 1e3:10.3f} "
                      f"{r['min_s'] * 1e3:9.3f} {_spread(r):>7} {r['gbps']:7.1f} {r['x_copy']:7.2f} {ref} "
                      f"{r['wire_bytes'] / 1e6:8.2f}")
     lines.append("times per call (torch.utils.benchmark); spread = max/min of the op's (and its torch reference's) "
