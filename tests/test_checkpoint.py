@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatcomm.ddp as fddp
 from flatcomm import collectives as C
-from flatcomm import spawn
+from flatcomm.tools import spawn
 from flatcomm.autotune import Tuner
 from test_autotune import _Bucket  # a fake dist.GradBucket
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import flatcomm
-from flatcomm import spawn
+from flatcomm.tools import spawn
 from test_fsdp import _Tiny, _loss, _maxrel, _train
 
 WORLD = 4

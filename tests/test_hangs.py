@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatcomm
 from flatcomm import collectives as C
-from flatcomm import spawn
+from flatcomm.tools import spawn
 
 PG_TIMEOUT_S = 15.0
 

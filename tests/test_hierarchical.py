@@ -18,7 +18,7 @@ import torch.distributed as dist
 import flatcomm
 from flatcomm import collectives as C
 from flatcomm import hierarchical as H
-from flatcomm import spawn
+from flatcomm.tools import spawn
 from flatcomm.topology import Topology
 from test_collectives import _with_delays, bits, same_bits
 import test_collectives as TC
