@@ -1,4 +1,4 @@
-"""The link harness (flatcomm.netlink): namespaces come and go, ranks talk across the link, and
+"""The link harness (flatcomm.tools.netlink): namespaces come and go, ranks talk across the link, and
 nothing is left behind when a rank fails or hangs. Needs root and `ip netns`; skipped otherwise."""
 from __future__ import annotations
 

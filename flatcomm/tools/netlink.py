@@ -454,9 +454,9 @@ class Link:
 
     def _counter(self, node: int, name: str) -> int:
         if not self._up:
-            raise LinkError("flatcomm.netlink: the link is not set up")
+            raise LinkError("flatcomm.tools.netlink: the link is not set up")
         if not 0 <= node < self.nodes:
-            raise ValueError(f"flatcomm.netlink: node {node} out of range [0, {self.nodes})")
+            raise ValueError(f"flatcomm.tools.netlink: node {node} out of range [0, {self.nodes})")
         p = _ip("-n", self.namespaces[node], "-s", "-j", "link", "show", "dev", IFNAME)
         import json
 
@@ -572,7 +572,7 @@ def interface_bytes(ifname: str = IFNAME) -> Tuple[int, int]:
         with open(f"{base}/rx_bytes") as f:
             rx = int(f.read())
     except OSError as e:
-        raise LinkError(f"flatcomm.netlink: no counters for interface {ifname!r} here ({e}); "
+        raise LinkError(f"flatcomm.tools.netlink: no counters for interface {ifname!r} here ({e}); "
                         f"interface_bytes() is for code running inside a Link's rank") from e
     return tx, rx
 
@@ -653,7 +653,7 @@ def run(world: int, fn: Callable[..., Any], *args: Any, link: str = "1gbit", tim
         threads: int = 1, ranks_per_node: int = 1, **link_opts: Any) -> List[Any]:
     """One-shot: build a link of ``world / ranks_per_node`` nodes, run ``fn`` on it, tear it down."""
     if world % ranks_per_node:
-        raise ValueError(f"flatcomm.netlink: world {world} is not a multiple of ranks_per_node {ranks_per_node}")
+        raise ValueError(f"flatcomm.tools.netlink: world {world} is not a multiple of ranks_per_node {ranks_per_node}")
     with Link(world // ranks_per_node, link, ranks_per_node=ranks_per_node, **link_opts) as lk:
         return lk.run(world, fn, *args, timeout_s=timeout_s, threads=threads)
 
