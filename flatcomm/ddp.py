@@ -21,8 +21,9 @@ interleave with flatcomm's in a different order on different ranks.
 ``handle.get_future()`` (its value is the bucket buffer, averaged in place). flatcomm runs every
 collective of a group on that group's single worker thread in submission order, so all ranks issue
 them in the same order; backward computation overlaps communication, and nothing blocks inside a
-future callback (the statistics callback only reads norms). When ``collectives.all_reduce`` takes
-``validate=``, its consistency all-gather runs only the first time a bucket layout is seen.
+future callback (the statistics callback only reads norms). Every call's small header (numel,
+codec, dtype, ...) is checked on every rank; ``validate=False`` after a bucket layout's first call
+only skips that check where it would cost a host sync (NCCL-only groups).
 
 **Error feedback, keyed by parameter.** DDP rebuilds its buckets after the first iteration (and may
 differ with ``static_graph``, ``gradient_as_bucket_view`` or unused parameters), so residuals are
@@ -177,7 +178,6 @@ class State:
         self.error_feedback = bool(error_feedback) and (self._auto or not self.codec.lossless) and mode == "ordered"
         self.chunks = chunks
         self.group = group
-        self._dedicated = group is None
         self._topology_arg = topology
         self.topology = None  # resolved at the first hook call (creating groups is collective)
         self.model = model
