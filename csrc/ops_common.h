@@ -49,16 +49,40 @@ inline void check_block(int32_t codec, int64_t block) {
 
 inline void check_topk(int32_t codec, int64_t n, int64_t k) {
   if (codec != core::kCodecTopK) return;
-  TORCH_CHECK(n < (int64_t(1) << 32), "flatcomm: topk supports up to 2^32 - 1 elements, got ", n);
+  TORCH_CHECK(n <= core::kMaxTopkNumel, "flatcomm: topk supports up to 2^32 - 1 elements, got ", n);
   TORCH_CHECK(n == 0 ? k == 0 : (k >= 1 && k <= n),
               "flatcomm: topk needs 1 <= k <= numel (k = ", k, ", numel = ", n, ")");
 }
 
-inline int64_t wire_bytes(int32_t codec, int64_t n, int64_t block, int64_t k) {
+inline void check_numel(int64_t n) {
   TORCH_CHECK(n >= 0, "flatcomm: numel must be >= 0, got ", n);
+  TORCH_CHECK(n <= core::kMaxNumel, "flatcomm: numel ", n, " is larger than the supported 2^56");
+}
+
+// Every size the ops compute comes from here, after the checks that keep layout() from overflowing.
+inline int64_t wire_bytes(int32_t codec, int64_t n, int64_t block, int64_t k) {
+  check_numel(n);
   check_block(codec, block);
   check_topk(codec, n, k);
+  TORCH_INTERNAL_ASSERT(core::layout_ok(codec, n, block, k));
   return core::layout(codec, n, block, k).total;
+}
+
+// A topk payload's indices must be strictly ascending and below numel: one pass over the k indices
+// of each row (about 1% of the decode's own traffic at the default ratio). Only where the payload
+// is host memory: a CUDA check would need a host sync, so the CUDA kernels give defined values
+// instead (csrc/cuda/README.md).
+inline void check_topk_indices(const uint8_t* payloads, int64_t rows, int64_t row_stride, int64_t n,
+                               int64_t k) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint32_t* idx = reinterpret_cast<const uint32_t*>(payloads + r * row_stride);
+    const int64_t e = core::topk_first_bad(idx, k, n);
+    if (e == k) continue;
+    TORCH_CHECK(idx[e] < static_cast<uint64_t>(n), "flatcomm: invalid topk payload (row ", r,
+                "): index ", idx[e], " at entry ", e, " is out of range for numel ", n);
+    TORCH_CHECK(false, "flatcomm: invalid topk payload (row ", r, "): indices must be strictly "
+                "ascending, but entry ", e, " is ", idx[e], " after ", idx[e - 1]);
+  }
 }
 
 inline void check_contiguous(const at::Tensor& t, const char* what) {
@@ -127,6 +151,16 @@ inline void check_exponents(const at::Tensor& x, const at::Tensor& e, int64_t n,
   TORCH_CHECK(e.numel() == core::ceil_div(n, block), "flatcomm: exponents has ", e.numel(),
               " entries but numel ", n, " with block_size ", block, " needs ",
               core::ceil_div(n, block));
+}
+
+// Exponents come from exact_exponents, often MAX-reduced across ranks: a corrupt one would decode
+// to NaN (csrc/core/exact.h); on the host it is reported instead (one pass over n / block ints).
+inline void check_exponent_values(const at::Tensor& e) {
+  const int32_t* p = e.data_ptr<int32_t>();
+  for (int64_t i = 0; i < e.numel(); ++i)
+    TORCH_CHECK(core::exp_valid(p[i]), "flatcomm: exponents[", i, "] = ", p[i], " is not a block exponent "
+                "(expected ", core::kMinExp, "..", core::kMaxExp, ", or ", core::kExpZero, " for zero, ",
+                core::kExpNonFinite, " for non-finite blocks; take them from exact_exponents)");
 }
 
 // [W, n] view of a stack of rows (1-D means W = 1).

@@ -2,6 +2,7 @@
 // argument structs. A backend B (CPU: ops_cpu.cpp, CUDA: ops_cuda.cpp) supplies the kernel calls:
 //   struct B {
 //     struct Guard { explicit Guard(const at::Tensor&); };   // device guard (no-op on CPU)
+//     static constexpr bool kHostMemory;  // tensors are host memory: payloads can be validated
 //     static int64_t topk_scratch_bytes(int64_t n);
 //     static void encode(const cpu::EncodeArgs&), encode_topk(const cpu::EncodeArgs&),
 //         decode(const cpu::DecodeArgs&), decode_sum(const cpu::DecodeSumArgs&),
@@ -101,6 +102,7 @@ struct OpsImpl {
     const int32_t out_dt = dtype_code(out.scalar_type(), "out");
     check_payload(payload, 1, wire_bytes(codec, n, block, k), name, n);
     check_out(payload, out, n, "out");
+    if (B::kHostMemory && codec == core::kCodecTopK) check_topk_indices(payload.data_ptr<uint8_t>(), 1, 0, n, k);
     cpu::DecodeArgs a{payload.data_ptr<uint8_t>(), n, codec, block, k, out.data_ptr(), out_dt};
     B::decode(a);
   }
@@ -109,7 +111,7 @@ struct OpsImpl {
                         int64_t block, int64_t k, at::ScalarType dtype) {
     typename B::Guard guard(payload);
     dtype_code(dtype, "dtype");
-    TORCH_CHECK(n >= 0, "flatcomm: numel must be >= 0, got ", n);
+    check_numel(n);
     at::Tensor out = at::empty({n}, payload.options().dtype(dtype));
     decode_into(payload, codec_name, n, block, k, out);
     return out;
@@ -127,6 +129,7 @@ struct OpsImpl {
     a.block = block;
     a.k = k;
     a.scale = static_cast<float>(scale);
+    if (B::kHostMemory && codec == core::kCodecTopK) check_topk_indices(a.payloads, a.rows, a.row_stride, n, k);
     return a;
   }
 
@@ -146,7 +149,7 @@ struct OpsImpl {
   static at::Tensor decode_sum(const at::Tensor& payloads, c10::string_view codec_name, int64_t n,
                             int64_t block, int64_t k, double scale) {
     typename B::Guard guard(payloads);
-    TORCH_CHECK(n >= 0, "flatcomm: numel must be >= 0, got ", n);
+    check_numel(n);
     at::Tensor out = at::empty({n}, payloads.options().dtype(at::kFloat));
     decode_sum_into(payloads, codec_name, n, block, k, scale, out);
     return out;
@@ -243,6 +246,7 @@ struct OpsImpl {
     cpu::ExactArgs a = exact_args(x, block);
     a.precision = precision_of(headroom);
     check_exponents(x, exponents, a.n, block);
+    if (B::kHostMemory) check_exponent_values(exponents);
     a.exponents = const_cast<int32_t*>(exponents.data_ptr<int32_t>());
     at::Tensor out = at::empty({a.n}, x.options().dtype(at::kLong));
     a.fixed = out.data_ptr<int64_t>();
@@ -260,6 +264,7 @@ struct OpsImpl {
     check_contiguous(acc, "acc");
     const int64_t n = acc.numel();
     check_exponents(acc, exponents, n, block);
+    if (B::kHostMemory) check_exponent_values(exponents);
     cpu::ExactArgs a{};
     a.n = n;
     a.block = block;

@@ -27,6 +27,8 @@ BLOCKWISE = ("int8", "int4", "sign")
 # its codes stay in L1). benchmarks/bench_kernels.py --block-sizes shows the trade-off measured.
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_TOPK_RATIO = 0.01
+# Largest numel (csrc/core/codec.h kMaxNumel): every payload size below it fits in int64.
+MAX_NUMEL = 1 << 56
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,9 @@ class Codec:
     def wire_bytes(self, numel: int) -> int:
         from ._ops import _C
 
+        # The C++ side checks the same bound; this one also covers numels beyond int64.
+        if not 0 <= numel <= MAX_NUMEL:
+            raise ValueError(f"flatcomm: numel must be in [0, 2^56], got {numel}")
         return _C.wire_bytes(self.name, numel, self.block_size, self.k(numel))
 
 

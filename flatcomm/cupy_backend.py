@@ -285,7 +285,7 @@ class Launches:
 
     @staticmethod
     def _valid_topk(n: int, k: int) -> bool:
-        return 0 <= k <= n <= (1 << 32)
+        return 0 <= k <= n <= MAX_TOPK_NUMEL
 
     def _check(self, ok: bool, what: str) -> None:
         if not ok:
@@ -499,13 +499,22 @@ def check_block(c: int, block: int) -> None:
 def check_topk(c: int, n: int, k: int) -> None:
     if c != TOPK:
         return
-    _check(n < (1 << 32), "flatcomm: topk supports up to 2^32 - 1 elements, got ", n)
+    _check(n <= MAX_TOPK_NUMEL, "flatcomm: topk supports up to 2^32 - 1 elements, got ", n)
     _check(k == 0 if n == 0 else 1 <= k <= n, "flatcomm: topk needs 1 <= k <= numel (k = ", k,
            ", numel = ", n, ")")
 
 
-def wire_bytes(c: int, n: int, block: int, k: int) -> int:
+MAX_NUMEL = 1 << 56  # csrc/core/codec.h kMaxNumel: sizes from larger numels would overflow int64
+MAX_TOPK_NUMEL = (1 << 32) - 1  # indices are uint32
+
+
+def check_numel(n: int) -> None:
     _check(n >= 0, "flatcomm: numel must be >= 0, got ", n)
+    _check(n <= MAX_NUMEL, "flatcomm: numel ", n, " is larger than the supported 2^56")
+
+
+def wire_bytes(c: int, n: int, block: int, k: int) -> int:
+    check_numel(n)
     check_block(c, block)
     check_topk(c, n, k)
     return layout(c, n, block, k)[2]
@@ -653,7 +662,7 @@ class Ops:
     def decode(self, payload, codec, numel, block_size, k, dtype) -> torch.Tensor:
         with _Guard(payload):
             dtype_code(dtype, "dtype")
-            _check(numel >= 0, "flatcomm: numel must be >= 0, got ", numel)
+            check_numel(numel)
             out = torch.empty(numel, dtype=dtype, device=payload.device)
             self.decode_into(payload, codec, numel, block_size, k, out)
             return out
@@ -675,7 +684,7 @@ class Ops:
 
     def decode_sum(self, payloads, codec, numel, block_size, k, scale) -> torch.Tensor:
         with _Guard(payloads):
-            _check(numel >= 0, "flatcomm: numel must be >= 0, got ", numel)
+            check_numel(numel)
             out = torch.empty(numel, dtype=torch.float32, device=payloads.device)
             self.decode_sum_into(payloads, codec, numel, block_size, k, scale, out)
             return out

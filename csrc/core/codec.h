@@ -32,13 +32,32 @@ FC_HD bool is_cast(int32_t c) { return c == kCodecF32 || c == kCodecBF16 || c ==
 FC_HD int64_t cast_bytes(int32_t c) { return c == kCodecF32 ? 4 : 2; }
 FC_HD int32_t code_bits(int32_t c) { return c == kCodecInt8 ? 8 : c == kCodecInt4 ? 4 : 1; }
 
+// The largest numel any op accepts: far beyond any tensor that fits in memory, and small enough
+// that every size derived from it (n * 4 bytes, n * 8 code bits, their sums and roundings) fits in
+// int64. Arguments that pass layout_ok never overflow layout(); the ops check it before any size
+// is used (a peer's numel is untrusted input too).
+constexpr int64_t kMaxNumel = int64_t(1) << 56;
+constexpr int64_t kMaxTopkNumel = (int64_t(1) << 32) - 1;  // indices are uint32
+
+FC_HD bool valid_codec_id(int32_t c) { return c >= kCodecF32 && c <= kCodecTopK; }
+
+// Whether (codec, n, block, k) describe a payload: block a multiple of 32 in [kMinBlock, kMaxBlock]
+// for blockwise codecs, 1 <= k <= n < 2^32 for topk (k = 0 when n = 0), 0 <= n <= kMaxNumel.
+FC_HD bool layout_ok(int32_t codec, int64_t n, int64_t block, int64_t k) {
+  if (!valid_codec_id(codec) || n < 0 || n > kMaxNumel) return false;
+  if (is_blockwise(codec)) return block >= kMinBlock && block <= kMaxBlock && block % 32 == 0;
+  if (codec == kCodecTopK) return n <= kMaxTopkNumel && (n == 0 ? k == 0 : (k >= 1 && k <= n));
+  return true;
+}
+
 struct Layout {
   int64_t nblocks;       // blockwise: number of scale blocks
   int64_t codes_offset;  // byte offset of codes (blockwise) or values (topk)
   int64_t total;         // payload bytes, a multiple of 16
 };
 
-// `block` is the block size for blockwise codecs, `k` the kept count for topk.
+// `block` is the block size for blockwise codecs, `k` the kept count for topk. Only for arguments
+// that pass layout_ok (others may overflow).
 FC_HD Layout layout(int32_t codec, int64_t n, int64_t block, int64_t k) {
   Layout l{0, 0, 0};
   if (n <= 0) return l;
@@ -53,6 +72,21 @@ FC_HD Layout layout(int32_t codec, int64_t n, int64_t block, int64_t k) {
     l.total = round_up(l.codes_offset + ceil_div(n * code_bits(codec), 8), kAlign);
   }
   return l;
+}
+
+// Validity of a topk index list (strictly ascending, every index < n): k when valid, else the
+// first entry that breaks it. The common, valid case is one branch-free pass that vectorises (an
+// OR of compares); only an invalid list is walked again to find the entry.
+FC_HD int64_t topk_first_bad(const uint32_t* idx, int64_t k, int64_t n) {
+  if (k <= 0) return k;
+  const uint64_t last = static_cast<uint64_t>(n) - 1;  // n >= k >= 1
+  uint32_t bad = static_cast<uint32_t>(idx[0] > last);
+  for (int64_t e = 1; e < k; ++e)
+    bad |= static_cast<uint32_t>(idx[e] <= idx[e - 1]) | static_cast<uint32_t>(idx[e] > last);
+  if (!bad) return k;
+  for (int64_t e = 0; e < k; ++e)
+    if (static_cast<uint64_t>(idx[e]) > last || (e > 0 && idx[e] <= idx[e - 1])) return e;
+  return k;
 }
 
 // ---- blockwise integer codecs (int8, int4) -------------------------------------------------------

@@ -23,6 +23,13 @@ namespace core {
 constexpr int32_t kExpZero = -200;
 constexpr int32_t kExpNonFinite = 1 << 20;
 constexpr int32_t kDefaultHeadroom = 12;
+// The exponents exponent_of_abs_bits gives a finite nonzero value: 2^-148 > the smallest subnormal,
+// 2^128 > FLT_MAX. Any other int32 (a corrupt or hostile exponent) decodes to NaN, never to UB.
+constexpr int32_t kMinExp = -148;
+constexpr int32_t kMaxExp = 128;
+
+FC_HD bool exp_in_range(int32_t E) { return E >= kMinExp && E <= kMaxExp; }
+FC_HD bool exp_valid(int32_t E) { return exp_in_range(E) || E == kExpZero || E == kExpNonFinite; }
 
 // Smallest E with |a| < 2^E, from the bits of |a| (works for subnormals).
 FC_HD int32_t exponent_of_abs_bits(uint32_t abs) {
@@ -48,12 +55,13 @@ FC_HD int64_t to_fixed(float v, int32_t E, int32_t precision) {
   const uint32_t u = f2u(v);
   const int32_t e8 = static_cast<int32_t>((u >> 23) & 0xffu);
   const int64_t m = static_cast<int64_t>((u & 0x7fffffu) | (e8 ? 0x800000u : 0u));
-  const int32_t shift = (e8 ? e8 : 1) - 150 + precision - E;
+  // int64: E is caller input and may be any int32 (then the result is defined garbage, reported).
+  const int64_t shift = int64_t{e8 ? e8 : 1} - 150 + precision - E;
   int64_t q = 0;
   if (shift >= 0) {
     q = shift < 63 ? static_cast<int64_t>(static_cast<uint64_t>(m) << shift) : 0;  // no UB
   } else if (shift > -26) {
-    const int32_t k = -shift;
+    const int32_t k = static_cast<int32_t>(-shift);
     const int64_t rem = m & ((int64_t(1) << k) - 1);
     const int64_t half = int64_t(1) << (k - 1);
     q = m >> k;
@@ -66,7 +74,7 @@ FC_HD int64_t to_fixed(float v, int32_t E, int32_t precision) {
 
 // Correctly rounded m * 2^(E - P) in fp32 (see the subnormal caveat above).
 FC_HD float from_fixed(int64_t m, int32_t E, int32_t precision) {
-  if (E == kExpNonFinite) return u2f(0x7fc00000u);
+  if (E == kExpNonFinite || !exp_valid(E)) return u2f(0x7fc00000u);
   if (E == kExpZero || m == 0) return 0.0f;
   float f = static_cast<float>(m);  // int64 -> fp32 conversion rounds to nearest even
   int32_t e = E - precision;        // in [-200 - 62, 128 - 50]

@@ -57,7 +57,11 @@ static void decode_range(const uint8_t* payload, int64_t n, int64_t block, int64
       if (static_cast<int64_t>(idx[mid]) < i0) lo = mid + 1; else hi = mid;
     }
     for (int64_t e = lo; e < k && static_cast<int64_t>(idx[e]) < i1; ++e) {
-      if (ACC) out[idx[e] - i0] += val[e]; else out[idx[e] - i0] = val[e];
+      // The ops reject non-ascending indices before any kernel runs; this test keeps a payload that
+      // skipped them (a direct kernel call) from writing before the range.
+      const int64_t j = static_cast<int64_t>(idx[e]) - i0;
+      if (j < 0) continue;
+      if (ACC) out[j] += val[e]; else out[j] = val[e];
     }
     return;
   }
@@ -438,7 +442,7 @@ static int64_t to_fixed_t(const ExactArgs& a, int64_t i0, int64_t i1) {
       const float v = Elem<DT>::load(x[i]);
       // A value above its block's bound would overflow the fixed point; a non-finite value in a
       // block not marked non-finite would vanish. Both are reported, never silently mangled.
-      bad += (E != kExpNonFinite && exponent_of_abs_bits(abs_bits(v)) > E) ? 1 : 0;
+      bad += (E != kExpNonFinite && (exponent_of_abs_bits(abs_bits(v)) > E || !exp_valid(E))) ? 1 : 0;
       a.fixed[i] = to_fixed(v, E, a.precision);
     }
   }
@@ -453,7 +457,7 @@ static int64_t to_fixed_impl(const ExactArgs& a, int64_t i0, int64_t i1) {
 
 // Decodes one block's integers into out (from_fixed with the block's constants hoisted).
 static void from_fixed_block(const int64_t* m, int64_t count, int32_t E, int32_t precision, float* out) {
-  if (exp_is_special(E)) {
+  if (!exp_in_range(E)) {  // zero, non-finite, or an invalid exponent (NaN, as from_fixed)
     const float v = E == kExpZero ? 0.0f : u2f(0x7fc00000u);
     for (int64_t j = 0; j < count; ++j) out[j] = v;
     return;

@@ -34,6 +34,7 @@ struct CpuBackend {
   struct Guard {
     explicit Guard(const at::Tensor&) {}
   };
+  static constexpr bool kHostMemory = true;
   static const cpu::KernelTable& K() { return cpu::kernels(); }
   static int64_t topk_scratch_bytes(int64_t n) { return 4 * n; }
 

@@ -23,6 +23,7 @@ struct CudaBackend {
     c10::cuda::CUDAGuard guard;
     explicit Guard(const at::Tensor& t) : guard(t.device()) {}
   };
+  static constexpr bool kHostMemory = false;
   static int64_t topk_scratch_bytes(int64_t n) { return gpu::topk_scratch_bytes(n); }
   static void encode(const cpu::EncodeArgs& a) { check_launch(gpu::launch_encode(a, stream()), "encode"); }
   static void encode_topk(const cpu::EncodeArgs& a) {
