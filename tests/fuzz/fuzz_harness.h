@@ -1,0 +1,203 @@
+// Shared parts of the decoder fuzz targets (tests/fuzz/README.md): how an input's bytes become the
+// arguments of one decoder call, exactly-sized heap buffers (so AddressSanitizer sees any access
+// past them), and scalar reference decoders that the kernels must match bit for bit on every
+// input the ops accept.
+//
+// Input layout (little endian, read front to back; missing bytes read as 0):
+//   u8 isa, u8 codec, u8 dtype, u8 numel mode, u64 numel, u16 block, u32 k, u8 rows,
+//   f32 scale, u8 out codec, u16 out block, u8 flags, u64 seed, then the payload bytes (repeated
+//   cyclically over all rows, or zeros when none are left).
+// The numel mode decides whether numel is small (the kernels run) or any int64 (only the size
+// arithmetic runs: huge and negative sizes must be rejected or computed without overflow).
+#pragma once
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <vector>
+
+#include "core/codec.h"
+#include "core/exact.h"
+#include "cpu/kernels.h"
+
+namespace fuzz {
+
+using namespace flatcomm;
+using namespace flatcomm::core;
+
+constexpr int64_t kMaxFuzzNumel = 4500;  // kernels run below this; sizes are checked at any numel
+constexpr int64_t kMaxRows = 4;
+
+[[noreturn]] inline void finding(const char* what, long long a = 0, long long b = 0) {
+  fprintf(stderr, "FUZZ FINDING: %s (%lld, %lld)\n", what, a, b);
+  abort();
+}
+#define FUZZ_CHECK(cond, ...) \
+  do {                        \
+    if (!(cond)) ::fuzz::finding("check failed: " #cond, ##__VA_ARGS__); \
+  } while (0)
+
+struct Reader {
+  const uint8_t* p;
+  size_t left;
+  template <typename T>
+  T get() {
+    T v{};
+    const size_t n = left < sizeof(T) ? left : sizeof(T);
+    if (n) memcpy(&v, p, n);
+    p += n;
+    left -= n;
+    return v;
+  }
+};
+
+struct Args {
+  int32_t codec, dtype;
+  int64_t n, block, k, rows;
+  float scale;
+  int32_t out_codec;
+  int64_t out_block;
+  bool residual, stochastic;
+  uint64_t seed;
+  bool small;  // numel small enough to run the kernels
+  std::vector<uint8_t> rest;
+};
+
+inline Args parse(const uint8_t* data, size_t size) {
+  Reader r{data, size};
+  Args a;
+  const uint8_t isa = r.get<uint8_t>();
+  static const char* kIsas[] = {"baseline", "avx2", "avx512"};
+  cpu::select_kernels(kIsas[isa % 3]);  // unsupported: the previous table stays
+  a.codec = r.get<uint8_t>() % 8;      // 7 is no codec: must be rejected
+  a.dtype = r.get<uint8_t>() % 3;
+  const uint8_t mode = r.get<uint8_t>();
+  const uint64_t raw_n = r.get<uint64_t>();
+  a.small = mode % 8 != 0;
+  // Small sizes most of the time (more inputs per second), up to kMaxFuzzNumel (several topk tiles).
+  const int64_t cap = mode & 0x20 ? kMaxFuzzNumel : 300;
+  a.n = a.small ? static_cast<int64_t>(raw_n % (cap + 1)) : static_cast<int64_t>(raw_n);
+  a.block = r.get<uint16_t>();
+  if (mode & 0x80) a.block = (a.block % 128 + 1) * 32;  // mostly valid block sizes
+  const uint32_t raw_k = r.get<uint32_t>();
+  a.k = (mode & 0x40) ? static_cast<int64_t>(raw_k) : (a.n > 0 ? 1 + static_cast<int64_t>(raw_k % a.n) : 0);
+  a.rows = r.get<uint8_t>() % (kMaxRows + 1);
+  a.scale = r.get<float>();
+  a.out_codec = r.get<uint8_t>() % 6;  // re-encode: any codec but topk
+  a.out_block = (r.get<uint16_t>() % 128 + 1) * 32;
+  const uint8_t flags = r.get<uint8_t>();
+  a.residual = flags & 1;
+  a.stochastic = (flags & 2) && (a.out_codec == kCodecInt8 || a.out_codec == kCodecInt4 || a.out_codec == kCodecBF16);
+  a.seed = r.get<uint64_t>();
+  a.rest.assign(r.p, r.p + r.left);
+  return a;
+}
+
+// `bytes` bytes on the heap with nothing after them.
+struct Buf {
+  std::vector<uint8_t> v;
+  explicit Buf(size_t n) : v(n) {}
+  uint8_t* p() { return v.empty() ? nullptr : v.data(); }
+  float* f() { return reinterpret_cast<float*>(p()); }
+};
+
+// The payload bytes: the input's remaining bytes repeated over every row.
+inline Buf payload_rows(const Args& a, int64_t row_bytes, int64_t rows) {
+  Buf b(static_cast<size_t>(row_bytes * rows));
+  if (!a.rest.empty())
+    for (size_t i = 0; i < b.v.size(); ++i) b.v[i] = a.rest[i % a.rest.size()];
+  return b;
+}
+
+// The size arithmetic, for any numel: layout_ok must accept exactly the arguments whose sizes fit,
+// and then layout() must equal the same formulas evaluated in 128-bit integers.
+inline void check_layout(int32_t codec, int64_t n, int64_t block, int64_t k) {
+  if (!layout_ok(codec, n, block, k)) {
+    FUZZ_CHECK(n < 0 || n > kMaxNumel || !valid_codec_id(codec) || is_blockwise(codec) || codec == kCodecTopK, n, k);
+    return;
+  }
+  using i128 = __int128;
+  auto cdiv = [](i128 x, i128 y) { return (x + y - 1) / y; };
+  auto rup = [&](i128 x, i128 y) { return cdiv(x, y) * y; };
+  i128 total, offset = 0, nblocks = 0;
+  if (n == 0) {
+    total = 0;
+  } else if (is_cast(codec)) {
+    total = rup(i128(n) * cast_bytes(codec), kAlign);
+  } else if (codec == kCodecTopK) {
+    offset = rup(i128(4) * k, kAlign);
+    total = rup(offset + i128(4) * k, kAlign);
+  } else {
+    nblocks = cdiv(n, block);
+    offset = rup(4 * nblocks, kAlign);
+    total = rup(offset + cdiv(i128(n) * code_bits(codec), 8), kAlign);
+  }
+  const Layout L = layout(codec, n, block, k);
+  FUZZ_CHECK(total < (i128(1) << 62), n, codec);
+  FUZZ_CHECK(L.total == static_cast<int64_t>(total) && L.codes_offset == static_cast<int64_t>(offset) &&
+                 L.nblocks == static_cast<int64_t>(nblocks), n, L.total);
+}
+
+// ---- references ----------------------------------------------------------------------------------
+
+// Every element of one payload, written from the format description (core/codec.h), not the
+// kernels. `present` says whether a topk row holds the element (an absent one is 0 and adds nothing).
+inline void ref_decode(const uint8_t* p, int32_t codec, int64_t n, int64_t block, int64_t k,
+                       std::vector<float>& out, std::vector<char>& present) {
+  const Layout L = layout(codec, n, block, k);
+  out.assign(n, 0.0f);
+  present.assign(n, codec != kCodecTopK);
+  auto f32_at = [&](int64_t byte) { float f; memcpy(&f, p + byte, 4); return f; };
+  if (codec == kCodecTopK) {
+    for (int64_t e = 0; e < k; ++e) {
+      uint32_t j;
+      memcpy(&j, p + 4 * e, 4);
+      if (j < n) { out[j] = f32_at(L.codes_offset + 4 * e); present[j] = 1; }
+    }
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (codec == kCodecF32) { out[i] = f32_at(4 * i); continue; }
+    if (codec == kCodecBF16 || codec == kCodecF16) {
+      uint16_t h;
+      memcpy(&h, p + 2 * i, 2);
+      out[i] = codec == kCodecBF16 ? bf16_to_f32(h) : f16_to_f32(h);
+      continue;
+    }
+    const float s = f32_at(4 * (i / block));
+    const uint8_t* c = p + L.codes_offset;
+    if (codec == kCodecInt8) out[i] = static_cast<float>(static_cast<int8_t>(c[i])) * s;
+    else if (codec == kCodecInt4) out[i] = static_cast<float>(((c[i / 2] >> (4 * (i & 1))) & 15) - 8) * s;
+    else out[i] = ((c[i / 8] >> (i & 7)) & 1) ? -s : s;
+  }
+}
+
+// Same value, or both NaN (the one documented freedom: which NaN).
+inline bool same_float(float a, float b) {
+  return f2u(a) == f2u(b) || (a != a && b != b);
+}
+
+// Splits [0, n) into ranges of whole `unit`s, as the CPU ops do across threads, from seed bits.
+template <typename Fn>
+inline void in_ranges(int64_t n, int64_t unit, uint64_t bits, const Fn& fn) {
+  for (int64_t i = 0; i < n;) {
+    const int64_t units = 1 + static_cast<int64_t>(bits % 5);
+    bits = bits * 6364136223846793005ull + 1442695040888963407ull;
+    const int64_t e = i + units * unit < n ? i + units * unit : n;
+    fn(i, e);
+    i = e;
+  }
+}
+
+inline int64_t unit_of(int32_t codec, int64_t block) { return is_blockwise(codec) ? block : cpu::kTile; }
+
+// Whether the ops accept this topk row (CPU: an error otherwise; CUDA: NaN tiles).
+inline bool topk_row_valid(const uint8_t* row, int64_t n, int64_t k) {
+  return topk_first_bad(reinterpret_cast<const uint32_t*>(row), k, n) == k;
+}
+
+}  // namespace fuzz
+
+// Each target defines this (tests/fuzz/fuzz_*.cpp); the standalone driver or libFuzzer calls it.
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
