@@ -272,11 +272,19 @@ __device__ __forceinline__ int64_t lower_bound_idx(const uint32_t* idx, int64_t 
 // operations: zero, row 0 assigns its entries, later rows add theirs in ascending row order (an
 // element absent from a row gets no "+ 0", which would turn -0 into +0).
 // Called by every thread of the CTA (it synchronises); the threads [t, nt) of a group own v and
-// range[0..1]; a group with len == 0 only takes part in the barriers.
+// range[0..2]; a group with len == 0 only takes part in the barriers.
+//
+// An invalid row (indices not strictly ascending, or not below n) is a peer's fault that only a
+// host sync could report. Instead the tile is NaN: each entry in the tile's window [lo, hi) is
+// checked against the tile and against its predecessor, and the last tile checks that no entry is
+// left beyond n. lower_bound is monotone in its target for any array, so consecutive tiles' windows
+// partition [0, k): every entry of every row is checked by exactly one tile, and nothing is ever
+// written outside v[0, len). range[2] is the tile's sticky "bad" flag (NaN stays NaN in a sum).
 __device__ __forceinline__ void topk_accumulate(float* v, int64_t i0, int len, int t, int nt, int64_t* range,
-                                const uint8_t* payloads, int64_t row_stride, int64_t rows, int64_t k,
-                                int64_t codes_offset, float scale) {
+                                const uint8_t* payloads, int64_t row_stride, int64_t rows, int64_t n,
+                                int64_t k, int64_t codes_offset, float scale) {
   for (int j = t; j < len; j += nt) v[j] = 0.0f;
+  if (t == 0 && len > 0) range[2] = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* p = payloads + r * row_stride;
     const uint32_t* idx = reinterpret_cast<const uint32_t*>(p);
@@ -285,15 +293,23 @@ __device__ __forceinline__ void topk_accumulate(float* v, int64_t i0, int len, i
     __syncthreads();  // also orders the zeroing before the first scatter
     if (len > 0) {
       const int64_t lo = range[0], hi = range[1];
-      // Indices within a row are distinct, so the threads of a row never touch the same element.
+      bool bad = t == 0 && i0 + len == n && hi != k;
+      // Valid indices within a row are distinct, so the threads of a row never touch the same element.
       for (int64_t e = lo + t; e < hi; e += nt) {
         const int64_t j = static_cast<int64_t>(idx[e]) - i0;
-        v[j] = r == 0 ? val[e] : v[j] + val[e];
+        if (j >= 0 && j < len && (e == 0 || idx[e - 1] < idx[e])) {
+          v[j] = r == 0 ? val[e] : v[j] + val[e];
+        } else {
+          bad = true;
+        }
       }
+      if (bad) range[2] = 1;  // every writer stores the same value
     }
     __syncthreads();  // row r complete before row r + 1 (and before range is rewritten)
   }
-  if (scale != 1.0f)
+  if (len > 0 && rows > 0 && range[2] != 0)
+    for (int j = t; j < len; j += nt) v[j] = u2f(0x7fffffffu);
+  else if (scale != 1.0f)
     for (int j = t; j < len; j += nt) v[j] = v[j] * scale;
 }
 
@@ -302,12 +318,12 @@ __global__ void __launch_bounds__(kThreads)
 topk_decode_kernel(const uint8_t* payloads, int64_t row_stride, int64_t rows, int64_t n, int64_t k,
                    int64_t codes_offset, float scale, void* out) {
   __shared__ float tile[kTopkTile];
-  __shared__ int64_t range[2];
+  __shared__ int64_t range[3];
   auto* o = static_cast<typename Elem<ODT>::T*>(out);
   for (int64_t t0 = blockIdx.x * static_cast<int64_t>(kTopkTile); t0 < n;
        t0 += static_cast<int64_t>(gridDim.x) * kTopkTile) {
     const int len = static_cast<int>(min64(kTopkTile, n - t0));
-    topk_accumulate(tile, t0, len, threadIdx.x, blockDim.x, range, payloads, row_stride, rows, k,
+    topk_accumulate(tile, t0, len, threadIdx.x, blockDim.x, range, payloads, row_stride, rows, n, k,
                     codes_offset, scale);
     __syncthreads();
     for (int j = threadIdx.x; j < len; j += blockDim.x) o[t0 + j] = Elem<ODT>::store(tile[j]);
@@ -352,7 +368,7 @@ struct SumSource {  // decode_sum_encode: the decoded sum of the rows
   __device__ __forceinline__ void fill(float* v, int64_t i0, int len, int t, int nt, int64_t* range,
                                        bool vec) const {
     if constexpr (C == kCodecTopK) {
-      topk_accumulate(v, i0, len, t, nt, range, a.payloads, a.row_stride, a.rows, a.k, codes_offset,
+      topk_accumulate(v, i0, len, t, nt, range, a.payloads, a.row_stride, a.rows, a.n, a.k, codes_offset,
                       a.scale);
     } else {
       for (int j = 4 * t; j < len; j += 4 * nt) {
@@ -373,7 +389,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p, Src sr
   extern __shared__ float4 smem_f4[];  // groups * block floats
   __shared__ uint32_t warp_max[kWarps];
   __shared__ float group_sum[kWarps];
-  __shared__ int64_t ranges[2 * kWarps];
+  __shared__ int64_t ranges[3 * kWarps];  // per group: topk window and bad flag (topk_accumulate)
 
   constexpr bool kBlockwise = C == kCodecInt8 || C == kCodecInt4 || C == kCodecSign;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -395,7 +411,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p, Src sr
     const int64_t i0 = b * p.block;
     const int len = active ? static_cast<int>(min64(p.block, p.n - i0)) : 0;
 
-    src.fill(v, i0, len, t, nt, ranges + 2 * gs, p.vec);
+    src.fill(v, i0, len, t, nt, ranges + 3 * gs, p.vec);
     __syncthreads();
 
     // v = source + residual (the CPU's `t = load(x); t = t + rb[j]`), and max |v| bits.
@@ -880,7 +896,7 @@ __global__ void __launch_bounds__(kThreads) to_fixed_kernel(ExactArgs a, unsigne
       if (e < cnt) {
         const int32_t E = a.exponents[(i + e) / a.block];
         const int32_t ev = exponent_of_abs_bits(abs_bits(f[e]));
-        nbad += (E != kExpNonFinite && ev > E) ? 1 : 0;
+        nbad += (E != kExpNonFinite && (ev > E || !exp_valid(E))) ? 1 : 0;
         q[e] = to_fixed(f[e], E, a.precision);
       }
     }

@@ -42,7 +42,9 @@ bool valid_codec(int32_t c) { return c >= kCodecF32 && c <= kCodecTopK; }
 bool valid_block(int32_t codec, int64_t block) {
   return !is_blockwise(codec) || (block >= kMinBlock && block <= kMaxBlock && block % 32 == 0);
 }
-bool valid_topk(int64_t n, int64_t k) { return k >= 0 && k <= n && n <= (int64_t{1} << 32); }
+bool valid_topk(int64_t n, int64_t k) { return k >= 0 && k <= n && n <= kMaxTopkNumel; }
+// Sizes beyond kMaxNumel would overflow layout() (the ops reject them first; so does every launch).
+bool valid_numel(int64_t n) { return n <= kMaxNumel; }
 
 template <int V>
 using IC = std::integral_constant<int, V>;
@@ -133,7 +135,7 @@ cudaError_t encode_topk(const EncodeArgs& a, cudaStream_t s) {
 
 cudaError_t encode(const EncodeArgs& a, cudaStream_t s) {
   if (a.codec == kCodecTopK) return encode_topk(a, s);
-  if (!valid_dtype(a.x_dtype) || !valid_codec(a.codec) || !valid_block(a.codec, a.block))
+  if (!valid_dtype(a.x_dtype) || !valid_codec(a.codec) || !valid_block(a.codec, a.block) || !valid_numel(a.n))
     return cudaErrorInvalidValue;
   if (a.n <= 0) return cudaSuccess;
   const bool vec = al16(a.x);
@@ -150,6 +152,7 @@ cudaError_t encode(const EncodeArgs& a, cudaStream_t s) {
 }
 
 cudaError_t decode(const DecodeArgs& a, cudaStream_t s) {
+  if (!valid_numel(a.n)) return cudaErrorInvalidValue;
   if (!valid_dtype(a.out_dtype) || !valid_codec(a.codec) || !valid_block(a.codec, a.block))
     return cudaErrorInvalidValue;
   if (a.codec == kCodecTopK && !valid_topk(a.n, a.k)) return cudaErrorInvalidValue;
@@ -175,6 +178,7 @@ cudaError_t decode(const DecodeArgs& a, cudaStream_t s) {
 bool rows_aligned(const DecodeSumArgs& a) { return al16(a.payloads) && a.row_stride % 16 == 0; }
 
 cudaError_t decode_sum(const DecodeSumArgs& a, cudaStream_t s) {
+  if (!valid_numel(a.n)) return cudaErrorInvalidValue;
   if (!valid_codec(a.codec) || !valid_block(a.codec, a.block) || a.rows < 0) return cudaErrorInvalidValue;
   if (a.codec == kCodecTopK && !valid_topk(a.n, a.k)) return cudaErrorInvalidValue;
   if (a.n <= 0) return cudaSuccess;
@@ -193,6 +197,7 @@ cudaError_t decode_sum(const DecodeSumArgs& a, cudaStream_t s) {
 }
 
 cudaError_t decode_sum_encode(const DecodeSumArgs& a, const EncodeArgs& enc, cudaStream_t s) {
+  if (!valid_numel(a.n)) return cudaErrorInvalidValue;
   if (!valid_codec(a.codec) || !valid_block(a.codec, a.block) || a.rows < 0) return cudaErrorInvalidValue;
   if (a.codec == kCodecTopK && !valid_topk(a.n, a.k)) return cudaErrorInvalidValue;
   if (!valid_codec(enc.codec) || enc.codec == kCodecTopK || !valid_block(enc.codec, enc.block) || enc.n != a.n)

@@ -402,6 +402,14 @@ static void test_rejections() {
     cpu::EncodeArgs a{x.data(), dt, nullptr, payload.data(), 64, codec, block, k, false, 0, scratch};
     return gpu::launch_encode(a, nullptr);
   };
+  auto dec = [&](int64_t n) {
+    cpu::DecodeArgs a{payload.data(), n, kCodecF32, 0, 0, x.data(), kF32};
+    return gpu::launch_decode(a, nullptr);
+  };
+  auto dsum = [&](int64_t n) {
+    cpu::DecodeSumArgs a{payload.data(), 16, 1, n, kCodecInt8, 256, 0, 1.0f, x.data()};
+    return gpu::launch_decode_sum(a, nullptr);
+  };
   const struct {
     const char* what;
     int err;
@@ -413,6 +421,8 @@ static void test_rejections() {
       {"codec 9", enc(9, 64, kF32, nullptr, 0)},
       {"topk without scratch", enc(kCodecTopK, 0, kF32, nullptr, 3)},
       {"topk k > n", enc(kCodecTopK, 0, kF32, x.data(), 65)},
+      {"decode numel 2^62 + 4 (wire size overflows)", dec((int64_t{1} << 62) + 4)},
+      {"decode_sum numel 2^57", dsum(int64_t{1} << 57)},
   };
   for (const auto& c : cases)
     if (c.err != cudaErrorInvalidValue) fail(std::string("rejection: ") + c.what + " returned " + std::to_string(c.err));
@@ -421,6 +431,54 @@ static void test_rejections() {
   bool untouched = true;
   for (uint8_t b : payload) untouched &= b == 0x77;
   if (!untouched) fail("rejected arguments wrote the payload");
+}
+
+// A topk row whose indices are not strictly ascending or reach n (a faulty peer): the kernels write
+// only inside the output and the tile(s) where the list breaks are NaN (csrc/cuda/README.md); the
+// CPU ops reject such rows before their kernels run.
+static void test_invalid_topk() {
+  for (int variant = 0; variant < 4; ++variant) {
+    const int64_t n = 4096 + 3 * 2048 + 17, k = 41;
+    const int64_t total = layout(kCodecTopK, n, 0, k).total, co = layout(kCodecTopK, n, 0, k).codes_offset;
+    std::vector<uint8_t> p(total, 0);
+    auto idx = reinterpret_cast<uint32_t*>(p.data());
+    auto val = reinterpret_cast<float*>(p.data() + co);
+    for (int64_t e = 0; e < k; ++e) { idx[e] = static_cast<uint32_t>(100 * e); val[e] = 1.0f + e; }
+    int64_t bad_elem;  // an element of the tile that must be NaN
+    if (variant == 0) {  // [0]*m + [n-1] + [0]*m (issue 13)
+      for (int64_t e = 0; e < k; ++e) idx[e] = 0;
+      idx[k / 2] = static_cast<uint32_t>(n - 1);
+      bad_elem = 0;
+    } else if (variant == 1) {  // a duplicate in tile 1
+      idx[25] = idx[24];
+      bad_elem = idx[24];
+    } else if (variant == 2) {  // past numel: only the last tile can see it
+      idx[k - 1] = static_cast<uint32_t>(n);
+      bad_elem = n - 1;
+    } else {  // 0xffffffff
+      idx[k - 1] = 0xffffffffu;
+      bad_elem = n - 1;
+    }
+    for (int out_dt = kF32; out_dt <= kF16; ++out_dt) {
+      Buf out(n * esize(out_dt));
+      cpu::DecodeArgs a{p.data(), n, kCodecTopK, 0, k, out.p(), out_dt};
+      expect_ok(gpu::launch_decode(a, nullptr), "decode of an invalid topk row");
+      const bool nan = is_nan(out.p() + bad_elem * esize(out_dt), out_dt);
+      if (!nan) fail("invalid topk row variant " + std::to_string(variant) + ": element " + std::to_string(bad_elem) + " is not NaN");
+      else ++g_passed;
+    }
+    Buf sum(4 * n);
+    std::vector<uint8_t> rows(p);
+    rows.insert(rows.end(), p.begin(), p.end());
+    cpu::DecodeSumArgs s{rows.data(), total, 2, n, kCodecTopK, 0, k, 0.5f, reinterpret_cast<float*>(sum.p())};
+    expect_ok(gpu::launch_decode_sum(s, nullptr), "decode_sum of an invalid topk row");
+    if (!is_nan(sum.p() + 4 * bad_elem, kF32)) fail("decode_sum: invalid topk row gave no NaN"); else ++g_passed;
+    Buf enc(layout(kCodecInt8, n, 256, 0).total), res(4 * n);
+    cpu::EncodeArgs e{nullptr, kF32, reinterpret_cast<float*>(res.p()), enc.p(), n, kCodecInt8, 256, 0, false, 0, nullptr};
+    expect_ok(gpu::launch_decode_sum_encode(s, e, nullptr), "decode_sum_encode of an invalid topk row");
+    if (!is_nan(enc.p() + 4 * (bad_elem / 256), kF32)) fail("decode_sum_encode: invalid topk row gave a finite scale");
+    else ++g_passed;
+  }
 }
 
 int main(int argc, char** argv) {
@@ -436,6 +494,7 @@ int main(int argc, char** argv) {
   std::printf("seed %llu, CPU kernels: %s\n", (unsigned long long)seed, K().isa);
   const auto t0 = std::chrono::steady_clock::now();
   test_rejections();
+  test_invalid_topk();
   for (int round = 0; round < rounds; ++round) {
     for (int32_t codec = kCodecF32; codec <= kCodecTopK; ++codec) {
       for (int32_t dt = kF32; dt <= kF16; ++dt) {
