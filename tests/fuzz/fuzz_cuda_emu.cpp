@@ -104,30 +104,18 @@ void decode_sum_encode_case(const Args& a, int64_t n) {
 }
 
 void exact_case(const Args& a, int64_t n) {
-  const int64_t block = 1 + a.block % kMaxBlock;
-  const int32_t precision = 62 - (1 + static_cast<int32_t>(a.seed % 38));
-  const int64_t nb = ceil_div(n, block);
-  Buf raw = payload_rows(a, 4 * nb + 8 * n, 1);
-  std::vector<int32_t> E(nb);
-  memcpy(E.data(), raw.p(), 4 * nb);
-  for (int64_t b = 0; b < nb; ++b)
-    if ((static_cast<uint32_t>(E[b]) >> 30) == 1) E[b] = kMinExp + static_cast<int32_t>(static_cast<uint32_t>(E[b]) % 277);
-  Buf fixed(static_cast<size_t>(8 * n)), g(static_cast<size_t>(4 * n)), c(static_cast<size_t>(4 * n));
-  memcpy(fixed.p(), raw.p() + 4 * nb, 8 * n);
-  cpu::ExactArgs x{};
-  x.n = n;
-  x.block = block;
-  x.precision = precision;
-  x.exponents = E.data();
-  x.fixed = reinterpret_cast<int64_t*>(fixed.p());
-  x.out = g.f();
+  ExactInput in = exact_input(a, n);
+  const int64_t block = in.block;
+  const std::vector<int32_t>& E = in.E;
+  Buf g(static_cast<size_t>(4 * n)), c(static_cast<size_t>(4 * n));
+  cpu::ExactArgs x = in.args(g.f());
   FUZZ_CHECK(gpu::launch_from_fixed(x, nullptr) == 0, n);
   x.out = c.f();
   cpu::kernels().from_fixed(x, 0, n);
   for (int64_t i = 0; i < n; ++i) FUZZ_CHECK(same_float(g.f()[i], c.f()[i]), i, E[i / block]);
   // to_exact on the same exponents: the int64 bytes reread as floats.
   Buf xs(static_cast<size_t>(4 * n)), qg(static_cast<size_t>(8 * n)), qc(static_cast<size_t>(8 * n));
-  memcpy(xs.p(), fixed.p(), 4 * n);
+  memcpy(xs.p(), in.fixed.p(), 4 * n);
   x.x = xs.p();
   x.dtype = kF32;
   x.rows = 1;
@@ -144,14 +132,9 @@ void exact_case(const Args& a, int64_t n) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const Args a = parse(data, size);
-  check_layout(a.codec, a.n, a.block, a.k);
-  if (!a.small || a.n == 0 || a.n > kMaxEmuNumel) return 0;
   const int op = static_cast<int>((a.seed >> 58) % 4);
-  if (op == 3) {
-    exact_case(a, a.n);
-    return 0;
-  }
-  if (!layout_ok(a.codec, a.n, a.block, a.k)) return 0;
+  if (a.small && a.n > 0 && a.n <= kMaxEmuNumel && op == 3) exact_case(a, a.n);
+  if (op == 3 || !decodable(a) || a.n > kMaxEmuNumel) return 0;
   if (op == 0) decode_case(a, a.n);
   else if (op == 1) decode_sum_case(a, a.n);
   else decode_sum_encode_case(a, a.n);

@@ -6,8 +6,7 @@ using namespace fuzz;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const Args a = parse(data, size);
-  check_layout(a.codec, a.n, a.block, a.k);
-  if (!a.small || !layout_ok(a.codec, a.n, a.block, a.k) || a.n == 0) return 0;
+  if (!decodable(a)) return 0;
   const Layout L = layout(a.codec, a.n, a.block, a.k);
   Buf payload = payload_rows(a, L.total, 1);
   const int64_t es = a.dtype == kF32 ? 4 : 2;

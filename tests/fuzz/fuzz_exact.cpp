@@ -9,28 +9,13 @@ using namespace fuzz;
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const Args a = parse(data, size);
   const int64_t n = a.small ? a.n : 0;
-  const int64_t block = a.block >= 1 && a.block <= kMaxBlock ? a.block : 1 + a.block % kMaxBlock;
-  const int32_t precision = 62 - (1 + static_cast<int32_t>(a.seed % 38));  // headroom 1..38
   if (n == 0) return 0;
-  const int64_t nb = ceil_div(n, block);
-  // Exponents: special, in range and arbitrary, from the payload bytes.
-  Buf raw = payload_rows(a, 4 * nb + 8 * n, 1);
-  std::vector<int32_t> E(nb);
-  for (int64_t b = 0; b < nb; ++b) {
-    int32_t v;
-    memcpy(&v, raw.p() + 4 * b, 4);
-    const uint32_t sel = static_cast<uint32_t>(v) >> 29;
-    E[b] = sel == 0 ? kExpZero : sel == 1 ? kExpNonFinite : sel < 6 ? kMinExp + static_cast<int32_t>(static_cast<uint32_t>(v) % 277) : v;
-  }
-  Buf fixed(static_cast<size_t>(8 * n)), out(static_cast<size_t>(4 * n));
-  memcpy(fixed.p(), raw.p() + 4 * nb, 8 * n);
-  cpu::ExactArgs x{};
-  x.n = n;
-  x.block = block;
-  x.precision = precision;
-  x.exponents = E.data();
-  x.fixed = reinterpret_cast<int64_t*>(fixed.p());
-  x.out = out.f();
+  ExactInput in = exact_input(a, n);
+  const int64_t block = in.block;
+  const int32_t precision = in.precision;
+  const std::vector<int32_t>& E = in.E;
+  Buf out(static_cast<size_t>(4 * n));
+  cpu::ExactArgs x = in.args(out.f());
   in_ranges(n, block, a.seed, [&](int64_t i0, int64_t i1) { cpu::kernels().from_fixed(x, i0, i1); });
   for (int64_t i = 0; i < n; ++i) {
     const int32_t e = E[i / block];
@@ -40,7 +25,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   // to_exact: the int64 bytes reread as floats (any bit pattern) on the same exponents.
   Buf xs(static_cast<size_t>(4 * n)), q(static_cast<size_t>(8 * n));
-  memcpy(xs.p(), fixed.p(), 4 * n);
+  memcpy(xs.p(), in.fixed.p(), 4 * n);
   x.x = xs.p();
   x.dtype = kF32;
   x.rows = 1;

@@ -192,6 +192,50 @@ inline void in_ranges(int64_t n, int64_t unit, uint64_t bits, const Fn& fn) {
 
 inline int64_t unit_of(int32_t codec, int64_t block) { return is_blockwise(codec) ? block : cpu::kTile; }
 
+// The arguments of the decoder targets: false when there is nothing to run (the size arithmetic,
+// checked first, is all an input with a huge numel or arguments the ops reject exercises).
+inline bool decodable(const Args& a) {
+  check_layout(a.codec, a.n, a.block, a.k);
+  return a.small && a.n > 0 && layout_ok(a.codec, a.n, a.block, a.k);
+}
+
+// from_exact / to_exact inputs: int64 sums (reread as floats for to_exact) on one int32 exponent
+// per block, from the payload bytes -- the zero and non-finite markers, in-range exponents and
+// arbitrary int32s -- with any block size and headroom.
+struct ExactInput {
+  int64_t n, block;
+  int32_t precision;
+  std::vector<int32_t> E;
+  Buf fixed;
+  cpu::ExactArgs args(float* out) {
+    cpu::ExactArgs x{};
+    x.n = n;
+    x.block = block;
+    x.precision = precision;
+    x.exponents = E.data();
+    x.fixed = reinterpret_cast<int64_t*>(fixed.p());
+    x.out = out;
+    return x;
+  }
+};
+
+inline ExactInput exact_input(const Args& a, int64_t n) {
+  ExactInput in{n, 1 + (a.block + kMaxBlock - 1) % kMaxBlock, 62 - (1 + static_cast<int32_t>(a.seed % 38)), {},
+                Buf(static_cast<size_t>(8 * n))};
+  const int64_t nb = ceil_div(n, in.block);
+  Buf raw = payload_rows(a, 4 * nb + 8 * n, 1);
+  in.E.resize(nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t v;
+    memcpy(&v, raw.p() + 4 * b, 4);
+    const uint32_t sel = static_cast<uint32_t>(v) >> 29;
+    in.E[b] = sel == 0 ? kExpZero : sel == 1 ? kExpNonFinite
+              : sel < 6 ? kMinExp + static_cast<int32_t>(static_cast<uint32_t>(v) % 277) : v;
+  }
+  memcpy(in.fixed.p(), raw.p() + 4 * nb, 8 * n);
+  return in;
+}
+
 // Whether the ops accept this topk row (CPU: an error otherwise; CUDA: NaN tiles).
 inline bool topk_row_valid(const uint8_t* row, int64_t n, int64_t k) {
   return topk_first_bad(reinterpret_cast<const uint32_t*>(row), k, n) == k;

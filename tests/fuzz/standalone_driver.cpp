@@ -190,11 +190,14 @@ int main(int argc, char** argv) {
   if (const char* s = getenv("FLATCOMM_TEST_SEED")) seed = strtoull(s, nullptr, 0);
   const char* slash = strrchr(argv[0], '/');
   snprintf(g_dump_path, sizeof g_dump_path, "fuzz-finding-%s.bin", slash ? slash + 1 : argv[0]);
-  if (__sanitizer_set_death_callback) __sanitizer_set_death_callback(dump_current);
-  signal(SIGABRT, on_signal);
-  signal(SIGSEGV, on_signal);
-  signal(SIGBUS, on_signal);
-  signal(SIGFPE, on_signal);
+  signal(SIGABRT, on_signal);  // a failed FUZZ_CHECK
+  if (__sanitizer_set_death_callback) {
+    __sanitizer_set_death_callback(dump_current);  // the sanitizers report SEGV themselves
+  } else {
+    signal(SIGSEGV, on_signal);
+    signal(SIGBUS, on_signal);
+    signal(SIGFPE, on_signal);
+  }
   if (!files.empty()) {
     for (const std::string& f : files) {
       std::ifstream in(f, std::ios::binary);
