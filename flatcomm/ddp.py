@@ -401,8 +401,12 @@ class State:
         if self._auto:
             d = self.decisions.get(key)
             if d is None:  # pure given the (MAX-agreed) costs: every rank picks the same
+                # A hierarchical topology: the tuner picks the inter-node codec (or the backend) by
+                # the two-level model; the State's residual layout is tiered, so the path stays.
+                tiers = dict(topology=self.topology, paths=("hierarchical",)) if self._tiered() else {}
                 d = self.decisions[key] = self.tuner.choose(tensor.numel(), key=tuner_key, group=group,
-                                                            device=tensor.device, deterministic=not self._open)
+                                                            device=tensor.device, deterministic=not self._open,
+                                                            **tiers)
             if d.codec == _BACKEND and not (self.error_feedback and self._carries(params)):
                 return self._backend(tensor, step, index)
             # (a bucket still carrying residuals from a lossy one sends them once through fp32)
