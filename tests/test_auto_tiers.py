@@ -98,6 +98,7 @@ def _rank_main(rank, world):
         else:
             fc.all_reduce(b, codec=d.codec)
         out[label] = (d.path, d.codec, d.intra_codec, torch.equal(a, b), a)
+    out["ddp"] = _ddp(rank, topo, slow, _tiered(inter_Bps=0.01 * GB, nodes=2, g=2, backend_Bps=100 * GB))
     # measured with the topology: the costs hold both tiers, agreed on every rank
     t = Tuner("int8")
     t.costs = fc.autotune.measure(None, topology=topo, numel=1 << 14, small=1 << 10, large=1 << 16, reps=1)
@@ -106,6 +107,26 @@ def _rank_main(rank, world):
     with pytest.raises(ValueError, match="per-tier link costs"):
         Tuner("int8", costs=dataclasses.replace(slow, nodes=1, ranks_per_node=1)).choose(100, topology=topo)
     return out
+
+
+def _ddp(rank, topo, slow, backend_fast):
+    """register(ddp, "auto") with a hierarchical topology: the two-level model picks the inter codec
+    (the same gradients as naming it), or the backend when determinism was not asked."""
+    import flatcomm.ddp as fddp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    grads, decisions = {}, {}
+    for label, codec, costs in (("auto", "auto", slow), ("int8", "int8", None), ("open", "auto", backend_fast)):
+        torch.manual_seed(0)
+        ddp = DDP(torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 5)), bucket_cap_mb=0.002)
+        opts = {"tuner": Tuner("int8", costs=costs)} if costs is not None else {}
+        state = fddp.register(ddp, codec, topology=topo, **opts)
+        x = torch.randn(8, 40, generator=torch.Generator().manual_seed(rank))
+        ddp(x).square().mean().backward()
+        grads[label] = [p.grad.clone() for p in ddp.parameters()]
+        decisions[label] = sorted({(d.path, d.codec) for d in state.decisions.values()})
+    same = all(torch.equal(a, b) for a, b in zip(grads["auto"], grads["int8"]))
+    return {"decisions": decisions, "same_as_int8": same}
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +147,10 @@ def test_measured_costs_hold_both_tiers_on_every_rank(ranks):
     m = ranks[0]["measured"]
     assert m[0] == 2 and m[1] == 2 and m[2] > 0 and m[3] > 0
     assert all(r["measured"] == m for r in ranks)
+
+
+def test_ddp_auto_with_a_topology_uses_the_two_level_model(ranks):
+    for r in ranks:
+        assert r["ddp"]["decisions"]["auto"] == [("hierarchical", "int8")]
+        assert r["ddp"]["same_as_int8"]
+        assert r["ddp"]["decisions"]["open"] == [("backend", "backend")]
