@@ -224,7 +224,7 @@ def _decide_tiered(costs: CostModel, numel: int, world: int, error_budget: str, 
                         times, path=BACKEND)
     if path == "flat":
         return Decision(c, _chunks(c, numel, world), reason, times, path="flat")
-    return Decision(c, T.segments(numel, costs), reason, times, path="hierarchical", intra_codec=ci)
+    return Decision(c, T.segments(numel, costs, c, ci), reason, times, path="hierarchical", intra_codec=ci)
 
 
 # ---- measurement ----------------------------------------------------------------------------------

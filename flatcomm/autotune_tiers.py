@@ -49,7 +49,8 @@ def predict(costs, numel: int, inter_codecs: Iterable[str], intra_codecs: Iterab
         if "hierarchical" in paths:
             for ci in order:
                 if ci in cl.codec_s and order.index(ci) <= _rank(c, order):
-                    out[("hierarchical", c, ci)] = M.hierarchical(cl, numel, c, ci)
+                    k = M.best_segments(cl, numel, c, ci)
+                    out[("hierarchical", c, ci)] = M.hierarchical(cl, numel, c, ci, k)
     return out
 
 
@@ -58,10 +59,12 @@ def _rank(codec: str, order) -> int:
     return order.index(codec) if codec in order else len(order)
 
 
-def segments(numel: int, costs) -> int:
-    """The pipeline segments flatcomm.hierarchical picks by itself for ``numel`` values."""
-    m = math.ceil(numel / costs.ranks_per_node)
-    return len(H.segments_of(m, 1)) - 1
+def segments(numel: int, costs, codec: str, intra_codec: str) -> int:
+    """The hierarchical pipeline's segment count with the least predicted time (a function of the
+    shard size and the tiers: more where the tiers' times are comparable and copies are cheap)."""
+    cl = cluster(costs)
+    k = M.best_segments(cl, numel, codec, intra_codec)
+    return len(H.segments_of(math.ceil(numel / costs.ranks_per_node), 1, k)) - 1
 
 
 def name(cand: Candidate) -> str:

@@ -976,8 +976,8 @@ def all_reduce(
         if not topology.flat:
             decision = _tiered_auto(codec, mode, tuner, tensor, topology, residual)
             if decision is None or decision.path == "hierarchical":
-                if decision is not None:
-                    codec, intra_codec = decision.codec, decision.intra_codec
+                if decision is not None:  # and its pipeline segments (unless the caller gave some)
+                    codec, intra_codec, chunks = decision.codec, decision.intra_codec, chunks or decision.chunks
                 return _with_decision(_two_level.all_reduce(
                     tensor, topology, codec=codec, intra_codec=intra_codec, op=op, mode=mode,
                     async_op=async_op, residual=residual, chunks=chunks, stats=stats, validate=validate,

@@ -355,8 +355,11 @@ def bench_scale(a: argparse.Namespace, meta: dict) -> List[dict]:
                         "numel": numel, "model_s": M.ring(cl, numel)})
             for path in ("flat", "hierarchical"):
                 for c in codecs:
+                    # hierarchical: the segment count codec="auto" picks (flatcomm.autotune_tiers)
+                    k = M.best_segments(cl, numel, c) if path == "hierarchical" else None
                     out.append({"kind": "projection", "nodes": n, "ranks_per_node": g, "path": path, "codec": c,
-                                "numel": numel, "model_s": M.predict(cl, path, numel, c)})
+                                "numel": numel, "model_s": M.predict(cl, path, numel, c, segments=k),
+                                "segments": k})
         n *= 2
     for r in out:  # the generic fields the JSON and plots of the other commands have
         r.update(name=f"{r['path']}-{r['codec']}", step_s=r.get("measured_s", r["model_s"]),
