@@ -23,7 +23,7 @@ Bytes, S = 4 numel, W = N G, c = wire bytes / fp32 bytes of the codec:
 Overlap: a phase moves its bytes on both tiers at once (time = the slower tier); a flat call of k
 chunks overlaps compute and wire: max(a, b) + min(a, b) / k; the hierarchical path's k segments
 overlap its three steps the same way (a node-tier latency per segment and step; two copies of the
-tensor when k > 1). Latency: one per chunk and phase.
+tensor when k > 1). Latency per chunk: one for the all-to-all, W - 1 for the ring all-gather.
 """
 from __future__ import annotations
 
@@ -117,7 +117,13 @@ def flat(cl: Cluster, numel: int, codec: str, chunks: Optional[int] = None) -> f
     ag = _phase(cl, (w - 1) / w * cs, (w - 1) / w * cs)
     k = chunks or _chunks(numel, codec, w)
     compute = numel * cl.codec_s[codec] / cl.compute_share
-    return _overlap(compute, rs + ag, k) + 2 * k * _latency(cl)
+    return _overlap(compute, rs + ag, k) + k * _steps(w) * _latency(cl)
+
+
+def _steps(world: int) -> int:
+    """Latencies per chunk of a flat all-reduce: one all-to-all, then the backend's ring all-gather
+    (gloo's and NCCL's: W - 1 steps one after another, each waiting for the previous hop)."""
+    return 1 + (world - 1)
 
 
 SEGMENT_CHOICES = (1, 2, 4, 8)
@@ -138,7 +144,7 @@ def hierarchical(cl: Cluster, numel: int, codec: str, intra_codec: str = "fp32",
     cs = _ratio(codec, max(1, int(m))) * 4.0 * m
     across_wire = 2 * (n - 1) / n * cs * g / cl.inter.Bps  # the node's G ranks share its link
     k_in = _chunks(int(m), codec, n)
-    across = _overlap(m * cl.codec_s[codec] / share, across_wire, k_in) + 2 * k_in * cl.inter.latency_s
+    across = _overlap(m * cl.codec_s[codec] / share, across_wire, k_in) + k_in * _steps(n) * cl.inter.latency_s
     intra_ag = (g - 1) / g * ci * s / cl.intra.Bps + numel * cl.codec_s[intra_codec] / 2 / share
     k = len(H.segments_of(int(m), 1, segments)) - 1  # the segments flatcomm.hierarchical will cut
     # Every segment is one node reduce-scatter and one node all-gather call (a latency each); the

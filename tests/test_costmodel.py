@@ -49,6 +49,9 @@ def test_overlap_and_shared_cores():
     wire = 2 * 0.5 * Codec("int8").wire_bytes(n) / 1e9
     comp = n * 1e-9
     assert k > 1 and M.flat(cl, n, "int8") == pytest.approx(max(comp, wire) + min(comp, wire) / k)
+    # latency per chunk: the all-to-all, then W - 1 steps of the ring all-gather
+    with_lat = M.Cluster(4, 1, M.Tier(1e-3, INF), M.Tier(0.0, INF), {"int8": 0.0}, 0.0)
+    assert M.flat(with_lat, n, "int8") == pytest.approx(M._chunks(n, "int8", 4) * 4 * 1e-3)
     half = _cluster(2, 1, inter=1e9, codec_s=1e-9, share=0.5)  # two ranks per core: compute x2
     assert M.flat(half, n, "int8") == pytest.approx(max(2 * comp, wire) + min(2 * comp, wire) / k)
     # flat when one tier is missing
@@ -78,7 +81,7 @@ def test_segments_pay_where_tiers_overlap_and_copies_are_cheap():
     one = M.hierarchical(gpu, n, "int8", segments=1)
     assert M.hierarchical(gpu, n, "int8") == pytest.approx(one)  # the default: one segment here
     k = M.best_segments(gpu, n, "int8")
-    assert k == 8 and M.hierarchical(gpu, n, "int8", segments=k) < 0.7 * one
+    assert k == 8 and M.hierarchical(gpu, n, "int8", segments=k) < one - 0.1e-3
     # a CPU box whose copies cost as much as the steps: splitting never pays
     cpu = M.Cluster(2, 2, M.Tier(1e-3, 1e9), M.Tier(5e-4, 8e8), {"fp32": 1e-8, "int8": 6e-9}, 1e-8, 0.5)
     assert M.best_segments(cpu, 4 << 20, "int8") == 1
