@@ -204,8 +204,7 @@ def _decide_tiered(costs: CostModel, numel: int, world: int, error_budget: str, 
     if bad or not paths:
         raise ValueError(f"flatcomm: paths must be some of {T.PATHS}, got {paths!r}")
     inter = [c for c in allowed(error_budget) if c in costs.compute_Bps]
-    budget = intra_budget
-    intra = [c for c in allowed(budget) if c in allowed(error_budget) and c in costs.compute_Bps] or ["fp32"]
+    intra = [c for c in allowed(intra_budget) if c in allowed(error_budget) and c in costs.compute_Bps] or ["fp32"]
     pred = {T.name(k): (k, v) for k, v in T.predict(costs, numel, inter or ["fp32"], intra, paths).items()}
     if not deterministic and costs.backend_Bps is not None:
         pred = {BACKEND: ((BACKEND, "fp32", "fp32"), predict(costs, BACKEND, numel, world)), **pred}
@@ -216,7 +215,7 @@ def _decide_tiered(costs: CostModel, numel: int, world: int, error_budget: str, 
         f"{best} within {NEAR_TIE:.0%} of fastest {fastest} and more precise"
     listed = ", ".join(f"{n}={t * 1e3:.3g}ms" for n, t in times.items())
     reason = (f"{why} for numel={numel} on {costs.nodes}x{costs.ranks_per_node} budget={error_budget} "
-              f"intra budget={budget} (inter {costs.inter_Bps / 1e9:.3g} GB/s/node, intra "
+              f"intra budget={intra_budget} (inter {costs.inter_Bps / 1e9:.3g} GB/s/node, intra "
               f"{costs.intra_Bps / 1e9:.3g} GB/s/rank); predicted: {listed}")
     path, c, ci = pred[best][0]
     if path == BACKEND:
