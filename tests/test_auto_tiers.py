@@ -154,3 +154,28 @@ def test_ddp_auto_with_a_topology_uses_the_two_level_model(ranks):
         assert r["ddp"]["decisions"]["auto"] == [("hierarchical", "int8")]
         assert r["ddp"]["same_as_int8"]
         assert r["ddp"]["decisions"]["open"] == [("backend", "backend")]
+
+
+def test_tune_cli_with_nodes_saves_tier_costs(tmp_path):
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    bad = subprocess.run([sys.executable, "-m", "flatcomm.tune", "--ranks", "3", "--ranks-per-node", "2"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "does not split into nodes" in bad.stderr
+    prof, out = tmp_path / "p.json", tmp_path / "t.json"
+    p = subprocess.run([sys.executable, "-m", "flatcomm.tune", "--ranks", "4", "--ranks-per-node", "2",
+                        "--sizes", "64K", "--save", str(prof), "--json", str(out)],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    costs = load_profile(prof)
+    assert T.tiered(costs) and (costs.nodes, costs.ranks_per_node) == (2, 2)
+    d = json.loads(out.read_text())["decisions"][0]
+    again = decide(costs, 1 << 16, 4, "int8", paths=T.PATHS)  # the profile replays the run's choice
+    assert (again.path, again.codec, again.intra_codec) == (d["path"], d["codec"], d["intra_codec"])
+    assert "hier:int8/fp32 ms" in p.stdout
