@@ -136,7 +136,8 @@ class State:
         :mod:`flatcomm.ddp_tiers` for where the residuals live.
     codec="auto": a :class:`flatcomm.autotune.Tuner` (``tuner=``, default error budget int8) picks the
         codec of each bucket at its first hook call; ``decisions`` / ``stats()["decisions"]`` say what
-        and why. A parameter that moves (bucket rebuild) from a lossy bucket into one where fp32 was
+        and why. With a hierarchical topology the inter-node codec (or the backend's all-reduce) is
+        chosen by the two-level cost model (:mod:`flatcomm.autotune_tiers`; the node tier stays fp32). A parameter that moves (bucket rebuild) from a lossy bucket into one where fp32 was
         chosen brings its residual along: it is added once to that bucket's lossless all-reduce.
     start_step: steps (hook rounds, counted like ``state_dict()["step"]``) sent in lossless fp32 before
         the codec starts (like PowerSGD's ``start_powerSGD_iter``): early gradients are large and
@@ -401,8 +402,12 @@ class State:
         if self._auto:
             d = self.decisions.get(key)
             if d is None:  # pure given the (MAX-agreed) costs: every rank picks the same
+                # A hierarchical topology: the tuner picks the inter-node codec (or the backend) by
+                # the two-level model; the State's residual layout is tiered, so the path stays.
+                tiers = dict(topology=self.topology, paths=("hierarchical",)) if self._tiered() else {}
                 d = self.decisions[key] = self.tuner.choose(tensor.numel(), key=tuner_key, group=group,
-                                                            device=tensor.device, deterministic=not self._open)
+                                                            device=tensor.device, deterministic=not self._open,
+                                                            **tiers)
             if d.codec == _BACKEND and not (self.error_feedback and self._carries(params)):
                 return self._backend(tensor, step, index)
             # (a bucket still carrying residuals from a lossy one sends them once through fp32)
