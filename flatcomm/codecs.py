@@ -20,6 +20,11 @@ import torch
 
 from ._ops import ops
 
+__all__ = [
+    "BLOCKWISE", "CODECS", "Codec", "CodecLike", "DEFAULT_BLOCK_SIZE", "DEFAULT_TOPK_RATIO", "MAX_NUMEL",
+    "decode", "decode_sum", "encode", "resolve", "wire_bytes"
+]
+
 CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk")
 BLOCKWISE = ("int8", "int4", "sign")
 

@@ -35,6 +35,10 @@ try:
 except ImportError:  # cupy needs numpy: without it only auto_register() below runs
     np = None
 
+# The entry points; the layout helpers and constants below are internal (tests reach them by name).
+__all__ = ["CupyLauncher", "LaunchError", "Launches", "Ops", "auto_register", "csrc_dir", "cuda_path",
+           "kernel_names", "make_ops", "modules", "nvrtc_source", "register", "should_register", "smoke_test"]
+
 # ---- the NVRTC source -----------------------------------------------------------------------------
 
 # Options of every compile (cupy adds the target architecture). -default-device: the shared headers

@@ -25,6 +25,8 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+__all__ = ["Topology", "group_timeout"]
+
 _groups: Dict[tuple, Tuple[object, object]] = {}  # (parent, G, timeout) -> (intra, inter)
 
 
