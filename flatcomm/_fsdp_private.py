@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any, List, Optional, Sequence, Tuple
+from types import FrameType
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,8 +35,8 @@ FOREACH_REDUCE = "foreach_reduce"  # FSDP2: torch.distributed.fsdp._fully_shard.
 FSDP1_HOOK_CALLERS = ("_reduce_grad", "_reduce_grad_no_shard")  # FSDP1: torch.distributed.fsdp._runtime_utils
 
 
-def _frames(skip: int):
-    frame = sys._getframe(skip + 1)
+def _frames(skip: int) -> Iterator[FrameType]:
+    frame: Optional[FrameType] = sys._getframe(skip + 1)
     for _ in range(_DEPTH):
         if frame is None:
             return
@@ -61,7 +62,7 @@ def param_piece(fp: Any) -> Tuple[Optional[torch.Tensor], Optional[str], Optiona
 
 def fsdp2_param_groups(module: torch.nn.Module) -> List[List[Any]]:
     """FSDP2: the ``FSDPParam`` lists of a module's parameter groups, in FSDP's order."""
-    state = module._get_fsdp_state()  # type: ignore[attr-defined]
+    state = module._get_fsdp_state()  # type: ignore[attr-defined,operator]
     return [list(pg.fsdp_params) for pg in state._fsdp_param_groups]
 
 

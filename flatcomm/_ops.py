@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CUDA_PATH", "cuda_path"]
+__all__ = ["CUDA_PATH", "cuda_path", "ops"]
 
 try:
     from . import _C  # noqa: F401  (registers torch.ops.flatcomm.*)

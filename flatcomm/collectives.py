@@ -357,7 +357,8 @@ def _shown(name: str, v: int):
 
 def _has_cpu_backend(group) -> bool:
     try:
-        (group if group is not None else dist.group.WORLD)._get_backend(torch.device("cpu"))
+        (group if group is not None else dist.group.WORLD)._get_backend(  # type: ignore[union-attr]
+            torch.device("cpu"))  # no group: WORLD, which exists once torch.distributed is initialised
         return True
     except Exception:  # noqa: BLE001 - e.g. an NCCL-only group
         return False
@@ -818,9 +819,9 @@ def _setup(group, codec: CodecLike, mode: str, op: OpLike):
 
 # codec="auto" without a tuner uses the group's default Tuner from flatcomm.autotune, a layer above
 # this module (it times these collectives); autotune registers its tuner_for here when imported.
-_default_tuner_for: Optional[Callable[[object], object]] = None
+_default_tuner_for: Optional[Callable[[object], Any]] = None
 # topology= runs flatcomm.hierarchical (built on this module); it registers itself here when imported.
-_two_level = None
+_two_level: Any = None
 
 
 def _alone(c: Codec, world: int, dtype: torch.dtype) -> Codec:
@@ -841,7 +842,7 @@ def _resolve_auto(codec: CodecLike, chunks: Optional[int], tuner, numel: int, gr
         raise ValueError("flatcomm: codec='auto' needs mode='ordered'")
     if tuner is None and _default_tuner_for is None:
         raise RuntimeError("flatcomm: codec='auto' needs flatcomm.autotune imported (`import flatcomm` does it)")
-    t = tuner if tuner is not None else _default_tuner_for(group)
+    t = tuner if tuner is not None else _default_tuner_for(group)  # type: ignore[misc]  # checked above
     d = t.choose(numel, group=group, device=device, kind=kind)
     return d.codec, chunks, d  # d.chunks is what the collective's default picks for d.codec
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._ops import _C, ops
+from ._ops import _C, ops  # noqa: F401
 
 __all__ = [
     "DEFAULT_EXACT_BLOCK", "DEFAULT_HEADROOM", "NONFINITE_EXPONENT", "ZERO_EXPONENT", "exact_exponents",
