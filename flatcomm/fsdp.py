@@ -532,7 +532,9 @@ def apply(model: torch.nn.Module, codec: Any = "fp32", *, error_feedback: bool =
 
     One instance serves all modules (residuals are keyed by parameter name, not by module), so
     ``.stats`` and ``.state_dict()`` cover the whole model. ``model`` should be the root that
-    FSDP's parameter names are relative to.
+    FSDP's parameter names are relative to. ``codec`` defaults to lossless fp32 (FSDP's own
+    reduce, same bits every run); ``"int8"`` is what :func:`flatcomm.ddp.register` defaults to.
+    Each module gets ``rs.for_module(module, model)`` (see :class:`ModuleReduceScatter`).
     """
     from torch.distributed.fsdp import FSDPModule
 
