@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from . import _groups, _header, _streams
-from .codecs import CODECS, Codec, CodecLike, resolve
+from .codecs import BLOCKWISE, CODECS, Codec, CodecLike, resolve
 from .codecs import decode as _decode
 from .codecs import decode_sum as _decode_sum
 from .codecs import encode as _encode
@@ -526,7 +526,7 @@ def _zero_copy(codec: Codec, dtype: torch.dtype, plan: "_Plan", chunks: int, res
 def _align_of(codec: Codec, mode: str, exact_block: int) -> int:
     if mode == "exact":
         return exact_block
-    return codec.block_size if codec.name in ("int8", "int4", "sign") else 32
+    return codec.block_size if codec.name in BLOCKWISE else 32
 
 
 @dataclasses.dataclass
