@@ -11,7 +11,7 @@ import tarfile
 from pathlib import Path
 
 SOURCES = (".h", ".cuh", ".cu", ".cpp")
-REQUIRED = ("pyproject.toml", "setup.py", "LICENSE", "README.md", "flatcomm/py.typed", "flatcomm/_version.py",
+REQUIRED = ("pyproject.toml", "setup.py", "LICENSE", "README.md", "flatcomm/py.typed", "flatcomm/_C.pyi", "flatcomm/_version.py",
             "flatcomm/tools/bench/kernels.py")
 
 

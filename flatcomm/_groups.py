@@ -22,6 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+__all__ = ["group_timeout", "is_private", "private_group"]
+
 _lock = threading.Lock()
 _private: dict = {}  # id(parent) -> (parent, private): the parent is kept alive, so its id is not reused
 _owned: dict = {}    # id(private) -> private

@@ -18,6 +18,8 @@ from typing import List, Sequence, Tuple
 
 import torch
 
+__all__ = ["KINDS", "MAGIC", "REASON_BYTES", "call_numbers", "check", "length", "row"]
+
 MAGIC = 0x666C6174  # "flat"
 REASON_BYTES = 128
 _FIXED = 3  # magic, call number, status

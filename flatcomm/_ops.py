@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["CUDA_PATH", "cuda_path", "ops"]
+
 try:
     from . import _C  # noqa: F401  (registers torch.ops.flatcomm.*)
 except ImportError as exc:  # pragma: no cover - exercised only on broken installs

@@ -26,6 +26,8 @@ from typing import Iterable, Optional
 
 import torch
 
+__all__ = ["CallStreams", "for_call", "side_stream"]
+
 _side: dict = {}
 _lock = threading.Lock()
 

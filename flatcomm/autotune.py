@@ -133,7 +133,7 @@ def predict(costs: CostModel, codec: str, numel: int, world: int, kind: str = "a
     (or of the backend's own all-reduce for ``codec="backend"``)."""
     _check_kind(kind)
     if codec == BACKEND:
-        if kind != "all_reduce" or costs.backend_Bps is None:
+        if kind != "all_reduce" or costs.backend_Bps is None or costs.backend_latency_s is None:
             raise ValueError(f"flatcomm: no backend cost for {kind} in this CostModel")
         return 0.0 if world <= 1 else costs.backend_latency_s + 4.0 * numel / costs.backend_Bps
     compute, wire = _parts(costs, codec, numel, world, kind)
@@ -233,7 +233,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_of(fn: Callable[[], None], device: torch.device, reps: int) -> float:
+def _best_of(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     best = math.inf
     for _ in range(reps + 1):  # the first is a warm-up
         _sync(device)

@@ -10,6 +10,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+__all__ = ["field", "keys", "residual"]
+
 
 def residual(name: str, t: Any, shape: Sequence[int], what: str = "residual") -> torch.Tensor:
     """``t`` checked to be a finite float32 tensor of exactly ``shape`` (no broadcasting)."""

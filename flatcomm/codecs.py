@@ -20,6 +20,13 @@ import torch
 
 from ._ops import ops
 
+__all__ = [
+    "BLOCKWISE", "CODECS", "Codec", "CodecLike", "DEFAULT_BLOCK_SIZE", "DEFAULT_TOPK_RATIO", "MAX_NUMEL",
+    "decode", "decode_sum", "encode", "resolve", "wire_bytes"
+]
+
+# The codec list, in the order of the C++ codec ids (csrc/ops_common.h parse_codec; cupy_backend's
+# CODEC_IDS mirror them below this layer): everything above imports it from here.
 CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk")
 BLOCKWISE = ("int8", "int4", "sign")
 

@@ -38,20 +38,26 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import datetime
 import math
 import threading
 import time
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from . import _groups, _header, _streams
-from .codecs import CODECS, Codec, CodecLike, resolve
+from .codecs import BLOCKWISE, CODECS, Codec, CodecLike, resolve
 from .codecs import decode as _decode
 from .codecs import decode_sum as _decode_sum
 from .codecs import encode as _encode
 from .sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM, exact_exponents, from_exact, to_exact
+
+__all__ = [
+    "CommStats", "ErrorFeedback", "Handle", "MODES", "OpLike", "all_gather", "all_reduce", "private_group",
+    "reduce_scatter", "shard_bounds"
+]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -136,11 +142,21 @@ class Handle:
             except BaseException as e:  # noqa: BLE001 - never leave the future pending
                 self._torch_future.set_exception(e)
 
-    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+    def wait(self, timeout: Union[None, float, datetime.timedelta] = None) -> torch.Tensor:
         """Block until the collective is enqueued (CPU: done); with CUDA tensors the current
-        stream is then made to wait for it, like ``Work.wait()`` of NCCL. ``timeout`` (seconds):
-        raise ``TimeoutError`` naming the collective if it has not finished by then (it stays in
-        flight: wait again; the group's own timeout fails it if a peer never joins)."""
+        stream is then made to wait for it, like ``Work.wait()`` of NCCL. Re-raises the
+        collective's error. ``timeout``: seconds or a ``timedelta`` (as ``Work.wait`` takes;
+        ``timedelta(0)``, Work's default, and None mean no limit): raise ``TimeoutError`` naming
+        the collective if it has not finished by then (it stays in flight: wait again; the group's
+        own timeout fails it if a peer never joins). Returns the output tensor (``Work.wait``
+        returns True; the tensor is more useful and is truthy for the common ``if h.wait()``
+        only when non-empty, so test :meth:`is_success` instead)."""
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds() or None
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ValueError(f"flatcomm: Handle.wait timeout must be seconds > 0, a timedelta or None, "
+                             f"got {timeout!r}")
         try:
             self._cf.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -156,7 +172,23 @@ class Handle:
         return self._value
 
     def is_completed(self) -> bool:
+        """Whether the collective has finished (successfully or not), without blocking."""
         return self._cf.done() and (self._streams is None or self._streams.finished())
+
+    def is_success(self) -> bool:
+        """Whether the collective has finished without an error (False while in flight), as
+        ``Work.is_success``."""
+        return self.is_completed() and self._cf.exception() is None
+
+    def exception(self) -> Optional[BaseException]:
+        """The error the collective raised, or None (also while it is still in flight), as
+        ``Work.exception``."""
+        return self._cf.exception() if self._cf.done() else None
+
+    def result(self) -> List[torch.Tensor]:
+        """The output tensors, as ``Work.result``: ``[output]`` (the tensor written in place).
+        Blocks until the collective finishes and re-raises its error."""
+        return [self.wait()]
 
     def get_future(self) -> torch.futures.Future:
         return self._torch_future
@@ -266,6 +298,31 @@ def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
     return t.view(-1)
 
 
+def _one_stage_residual(residual: Union[None, torch.Tensor, "ErrorFeedback"], what: str) -> Optional[torch.Tensor]:
+    """The residual of a one-stage collective (reduce-scatter, all-gather): a Tensor, or an
+    :class:`ErrorFeedback` whose ``client`` is used (its ``server`` has no role there)."""
+    if residual is None or isinstance(residual, torch.Tensor):
+        return residual
+    if isinstance(residual, ErrorFeedback):
+        return residual.client
+    raise TypeError(f"flatcomm: {what} residual must be an fp32 Tensor or a flatcomm.ErrorFeedback, "
+                    f"got {type(residual).__name__}")
+
+
+def _two_stage_residual(residual: Any, topology) -> None:
+    """all_reduce's residual has two parts (client and server): a plain Tensor cannot hold both."""
+    if residual is None or isinstance(residual, ErrorFeedback):
+        return
+    if isinstance(residual, torch.Tensor):
+        raise TypeError("flatcomm: all_reduce's residual is a flatcomm.ErrorFeedback (client and server "
+                        "residuals, both fp32 of the tensor's numel), not a Tensor: pass "
+                        "flatcomm.ErrorFeedback.zeros(tensor.numel(), tensor.device) and keep it across steps")
+    if topology is None or type(residual).__name__ != "TieredFeedback":
+        raise TypeError(f"flatcomm: all_reduce's residual must be a flatcomm.ErrorFeedback"
+                        f"{' (or a TieredFeedback with a topology)' if topology is not None else ''}, "
+                        f"got {type(residual).__name__}")
+
+
 def _check_residual(r: Optional[torch.Tensor], numel: int, ref: torch.Tensor, what: str) -> None:
     if r is None:
         return
@@ -300,7 +357,8 @@ def _shown(name: str, v: int):
 
 def _has_cpu_backend(group) -> bool:
     try:
-        (group if group is not None else dist.group.WORLD)._get_backend(torch.device("cpu"))
+        (group if group is not None else dist.group.WORLD)._get_backend(  # type: ignore[union-attr]
+            torch.device("cpu"))  # no group: WORLD, which exists once torch.distributed is initialised
         return True
     except Exception:  # noqa: BLE001 - e.g. an NCCL-only group
         return False
@@ -468,7 +526,7 @@ def _zero_copy(codec: Codec, dtype: torch.dtype, plan: "_Plan", chunks: int, res
 def _align_of(codec: Codec, mode: str, exact_block: int) -> int:
     if mode == "exact":
         return exact_block
-    return codec.block_size if codec.name in ("int8", "int4", "sign") else 32
+    return codec.block_size if codec.name in BLOCKWISE else 32
 
 
 @dataclasses.dataclass
@@ -761,9 +819,9 @@ def _setup(group, codec: CodecLike, mode: str, op: OpLike):
 
 # codec="auto" without a tuner uses the group's default Tuner from flatcomm.autotune, a layer above
 # this module (it times these collectives); autotune registers its tuner_for here when imported.
-_default_tuner_for: Optional[Callable[[object], object]] = None
+_default_tuner_for: Optional[Callable[[object], Any]] = None
 # topology= runs flatcomm.hierarchical (built on this module); it registers itself here when imported.
-_two_level = None
+_two_level: Any = None
 
 
 def _alone(c: Codec, world: int, dtype: torch.dtype) -> Codec:
@@ -784,7 +842,7 @@ def _resolve_auto(codec: CodecLike, chunks: Optional[int], tuner, numel: int, gr
         raise ValueError("flatcomm: codec='auto' needs mode='ordered'")
     if tuner is None and _default_tuner_for is None:
         raise RuntimeError("flatcomm: codec='auto' needs flatcomm.autotune imported (`import flatcomm` does it)")
-    t = tuner if tuner is not None else _default_tuner_for(group)
+    t = tuner if tuner is not None else _default_tuner_for(group)  # type: ignore[misc]  # checked above
     d = t.choose(numel, group=group, device=device, kind=kind)
     return d.codec, chunks, d  # d.chunks is what the collective's default picks for d.codec
 
@@ -819,7 +877,7 @@ def reduce_scatter(
     mode: str = "ordered",
     group=None,
     async_op: bool = False,
-    residual: Optional[torch.Tensor] = None,
+    residual: Union[None, torch.Tensor, ErrorFeedback] = None,
     chunks: Optional[int] = None,
     stats: Optional[CommStats] = None,
     validate: bool = True,
@@ -835,7 +893,9 @@ def reduce_scatter(
     ``codec="auto"``: ``tuner`` (a :class:`flatcomm.autotune.Tuner`, default one per group) picks
     the codec and chunks per input size, the same on every rank (``Handle.decision``).
     ``topology`` (a :class:`flatcomm.Topology`): two levels, see :mod:`flatcomm.hierarchical`.
+    ``residual`` may also be an :class:`ErrorFeedback` (its ``client`` is used).
     """
+    residual = _one_stage_residual(residual, "reduce_scatter's")
     if topology is not None:
         group = _topology_group(topology, group)
         if not topology.flat:
@@ -887,7 +947,7 @@ def all_gather(
     codec: CodecLike = "fp32",
     group=None,
     async_op: bool = False,
-    residual: Optional[torch.Tensor] = None,
+    residual: Union[None, torch.Tensor, ErrorFeedback] = None,
     stats: Optional[CommStats] = None,
     validate: bool = True,
     topology=None,
@@ -898,7 +958,9 @@ def all_gather(
     With a lossy ``codec`` each rank's input is sent encoded (``residual`` keeps what was not
     sent) and every rank, the sender included, receives the decoded values.
     ``topology`` (a :class:`flatcomm.Topology`): two levels, see :mod:`flatcomm.hierarchical`.
+    ``residual`` may also be an :class:`ErrorFeedback` (its ``client`` is used).
     """
+    residual = _one_stage_residual(residual, "all_gather's")
     if topology is not None:
         group = _topology_group(topology, group)
         if not topology.flat:
@@ -969,7 +1031,9 @@ def all_reduce(
     with any choice (an fp32 choice adds the client residual once and zeroes it).
     ``topology`` (a :class:`flatcomm.Topology`): reduce inside the node with ``intra_codec``,
     exchange ``codec`` across nodes (``residual``: that tier's, see :mod:`flatcomm.hierarchical`).
+    A plain Tensor as ``residual`` raises ``TypeError``: an all-reduce has two residuals.
     """
+    _two_stage_residual(residual, topology)
     decision = None
     if topology is not None:
         group = _topology_group(topology, group)

@@ -26,14 +26,18 @@ import os
 import re
 import threading
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 try:
     import numpy as np
 except ImportError:  # cupy needs numpy: without it only auto_register() below runs
-    np = None
+    np = None  # type: ignore[assignment]
+
+# The entry points; the layout helpers and constants below are internal (tests reach them by name).
+__all__ = ["CupyLauncher", "LaunchError", "Launches", "Ops", "auto_register", "csrc_dir", "cuda_path",
+           "kernel_names", "make_ops", "modules", "nvrtc_source", "register", "should_register", "smoke_test"]
 
 # ---- the NVRTC source -----------------------------------------------------------------------------
 
@@ -134,6 +138,8 @@ def module_of(name: str) -> str:
     """Kernels compile in small groups, so that a first call compiles only what it needs (about a
     second): encode / decode / decode_sum_encode per codec, topk encode together, sums per dtype."""
     m = re.match(re.escape(NS) + r"(\w+?)(?:<(\d+))?[<,>\s]", name + " ")
+    if m is None:
+        raise ValueError(f"flatcomm: not a flatcomm kernel name: {name!r}")
     fam, first = m.group(1), m.group(2)
     if fam.startswith("topk_") and fam != "topk_decode_kernel":
         return "topk_encode"
@@ -805,7 +811,7 @@ class CupyLauncher:
         self.cupy = cupy
         self.root = root
         self._source: Optional[str] = None
-        self._modules: Dict[Tuple[int, str], object] = {}
+        self._modules: Dict[Tuple[int, str], Any] = {}
         self._functions: Dict[Tuple[int, str], object] = {}
         self._streams: Dict[Tuple[int, int], object] = {}
         self._lock = threading.Lock()
@@ -862,7 +868,7 @@ class CupyLauncher:
 
 # ---- registration ---------------------------------------------------------------------------------
 
-_state = {"path": None, "lib": None, "ops": None, "reason": "not checked"}
+_state: Dict[str, Any] = {"path": None, "lib": None, "ops": None, "reason": "not checked"}
 
 
 def should_register(build_devices: Sequence[str], torch_cuda: Optional[str], cupy_found: bool,
@@ -921,7 +927,7 @@ def auto_register(build_devices: Sequence[str]) -> str:
     ok, reason = should_register(build_devices, torch.version.cuda, importlib.util.find_spec("cupy") is not None,
                                  os.environ.get("FLATCOMM_CUPY"))
     if ok:
-        _state.update(path="nvrtc (cupy)", lib=register(_LazyOps()), reason=reason)
+        _state.update(path="nvrtc (cupy)", lib=register(_LazyOps()), reason=reason)  # type: ignore[arg-type]  # an Ops by duck typing
     else:
         _state.update(path=f"none ({reason})", reason=reason)
     return _state["path"]

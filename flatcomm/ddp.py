@@ -843,17 +843,47 @@ def hook(state: State, bucket: "dist.GradBucket") -> torch.futures.Future:
 hook.__annotations__ = {"state": State, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
 
 
-def register(ddp_model, codec: Any = "int8", *, error_feedback: bool = True, mode: Optional[str] = None,
-             **opts) -> State:
+def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: Any = "int8", *,
+             error_feedback: bool = True, mode: Optional[str] = None, group: Optional[dist.ProcessGroup] = None,
+             chunks: Optional[int] = None, block_size: Optional[int] = None, ratio: Optional[float] = None,
+             grad_scaler: Optional[Any] = None, track_norms: bool = True, history: int = 100,
+             tuner: Optional[Any] = None, topology: Optional[Any] = None,
+             start_step: Optional[int] = None) -> State:
     """Create a :class:`State` that knows ``ddp_model`` and register :func:`hook` on it.
 
-    ``mode``: None (the default) means the caller did not ask for determinism: fixed codecs run
-    ``"ordered"`` (flatcomm's sums are the same bits every run anyway), and ``codec="auto"`` may
-    also hand a bucket to the backend's own all-reduce (torch's default hook: gloo's / NCCL's
-    algorithm, whose bits flatcomm does not control) where that is predicted fastest, so auto
-    never costs more than the default hook beyond the model's error. ``mode="ordered"`` or
-    ``"exact"`` asks for determinism: auto then chooses among flatcomm's own collectives only.
+    Args:
+        ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` (anything else raises TypeError).
+        codec: ``"int8"`` (default), ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"int4"``, ``"sign"``,
+            ``"topk"``, ``"auto"`` or a :class:`flatcomm.Codec`. The default is int8 with error
+            feedback because a DDP hook exists to cut gradient traffic (4x less than fp32, the same
+            final loss in the demo), while the collectives and ``flatcomm.fsdp.apply`` default to
+            lossless fp32 like the ``torch.distributed`` calls they stand in for.
+        error_feedback: keep client/server residuals so a lossy codec loses nothing over time.
+        mode: None (the default) means the caller did not ask for determinism: fixed codecs run
+            ``"ordered"`` (flatcomm's sums are the same bits every run anyway), and ``codec="auto"``
+            may also hand a bucket to the backend's own all-reduce (torch's default hook: gloo's /
+            NCCL's algorithm, whose bits flatcomm does not control) where that is predicted fastest,
+            so auto never costs more than the default hook beyond the model's error.
+            ``"ordered"`` or ``"exact"`` (fp32 only) asks for determinism: auto then chooses among
+            flatcomm's own collectives only.
+        group: process group for flatcomm's traffic (default: a private copy of DDP's group).
+        chunks: pipeline chunks per all-reduce (default: automatic).
+        block_size, ratio: override the codec's block size / topk ratio.
+        grad_scaler: a ``GradScaler`` whose scale changes rescale the residuals.
+        track_norms, history: residual/gradient norms for :meth:`State.stats`, and how many steps it keeps.
+        tuner: a :class:`flatcomm.autotune.Tuner` for ``codec="auto"``.
+        topology: a :class:`flatcomm.Topology`, ``"flat"`` or None (from torchrun's ``LOCAL_WORLD_SIZE``).
+        start_step: steps sent in lossless fp32 before the codec starts (see :class:`State`).
+
+    Returns the :class:`State` (for ``state_dict()``, ``stats()``, ``decisions``).
     """
-    state = State(codec, error_feedback=error_feedback, mode=mode, model=ddp_model, **opts)
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"flatcomm.ddp.register needs a DistributedDataParallel model, got "
+                        f"{type(ddp_model).__name__}: wrap it first (DistributedDataParallel(model)), or for "
+                        f"FSDP use flatcomm.fsdp.apply")
+    state = State(codec, error_feedback=error_feedback, mode=mode, group=group, chunks=chunks,
+                  block_size=block_size, ratio=ratio, model=ddp_model, grad_scaler=grad_scaler,
+                  track_norms=track_norms, history=history, tuner=tuner, topology=topology,
+                  start_step=start_step)
     ddp_model.register_comm_hook(state, hook)
     return state

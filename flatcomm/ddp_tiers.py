@@ -24,6 +24,11 @@ from . import collectives as C
 from . import hierarchical as H
 from .topology import Topology
 
+__all__ = [
+    "add_carry", "all_reduce", "carry_slice", "fold", "new_carry", "nonzero_or_none", "resolve_topology",
+    "submit", "total"
+]
+
 
 def resolve_topology(arg, group) -> Topology:
     """The hook's topology: ``None`` -> from the environment (torchrun), ``"flat"``, or a Topology

@@ -2,6 +2,7 @@
 
 Importing this module does nothing; only running it imports the tool.
 """
+__all__: list = []  # a command-line entry point: nothing to import
 if __name__ == "__main__":
     import sys
 

@@ -32,10 +32,15 @@ reduce-scatter input did not send (fp32, input-sized, different on every rank). 
 once per parameter group per backward with ``input = concat over ranks r of (concat over the group's
 parameters p of chunk r of p's dim-0-padded gradient)``; the group holds only the parameters that
 received a gradient this step, so the input size alone is not a stable key, and two identical layers
-have equal sizes. The parameter group is read from the caller's frame (FSDP's ``foreach_reduce``
-local ``fsdp_params``; if that lookup ever fails, the key falls back to the input size), and each
-parameter's name (FSDP's root-relative ``_param_fqn``, or the name from the model given to
-:func:`apply`) owns its slice: per rank ``c = numel(padded_sharded_param_size)`` values. Residuals are
+have equal sizes. :func:`apply` therefore sets on each module its own
+:class:`ModuleReduceScatter` (:meth:`ReduceScatter.for_module`), which knows the module's parameters
+in FSDP's order and, from their DTensor placements (public API), the values each holds per rank:
+``c = ceil(rows / world) * (values per row)``. When every parameter got a gradient (the input
+size says so) that is the call's layout; otherwise, or for a ``ReduceScatter`` set by hand, the
+group is FSDP's own list (a private frame, kept in :mod:`flatcomm._fsdp_private` with a test that
+fails when torch changes it), and if even that fails, the key falls back to the input size.
+``layout_sources`` counts which way each call went. Each parameter's name (from the model given to
+:func:`apply`, else FSDP's root-relative ``_param_fqn``) owns its slice of ``c`` values per rank. Residuals are
 kept as one flat buffer per distinct group (so encoding is one pass over one tensor); when a new
 group appears (a parameter without a gradient, a different wrapping) its buffer is assembled once
 from the old ones parameter by parameter (zeros for parameters never seen) and old buffers are freed
@@ -54,19 +59,20 @@ units first reduce) and live in the same kind of dict.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
-import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from . import _fsdp_private as _private
 from . import checkpoint as check
 from . import collectives as C
 from .codecs import Codec, resolve
 
-__all__ = ["ReduceScatter", "FSDP1State", "fsdp1_hook", "apply", "Stats"]
+__all__ = ["ReduceScatter", "ModuleReduceScatter", "FSDP1State", "fsdp1_hook", "apply", "Stats"]
 
 _Pieces = List[Tuple[str, int]]  # (name, values per rank) in the input's row layout
 _RANK_KEY = re.compile(r"rank(\d+)\.")
@@ -386,53 +392,137 @@ class ReduceScatter(_Backend):
                  ratio: Optional[float] = None, tuner=None):
         super().__init__(codec, error_feedback=error_feedback, mode=mode, chunks=chunks,
                          block_size=block_size, ratio=ratio, tuner=tuner)
-        self._names: Dict[int, str] = {}  # id(FSDPParam) -> name (from apply's model)
+        self._names: Dict[int, str] = {}  # id(sharded parameter) -> name (from for_module's model)
+        # How each call found its parameters (see _pieces): "module", "fsdp_frame" or "size".
+        self.layout_sources: Dict[str, int] = {"module": 0, "fsdp_frame": 0, "size": 0}
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(tuple(size), dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
                  op: Any = dist.ReduceOp.AVG, async_op: bool = False):
+        return self._reduce_scatter(output_tensor, input_tensor, group, op, async_op, None)
+
+    def for_module(self, module: torch.nn.Module, model: Optional[torch.nn.Module] = None) -> "ModuleReduceScatter":
+        """This backend bound to one ``FSDPModule``, for ``module.set_custom_reduce_scatter``:
+        it knows the module's parameters (names from ``model``, default ``module``), so residuals
+        are keyed without FSDP's internals. :func:`apply` does this for every module."""
+        names = {id(p): n for n, p in (model if model is not None else module).named_parameters()}
+        self._names.update(names)
+        layout = _module_layout(module, names)
+        for name, numel, world in layout:
+            self._res.templates[name] = world * numel
+        worlds = {w for _, _, w in layout}
+        whole = len(layout) == len(_managed_params(module)) and len(worlds) == 1
+        return ModuleReduceScatter(self, [(n, c) for n, c, _ in layout] if whole else None)
+
+    def _reduce_scatter(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op: Any,
+                        async_op: bool, layout: Optional[_Pieces]):
         residual = None
         codec = self._codec_for(input_tensor.numel(), group, input_tensor.device, "reduce_scatter")
         if self.error_feedback:
             world = dist.get_world_size(group)
-            pieces = self._pieces(sys._getframe(1), input_tensor.numel(), world)
+            pieces = self._pieces(layout, input_tensor.numel(), world)
             if not codec.lossless or self._res.holds(pieces):
                 residual = self._res.get(pieces, world, input_tensor.device)
         return _reduce(output_tensor, input_tensor, codec=codec, op=op, mode=self.mode,
                        group=group, async_op=async_op, residual=residual, chunks=self.chunks,
                        stats=self.stats, first_call=self._first_call)
 
-    def _pieces(self, frame, numel: int, world: int) -> _Pieces:
-        fallback = [(f"flat{numel}", numel // world)]
-        for _ in range(3):  # FSDP calls us from foreach_reduce; look a little further to be safe
-            if frame is None:
-                break
-            fps = frame.f_locals.get("fsdp_params") if frame.f_code.co_name == "foreach_reduce" else None
-            if fps is not None:
-                pieces = []
-                for fp in fps:
-                    name = self._names.get(id(fp)) or getattr(fp, "_param_fqn", None)
-                    size = getattr(fp, "padded_sharded_param_size", None)
-                    if name is None or size is None:
-                        return fallback
-                    pieces.append((name, int(torch.Size(size).numel())))
-                if sum(c for _, c in pieces) * world != numel:
-                    return fallback
-                return pieces
-            frame = frame.f_back
-        return fallback
+    def _pieces(self, layout: Optional[_Pieces], numel: int, world: int) -> _Pieces:
+        """The parameters in this call's input: the bound module's (every parameter got a
+        gradient: the common case, public API), else FSDP's own list (a private frame, see
+        :mod:`flatcomm._fsdp_private`), else one piece keyed by the size."""
+        if layout is not None and sum(c for _, c in layout) * world == numel:
+            self.layout_sources["module"] += 1
+            return layout
+        fps = _private.reduce_call_params()
+        if fps is not None:
+            pieces = []
+            for fp in fps:
+                param, fqn, c = _private.param_piece(fp)
+                name = self._names.get(id(param)) or fqn
+                if name is None or c is None:
+                    break
+                pieces.append((name, c))
+            else:
+                if sum(c for _, c in pieces) * world == numel:
+                    self.layout_sources["fsdp_frame"] += 1
+                    return pieces
+        self.layout_sources["size"] += 1
+        return [(f"flat{numel}", numel // world)]
 
-    def _bind(self, module: torch.nn.Module, names: Dict[int, str], world: int) -> None:
-        state = module._get_fsdp_state()  # type: ignore[attr-defined]
-        for pg in state._fsdp_param_groups:
-            for fp in pg.fsdp_params:
-                name = names.get(id(fp.sharded_param))
-                if name is None:
-                    continue
-                self._names[id(fp)] = name
-                self._res.templates[name] = world * int(torch.Size(fp.padded_sharded_param_size).numel())
+
+class ModuleReduceScatter:
+    """A :class:`ReduceScatter` as set on one ``FSDPModule`` (:meth:`ReduceScatter.for_module`):
+    the backend plus the module's parameter layout (None: unknown, FSDP's list is used)."""
+
+    def __init__(self, backend: ReduceScatter, layout: Optional[_Pieces]):
+        self.backend = backend
+        self.layout = layout
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.backend.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
+                 op: Any = dist.ReduceOp.AVG, async_op: bool = False):
+        return self.backend._reduce_scatter(output_tensor, input_tensor, group, op, async_op, self.layout)
+
+
+def _shard_layout(p: torch.Tensor) -> Optional[Tuple[int, int, bool]]:
+    """(values per rank, ranks it is sharded over, replicated too) of a parameter ``fully_shard``
+    made, from its DTensor placements: FSDP pads the sharded dim to a multiple of the ranks, so
+    rank r holds ``ceil(size / ranks)`` slices of it. None when not sharded over exactly one mesh
+    dimension (e.g. also tensor-parallel): FSDP's own list is used then."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(p, DTensor):
+        return None
+    shards = [(i, pl) for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+    if len(shards) != 1:
+        return None
+    i, pl = shards[0]
+    world = p.device_mesh.size(i)
+    shape = list(p.shape)
+    rows = -(-shape[pl.dim] // world)
+    return rows * math.prod(shape[:pl.dim] + shape[pl.dim + 1:]), world, any(
+        isinstance(x, Replicate) for x in p.placements)
+
+
+def _managed_params(module: Any) -> List[torch.nn.Parameter]:  # an nn.Module that is an FSDPModule
+    """The parameters ``fully_shard(module)`` manages, in FSDP's order (its reduce-scatter input
+    layout): submodules in post-order (children first), nested FSDPModules left out, each once."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen_modules: set = set()
+    seen: set = set()
+    out: List[torch.nn.Parameter] = []
+    order: List[torch.nn.Module] = []
+
+    def visit(m: torch.nn.Module) -> None:
+        seen_modules.add(m)
+        for c in m.children():
+            if c not in seen_modules and not isinstance(c, FSDPModule):
+                visit(c)
+        order.append(m)
+
+    visit(module)
+    for m in order:
+        for _, p in m.named_parameters(recurse=False):
+            if p not in seen:
+                seen.add(p)
+                out.append(p)
+    return out
+
+
+def _module_layout(module: Any, names: Dict[int, str]) -> List[Tuple[str, int, int]]:
+    """(name, values per rank, ranks) of each managed parameter whose layout is public."""
+    out = []
+    for p in _managed_params(module):
+        lay = _shard_layout(p)
+        if lay is not None and id(p) in names:
+            out.append((names[id(p)], lay[0], lay[1]))
+    return out
 
 
 def apply(model: torch.nn.Module, codec: Any = "fp32", *, error_feedback: bool = True,
@@ -442,26 +532,20 @@ def apply(model: torch.nn.Module, codec: Any = "fp32", *, error_feedback: bool =
 
     One instance serves all modules (residuals are keyed by parameter name, not by module), so
     ``.stats`` and ``.state_dict()`` cover the whole model. ``model`` should be the root that
-    FSDP's parameter names are relative to.
+    FSDP's parameter names are relative to. ``codec`` defaults to lossless fp32 (FSDP's own
+    reduce, same bits every run); ``"int8"`` is what :func:`flatcomm.ddp.register` defaults to.
+    Each module gets ``rs.for_module(module, model)`` (see :class:`ModuleReduceScatter`).
     """
     from torch.distributed.fsdp import FSDPModule
 
     rs = ReduceScatter(codec, error_feedback=error_feedback, mode=mode, chunks=chunks,
                        block_size=block_size, ratio=ratio, tuner=tuner)
-    names = {id(p): n for n, p in model.named_parameters()}
-    world = dist.get_world_size() if dist.is_initialized() else 1
     found = False
     for m in model.modules():
         if isinstance(m, FSDPModule):
             found = True
-            m.set_custom_reduce_scatter(rs)
-            try:
-                groups = m._get_fsdp_state()._fsdp_param_groups  # type: ignore[attr-defined]
-                if groups:
-                    world = groups[0].mesh_info.shard_mesh_size
-                rs._bind(m, names, world)
-            except (AttributeError, TypeError):  # private layout changed: names come from FSDP
-                pass
+            # FSDP's ReduceScatter ABC lives in a private module; FSDP only calls allocate() and __call__()
+            m.set_custom_reduce_scatter(rs.for_module(m, model))  # type: ignore[arg-type]
     if not found:
         raise ValueError("flatcomm.fsdp.apply: no FSDPModule in the model (call fully_shard first)")
     return rs
@@ -493,22 +577,20 @@ class FSDP1State(_Backend):
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
             for name, m in model.named_modules():
-                if isinstance(m, FSDP) and getattr(m, "_handle", None) is not None:
-                    self._unit_names[id(m._handle.flat_param)] = name or "<root>"
+                flat = _private.fsdp1_flat_param(m) if isinstance(m, FSDP) else None
+                if flat is not None:
+                    self._unit_names[id(flat)] = name or "<root>"
 
-    def _unit(self, frame, numel: int) -> Tuple[str, Any]:
-        for _ in range(3):
-            if frame is None:
-                break
-            handle = frame.f_locals.get("handle")
-            if handle is not None and hasattr(handle, "flat_param"):
-                key = id(handle.flat_param)
-                if key not in self._unit_names:
-                    self._unit_names[key] = f"unit{len(self._unit_names)}"
-                st = frame.f_locals.get("state")
-                return self._unit_names[key], getattr(st, "process_group", None)
-            frame = frame.f_back
-        return f"flat{numel}", None
+    def _unit(self, numel: int) -> Tuple[str, Any]:
+        """(unit name, FSDP's process group) of the hook call in progress (FSDP1 passes only the
+        gradient: read from its frame, see :mod:`flatcomm._fsdp_private`), else a size key."""
+        unit = _private.fsdp1_unit()
+        if unit is None:
+            return f"flat{numel}", None
+        key = id(unit[0])
+        if key not in self._unit_names:
+            self._unit_names[key] = f"unit{len(self._unit_names)}"
+        return self._unit_names[key], unit[1]
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         sd = super().state_dict()
@@ -542,7 +624,7 @@ class FSDP1State(_Backend):
 def fsdp1_hook(state: FSDP1State, grad: torch.Tensor, output: Optional[torch.Tensor] = None) -> None:
     """FSDP1 comm hook: ``hook(state, padded_unsharded_grad, new_sharded_grad)`` for sharded
     strategies (reduce-scatter into ``output``), ``hook(state, grad)`` for NO_SHARD (in place)."""
-    name, fsdp_group = state._unit(sys._getframe(1), grad.numel())
+    name, fsdp_group = state._unit(grad.numel())
     group = state.group if state.group is not None else fsdp_group
     world = dist.get_world_size(group)
     if output is None:

@@ -30,7 +30,6 @@ the node tier's residuals (as :mod:`flatcomm.fsdp`, ``rank{r}.{param}``) and thi
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -137,15 +136,19 @@ def apply(model: torch.nn.Module, mesh, codec: Any = "int8", *, intra_codec: Any
     if not mods:
         raise ValueError("flatcomm.fsdp_hybrid.apply: no FSDPModule in the model (call fully_shard first)")
     for name, m in mods:
-        for pg in m._get_fsdp_state()._fsdp_param_groups:  # type: ignore[attr-defined]
-            if pg._is_hsdp:
+        # from the sharded parameters' DTensor placements (public), as flatcomm.fsdp lays them out
+        for p in F._managed_params(m):
+            lay = F._shard_layout(p)
+            if lay is None:
+                continue
+            if lay[2]:
                 raise ValueError(
                     f"flatcomm: module {name or '<root>'} uses native HSDP (fully_shard with the 2-D mesh), "
                     "whose uncompressed all-reduce runs before any hook; shard it with "
                     f"fully_shard(module, mesh=mesh[{shard_dim!r}]) and let flatcomm replicate across nodes")
-            if pg.mesh_info.shard_mesh_size != topo.local_size:
+            if lay[1] != topo.local_size:
                 raise ValueError(f"flatcomm: module {name or '<root>'} is sharded over "
-                                 f"{pg.mesh_info.shard_mesh_size} ranks, not the mesh's {topo.local_size} "
+                                 f"{lay[1]} ranks, not the mesh's {topo.local_size} "
                                  f"(its {shard_dim!r} dimension)")
     rs = F.apply(model, intra_codec, error_feedback=error_feedback)
     # One node: nothing to replicate. One rank per node: the replicate group is the topology's.
@@ -186,7 +189,7 @@ class HybridFSDP1State(F.FSDP1State):
 
 def hybrid_fsdp1_hook(state: HybridFSDP1State, grad: torch.Tensor, output: Optional[torch.Tensor] = None) -> None:
     """FSDP1 comm hook: node tier as :func:`flatcomm.fsdp.fsdp1_hook`, then the cross-node tier."""
-    name, _ = state._unit(sys._getframe(1), grad.numel())
+    name, _ = state._unit(grad.numel())
     if output is None:  # NO_SHARD: the whole gradient, two levels (the residual: this rank's shard's)
         flat = grad if grad.is_contiguous() else grad.contiguous()
         ef = None

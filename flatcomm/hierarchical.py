@@ -53,6 +53,11 @@ from .codecs import Codec, CodecLike, resolve
 from .sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM, exact_exponents, from_exact, to_exact
 from .topology import Topology
 
+__all__ = [
+    "TierStats", "TieredFeedback", "all_gather", "all_reduce", "padded_shard", "reduce_scatter", "segments_of",
+    "shard_numel", "shard_range", "submit"
+]
+
 # Pipeline segments of a hierarchical all-reduce: about SEGMENT_BYTES of fp32 shard each. On
 # loopback with 2 shared cores (4 ranks, 4M values) 2 segments cost more than they hid (the node
 # tier is not the bottleneck there); pipelining pays when the cross-node link is: large shards only.

@@ -336,6 +336,7 @@ def encode(
 
     def update_residual(new: torch.Tensor, keep_new: torch.Tensor) -> None:
         if residual is not None:
+            assert r_old is not None  # loaded above whenever there is a residual
             residual.view(-1).copy_(torch.where(keep_new, new, r_old))
 
     if codec in CAST:

@@ -72,7 +72,7 @@ import dataclasses
 import hashlib
 import os
 import time
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -500,7 +500,7 @@ class ExactGradAccumulator:
         return {"exponents": self._exponents.cpu().clone(), "step": self.step_count,
                 "numel": self.numel, "block_size": self.block, "headroom": self.headroom}
 
-    def load_state_dict(self, state: Dict[str, object]) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         if (state["numel"], state["block_size"], state["headroom"]) != (self.numel, self.block, self.headroom):
             raise ValueError(
                 "flatcomm.reproducible: state_dict is for numel/block_size/headroom "

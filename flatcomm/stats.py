@@ -94,14 +94,17 @@ class Record:
 
     @property
     def algbw(self) -> float:
+        assert self.total_s is not None  # set by __post_init__
         return algbw(self.size_bytes, self.total_s)
 
     @property
     def busbw(self) -> float:
+        assert self.total_s is not None  # set by __post_init__
         return busbw(self.kind, self.size_bytes, self.total_s, self.world)
 
     @property
     def compression(self) -> float:
+        assert self.fp32_bytes is not None  # set by __post_init__
         return self.fp32_bytes / self.wire_bytes if self.wire_bytes else float("inf")
 
     def to_dict(self) -> Dict[str, Any]:

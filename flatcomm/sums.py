@@ -17,7 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from ._ops import _C, ops
+from ._ops import _C, ops  # noqa: F401
+
+__all__ = [
+    "DEFAULT_EXACT_BLOCK", "DEFAULT_HEADROOM", "NONFINITE_EXPONENT", "ZERO_EXPONENT", "exact_exponents",
+    "exact_sum", "from_exact", "ordered_sum", "to_exact"
+]
 
 DEFAULT_EXACT_BLOCK = 256
 DEFAULT_HEADROOM = _C.default_headroom()

@@ -25,6 +25,8 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+__all__ = ["Topology", "group_timeout"]
+
 _groups: Dict[tuple, Tuple[object, object]] = {}  # (parent, G, timeout) -> (intra, inter)
 
 
@@ -33,7 +35,7 @@ def group_timeout(group=None) -> Optional[datetime.timedelta]:
     pg = group if group is not None else dist.group.WORLD
     for device in ("cpu", "cuda"):
         try:
-            return pg._get_backend(torch.device(device)).options._timeout
+            return pg._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
         except Exception:  # noqa: BLE001 - no such backend on this group, or a private API change
             continue
     return None
