@@ -183,6 +183,8 @@ class State:
             raise ValueError(f"flatcomm: start_step must be an int >= 0, got {start_step!r}")
         self.start_step = start_step
         self._keep_fn = _adapt.keep_predicate(keep_fp32)
+        if self.codec.lossless and not self._auto:
+            self._keep_fn = None  # everything is lossless already: no need to split buckets
         self._kept: Dict[int, bool] = {}  # id(p) -> keep_fp32(name, p), asked once per parameter
         if backoff is not None and backoff is not False and not isinstance(backoff, _adapt.Backoff):
             raise TypeError(f"flatcomm: backoff must be a flatcomm.ddp_adapt.Backoff or False, got {backoff!r}")
