@@ -411,14 +411,13 @@ class State:
 
     def _split_kept(self, parts):
         """Each part split into its codec parameters and its keep_fp32 ones (forced lossless fp32),
-        in that order on every rank (DDP's bucket order is the same everywhere). None: nothing kept."""
-        out, any_kept = [], False
+        in that order on every rank (DDP's bucket order is the same everywhere)."""
+        out = []
         for key, ps, force in parts:
             kept = [p for p in ps if self._is_kept(p)]
             if not kept:
                 out.append((key, ps, force))
                 continue
-            any_kept = True
             rest = [p for p in ps if not self._is_kept(p)]
             if rest:
                 out.append((tuple(id(p) for p in rest), rest, force))
