@@ -73,6 +73,7 @@ import torch.distributed as dist
 
 from . import checkpoint as check
 from . import collectives as C
+from . import ddp_adapt as _adapt
 from . import ddp_tiers as _tiers
 from .autotune import BACKEND as _BACKEND
 from .codecs import Codec, resolve
@@ -144,13 +145,21 @@ class State:
         change fast, and an adaptive optimizer's variance estimate forms from them. Residuals start
         at zero when the codec does; a checkpoint's step count carries the warm-up across restarts.
         Default 0, except for ``codec="sign"`` given by name: see ``CODEC_DEFAULTS`` (block_size too).
+    keep_fp32: parameters always sent in lossless fp32 (no residual): a predicate ``f(name, param)``,
+        a list of fnmatch name patterns, or ``"small"`` (biases, norms, embeddings; see
+        :mod:`flatcomm.ddp_adapt`). A DDP bucket that mixes both is sent as two all-reduces, one
+        per kind, each over a copy of its parameters' ranges (the kept part first-class fp32).
+    backoff: ``codec="auto"`` only: a :class:`flatcomm.ddp_adapt.Backoff` (default ``Backoff()``,
+        every 50 steps; ``False`` turns it off) that moves a bucket to a more precise codec when the
+        error measured in training exceeds the budget; ``adaptations`` / ``stats()`` say when and why.
     """
 
     def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: Optional[str] = None,
                  group=None, chunks: Optional[int] = None, block_size: Optional[int] = None,
                  ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None,
                  grad_scaler=None, track_norms: bool = True, history: int = 100, tuner=None,
-                 topology=None, start_step: Optional[int] = None):
+                 topology=None, start_step: Optional[int] = None, keep_fp32: Any = None,
+                 backoff: Any = None):
         # mode None: the caller did not ask for determinism (see register()); fixed codecs run ordered
         self._open = mode is None and isinstance(codec, str) and codec == "auto"
         mode = "ordered" if mode is None else mode
@@ -175,6 +184,17 @@ class State:
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"flatcomm: start_step must be an int >= 0, got {start_step!r}")
         self.start_step = start_step
+        self._keep_fn = _adapt.keep_predicate(keep_fp32)
+        if self.codec.lossless and not self._auto:
+            self._keep_fn = None  # everything is lossless already: no need to split buckets
+        self._kept: Dict[int, bool] = {}  # id(p) -> keep_fp32(name, p), asked once per parameter
+        if backoff is not None and backoff is not False and not isinstance(backoff, _adapt.Backoff):
+            raise TypeError(f"flatcomm: backoff must be a flatcomm.ddp_adapt.Backoff or False, got {backoff!r}")
+        self.backoff = None if backoff is False or not self._auto else (backoff or _adapt.Backoff())
+        self.adaptations: List[dict] = []
+        self._window: Dict[Tuple[int, ...], List[Any]] = {}  # key -> [c_sq, v_sq, g_sq] since the last check
+        self._key_where: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # auto key -> (DDP bucket index, numel)
+        self._measured: Dict[Tuple[int, ...], Tuple[float, float]] = {}  # key -> (rel_error, residual ratio)
         self.mode = mode
         self.error_feedback = bool(error_feedback) and (self._auto or not self.codec.lossless) and mode == "ordered"
         self.chunks = chunks
@@ -334,6 +354,9 @@ class State:
             self._new_step = False
             if self.grad_scaler is not None and self.error_feedback:
                 self._rescale_for_scaler()
+            if self.backoff is not None and self.backoff.every and self._step and \
+                    self._step % self.backoff.every == 0:
+                self._check_errors(group, bucket.buffer().device)
         step, index = self._step, bucket.index()
         params = list(bucket.parameters())
         key = tuple(id(p) for p in params)
@@ -341,12 +364,16 @@ class State:
         layout = known.layout if known is not None and not self._replay else self._layout(bucket)
         tensor = bucket.buffer()
         parts = self._replay_parts(params, layout) if self._replay else None
+        if self._keep_fn is not None:
+            parts = self._split_kept(parts if parts is not None else [(key, params, None)])
         if bucket.is_last():
             self._step += 1
             self._new_step = True
             self._replay = None  # only the first step after a load can have DDP's initial layout
         if parts is None:
             return self._reduce(group, tensor, key, params, layout, step, index, f"bucket{index}")
+        if len(parts) == 1 and parts[0][0] == key:  # the whole bucket is one kind: no copy
+            return self._reduce(group, tensor, key, params, layout, step, index, f"bucket{index}", parts[0][2])
         # The first step after a same-world-size load: DDP's first iteration puts every parameter in
         # one bucket, the saved buffers are its rebuilt buckets. Reduce each saved bucket's values as
         # they were laid out then (a copy), so the codec's blocks and shards, hence the bits, are
@@ -354,13 +381,13 @@ class State:
         flat = tensor.view(-1)
         offs = {pid: (off, ln) for pid, off, ln in layout}
         futs, temps = [], []
-        for j, (key, ps) in enumerate(parts):
+        for j, (key, ps, force) in enumerate(parts):
             tmp = torch.cat([flat[offs[id(p)][0]:offs[id(p)][0] + p.numel()] for p in ps])
             lay, o = [], 0
             for p in ps:
                 lay.append((id(p), o, p.numel()))
                 o += p.numel()
-            futs.append(self._reduce(group, tmp, key, ps, lay, step, index, f"bucket{index}.{j}"))
+            futs.append(self._reduce(group, tmp, key, ps, lay, step, index, f"bucket{index}.{j}", force))
             temps.append((tmp, ps))
 
         def scatter(fut: torch.futures.Future) -> torch.Tensor:
@@ -376,7 +403,29 @@ class State:
 
         return torch.futures.collect_all(futs).then(scatter)
 
-    def _replay_parts(self, params, layout) -> Optional[List[Tuple[Tuple[int, ...], list]]]:
+    def _is_kept(self, p) -> bool:
+        k = self._kept.get(id(p))
+        if k is None:
+            name = self._name_map().get(id(p), "")
+            k = self._kept[id(p)] = bool(self._keep_fn(name, p))
+        return k
+
+    def _split_kept(self, parts):
+        """Each part split into its codec parameters and its keep_fp32 ones (forced lossless fp32),
+        in that order on every rank (DDP's bucket order is the same everywhere)."""
+        out = []
+        for key, ps, force in parts:
+            kept = [p for p in ps if self._is_kept(p)]
+            if not kept:
+                out.append((key, ps, force))
+                continue
+            rest = [p for p in ps if not self._is_kept(p)]
+            if rest:
+                out.append((tuple(id(p) for p in rest), rest, force))
+            out.append((tuple(id(p) for p in kept), kept, resolve("fp32")))
+        return out
+
+    def _replay_parts(self, params, layout) -> Optional[List[Tuple[Tuple[int, ...], list, Any]]]:
         """The saved buckets wholly inside this bucket (in saved parameter order), plus one part for
         the remaining parameters; None when the bucket is itself a saved one or holds none."""
         key = tuple(id(p) for p in params)
@@ -386,20 +435,23 @@ class State:
         parts, used = [], set()
         for skey in self._replay:
             if skey in self._bufs and all(pid in by_id for pid in skey):
-                parts.append((skey, [by_id[pid] for pid in skey]))
+                parts.append((skey, [by_id[pid] for pid in skey], None))
                 used.update(skey)
         if not parts:
             return None
         rest = [p for p in params if id(p) not in used]
         if rest:
-            parts.append((tuple(id(p) for p in rest), rest))
+            parts.append((tuple(id(p) for p in rest), rest, None))
         return parts
 
     def _reduce(self, group, tensor: torch.Tensor, key: Tuple[int, ...], params, layout, step: int,
-                index: int, tuner_key: str) -> torch.futures.Future:
-        """One flatcomm all-reduce of a bucket's values (``layout``: (id(p), offset, numel))."""
+                index: int, tuner_key: str, force: Optional[Codec] = None) -> torch.futures.Future:
+        """One flatcomm all-reduce of a bucket's values (``layout``: (id(p), offset, numel));
+        ``force``: the codec of keep_fp32 parameters, whatever the State's codec."""
         codec, chunks = self.codec, self.chunks
-        if self._auto:
+        if force is not None:
+            codec = force
+        elif self._auto:
             d = self.decisions.get(key)
             if d is None:  # pure given the (MAX-agreed) costs: every rank picks the same
                 # A hierarchical topology: the tuner picks the inter-node codec (or the backend) by
@@ -408,6 +460,7 @@ class State:
                 d = self.decisions[key] = self.tuner.choose(tensor.numel(), key=tuner_key, group=group,
                                                             device=tensor.device, deterministic=not self._open,
                                                             **tiers)
+            self._key_where[key] = (index, tensor.numel())
             if d.codec == _BACKEND and not (self.error_feedback and self._carries(params)):
                 return self._backend(tensor, step, index)
             # (a bucket still carrying residuals from a lossy one sends them once through fp32)
@@ -429,6 +482,7 @@ class State:
         self._seen.add(key)
         t0 = time.perf_counter()
         v_sq: List[float] = []
+        g_sq: List[float] = []
         if self.track_norms:
             # ||g + client_old||^2 = g.g + 2 g.r + r.r (r.r kept from the last step): two read passes,
             # queued on the group's worker thread just before the all-reduce, off the backward thread.
@@ -436,10 +490,11 @@ class State:
             # be) until stats() reads them: on CUDA no host sync per bucket.
             def pre():
                 flat = tensor.reshape(-1).float()
-                v = flat.dot(flat).double()
+                g = v = flat.dot(flat).double()
                 if res is not None:
                     v = v + 2.0 * flat.dot(res.ef.client).double() + res.client_sq
                 v_sq.append(v)
+                g_sq.append(g)
 
             if self._tiered():
                 _tiers.submit(self.topology, pre)
@@ -465,6 +520,8 @@ class State:
                 f.value()  # raises if the collective failed: DDP sees that error, no record
                 self._record(step, index, tensor, res, cs, time.perf_counter() - t0, v_sq[0] if v_sq else None,
                              codec)
+                if self.backoff is not None and force is None and res is not None and v_sq:
+                    self._accumulate(key, res, v_sq[0], g_sq[0])
             except BaseException:  # noqa: BLE001 - statistics never break training
                 pass
             finally:
@@ -472,6 +529,43 @@ class State:
 
         fut.add_done_callback(record)  # runs on the worker thread; does not block
         return fut
+
+    # ---- codec="auto": the measured error against the budget -------------------------------------
+
+    def _accumulate(self, key, res: _Buf, v_sq, g_sq) -> None:
+        """Add this step's ||client||^2, ||g + old client||^2, ||g||^2 of a bucket to its window
+        (0-dim tensors: no host sync until the check reads them)."""
+        with self._lock:
+            w = self._window.get(key)
+            new = [res.client_sq, v_sq, g_sq]
+            self._window[key] = new if w is None else [a + b for a, b in zip(w, new)]
+
+    def _check_errors(self, group, device) -> None:
+        """Every ``backoff.every`` steps, at the first bucket of a step (the same point on every
+        rank): sum the windows over the ranks and move a bucket whose error is over the budget one
+        codec up. Buckets in ``decisions`` order, which is the same on every rank."""
+        from .autotune import PRECISION, Decision
+
+        self.wait()
+        keys = [k for k, d in self.decisions.items() if d.codec in PRECISION[1:]]
+        with self._lock:
+            rows = [self._window.get(k, [0.0, 0.0, 0.0]) for k in keys]
+            self._window = {}
+        sums = _adapt.agreed_sums(rows, lambda t: C.all_reduce(t, codec="fp32", op="sum", mode="ordered",
+                                                               group=group), device)
+        budget = self.tuner.error_budget
+        for k, (c, v, g) in zip(keys, sums):
+            d = self.decisions[k]
+            move = self.backoff.judge(d.codec, budget, c, v, g, PRECISION)
+            if v > 0:  # (a bucket DDP no longer uses, e.g. before its rebuild, sends nothing)
+                self._measured[k] = (math.sqrt(c / v), math.sqrt(c / g) if g > 0 else 0.0)
+            if move is None:
+                continue
+            reason = (f"backed off from {move['from']} at step {self._step}: {move['why']} over the last "
+                      f"{self.backoff.every} steps, all ranks")
+            self.decisions[k] = Decision(move["to"], d.chunks, reason, {})
+            index, numel = self._key_where.get(k, (None, None))
+            self.adaptations.append({"step": self._step, "bucket": index, "numel": numel, **move})
 
     def _backend(self, tensor: torch.Tensor, step: int, index: int) -> torch.futures.Future:
         """codec="auto" chose the backend's own all-reduce: exactly torch's default hook (divide,
@@ -585,10 +679,17 @@ class State:
                 "mode": self.mode, "error_feedback": self.error_feedback,
                 # codec="auto": per bucket, what the tuner chose and why
                 "decisions": [{"codec": d.codec, "chunks": d.chunks, "reason": d.reason,
-                               "predicted_s": dict(d.predicted_s)} for d in self.decisions.values()],
+                               "predicted_s": dict(d.predicted_s),
+                               **self._measured_fields(k)} for k, d in self.decisions.items()],
+                # codec="auto" with backoff: each move to a more precise codec, with its numbers
+                "adaptations": [dict(a) for a in self.adaptations],
                 "world_size": dist.get_world_size(self.group) if self.group is not None else None,
                 "topology": self.topology.describe() if self.topology is not None else None,
                 "steps": out}
+
+    def _measured_fields(self, key) -> dict:
+        m = self._measured.get(key)
+        return {} if m is None else {"measured_rel_error": m[0], "measured_residual_ratio": m[1]}
 
     # ---- checkpoints -----------------------------------------------------------------------------
 

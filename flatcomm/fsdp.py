@@ -61,7 +61,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -76,6 +75,7 @@ __all__ = ["ReduceScatter", "ModuleReduceScatter", "FSDP1State", "fsdp1_hook", "
 
 _Pieces = List[Tuple[str, int]]  # (name, values per rank) in the input's row layout
 _RANK_KEY = re.compile(r"rank(\d+)\.")
+_STEP_KEY = "__step__"  # per-rank warm-up step count in state_dict() (with start_step only)
 
 
 @dataclasses.dataclass
@@ -274,7 +274,15 @@ def _reduce(output: torch.Tensor, input: torch.Tensor, *, codec: Codec, op: Any,
 
 class _Backend:
     def __init__(self, codec: Any, *, error_feedback: bool, mode: str, chunks: Optional[int],
-                 block_size: Optional[int], ratio: Optional[float], tuner=None):
+                 block_size: Optional[int], ratio: Optional[float], tuner=None, start_step: int = 0):
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"flatcomm: start_step must be an int >= 0, got {start_step!r}")
+        # Warm-up: the first start_step reductions of each parameter group / unit are lossless fp32
+        # (FSDP has no step counter we can see: a group reduces once per backward). Counted from the
+        # step a checkpoint saved ("rank{r}.__step__").
+        self.start_step = start_step
+        self._calls: Dict[Any, int] = {}
+        self._step_base = 0
         if mode not in C.MODES:
             raise ValueError(f"flatcomm: mode must be one of {C.MODES}, got {mode!r}")
         # codec="auto": the tuner picks per collective size (the same on every rank); self.codec is
@@ -318,6 +326,29 @@ class _Backend:
         self.stats.decisions[(kind, numel)] = d
         return resolve(d.codec, self._block_size)
 
+    def _warming(self, key: Any) -> bool:
+        """Count one reduction of ``key``; True while it is still in the warm-up."""
+        n = self._calls.get(key, 0)
+        self._calls[key] = n + 1
+        return self._step_base + n < self.start_step
+
+    def _step_entry(self) -> Dict[str, torch.Tensor]:
+        if not self.start_step:
+            return {}
+        steps = self._step_base + max(self._calls.values(), default=0)
+        return {f"{self._prefix()}{_STEP_KEY}": torch.tensor(steps, dtype=torch.int64)}
+
+    def _take_step(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The dict without this rank's step entry; restores the warm-up count from it."""
+        k = f"{self._prefix()}{_STEP_KEY}"
+        if k not in state_dict:
+            return state_dict
+        v = state_dict[k]
+        if not isinstance(v, torch.Tensor) or v.numel() != 1 or v.is_floating_point() or int(v) < 0:
+            raise ValueError(f"flatcomm: checkpoint entry {k!r} must be one integer >= 0, got {v!r}")
+        self._step_base, self._calls = int(v), {}
+        return {kk: vv for kk, vv in state_dict.items() if not kk.endswith("." + _STEP_KEY)}
+
     @property
     def decisions(self) -> Dict[Tuple[str, int], Any]:
         """codec="auto": ``(kind, numel) -> Decision`` made so far (also in ``stats.decisions``)."""
@@ -331,8 +362,8 @@ class _Backend:
 
         Not a collective. Empty without error feedback."""
         if not self.error_feedback:
-            return {}
-        return self._res.state_dict(self._prefix())
+            return self._step_entry()
+        return {**self._res.state_dict(self._prefix()), **self._step_entry()}
 
     def load_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
         """Restore residuals saved by :meth:`state_dict` at the same world size (keys of other
@@ -340,6 +371,7 @@ class _Backend:
         finite, sizes, every known parameter present, no rank beyond this world size; a State
         without error feedback refuses nonzero residuals (they would be dropped)."""
         self._check_ranks(state_dict)
+        state_dict = self._take_step(state_dict)
         if self.error_feedback:
             self._res.load_state_dict(state_dict, self._prefix())
         else:
@@ -385,13 +417,15 @@ class ReduceScatter(_Backend):
         once by the fp32 encode, which zeroes them).
     mode: ``ordered`` or ``exact`` (fp32 only: order-independent integer sums).
     chunks, block_size, ratio: passed to the collective / codec.
+    start_step: the first ``start_step`` reductions of each parameter group are lossless fp32 (a
+        warm-up, as in :class:`flatcomm.ddp.State`); ``state_dict()`` carries the count.
     """
 
     def __init__(self, codec: Any = "fp32", *, error_feedback: bool = True, mode: str = "ordered",
                  chunks: Optional[int] = None, block_size: Optional[int] = None,
-                 ratio: Optional[float] = None, tuner=None):
+                 ratio: Optional[float] = None, tuner=None, start_step: int = 0):
         super().__init__(codec, error_feedback=error_feedback, mode=mode, chunks=chunks,
-                         block_size=block_size, ratio=ratio, tuner=tuner)
+                         block_size=block_size, ratio=ratio, tuner=tuner, start_step=start_step)
         self._names: Dict[int, str] = {}  # id(sharded parameter) -> name (from for_module's model)
         # How each call found its parameters (see _pieces): "module", "fsdp_frame" or "size".
         self.layout_sources: Dict[str, int] = {"module": 0, "fsdp_frame": 0, "size": 0}
@@ -420,9 +454,11 @@ class ReduceScatter(_Backend):
                         async_op: bool, layout: Optional[_Pieces]):
         residual = None
         codec = self._codec_for(input_tensor.numel(), group, input_tensor.device, "reduce_scatter")
+        world = dist.get_world_size(group)
+        pieces = self._pieces(layout, input_tensor.numel(), world)
+        if self._warming(tuple(n for n, _ in pieces)):
+            codec = resolve("fp32")  # a residual loaded from a checkpoint is sent (flushed) once
         if self.error_feedback:
-            world = dist.get_world_size(group)
-            pieces = self._pieces(layout, input_tensor.numel(), world)
             if not codec.lossless or self._res.holds(pieces):
                 residual = self._res.get(pieces, world, input_tensor.device)
         return _reduce(output_tensor, input_tensor, codec=codec, op=op, mode=self.mode,
@@ -527,7 +563,7 @@ def _module_layout(module: Any, names: Dict[int, str]) -> List[Tuple[str, int, i
 
 def apply(model: torch.nn.Module, codec: Any = "fp32", *, error_feedback: bool = True,
           mode: str = "ordered", chunks: Optional[int] = None, block_size: Optional[int] = None,
-          ratio: Optional[float] = None, tuner=None) -> ReduceScatter:
+          ratio: Optional[float] = None, tuner=None, start_step: int = 0) -> ReduceScatter:
     """Set one flatcomm :class:`ReduceScatter` on every ``FSDPModule`` in ``model`` and return it.
 
     One instance serves all modules (residuals are keyed by parameter name, not by module), so
@@ -539,7 +575,7 @@ def apply(model: torch.nn.Module, codec: Any = "fp32", *, error_feedback: bool =
     from torch.distributed.fsdp import FSDPModule
 
     rs = ReduceScatter(codec, error_feedback=error_feedback, mode=mode, chunks=chunks,
-                       block_size=block_size, ratio=ratio, tuner=tuner)
+                       block_size=block_size, ratio=ratio, tuner=tuner, start_step=start_step)
     found = False
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -567,9 +603,9 @@ class FSDP1State(_Backend):
     def __init__(self, codec: Any = "fp32", *, error_feedback: bool = True, mode: str = "ordered",
                  chunks: Optional[int] = None, block_size: Optional[int] = None,
                  ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None, group=None,
-                 tuner=None):
+                 tuner=None, start_step: int = 0):
         super().__init__(codec, error_feedback=error_feedback, mode=mode, chunks=chunks,
-                         block_size=block_size, ratio=ratio, tuner=tuner)
+                         block_size=block_size, ratio=ratio, tuner=tuner, start_step=start_step)
         self.group = group
         self._unit_names: Dict[int, str] = {}
         self._ef: Dict[str, C.ErrorFeedback] = {}  # NO_SHARD residuals
@@ -603,6 +639,7 @@ class FSDP1State(_Backend):
 
     def load_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
         self._check_ranks(state_dict)
+        state_dict = self._take_step(state_dict)
         if not self.error_feedback:
             self._refuse_residuals(state_dict)
             return
@@ -627,8 +664,10 @@ def fsdp1_hook(state: FSDP1State, grad: torch.Tensor, output: Optional[torch.Ten
     name, fsdp_group = state._unit(grad.numel())
     group = state.group if state.group is not None else fsdp_group
     world = dist.get_world_size(group)
+    warming = state._warming(name)
     if output is None:
         codec = state._codec_for(grad.numel(), group, grad.device, "all_reduce")
+        codec = resolve("fp32") if warming else codec
         ef = None
         if state.error_feedback and (not codec.lossless or name in state._ef):
             ef = state._ef.get(name)
@@ -650,6 +689,7 @@ def fsdp1_hook(state: FSDP1State, grad: torch.Tensor, output: Optional[torch.Ten
             grad.copy_(flat)
         return None
     codec = state._codec_for(grad.numel(), group, grad.device, "reduce_scatter")
+    codec = resolve("fp32") if warming else codec
     residual = None
     pieces = [(name, grad.numel() // world)]
     if state.error_feedback and (not codec.lossless or state._res.holds(pieces)):

@@ -71,8 +71,8 @@ def _w_resume(rank, world):
     net = _net()
     ddp = DDP(net)
     state = fddp.register(ddp, "int8", start_step=4)
-    state.load_state_dict({"version": fddp.STATE_DICT_VERSION, "codec": "int8", "block_size": 256,
-                           "world_size": 2, "step": 2, "residual": {}})
+    state.load_state_dict({"version": fddp.STATE_DICT_VERSION, "form": "total", "codec": "int8",
+                           "block_size": 256, "mode": "ordered", "world_size": 2, "step": 2, "residual": {}})
     for step in range(4):
         x = torch.randn(5, 19)
         ddp.zero_grad(set_to_none=True)
