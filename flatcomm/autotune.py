@@ -60,6 +60,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from . import autotune_tiers as T
 from . import collectives as C
 from .codecs import Codec
 
@@ -90,6 +91,14 @@ class CostModel:
     rs_compute_Bps: Optional[Mapping[str, float]] = None
     backend_Bps: Optional[float] = None
     backend_latency_s: Optional[float] = None
+    # Per-tier link costs (a Topology's, see flatcomm.autotune_tiers): measured with measure(...,
+    # topology=...) and saved in profiles, so hierarchical decisions replay too. None: flat only.
+    nodes: int = 1
+    ranks_per_node: int = 1
+    inter_latency_s: Optional[float] = None
+    inter_Bps: Optional[float] = None  # bytes one node sends per second (its ranks share the link)
+    intra_latency_s: Optional[float] = None
+    intra_Bps: Optional[float] = None  # bytes one rank sends per second inside its node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +107,8 @@ class Decision:
     chunks: int
     reason: str
     predicted_s: Dict[str, float]
+    path: str = "flat"  # "flat", "hierarchical" (inter codec = codec), or "backend"
+    intra_codec: str = "fp32"  # hierarchical: the node tier's codec
 
 
 def allowed(error_budget: str) -> Tuple[str, ...]:
@@ -145,9 +156,17 @@ def _parts(costs: CostModel, codec: str, numel: int, world: int, kind: str) -> T
 
 
 def decide(costs: CostModel, numel: int, world: int, error_budget: str = "int8",
-           kind: str = "all_reduce", deterministic: bool = True) -> Decision:
+           kind: str = "all_reduce", deterministic: bool = True, *, paths: Optional[Tuple[str, ...]] = None,
+           intra_budget: str = "fp32") -> Decision:
     """Pure: the codec for ``numel`` values on ``world`` ranks under ``costs`` and the budget;
-    ``deterministic=False`` adds the backend's own all-reduce (first among near ties)."""
+    ``deterministic=False`` adds the backend's own all-reduce (first among near ties).
+
+    ``paths`` (a Topology's all-reduce: some of ``("flat", "hierarchical")``): with per-tier costs
+    in ``costs`` the path and a codec per tier are chosen as well, by :mod:`flatcomm.costmodel`
+    (see :mod:`flatcomm.autotune_tiers`); ``intra_budget`` is the least precise node-tier codec
+    allowed (default lossless), never less precise than ``error_budget``."""
+    if paths is not None and kind == "all_reduce" and T.tiered(costs):
+        return _decide_tiered(costs, numel, world, error_budget, deterministic, paths, intra_budget)
     cands = [c for c in allowed(error_budget) if c in costs.compute_Bps]
     if "fp32" not in cands:
         cands.insert(0, "fp32")
@@ -174,6 +193,37 @@ def decide(costs: CostModel, numel: int, world: int, error_budget: str = "int8",
         chunks = 1
         reason += "; one zero-copy chunk (the wire is faster than the compute)"
     return Decision(best, chunks, reason, pred)
+
+
+def _decide_tiered(costs: CostModel, numel: int, world: int, error_budget: str, deterministic: bool,
+                   paths: Tuple[str, ...], intra_budget: str) -> Decision:
+    if costs.nodes * costs.ranks_per_node != world:
+        raise ValueError(f"flatcomm auto: the costs were measured on {costs.nodes} nodes x "
+                         f"{costs.ranks_per_node} ranks but the group has {world} ranks")
+    bad = set(paths) - set(T.PATHS)
+    if bad or not paths:
+        raise ValueError(f"flatcomm: paths must be some of {T.PATHS}, got {paths!r}")
+    inter = [c for c in allowed(error_budget) if c in costs.compute_Bps]
+    intra = [c for c in allowed(intra_budget) if c in allowed(error_budget) and c in costs.compute_Bps] or ["fp32"]
+    pred = {T.name(k): (k, v) for k, v in T.predict(costs, numel, inter or ["fp32"], intra, paths).items()}
+    if not deterministic and costs.backend_Bps is not None:
+        pred = {BACKEND: ((BACKEND, "fp32", "fp32"), predict(costs, BACKEND, numel, world)), **pred}
+    times = {n: t for n, (_, t) in pred.items()}
+    fastest = min(times, key=times.get)
+    best = next(n for n in times if times[n] <= times[fastest] * (1.0 + NEAR_TIE))  # most precise near-tie
+    why = f"{best} fastest" if best == fastest else \
+        f"{best} within {NEAR_TIE:.0%} of fastest {fastest} and more precise"
+    listed = ", ".join(f"{n}={t * 1e3:.3g}ms" for n, t in times.items())
+    reason = (f"{why} for numel={numel} on {costs.nodes}x{costs.ranks_per_node} budget={error_budget} "
+              f"intra budget={intra_budget} (inter {costs.inter_Bps / 1e9:.3g} GB/s/node, intra "
+              f"{costs.intra_Bps / 1e9:.3g} GB/s/rank); predicted: {listed}")
+    path, c, ci = pred[best][0]
+    if path == BACKEND:
+        return Decision(BACKEND, 1, reason + "; the backend's own all-reduce (not flatcomm's same-bits sum)",
+                        times, path=BACKEND)
+    if path == "flat":
+        return Decision(c, _chunks(c, numel, world), reason, times, path="flat")
+    return Decision(c, T.segments(numel, costs, c, ci), reason, times, path="hierarchical", intra_codec=ci)
 
 
 # ---- measurement ----------------------------------------------------------------------------------
@@ -229,19 +279,43 @@ def _time_codecs(codecs, numel: int, world: int, group, device: torch.device, re
     return out
 
 
+def _time_tiers(topology, device: torch.device, small: int, large: int) -> list:
+    """[intra small, intra large, inter small, inter large] seconds: all-to-alls inside every node
+    at once, then among same-local-rank ranks of every node at once (the G exchanges of a node
+    share its link, as in the hierarchical all-reduce), each on its tier group's worker."""
+    out = []
+    for sub, members in ((topology.intra_group, topology.local_size), (topology.inter_group, topology.nodes)):
+        pg = C.private_group(sub)
+        out += _on_worker(pg, lambda: [_time_a2a(b, members, pg, device) for b in (small, large)])
+    return out
+
+
+def _tier_costs(topology, vals: list, small: int, large: int) -> dict:
+    g, n = topology.local_size, topology.nodes
+    intra = _fit(small * (g - 1) / g, vals[0], large * (g - 1) / g, vals[1])  # bytes one rank sends
+    inter = _fit(small * g * (n - 1) / n, vals[2], large * g * (n - 1) / n, vals[3])  # bytes one node sends
+    return {"nodes": n, "ranks_per_node": g, "intra_latency_s": intra[0], "intra_Bps": intra[1],
+            "inter_latency_s": inter[0], "inter_Bps": inter[1]}
+
+
 def measure(group=None, *, device: Optional[torch.device] = None, codecs=PRECISION,
-            small: int = 4 << 10, large: int = 4 << 20, numel: int = BENCH_NUMEL, reps: int = 2) -> CostModel:
-    """Measure a :class:`CostModel` on ``group`` (a collective: call on every rank, same args)."""
+            small: int = 4 << 10, large: int = 4 << 20, numel: int = BENCH_NUMEL, reps: int = 2,
+            topology=None) -> CostModel:
+    """Measure a :class:`CostModel` on ``group`` (a collective: call on every rank, same args).
+    ``topology`` (a hierarchical :class:`flatcomm.Topology` over ``group``): also the per-tier link
+    costs, for topology-aware decisions."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:  # nothing to send: compression never pays
         return CostModel(math.inf, 0.0, {c: math.inf for c in codecs}, {c: math.inf for c in codecs})
+    two_level = topology is not None and not topology.flat
+    tier_t = _time_tiers(topology, device, small, large) if two_level else []
     group = C.private_group(group)  # time the group the collectives will use, on its worker
 
     def body():
         t = [_time_a2a(small, world, group, device), _time_a2a(large, world, group, device)]
         t += [_time_backend(small // 4, group, device), _time_backend(numel, group, device, reps)]
-        t += _time_codecs(codecs, numel, world, group, device, reps)
+        t += _time_codecs(codecs, numel, world, group, device, reps) + tier_t
         t = torch.tensor(t, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank, on every rank
         # The timed runs' staging buffers (BENCH_NUMEL-sized) must not stay pooled next to the
@@ -250,6 +324,10 @@ def measure(group=None, *, device: Optional[torch.device] = None, codecs=PRECISI
         return t.cpu().tolist()
 
     vals = _on_worker(group, body)
+    tiers = {}
+    if two_level:  # MAX-agreed with the rest: every rank holds the same costs
+        tiers = _tier_costs(topology, vals[-4:], small, large)
+        vals = vals[:-4]
     t_small, t_large = vals[0], vals[1]
     b_lat, b_bps = _fit(4 * (small // 4), vals[2], 4 * numel, vals[3])
     vals = vals[:2] + vals[4:]
@@ -269,7 +347,8 @@ def measure(group=None, *, device: Optional[torch.device] = None, codecs=PRECISI
         bps.append(4.0 * numel / local)
     n = len(codecs)
     return CostModel(link_Bps=link, latency_s=lat, compute_Bps=dict(zip(codecs, bps[:n])),
-                     rs_compute_Bps=dict(zip(codecs, bps[n:])), backend_Bps=b_bps, backend_latency_s=b_lat)
+                     rs_compute_Bps=dict(zip(codecs, bps[n:])), backend_Bps=b_bps, backend_latency_s=b_lat,
+                     **tiers)
 
 
 def _time_backend(numel: int, group, device: torch.device, reps: int = 3) -> float:
@@ -368,8 +447,11 @@ class Tuner:
     """
 
     def __init__(self, error_budget: str = "int8", *, pinned: Optional[Mapping[str, str]] = None,
-                 codec: str = "auto", costs: Optional[CostModel] = None, profile: Optional[ProfileLike] = None):
+                 codec: str = "auto", costs: Optional[CostModel] = None, profile: Optional[ProfileLike] = None,
+                 intra_budget: str = "fp32"):
         allowed(error_budget)
+        allowed(intra_budget)
+        self.intra_budget = intra_budget
         if profile is not None:
             if costs is not None:
                 raise ValueError("flatcomm: Tuner takes costs= or profile=, not both")
@@ -398,27 +480,39 @@ class Tuner:
 
     def choose(self, numel: int, *, error_budget: Optional[str] = None, key: Optional[str] = None,
                group=None, device: Optional[torch.device] = None, kind: str = "all_reduce",
-               deterministic: bool = True) -> Decision:
+               deterministic: bool = True, topology=None, paths: Optional[Tuple[str, ...]] = None) -> Decision:
         """The codec for ``numel`` values. Every new unpinned decision is a collective on ``group``
         (the first one also measures, unless costs were given): every rank must make its unpinned
-        choices in the same order. ``deterministic=False`` lets the backend's own all-reduce compete."""
+        choices in the same order. ``deterministic=False`` lets the backend's own all-reduce compete.
+        ``topology`` (a hierarchical :class:`flatcomm.Topology` over ``group``): the path (flat or
+        hierarchical, or only those in ``paths``) and a codec per tier are chosen too (the costs
+        are then measured with the tiers' link costs; a profile must hold them)."""
         _check_kind(kind)
         world = dist.get_world_size(group) if dist.is_initialized() else 1
+        two_level = topology is not None and not topology.flat and kind == "all_reduce"
+        paths = (tuple(paths) if paths is not None else T.PATHS) if two_level else None
         pin = self._pin(numel, key)
         if pin is not None:
             return Decision(pin[0], _chunks(pin[0], numel, world, kind), f"{pin[0]} by {pin[1]}", {})
         budget = error_budget or self.error_budget
         cache = self.decisions if deterministic else self.open_decisions
-        d = cache.get((kind, numel)) if budget == self.error_budget else None
+        ck = (kind, numel) if paths is None else (kind, numel, paths)  # flat keys as before
+        d = cache.get(ck) if budget == self.error_budget else None
         if d is None:
             if self.costs is None:
-                self.costs = measure(group, device=device)
-            d = decide(self.costs, numel, world, budget, kind, deterministic)
+                self.costs = measure(group, device=device, topology=topology if two_level else None)
+            if two_level and not T.tiered(self.costs):
+                raise ValueError(f"flatcomm auto: {topology!r} needs per-tier link costs, and this tuner's "
+                                 "costs (profile) have none: measure them with the topology (`python -m "
+                                 "flatcomm.tune --save` under torchrun sets LOCAL_WORLD_SIZE)")
+            d = decide(self.costs, numel, world, budget, kind, deterministic, paths=paths,
+                       intra_budget=self.intra_budget)
             _agree(d, group, device)
             if budget == self.error_budget:
-                cache[(kind, numel)] = d
+                cache[ck] = d
             if world <= 1 or dist.get_rank(group) == 0:
-                log.info("flatcomm auto: %s: %s (chunks %d)", key or f"numel {numel}", d.reason, d.chunks)
+                log.info("flatcomm auto: %s: %s (%s, chunks %d)", key or f"numel {numel}", d.reason, d.path,
+                         d.chunks)
         return d
 
 
@@ -427,7 +521,7 @@ def _agree(d: Decision, group, device: Optional[torch.device]) -> None:
     worker thread); ranks that disagree, e.g. with different profiles, get a ValueError."""
     if not dist.is_initialized() or dist.get_world_size(group) <= 1:
         return
-    h = zlib.crc32(f"{d.codec}/{d.chunks}".encode())
+    h = zlib.crc32(f"{d.codec}/{d.chunks}/{d.path}/{d.intra_codec}".encode())
     dev = torch.device(device) if device is not None else torch.device("cpu")
 
     def body():

@@ -847,6 +847,21 @@ def _resolve_auto(codec: CodecLike, chunks: Optional[int], tuner, numel: int, gr
     return d.codec, chunks, d  # d.chunks is what the collective's default picks for d.codec
 
 
+def _tiered_auto(codec: CodecLike, mode: str, tuner, tensor: torch.Tensor, topology, residual):
+    """``codec="auto"`` with a hierarchical topology: the tuner of the topology's group picks the
+    path and a codec per tier (a Decision), or None for a named codec. A ``residual`` is laid out
+    for the hierarchical path (the inter tier's shard), so with one only that path competes."""
+    if not (isinstance(codec, str) and codec == "auto"):
+        return None
+    if mode != "ordered":
+        raise ValueError("flatcomm: codec='auto' needs mode='ordered'")
+    if tuner is None and _default_tuner_for is None:
+        raise RuntimeError("flatcomm: codec='auto' needs flatcomm.autotune imported (`import flatcomm` does it)")
+    t = tuner if tuner is not None else _default_tuner_for(topology.group)
+    paths = ("hierarchical",) if residual is not None else None
+    return t.choose(tensor.numel(), group=topology.group, device=tensor.device, topology=topology, paths=paths)
+
+
 def _with_decision(handle: Optional[Handle], decision) -> Optional[Handle]:
     if handle is not None:
         handle.decision = decision
@@ -1019,17 +1034,24 @@ def all_reduce(
     A plain Tensor as ``residual`` raises ``TypeError``: an all-reduce has two residuals.
     """
     _two_stage_residual(residual, topology)
+    decision = None
     if topology is not None:
         group = _topology_group(topology, group)
         if not topology.flat:
-            return _two_level.all_reduce(
-                tensor, topology, codec=codec, intra_codec=intra_codec, op=op, mode=mode,
-                async_op=async_op, residual=residual, chunks=chunks, stats=stats, validate=validate,
-                exact_block=exact_block, headroom=headroom, tuner=tuner)
+            decision = _tiered_auto(codec, mode, tuner, tensor, topology, residual)
+            if decision is None or decision.path == "hierarchical":
+                if decision is not None:  # and its pipeline segments (unless the caller gave some)
+                    codec, intra_codec, chunks = decision.codec, decision.intra_codec, chunks or decision.chunks
+                return _with_decision(_two_level.all_reduce(
+                    tensor, topology, codec=codec, intra_codec=intra_codec, op=op, mode=mode,
+                    async_op=async_op, residual=residual, chunks=chunks, stats=stats, validate=validate,
+                    exact_block=exact_block, headroom=headroom, tuner=tuner), decision)
+            codec = decision.codec  # the flat path was predicted faster on this topology
     group = private_group(group)
     try:
-        codec, chunks, decision = _resolve_auto(codec, chunks, tuner, tensor.numel(), group, tensor.device,
-                                                mode, "all_reduce")
+        if decision is None:
+            codec, chunks, decision = _resolve_auto(codec, chunks, tuner, tensor.numel(), group, tensor.device,
+                                                    mode, "all_reduce")
         c, world, rank, scale = _setup(group, codec, mode, op)
         flat = _flat(tensor, "tensor")
         c = _alone(c, world, flat.dtype)

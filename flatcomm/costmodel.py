@@ -22,7 +22,8 @@ Bytes, S = 4 numel, W = N G, c = wire bytes / fp32 bytes of the codec:
 
 Overlap: a phase moves its bytes on both tiers at once (time = the slower tier); a flat call of k
 chunks overlaps compute and wire: max(a, b) + min(a, b) / k; the hierarchical path's k segments
-overlap its three steps the same way. Latency: one per chunk and phase.
+overlap its three steps the same way (a node-tier latency per segment and step; two copies of the
+tensor when k > 1). Latency per chunk: one for the all-to-all, W - 1 for the ring all-gather.
 """
 from __future__ import annotations
 
@@ -116,11 +117,22 @@ def flat(cl: Cluster, numel: int, codec: str, chunks: Optional[int] = None) -> f
     ag = _phase(cl, (w - 1) / w * cs, (w - 1) / w * cs)
     k = chunks or _chunks(numel, codec, w)
     compute = numel * cl.codec_s[codec] / cl.compute_share
-    return _overlap(compute, rs + ag, k) + 2 * k * _latency(cl)
+    return _overlap(compute, rs + ag, k) + k * _steps(w) * _latency(cl)
 
 
-def hierarchical(cl: Cluster, numel: int, codec: str, intra_codec: str = "fp32") -> float:
-    """Node reduce-scatter, compressed all-reduce across nodes, node all-gather (flat when N or G is 1)."""
+def _steps(world: int) -> int:
+    """Latencies per chunk of a flat all-reduce: one all-to-all, then the backend's ring all-gather
+    (gloo's and NCCL's: W - 1 steps one after another, each waiting for the previous hop)."""
+    return 1 + (world - 1)
+
+
+SEGMENT_CHOICES = (1, 2, 4, 8)
+
+
+def hierarchical(cl: Cluster, numel: int, codec: str, intra_codec: str = "fp32",
+                 segments: Optional[int] = None) -> float:
+    """Node reduce-scatter, compressed all-reduce across nodes, node all-gather (flat when N or G is 1).
+    ``segments``: the pipeline's (default: what flatcomm.hierarchical picks by itself)."""
     n, g = cl.nodes, cl.ranks_per_node
     if n == 1 or g == 1:
         return flat(cl, numel, codec)
@@ -132,19 +144,31 @@ def hierarchical(cl: Cluster, numel: int, codec: str, intra_codec: str = "fp32")
     cs = _ratio(codec, max(1, int(m))) * 4.0 * m
     across_wire = 2 * (n - 1) / n * cs * g / cl.inter.Bps  # the node's G ranks share its link
     k_in = _chunks(int(m), codec, n)
-    across = _overlap(m * cl.codec_s[codec] / share, across_wire, k_in) + 2 * k_in * cl.inter.latency_s
+    across = _overlap(m * cl.codec_s[codec] / share, across_wire, k_in) + k_in * _steps(n) * cl.inter.latency_s
     intra_ag = (g - 1) / g * ci * s / cl.intra.Bps + numel * cl.codec_s[intra_codec] / 2 / share
-    steps = (intra_rs + cl.intra.latency_s, across, intra_ag + cl.intra.latency_s)
-    k = len(H.segments_of(int(m), 1)) - 1  # flatcomm.hierarchical's own pipeline segments
-    return max(steps) + (sum(steps) - max(steps)) / k
+    k = len(H.segments_of(int(m), 1, segments)) - 1  # the segments flatcomm.hierarchical will cut
+    # Every segment is one node reduce-scatter and one node all-gather call (a latency each); the
+    # cross-node call chunks itself by size, so its latencies do not grow with k.
+    steps = (intra_rs + k * cl.intra.latency_s, across, intra_ag + k * cl.intra.latency_s)
+    # k > 1 gathers each segment's G strided rows into a staging buffer and writes the gathered
+    # result back: two copies of the tensor, at the cost of a plain add per value (memory bound).
+    copies = 0.0 if k == 1 else 2.0 * numel * cl.reduce_s / share
+    return max(steps) + (sum(steps) - max(steps)) / k + copies
 
 
-def predict(cl: Cluster, path: str, numel: int, codec: str = "fp32") -> float:
-    """Seconds of one all-reduce of ``numel`` fp32 values by ``path`` (one of :data:`PATHS`)."""
+def best_segments(cl: Cluster, numel: int, codec: str, intra_codec: str = "fp32") -> int:
+    """The pipeline segment count (of :data:`SEGMENT_CHOICES`) with the least predicted time: more
+    segments overlap the tiers better, each costs node-tier latencies, and any split costs copies."""
+    return min(SEGMENT_CHOICES, key=lambda k: (hierarchical(cl, numel, codec, intra_codec, k), k))
+
+
+def predict(cl: Cluster, path: str, numel: int, codec: str = "fp32", segments: Optional[int] = None) -> float:
+    """Seconds of one all-reduce of ``numel`` fp32 values by ``path`` (one of :data:`PATHS`);
+    ``segments`` of the hierarchical path (default: flatcomm.hierarchical's own)."""
     if path == "torch":
         return ring(cl, numel)
     if path == "flat":
         return flat(cl, numel, codec)
     if path == "hierarchical":
-        return hierarchical(cl, numel, codec)
+        return hierarchical(cl, numel, codec, segments=segments)
     raise ValueError(f"flatcomm: path must be one of {PATHS}, got {path!r}")

@@ -21,8 +21,9 @@ interleave with flatcomm's in a different order on different ranks.
 ``handle.get_future()`` (its value is the bucket buffer, averaged in place). flatcomm runs every
 collective of a group on that group's single worker thread in submission order, so all ranks issue
 them in the same order; backward computation overlaps communication, and nothing blocks inside a
-future callback (the statistics callback only reads norms). When ``collectives.all_reduce`` takes
-``validate=``, its consistency all-gather runs only the first time a bucket layout is seen.
+future callback (the statistics callback only reads norms). Every call's small header (numel,
+codec, dtype, ...) is checked on every rank; ``validate=False`` after a bucket layout's first call
+only skips that check where it would cost a host sync (NCCL-only groups).
 
 **Error feedback, keyed by parameter.** DDP rebuilds its buckets after the first iteration (and may
 differ with ``static_graph``, ``gradient_as_bucket_view`` or unused parameters), so residuals are
@@ -135,7 +136,8 @@ class State:
         :mod:`flatcomm.ddp_tiers` for where the residuals live.
     codec="auto": a :class:`flatcomm.autotune.Tuner` (``tuner=``, default error budget int8) picks the
         codec of each bucket at its first hook call; ``decisions`` / ``stats()["decisions"]`` say what
-        and why. A parameter that moves (bucket rebuild) from a lossy bucket into one where fp32 was
+        and why. With a hierarchical topology the inter-node codec (or the backend's all-reduce) is
+        chosen by the two-level cost model (:mod:`flatcomm.autotune_tiers`; the node tier stays fp32). A parameter that moves (bucket rebuild) from a lossy bucket into one where fp32 was
         chosen brings its residual along: it is added once to that bucket's lossless all-reduce.
     start_step: steps (hook rounds, counted like ``state_dict()["step"]``) sent in lossless fp32 before
         the codec starts (like PowerSGD's ``start_powerSGD_iter``): early gradients are large and
@@ -177,7 +179,6 @@ class State:
         self.error_feedback = bool(error_feedback) and (self._auto or not self.codec.lossless) and mode == "ordered"
         self.chunks = chunks
         self.group = group
-        self._dedicated = group is None
         self._topology_arg = topology
         self.topology = None  # resolved at the first hook call (creating groups is collective)
         self.model = model
@@ -401,8 +402,12 @@ class State:
         if self._auto:
             d = self.decisions.get(key)
             if d is None:  # pure given the (MAX-agreed) costs: every rank picks the same
+                # A hierarchical topology: the tuner picks the inter-node codec (or the backend) by
+                # the two-level model; the State's residual layout is tiered, so the path stays.
+                tiers = dict(topology=self.topology, paths=("hierarchical",)) if self._tiered() else {}
                 d = self.decisions[key] = self.tuner.choose(tensor.numel(), key=tuner_key, group=group,
-                                                            device=tensor.device, deterministic=not self._open)
+                                                            device=tensor.device, deterministic=not self._open,
+                                                            **tiers)
             if d.codec == _BACKEND and not (self.error_feedback and self._carries(params)):
                 return self._backend(tensor, step, index)
             # (a bucket still carrying residuals from a lossy one sends them once through fp32)

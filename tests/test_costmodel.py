@@ -49,6 +49,9 @@ def test_overlap_and_shared_cores():
     wire = 2 * 0.5 * Codec("int8").wire_bytes(n) / 1e9
     comp = n * 1e-9
     assert k > 1 and M.flat(cl, n, "int8") == pytest.approx(max(comp, wire) + min(comp, wire) / k)
+    # latency per chunk: the all-to-all, then W - 1 steps of the ring all-gather
+    with_lat = M.Cluster(4, 1, M.Tier(1e-3, INF), M.Tier(0.0, INF), {"int8": 0.0}, 0.0)
+    assert M.flat(with_lat, n, "int8") == pytest.approx(M._chunks(n, "int8", 4) * 4 * 1e-3)
     half = _cluster(2, 1, inter=1e9, codec_s=1e-9, share=0.5)  # two ranks per core: compute x2
     assert M.flat(half, n, "int8") == pytest.approx(max(2 * comp, wire) + min(2 * comp, wire) / k)
     # flat when one tier is missing
@@ -69,3 +72,21 @@ def test_bench_scale_projection(tmp_path, capsys):
     at16 = {(r["path"], r["codec"]): r["model_s"] for r in rows if r["nodes"] == 16}
     assert at16[("hierarchical", "int8")] < at16[("flat", "int8")] < at16[("flat", "fp32")]
     assert "projection" in capsys.readouterr().out
+
+
+def test_segments_pay_where_tiers_overlap_and_copies_are_cheap():
+    n = 25_000_000  # 100 MB on 128 x 8 GPUs: one 16 MB segment by default, no overlap
+    gpu = M.Cluster(128, 8, M.Tier(10e-6, 400e9), M.Tier(3e-6, 900e9),
+                    {c: 4.0 / 1e12 for c in ("fp32", "int8")}, 4.0 / 3e12)
+    one = M.hierarchical(gpu, n, "int8", segments=1)
+    assert M.hierarchical(gpu, n, "int8") == pytest.approx(one)  # the default: one segment here
+    k = M.best_segments(gpu, n, "int8")
+    assert k == 8 and M.hierarchical(gpu, n, "int8", segments=k) < one - 0.1e-3
+    # a CPU box whose copies cost as much as the steps: splitting never pays
+    cpu = M.Cluster(2, 2, M.Tier(1e-3, 1e9), M.Tier(5e-4, 8e8), {"fp32": 1e-8, "int8": 6e-9}, 1e-8, 0.5)
+    assert M.best_segments(cpu, 4 << 20, "int8") == 1
+    # each segment costs a node-tier latency per node step: with free wires, one segment wins
+    lat = _cluster(2, 2, inter=INF, intra=INF, lat=1e-3)
+    k_in = M._chunks(1 << 19, "int8", 2)
+    assert M.hierarchical(lat, 1 << 20, "int8", segments=1) == pytest.approx(2 * k_in * 1e-3 + 2e-3)
+    assert M.best_segments(lat, 1 << 20, "int8") == 1

@@ -64,11 +64,12 @@ def _from_env(rank):
 def _ef_save(rank, topo):
     ddp, state = _make("int8", topology=topo)
     dec, true = _ef_steps(rank, WORLD, ddp, state, 5)
-    sd = state.state_dict()
+    sd = state.resharded_state_dict()  # the topology-independent form (a collective)
+    mine = state.state_dict()  # this rank's own: loads only into the same topology
     buf = io.BytesIO()
     torch.save(sd, buf)
     nb = [len(s["buckets"]) for s in state.stats()["steps"]]
-    return {"dec": dec, "true": true, "sd": buf.getvalue(), "nbuckets": nb,
+    return {"dec": dec, "true": true, "sd": buf.getvalue(), "nbuckets": nb, "mine_tiered": mine["tiered"],
             "params": {n: p.detach().clone() for n, p in ddp.module.named_parameters()}}
 
 
@@ -82,7 +83,17 @@ def _ef_load(rank, topo, saved):
                 p.copy_(saved["params"][n])
         state.load_state_dict(torch.load(io.BytesIO(saved["sd"]), weights_only=True))
         dec, true = _ef_steps(rank, WORLD, ddp, state, 3, step0=100)
-        out[name] = {"dec": dec, "true": true, "after": state.state_dict()["residual"]}
+        out[name] = {"dec": dec, "true": true, "after": state.resharded_state_dict()["residual"]}
+    # this rank's own hierarchical state_dict() into a flat State: refused, naming the way out
+    ddp, state = _make("int8", topology="flat")
+    ddp2, src = _make("int8", topology=topo)
+    _ef_steps(rank, WORLD, ddp2, src, 2)
+    state.load_state_dict(src.state_dict())
+    try:
+        _ef_steps(rank, WORLD, ddp, state, 1)
+        out["refused"] = ""
+    except Exception as e:  # noqa: BLE001 - raised by the hook, inside DDP's backward
+        out["refused"] = str(e)
     return out
 
 
@@ -121,6 +132,13 @@ def test_error_feedback_conserved_across_rebuild_and_checkpoint(runs):
         for n, t in sd["residual"].items():  # every rank saves the same totals
             assert torch.equal(t, other["residual"][n])
         _check_conserved(res[r]["dec"], res[r]["true"], {}, sd["residual"], f"rank {r}")
+
+
+def test_per_rank_state_does_not_load_across_topologies(runs):
+    for r in range(WORLD):
+        assert runs[r]["ef"]["mine_tiered"] is True
+        assert "hierarchical topology" in runs[r]["load"]["refused"], runs[r]["load"]["refused"]
+        assert "resharded_state_dict" in runs[r]["load"]["refused"]
 
 
 @pytest.mark.parametrize("into", ["flat", "hierarchical"])

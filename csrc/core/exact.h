@@ -123,6 +123,10 @@ struct FixedScale {
 FC_HD FixedScale fixed_scale(int32_t E, int32_t precision) {
   int32_t e = E - precision;
   FixedScale s{1.0f, 1.0f, 1.0f};
+  if (!exp_in_range(E)) {  // as from_fixed: an exponent no value has decodes to NaN, never to UB
+    s.s1 = u2f(0x7fc00000u);
+    return s;
+  }
   // e in [-262, 128] for precision in [0, 62]: at most one step up or two down, as in from_fixed.
   if (e > 127) { s.s1 = pow2_float(127); e -= 127; }
   if (e < -126) { s.s1 = pow2_float(-126); e += 126; }

@@ -1,7 +1,12 @@
 """The codec autotuner as a tool: measure the cost model on N ranks and print the decision table.
 
-    python -m flatcomm.tune [--ranks N] [--link RATE] [--budget int8] [--sizes 64K,1M,25M]
-                            [--collective all_reduce|reduce_scatter] [--json PATH] [--save PROFILE]
+    python -m flatcomm.tune [--ranks N] [--ranks-per-node G] [--link RATE] [--budget int8]
+                            [--sizes 64K,1M,25M] [--collective all_reduce|reduce_scatter]
+                            [--json PATH] [--save PROFILE]
+
+``--ranks-per-node G`` (G > 1, N = ranks / G > 1 nodes): the ranks form a :class:`flatcomm.Topology`,
+the profile holds both tiers' link costs and the all-reduce rows choose between flat and
+hierarchical with a codec per tier (with ``--link``, the nodes are network namespaces joined by it).
 
 Each size gets a row: the chosen codec and chunk count, the predicted milliseconds of every codec in
 the budget and the reason; the last line is a ``pinned={...}`` dict (numel ranges) ready to paste
@@ -27,9 +32,15 @@ from flatcomm.tools.netlink import link_arg
 __all__ = ["main", "pinned_ranges"]
 
 
-def _rank(rank: int, world: int, sizes: Sequence[int], budget: str, kind: str):
-    costs = measure(None)
-    return costs, [decide(costs, n, world, budget, kind) for n in sizes]
+def _rank(rank: int, world: int, sizes: Sequence[int], budget: str, kind: str, local_size: int = 1):
+    topo = None
+    if local_size > 1:
+        from flatcomm.topology import Topology
+
+        topo = Topology(local_size)
+    costs = measure(None, topology=topo)
+    paths = ("flat", "hierarchical") if topo is not None and not topo.flat else None
+    return costs, [decide(costs, n, world, budget, kind, paths=paths) for n in sizes]
 
 
 def pinned_ranges(sizes: Sequence[int], codecs: Sequence[str]) -> dict:
@@ -49,11 +60,14 @@ def pinned_ranges(sizes: Sequence[int], codecs: Sequence[str]) -> dict:
 
 def _table(sizes, decisions: List[Decision], budget: str) -> str:
     cands = list(allowed(budget))
-    hdr = f"{'numel':>10} {'codec':>6} {'chunks':>6} " + " ".join(f"{c + ' ms':>10}" for c in cands) + "  reason"
+    for d in decisions:  # a topology adds hierarchical candidates (and names them hier:inter/intra)
+        cands += [c for c in d.predicted_s if c not in cands]
+    hdr = f"{'numel':>10} {'choice':>15} {'chunks':>6} " + " ".join(f"{c + ' ms':>10}" for c in cands) + "  reason"
     lines = [hdr, "-" * len(hdr)]
     for n, d in zip(sizes, decisions):
-        ms = " ".join(f"{d.predicted_s[c] * 1e3:10.3f}" for c in cands)
-        lines.append(f"{format_size(n):>10} {d.codec:>6} {d.chunks:>6} {ms}  {d.reason.split(' for ')[0]}")
+        ms = " ".join(f"{d.predicted_s[c] * 1e3:10.3f}" if c in d.predicted_s else f"{'-':>10}" for c in cands)
+        choice = f"hier:{d.codec}/{d.intra_codec}" if d.path == "hierarchical" else d.codec
+        lines.append(f"{format_size(n):>10} {choice:>15} {d.chunks:>6} {ms}  {d.reason.split(' for ')[0]}")
     return "\n".join(lines)
 
 
@@ -61,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m flatcomm.tune", description=__doc__.split("\n")[0])
     add_version(ap)
     ap.add_argument("--ranks", type=positive(int), default=2, help="gloo ranks, at least 2 (default 2)")
+    ap.add_argument("--ranks-per-node", type=positive(int), default=1,
+                    help="ranks per node G (a Topology: both tiers measured; default 1 = flat)")
     ap.add_argument("--link", metavar="RATE[,DELAY]", type=link_arg, help="shaped link, e.g. 1gbit (needs root)")
     ap.add_argument("--budget", default="int8", choices=PRECISION, help="least precise codec allowed")
     ap.add_argument("--sizes", type=size_list, default=size_list("64K,1M,25M"),
@@ -81,14 +97,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error("--ranks must be >= 2")
     from flatcomm.tools import tune as importable  # `python -m` runs this file as __main__: ranks need the real name
 
-    args = (sizes, a.budget, a.collective)
+    g = a.ranks_per_node
+    if a.ranks % g:
+        ap.error(f"--ranks {a.ranks} does not split into nodes of --ranks-per-node {g}")
+    args = (sizes, a.budget, a.collective, g)
     where = f"a {a.link} link" if a.link else "loopback"
     say("tune", f"{a.ranks} ranks over {where}: measuring the cost model")
     if a.link:
         from .netlink import Link, LinkUnavailable
 
         try:
-            link = Link(a.ranks, a.link)
+            link = Link(a.ranks // g, a.link, ranks_per_node=g) if g > 1 else Link(a.ranks, a.link)
             link.setup()
         except (LinkUnavailable, ValueError) as e:
             raise SystemExit(f"flatcomm.tune: --link {a.link}: {e}") from None
@@ -108,7 +127,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     pinned = pinned_ranges(sizes, [d.codec for d in decisions])
     print(f"pinned={pinned!r}")
     if a.save:
-        save_profile(a.save, costs, world=a.ranks, link=a.link, budget=a.budget,
+        save_profile(a.save, costs, world=a.ranks, ranks_per_node=g, link=a.link, budget=a.budget,
                      measured_on="a {} link".format(a.link) if a.link else "loopback")
         print(f"wrote profile {a.save}: flatcomm.autotune.Tuner(profile={a.save!r})", file=sys.stderr)
     if a.json:

@@ -296,30 +296,30 @@ PROJECT_GPU_REDUCE_GBPS = 3000.0  # fp32 adds (HBM bound, assumed)
 
 def _probe_cluster(spec: str, nodes: int, g: int, kern: dict, timeout: float):
     """A :class:`flatcomm.costmodel.Cluster` for ``nodes`` x ``g`` ranks on a ``spec`` link of this
-    machine: tiers from a probe on the harness, compute from ``kern``, shared cores."""
+    machine: tiers and compute from a probe on the harness (the kernels timed on every rank at
+    once, so the cores' share is measured: ``compute_share`` 1), ``kern``'s codecs and size."""
     from flatcomm import costmodel as M
     from flatcomm.tools.netlink import Link
 
     bn = importlib.import_module(".nodes", __name__)
+    cfg = {"codecs": list(kern["codec_s"]), "kernel_numel": kern["numel"]}
     with Link(nodes, spec, ranks_per_node=g) as link:
         _say(f"probe: {link.describe()}")
-        tiers = link.run(link.world, bn.probe_rank, {}, timeout_s=timeout, echo=False)[0]
+        tiers = link.run(link.world, bn.probe_rank, cfg, timeout_s=timeout, echo=False)[0]
     inter = M.Tier(*tiers["inter"])
     intra = M.Tier(*tiers["intra"]) if "intra" in tiers else M.Tier(0.0, float("inf"))
-    share = min(1.0, (os.cpu_count() or 1) / (nodes * g))
-    return M.Cluster(nodes, g, inter, intra, kern["codec_s"], kern["reduce_s"], share)
+    k = tiers["kernels"]
+    return M.Cluster(nodes, g, inter, intra, k["codec_s"], k["reduce_s"], 1.0)
 
 
 def bench_scale(a: argparse.Namespace, meta: dict) -> List[dict]:
     from flatcomm import costmodel as M
 
-    bn = importlib.import_module(".nodes", __name__)
     codecs = a.codecs or ["fp32", "int8", "int4", "sign"]
     out: List[dict] = []
     if a.measured:
-        _say("kernel probe (1 thread) for the model's compute")
-        kern = bn.kernel_costs(codecs, parse_size(a.kernel_numel))
-        meta["kernels"] = kern
+        # the model's compute is timed by the probe, on the harness ranks (see _probe_cluster)
+        kern = {"codec_s": dict.fromkeys(codecs), "numel": parse_size(a.kernel_numel)}
         clusters = {}
         for path in a.measured:
             with open(path) as fh:
@@ -356,8 +356,11 @@ def bench_scale(a: argparse.Namespace, meta: dict) -> List[dict]:
                         "numel": numel, "model_s": M.ring(cl, numel)})
             for path in ("flat", "hierarchical"):
                 for c in codecs:
+                    # hierarchical: the segment count codec="auto" picks (flatcomm.autotune_tiers)
+                    k = M.best_segments(cl, numel, c) if path == "hierarchical" else None
                     out.append({"kind": "projection", "nodes": n, "ranks_per_node": g, "path": path, "codec": c,
-                                "numel": numel, "model_s": M.predict(cl, path, numel, c)})
+                                "numel": numel, "model_s": M.predict(cl, path, numel, c, segments=k),
+                                "segments": k})
         n *= 2
     for r in out:  # the generic fields the JSON and plots of the other commands have
         r.update(name=f"{r['path']}-{r['codec']}", step_s=r.get("measured_s", r["model_s"]),

@@ -179,6 +179,16 @@ def probe_rank(rank: int, world: int, cfg: dict) -> Optional[Dict]:
         t = [_a2a_time(b, mine, g, reps) for b in (small, large)]
         sent = [b * (g - 1) / g for b in (small, large)]
         out["intra"] = _fit(sent, t)
+    if cfg.get("codecs"):
+        # The compute, timed on every rank at once (the slowest rank's): the ranks share this
+        # machine's cores as they do in the collectives, and under the load of the moment, where a
+        # probe in the parent process assumed a perfect share (cores / ranks) and missed both.
+        dist.barrier()
+        kern = kernel_costs(cfg["codecs"], cfg.get("kernel_numel", 1 << 22), world)
+        vals = torch.tensor([kern["codec_s"][c] for c in cfg["codecs"]] + [kern["reduce_s"]], dtype=torch.float64)
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+        out["kernels"] = {"codec_s": dict(zip(cfg["codecs"], vals[:-1].tolist())), "reduce_s": float(vals[-1]),
+                          "numel": kern["numel"], "threads": 1, "concurrent_ranks": world}
     return out if rank == 0 else None
 
 
