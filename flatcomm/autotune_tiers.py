@@ -20,6 +20,8 @@ from typing import Dict, Iterable, Tuple
 from . import costmodel as M
 from . import hierarchical as H
 
+__all__ = ["PATHS", "cluster", "name", "predict", "segments", "tiered"]
+
 PATHS = ("flat", "hierarchical")
 Candidate = Tuple[str, str, str]  # (path, inter codec, intra codec)
 

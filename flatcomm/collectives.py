@@ -857,7 +857,7 @@ def _tiered_auto(codec: CodecLike, mode: str, tuner, tensor: torch.Tensor, topol
         raise ValueError("flatcomm: codec='auto' needs mode='ordered'")
     if tuner is None and _default_tuner_for is None:
         raise RuntimeError("flatcomm: codec='auto' needs flatcomm.autotune imported (`import flatcomm` does it)")
-    t = tuner if tuner is not None else _default_tuner_for(topology.group)
+    t = tuner if tuner is not None else _default_tuner_for(topology.group)  # type: ignore[misc]  # checked above
     paths = ("hierarchical",) if residual is not None else None
     return t.choose(tensor.numel(), group=topology.group, device=tensor.device, topology=topology, paths=paths)
 
