@@ -949,7 +949,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: Any = 
              chunks: Optional[int] = None, block_size: Optional[int] = None, ratio: Optional[float] = None,
              grad_scaler: Optional[Any] = None, track_norms: bool = True, history: int = 100,
              tuner: Optional[Any] = None, topology: Optional[Any] = None,
-             start_step: Optional[int] = None) -> State:
+             start_step: Optional[int] = None, keep_fp32: Any = None, backoff: Any = None) -> State:
     """Create a :class:`State` that knows ``ddp_model`` and register :func:`hook` on it.
 
     Args:
@@ -975,6 +975,10 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: Any = 
         tuner: a :class:`flatcomm.autotune.Tuner` for ``codec="auto"``.
         topology: a :class:`flatcomm.Topology`, ``"flat"`` or None (from torchrun's ``LOCAL_WORLD_SIZE``).
         start_step: steps sent in lossless fp32 before the codec starts (see :class:`State`).
+        keep_fp32: parameters always sent in lossless fp32: a predicate ``f(name, param)``, name
+            patterns, or ``"small"`` (see :class:`State`).
+        backoff: ``codec="auto"`` only: when measured compression error moves a bucket to a more
+            precise codec (see :class:`State`; ``False`` turns it off).
 
     Returns the :class:`State` (for ``state_dict()``, ``stats()``, ``decisions``).
     """
@@ -985,6 +989,6 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: Any = 
     state = State(codec, error_feedback=error_feedback, mode=mode, group=group, chunks=chunks,
                   block_size=block_size, ratio=ratio, model=ddp_model, grad_scaler=grad_scaler,
                   track_norms=track_norms, history=history, tuner=tuner, topology=topology,
-                  start_step=start_step)
+                  start_step=start_step, keep_fp32=keep_fp32, backoff=backoff)
     ddp_model.register_comm_hook(state, hook)
     return state
