@@ -138,7 +138,8 @@ class State:
     codec="auto": a :class:`flatcomm.autotune.Tuner` (``tuner=``, default error budget int8) picks the
         codec of each bucket at its first hook call; ``decisions`` / ``stats()["decisions"]`` say what
         and why. With a hierarchical topology the inter-node codec (or the backend's all-reduce) is
-        chosen by the two-level cost model (:mod:`flatcomm.autotune_tiers`; the node tier stays fp32). A parameter that moves (bucket rebuild) from a lossy bucket into one where fp32 was
+        chosen by the two-level cost model (:mod:`flatcomm.autotune_tiers`; the node tier stays
+        fp32). A parameter that moves (bucket rebuild) from a lossy bucket into one where fp32 was
         chosen brings its residual along: it is added once to that bucket's lossless all-reduce.
     start_step: steps (hook rounds, counted like ``state_dict()["step"]``) sent in lossless fp32 before
         the codec starts (like PowerSGD's ``start_powerSGD_iter``): early gradients are large and
