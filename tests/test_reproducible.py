@@ -310,8 +310,11 @@ def _example(world: int) -> str:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = ([torchrun, "--standalone", f"--nproc-per-node={world}"] if os.path.exists(torchrun) else
            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"])
+    # The example imports the installed package; here the checkout stands in for it.
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(cmd + ["examples/reproducible_train.py", "--steps", "3", "--micro-batches", "4",
-                                 "--batch", "8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                                 "--batch", "8"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.findall(r"^weights-sha256: ([0-9a-f]{64})$", proc.stdout, re.M)
     assert len(found) == 1, proc.stdout

@@ -38,10 +38,10 @@ def _rank(rank, world):
 
     _streams.CallStreams = boom  # any use on the CPU path fails the run
     out = {}
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(300_001, generator=g)
     for alone in (False, True):
         C._EXCHANGE_ALONE = alone  # world size 1 through gloo's all_to_all / all_gather
-        g = torch.Generator().manual_seed(5)
-        x = torch.randn(300_001, generator=g)
         t, ef = x.clone(), C.ErrorFeedback.zeros(x.numel())
         C.all_reduce(t, codec="int8", chunks=3, residual=ef)
         h = C.all_reduce(t, codec="int8", chunks=3, residual=ef, async_op=True)
@@ -52,7 +52,15 @@ def _rank(rank, world):
         ex = x.clone()
         C.all_reduce(ex, mode="exact", chunks=3)
         out[alone] = [t, ef.client, ef.server, rs, ex]
-    return [torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(out[False], out[True])]
+    C._EXCHANGE_ALONE = False
+    same = [torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(out[False][3:], out[True][3:])]
+    # Without the forced exchange one rank compresses nothing: int8 returns the input, no residual.
+    t, client, server = out[False][:3]
+    alone_exact = [torch.equal(t, x), not client.any(), not server.any()]
+    # Through the exchange the codec runs: error feedback keeps what it did not send.
+    t, client, server = out[True][:3]
+    fed = [bool(client.any()), bool(torch.isfinite(t).all())]
+    return same + alone_exact + fed
 
 
 def test_cpu_path_never_builds_streams_and_world1_exchange_matches():

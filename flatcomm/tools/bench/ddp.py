@@ -205,7 +205,9 @@ def main(argv=None) -> int:
         if "failed" in r:
             lines.append(f"{r['name']:24s} failed: {r['failed']}")
             continue
-        comm = r["step_s"] - noop["step_s"]
+        # Step time over the no-communication step; on a tiny model step noise can exceed the
+        # communication itself, and a negative time means "below the noise": report 0.
+        comm = max(0.0, r["step_s"] - noop["step_s"])
         r["comm_s"] = comm
         wire = r.get("wire_bytes")
         mark = "" if wire is not None else "~"
