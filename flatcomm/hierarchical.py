@@ -10,7 +10,7 @@ All-reduce of n values, on every rank:
    instead of the flat path's ~2*G*c*S;
 3. inside the node, an all-gather of the reduced shards.
 
-The shard is cut into segments (:func:`segments_of`) that flow through the three steps as a
+The shard can be cut into segments (``chunks``, :func:`segments_of`) that flow through the three steps as a
 pipeline: the tiers' collectives run on their groups' worker threads, so the node reduce-scatter
 of segment j+1 and the node all-gather of segment j-1 overlap the exchange of segment j across
 nodes. Each step is a flatcomm collective on the tier's group, so sums run in a fixed order: the result is
@@ -58,11 +58,6 @@ __all__ = [
     "shard_numel", "shard_range", "submit"
 ]
 
-# Pipeline segments of a hierarchical all-reduce: about SEGMENT_BYTES of fp32 shard each. On
-# loopback with 2 shared cores (4 ranks, 4M values) 2 segments cost more than they hid (the node
-# tier is not the bottleneck there); pipelining pays when the cross-node link is: large shards only.
-SEGMENT_BYTES = 16 << 20
-MAX_SEGMENTS = 4
 
 
 @dataclasses.dataclass
@@ -135,6 +130,7 @@ def shard_range(numel: int, topology: Topology, codec: CodecLike = "fp32",
 # ---- one worker per topology ---------------------------------------------------------------------
 
 _executors: dict = {}
+_staging: dict = {}  # topology key -> C._BufferPool of the two-level path's staging buffers
 _lock = threading.Lock()
 _on = threading.local()
 
@@ -271,20 +267,46 @@ def all_reduce(tensor: torch.Tensor, topology: Topology, *, codec: CodecLike = "
 
 def segments_of(m: int, align: int, chunks: Optional[int] = None) -> List[int]:
     """Boundaries of the pipeline segments within a shard of ``m`` values (aligned): the node
-    reduce-scatter of segment j+1 and the all-gather of j-1 run while j crosses nodes. Automatic:
-    about SEGMENT_BYTES of fp32 shard per segment, at most MAX_SEGMENTS. The same on every rank and
-    every call for a given numel (the server residuals' layout depends on it)."""
-    k = chunks if chunks else int(min(MAX_SEGMENTS, max(1, round(4 * m / SEGMENT_BYTES))))
+    reduce-scatter of segment j+1 and the all-gather of j-1 run while j crosses nodes. Default one
+    segment: every further one costs two staging copies of the tensor and node-tier latencies, and
+    on CPU hosts (2x2 and 2x4 ranks, 1 Gbit/s and 100 Mbit/s links) that cost more than the overlap
+    hid; ``codec="auto"`` picks more where the cost model says they pay
+    (:func:`flatcomm.costmodel.best_segments`). Keep it the same on every rank and every call for a
+    given numel (the server residuals' layout depends on it)."""
+    k = chunks if chunks else 1
     bounds = C.shard_bounds(m, k, align)
     return [a for i, a in enumerate(bounds) if i == 0 or a > bounds[i - 1]]  # no empty segments
 
 
 def _ordered_all_reduce(topo, flat, m, align, codec, ci, scale, inter_fb, intra_fb, chunks, validate,
                         tiers, tuner):
-    g, n, dev = topo.local_size, flat.numel(), flat.device
-    src = _padded(flat, g * m)
+    # Staging buffers come from a pool kept per topology: a fresh buffer of this size is fresh
+    # pages, and first-touch page faults cost as much as the node's transfers on a CPU host.
+    pool = _staging.setdefault(_key(topo), C._BufferPool())
+    taken: List[torch.Tensor] = []
+
+    def empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t = pool.take(numel, dtype, flat.device)
+        taken.append(t)
+        return t
+
+    _ordered_steps(topo, flat, m, align, codec, ci, scale, inter_fb, intra_fb, chunks, validate, tiers, tuner,
+                   empty)
+    for t in taken:  # not after a failure: a collective still in flight may write to them
+        pool.give(t)
+
+
+def _ordered_steps(topo, flat, m, align, codec, ci, scale, inter_fb, intra_fb, chunks, validate, tiers,
+                   tuner, empty):
+    g, n = topo.local_size, flat.numel()
+    if n == g * m:
+        src = flat
+    else:
+        src = empty(g * m, flat.dtype)
+        src[:n].copy_(flat)
+        src[n:].zero_()
     rows = src.view(g, m)
-    shard = torch.empty(m, dtype=torch.float32, device=dev)
+    shard = empty(m)
     seg = segments_of(m, align, chunks)
     k = len(seg) - 1
     # Only the shard's data crosses nodes: padding in a block would change sign's scale, and its
@@ -293,7 +315,7 @@ def _ordered_all_reduce(topo, flat, m, align, codec, ci, scale, inter_fb, intra_
     rs, ar, ag = [], [], []
     for j in range(k):  # the intra client residual is laid out segment by segment (G x width each)
         a, b = seg[j], seg[j + 1]
-        piece = src if k == 1 else rows[:, a:b].contiguous()
+        piece = src if k == 1 else empty(g * (b - a), src.dtype).view(g, b - a).copy_(rows[:, a:b]).view(-1)
         res = intra_fb.client[g * a:g * b] if intra_fb is not None else None
         rs.append(C.reduce_scatter(shard[a:b], piece, codec=ci, op="sum", group=topo.intra_group,
                                    validate=validate, residual=res, stats=tiers.intra, async_op=True))
@@ -313,7 +335,7 @@ def _ordered_all_reduce(topo, flat, m, align, codec, ci, scale, inter_fb, intra_
         a, b = seg[j], seg[j + 1]
         if scale != 1.0:
             shard[a:b].mul_(scale)
-        out = flat if whole else torch.empty(g * (b - a), dtype=flat.dtype, device=dev)
+        out = flat if whole else empty(g * (b - a), flat.dtype)
         if ci.lossless and flat.dtype == torch.float32:
             ag.append((out, _raw_gather(topo, out, shard[a:b], tiers.intra)))
             continue
@@ -340,8 +362,28 @@ def _raw_gather(topo: Topology, out: torch.Tensor, shard: torch.Tensor,
     faster than the codec path on loopback), queued on the node group's worker so it keeps its
     place among that group's collectives."""
     st.wire_bytes += (topo.local_size - 1) * shard.numel() * 4
-    return _queued(st, topo.intra_group, shard.device,
-                   lambda: C._all_gather_single(out, shard, group=topo.intra_group))
+    return _queued(st, topo.intra_group, shard.device, lambda: _node_gather(topo, out, shard))
+
+
+def _node_gather(topo: Topology, out: torch.Tensor, shard: torch.Tensor) -> None:
+    """All-gather inside the node. On CPU (gloo) every rank sends its shard straight to each peer:
+    gloo's all-gather stages the result in a freshly allocated buffer and copies it out, which
+    costs more than the transfer on loopback; inside a node the direct sends move the same bytes
+    per rank as a ring. NCCL's all-gather is already direct."""
+    if shard.is_cuda or topo.local_size == 1:
+        C._all_gather_single(out, shard, group=topo.intra_group)
+        return
+    n, me = shard.numel(), topo.local_rank
+    ops = []
+    for peer in range(topo.local_size):
+        if peer != me:
+            ops.append(dist.P2POp(dist.isend, shard, group=topo.intra_group, group_peer=peer))
+            ops.append(dist.P2POp(dist.irecv, out[peer * n:(peer + 1) * n], group=topo.intra_group,
+                                  group_peer=peer))
+    works = dist.batch_isend_irecv(ops)
+    out[me * n:(me + 1) * n].copy_(shard)
+    for w in works:
+        w.wait()
 
 
 def _agreed_exponents(topo: Topology, x: torch.Tensor, block: int, tiers: TierStats) -> torch.Tensor:
@@ -394,8 +436,7 @@ def _exact_all_reduce(topo, flat, m, scale, block, headroom, tiers):
     if scale != 1.0:
         val = val * scale
     gathered = torch.empty(g * m, dtype=torch.float32, device=flat.device)
-    _timed(tiers.intra, topo.intra_group, val.device,
-           lambda: C._all_gather_single(gathered, val, group=topo.intra_group))
+    _timed(tiers.intra, topo.intra_group, val.device, lambda: _node_gather(topo, gathered, val))
     tiers.intra.wire_bytes += (g - 1) * m * 4
     flat.copy_(gathered[:flat.numel()])
 
