@@ -292,24 +292,32 @@ PROJECT_INTER_LATENCY_US = 10.0
 PROJECT_INTRA_LATENCY_US = 3.0
 PROJECT_GPU_GBPS = 1000.0  # fp32 input bytes/s of one GPU's whole flat pipeline per codec (assumed)
 PROJECT_GPU_REDUCE_GBPS = 3000.0  # fp32 adds (HBM bound, assumed)
+# TCP payload per byte tc's shaper counts: 1448 of a 1514-byte Ethernet frame (MTU 1500, timestamps).
+TCP_PAYLOAD_SHARE = 1448 / 1514
 
 
 def _probe_cluster(spec: str, nodes: int, g: int, kern: dict, timeout: float):
-    """A :class:`flatcomm.costmodel.Cluster` for ``nodes`` x ``g`` ranks on a ``spec`` link of this
-    machine: tiers and compute from a probe on the harness (the kernels timed on every rank at
-    once, so the cores' share is measured: ``compute_share`` 1), ``kern``'s codecs and size."""
+    """(:class:`flatcomm.costmodel.Cluster`, probed inter-node bytes/s) for ``nodes`` x ``g`` ranks
+    on a ``spec`` link of this machine. The inter tier's rate is the shaped rate (tc's, in payload
+    bytes: TCP_PAYLOAD_SHARE), its latency probed (a small all-to-all): on a shared box a probed rate moves by 2x and
+    more from run to run with the other processes' load (the kernel's TCP work competes for the
+    cores), which measures the box, not the link. The intra tier and the
+    compute are probed on the harness (the kernels timed on every rank at once, so the cores'
+    share is measured: ``compute_share`` 1), ``kern``'s codecs and size."""
     from flatcomm import costmodel as M
-    from flatcomm.tools.netlink import Link
+    from flatcomm.tools.netlink import Link, parse_link
 
     bn = importlib.import_module(".nodes", __name__)
     cfg = {"codecs": list(kern["codec_s"]), "kernel_numel": kern["numel"]}
     with Link(nodes, spec, ranks_per_node=g) as link:
         _say(f"probe: {link.describe()}")
         tiers = link.run(link.world, bn.probe_rank, cfg, timeout_s=timeout, echo=False)[0]
-    inter = M.Tier(*tiers["inter"])
-    intra = M.Tier(*tiers["intra"]) if "intra" in tiers else M.Tier(0.0, float("inf"))
+    _, probed_Bps, small_sent, small_s = tiers["inter"]
+    rate = parse_link(spec)[0] / 8 * TCP_PAYLOAD_SHARE
+    inter = M.Tier(max(0.0, small_s - small_sent / rate), rate)
+    intra = M.Tier(*tiers["intra"][:2]) if "intra" in tiers else M.Tier(0.0, float("inf"))
     k = tiers["kernels"]
-    return M.Cluster(nodes, g, inter, intra, k["codec_s"], k["reduce_s"], 1.0)
+    return M.Cluster(nodes, g, inter, intra, k["codec_s"], k["reduce_s"], 1.0), probed_Bps
 
 
 def bench_scale(a: argparse.Namespace, meta: dict) -> List[dict]:
@@ -330,8 +338,9 @@ def bench_scale(a: argparse.Namespace, meta: dict) -> List[dict]:
                 raise SystemExit(f"flatcomm.bench scale: {path} is not a `collectives --nodes` result")
             key = (L["spec"], nodes, g)
             if key not in clusters:
-                clusters[key] = _probe_cluster(L["spec"], nodes, g, kern, a.timeout)
-                meta.setdefault("probes", []).append(dict(clusters[key].describe(), link=L["spec"]))
+                clusters[key], probed = _probe_cluster(L["spec"], nodes, g, kern, a.timeout)
+                meta.setdefault("probes", []).append(dict(clusters[key].describe(), link=L["spec"],
+                                                          inter_GBps_probed=probed / 1e9))
             cl = clusters[key]
             for r in doc["results"]:
                 if r["codec"] not in cl.codec_s:

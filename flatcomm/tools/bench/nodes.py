@@ -157,6 +157,21 @@ def _a2a_time(nbytes: int, group, members: int, reps: int) -> float:
     return best
 
 
+def _tier_fit(group, members: int, small: int, reps: int, cfg: dict) -> tuple:
+    """(latency, bytes/s, small bytes sent, small seconds) of one tier from all-to-alls of ``small`` bytes and of a size doubled
+    from 16 MB until it takes ``min_s`` (a short transfer on a shaped link measures TCP's ramp-up,
+    not the link: 16 MB over 1 Gbit/s read half the rate). Every rank takes the same branch: the
+    times are the slowest rank's."""
+    t_small = _a2a_time(small, group, members, reps)
+    large, cap, min_s = cfg.get("large", 16 << 20), cfg.get("max_bytes", 256 << 20), cfg.get("min_s", 0.25)
+    t_large = _a2a_time(large, group, members, reps)
+    while t_large < min_s and large < cap:
+        large *= 2
+        t_large = _a2a_time(large, group, members, reps)
+    sent = [b * (members - 1) / members for b in (small, large)]
+    return (*_fit(sent, [t_small, t_large]), sent[0], t_small)
+
+
 def probe_rank(rank: int, world: int, cfg: dict) -> Optional[Dict]:
     """Tier latency and bandwidth on this harness. Inter: an all-to-all among the first rank of every
     node (the others idle), bytes = what one node sends. Intra: an all-to-all inside every node at
@@ -169,16 +184,12 @@ def probe_rank(rank: int, world: int, cfg: dict) -> Optional[Dict]:
         grp = dist.new_group(list(range(k * g, (k + 1) * g))) if g > 1 else None
         if k == node:
             mine = grp
-    small, large, reps = cfg.get("small", 64 << 10), cfg.get("large", 16 << 20), cfg.get("reps", 2)
+    small, reps = cfg.get("small", 64 << 10), cfg.get("reps", 3)
     out = {}
     if nodes > 1:
-        t = [_a2a_time(b, leaders if lr == 0 else None, nodes, reps) for b in (small, large)]
-        sent = [b * (nodes - 1) / nodes for b in (small, large)]
-        out["inter"] = _fit(sent, t)
+        out["inter"] = _tier_fit(leaders if lr == 0 else None, nodes, small, reps, cfg)
     if g > 1:
-        t = [_a2a_time(b, mine, g, reps) for b in (small, large)]
-        sent = [b * (g - 1) / g for b in (small, large)]
-        out["intra"] = _fit(sent, t)
+        out["intra"] = _tier_fit(mine, g, small, reps, cfg)
     if cfg.get("codecs"):
         # The compute, timed on every rank at once (the slowest rank's): the ranks share this
         # machine's cores as they do in the collectives, and under the load of the moment, where a
