@@ -6,8 +6,9 @@
 // host and never allocates; it returns a cudaError_t value as an int (0 = cudaSuccess,
 // 1 = cudaErrorInvalidValue for arguments it rejects, else the launch error).
 //
-// The argument structs are the CPU kernels' (csrc/core/kernel_args.h) with device pointers in them.
-// The results are bitwise equal to the CPU kernels' on the same inputs (see README.md beside this file).
+// The argument structs are the CPU kernels' (csrc/core/kernel_args.h) with device pointers in
+// them. The results are bitwise equal to the CPU kernels' on the same inputs (see README.md beside
+// this file).
 #pragma once
 #include <stdint.h>
 
@@ -20,7 +21,7 @@ namespace gpu {
 
 // ---- launch shapes ---------------------------------------------------------------------------
 // Shared by the kernels (device.cuh), their launches (kernels.cu) and the cupy path's launches,
-// which read them through flatcomm._C.kernel_constants().
+// which read them through flatcomm._C.constants().
 constexpr int kThreads = 256;        // threads per CTA of every kernel but the topk scan
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kCastTile = 1024;  // elements per CTA step of the cast encoders (any size: same bits)
