@@ -13,10 +13,14 @@
 namespace flatcomm {
 namespace ops {
 
+// The codec names users pass, in id order (core::Codec).
+constexpr const char* kCodecNames[] = {"fp32", "bf16", "fp16", "int8", "int4", "sign", "topk"};
+constexpr int32_t kNumCodecs = sizeof(kCodecNames) / sizeof(kCodecNames[0]);
+static_assert(kNumCodecs == core::kCodecTopK + 1, "a name for every codec id");
+
 inline int32_t parse_codec(const std::string& name) {
-  static const char* kNames[] = {"fp32", "bf16", "fp16", "int8", "int4", "sign", "topk"};
-  for (int32_t i = 0; i < 7; ++i)
-    if (name == kNames[i]) return i;
+  for (int32_t i = 0; i < kNumCodecs; ++i)
+    if (name == kCodecNames[i]) return i;
   TORCH_CHECK(false, "flatcomm: unknown codec '", name,
               "'; expected one of fp32, bf16, fp16, int8, int4, sign, topk");
 }

@@ -4,12 +4,12 @@
 //     struct Guard { explicit Guard(const at::Tensor&); };   // device guard (no-op on CPU)
 //     static constexpr bool kHostMemory;  // tensors are host memory: payloads can be validated
 //     static int64_t topk_scratch_bytes(int64_t n);
-//     static void encode(const cpu::EncodeArgs&), encode_topk(const cpu::EncodeArgs&),
-//         decode(const cpu::DecodeArgs&), decode_sum(const cpu::DecodeSumArgs&),
-//         decode_sum_encode(const cpu::DecodeSumArgs&, const cpu::EncodeArgs&),
-//         ordered_sum(const cpu::OrderedSumArgs&), exact_exponents(const cpu::ExactArgs&),
-//         to_fixed(const cpu::ExactArgs&, const at::Tensor& like),  // raises on overflow
-//         from_fixed(const cpu::ExactArgs&), exact_sum(const cpu::ExactArgs&);
+//     static void encode(const EncodeArgs&), encode_topk(const EncodeArgs&),
+//         decode(const DecodeArgs&), decode_sum(const DecodeSumArgs&),
+//         decode_sum_encode(const DecodeSumArgs&, const EncodeArgs&),
+//         ordered_sum(const OrderedSumArgs&), exact_exponents(const ExactArgs&),
+//         to_fixed(const ExactArgs&, const at::Tensor& like),  // raises on overflow
+//         from_fixed(const ExactArgs&), exact_sum(const ExactArgs&);
 //   };
 // FLATCOMM_REGISTER_OPS(DispatchKey, B) registers every op for that dispatch key.
 #pragma once
@@ -17,7 +17,7 @@
 
 #include <string>
 
-#include "cpu/kernels.h"
+#include "core/kernel_args.h"
 #include "ops_common.h"
 
 namespace flatcomm {
@@ -28,24 +28,15 @@ struct OpsImpl {
   // Padding bytes go on the wire too: make them zero, without a pass over the whole payload.
   static void zero_padding(at::Tensor& payload, int32_t codec, int64_t n, int64_t block, int64_t k) {
     const core::Layout L = core::layout(codec, n, block, k);
-    int64_t head_end = 0, data_end = 0;
-    if (core::is_cast(codec)) {
-      data_end = n * core::cast_bytes(codec);
-    } else if (codec == core::kCodecTopK) {
-      head_end = 4 * k;
-      data_end = L.codes_offset + 4 * k;
-    } else {
-      head_end = 4 * L.nblocks;
-      data_end = L.codes_offset + core::ceil_div(n * core::code_bits(codec), 8);
-    }
-    if (L.codes_offset > head_end) payload.narrow(0, head_end, L.codes_offset - head_end).zero_();
-    if (L.total > data_end) payload.narrow(0, data_end, L.total - data_end).zero_();
+    const core::DataEnds d = core::data_ends(codec, n, k, L);
+    if (L.codes_offset > d.head_end) payload.narrow(0, d.head_end, L.codes_offset - d.head_end).zero_();
+    if (L.total > d.data_end) payload.narrow(0, d.data_end, L.total - d.data_end).zero_();
   }
 
-  static cpu::EncodeArgs encode_args(const at::Tensor& x, int32_t codec, int64_t block, int64_t k,
+  static EncodeArgs encode_args(const at::Tensor& x, int32_t codec, int64_t block, int64_t k,
                               const c10::optional<at::Tensor>& residual, bool stochastic, int64_t seed,
                               at::Tensor& payload) {
-    cpu::EncodeArgs a{};
+    EncodeArgs a{};
     a.x = x.data_ptr();
     a.x_dtype = dtype_code(x.scalar_type(), "x");
     a.residual = residual ? residual->data_ptr<float>() : nullptr;
@@ -74,7 +65,7 @@ struct OpsImpl {
     check_payload(payload, 1, wire_bytes(codec, n, block, k), name, n);
     if (n == 0) return;
     zero_padding(payload, codec, n, block, k);
-    cpu::EncodeArgs a = encode_args(x, codec, block, k, residual, stochastic, seed, payload);
+    EncodeArgs a = encode_args(x, codec, block, k, residual, stochastic, seed, payload);
     if (codec == core::kCodecTopK) {
       at::Tensor scratch = at::empty({B::topk_scratch_bytes(n)}, x.options().dtype(at::kByte));
       a.scratch = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
@@ -103,7 +94,7 @@ struct OpsImpl {
     check_payload(payload, 1, wire_bytes(codec, n, block, k), name, n);
     check_out(payload, out, n, "out");
     if (B::kHostMemory && codec == core::kCodecTopK) check_topk_indices(payload.data_ptr<uint8_t>(), 1, 0, n, k);
-    cpu::DecodeArgs a{payload.data_ptr<uint8_t>(), n, codec, block, k, out.data_ptr(), out_dt};
+    DecodeArgs a{payload.data_ptr<uint8_t>(), n, codec, block, k, out.data_ptr(), out_dt};
     B::decode(a);
   }
 
@@ -117,10 +108,10 @@ struct OpsImpl {
     return out;
   }
 
-  static cpu::DecodeSumArgs decode_sum_args(const at::Tensor& payloads, int32_t codec, int64_t n,
+  static DecodeSumArgs decode_sum_args(const at::Tensor& payloads, int32_t codec, int64_t n,
                                      int64_t block, int64_t k, double scale, const std::string& name) {
     check_payload(payloads, 2, wire_bytes(codec, n, block, k), name, n);
-    cpu::DecodeSumArgs a{};
+    DecodeSumArgs a{};
     a.payloads = payloads.data_ptr<uint8_t>();
     a.row_stride = payloads.size(1);
     a.rows = payloads.size(0);
@@ -138,7 +129,7 @@ struct OpsImpl {
     typename B::Guard guard(payloads);
     const std::string name(codec_name);
     const int32_t codec = parse_codec(name);
-    cpu::DecodeSumArgs a = decode_sum_args(payloads, codec, n, block, k, scale, name);
+    DecodeSumArgs a = decode_sum_args(payloads, codec, n, block, k, scale, name);
     TORCH_CHECK(out.scalar_type() == at::kFloat, "flatcomm: out must be float32, got ",
                 out.scalar_type());
     check_out(payloads, out, n, "out");
@@ -164,7 +155,7 @@ struct OpsImpl {
     const std::string name(codec_name), out_name(out_codec_name);
     const int32_t codec = parse_codec(name), out_codec = parse_reencode_codec(out_name);
     check_stochastic(out_codec, stochastic);
-    cpu::DecodeSumArgs a = decode_sum_args(payloads, codec, n, block, k, scale, name);
+    DecodeSumArgs a = decode_sum_args(payloads, codec, n, block, k, scale, name);
     if (residual) {
       check_same_device(payloads, *residual, "residual");
       TORCH_CHECK(residual->scalar_type() == at::kFloat, "flatcomm: residual must be float32, got ",
@@ -175,7 +166,7 @@ struct OpsImpl {
     check_payload(payload, 1, wire_bytes(out_codec, n, out_block, 0), out_name, n);
     if (n == 0) return;
     zero_padding(payload, out_codec, n, out_block, 0);
-    cpu::EncodeArgs e{};
+    EncodeArgs e{};
     e.x_dtype = core::kF32;
     e.residual = residual ? residual->data_ptr<float>() : nullptr;
     e.payload = payload.data_ptr<uint8_t>();
@@ -206,7 +197,7 @@ struct OpsImpl {
     TORCH_CHECK(x.dim() == 2, "flatcomm: ordered_sum expects a 2-D [rows, n] tensor, got shape ",
                 x.sizes());
     check_contiguous(x, "x");
-    cpu::OrderedSumArgs a{};
+    OrderedSumArgs a{};
     a.x = x.data_ptr();
     a.dtype = dtype_code(x.scalar_type(), "x");
     a.rows = x.size(0);
@@ -218,10 +209,10 @@ struct OpsImpl {
     return out;
   }
 
-  static cpu::ExactArgs exact_args(const at::Tensor& x, int64_t block) {
+  static ExactArgs exact_args(const at::Tensor& x, int64_t block) {
     check_exact_block(block);
     check_contiguous(x, "x");
-    cpu::ExactArgs a{};
+    ExactArgs a{};
     rows_of(x, a.rows, a.n);
     a.x = x.data_ptr();
     a.dtype = dtype_code(x.scalar_type(), "x");
@@ -232,7 +223,7 @@ struct OpsImpl {
 
   static at::Tensor exact_exponents(const at::Tensor& x, int64_t block) {
     typename B::Guard guard(x);
-    cpu::ExactArgs a = exact_args(x, block);
+    ExactArgs a = exact_args(x, block);
     at::Tensor e = at::empty({core::ceil_div(a.n, block)}, x.options().dtype(at::kInt));
     a.exponents = e.data_ptr<int32_t>();
     B::exact_exponents(a);
@@ -243,7 +234,7 @@ struct OpsImpl {
                           int64_t headroom) {
     typename B::Guard guard(x);
     TORCH_CHECK(x.dim() == 1, "flatcomm: to_exact expects a 1-D tensor, got shape ", x.sizes());
-    cpu::ExactArgs a = exact_args(x, block);
+    ExactArgs a = exact_args(x, block);
     a.precision = precision_of(headroom);
     check_exponents(x, exponents, a.n, block);
     if (B::kHostMemory) check_exponent_values(exponents);
@@ -265,7 +256,7 @@ struct OpsImpl {
     const int64_t n = acc.numel();
     check_exponents(acc, exponents, n, block);
     if (B::kHostMemory) check_exponent_values(exponents);
-    cpu::ExactArgs a{};
+    ExactArgs a{};
     a.n = n;
     a.block = block;
     a.precision = precision_of(headroom);
@@ -281,7 +272,7 @@ struct OpsImpl {
     typename B::Guard guard(x);
     TORCH_CHECK(x.dim() == 2, "flatcomm: exact_sum expects a 2-D [rows, n] tensor, got shape ",
                 x.sizes());
-    cpu::ExactArgs a = exact_args(x, block);
+    ExactArgs a = exact_args(x, block);
     a.precision = precision_of(headroom);
     TORCH_CHECK(a.rows <= (int64_t(1) << headroom), "flatcomm: exact_sum of ", a.rows,
                 " rows needs headroom >= log2(rows); got headroom ", headroom);

@@ -1,10 +1,14 @@
 // Every op schema of flatcomm, in one place, plus the small non-tensor helpers exposed through
-// pybind11 (build information, payload sizes, kernel selection for tests).
+// pybind11 (build information, payload sizes and layouts, kernel selection for tests, and the
+// constants and layout math that flatcomm/cupy_backend.py launches the CUDA kernels with, so that
+// Python never keeps a copy of them).
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 
+#include "core/rng.h"
 #include "cpu/kernels.h"
+#include "cuda/kernels.cuh"  // plain C++: the launch shapes and the topk scratch layout
 #include "ops_common.h"
 
 TORCH_LIBRARY(flatcomm, m) {
@@ -63,6 +67,77 @@ pybind11::dict build_info() {
   return d;
 }
 
+namespace core = flatcomm::core;
+namespace gpu = flatcomm::gpu;
+
+// Arguments every launch accepts (kernels.cu checks the same): within them no size overflows.
+bool launchable(int32_t codec, int64_t n, int64_t block, int64_t k) {
+  if (!core::valid_codec_id(codec) || n < 0 || n > core::kMaxNumel) return false;
+  if (core::is_blockwise(codec))
+    return block >= core::kMinBlock && block <= core::kMaxBlock && block % 32 == 0;
+  if (codec == core::kCodecTopK) return k >= 0 && k <= n && n <= core::kMaxTopkNumel;
+  return true;
+}
+
+pybind11::dict wire_layout(int32_t codec, int64_t n, int64_t block, int64_t k) {
+  if (!launchable(codec, n, block, k))
+    throw pybind11::value_error("flatcomm: no payload layout for codec id " + std::to_string(codec) +
+                                ", numel " + std::to_string(n) + ", block_size " +
+                                std::to_string(block) + ", k " + std::to_string(k));
+  const core::Layout l = core::layout(codec, n, block, k);
+  const core::DataEnds d = core::data_ends(codec, n, k, l);
+  pybind11::dict r;
+  r["nblocks"] = l.nblocks;
+  r["codes_offset"] = l.codes_offset;
+  r["total"] = l.total;
+  r["head_end"] = d.head_end;
+  r["data_end"] = d.data_end;
+  return r;
+}
+
+pybind11::dict topk_scratch_layout(int64_t n) {
+  if (n < 0 || n > core::kMaxTopkNumel)
+    throw pybind11::value_error("flatcomm: topk scratch for numel " + std::to_string(n) +
+                                " (expected 0 <= numel < 2^32)");
+  const gpu::TopkScratchLayout l = gpu::topk_scratch_layout(n);
+  pybind11::dict r;
+  r["v"] = l.v;
+  r["hist"] = l.hist;
+  r["state"] = l.state;
+  r["counts"] = l.counts;
+  r["total"] = l.total;
+  return r;
+}
+
+pybind11::dict constants() {
+  pybind11::dict d;
+  pybind11::list names, blockwise;
+  for (int32_t c = 0; c < flatcomm::ops::kNumCodecs; ++c) {
+    names.append(flatcomm::ops::kCodecNames[c]);
+    if (core::is_blockwise(c)) blockwise.append(c);
+  }
+  d["codec_names"] = names;  // index = codec id
+  d["blockwise_codecs"] = blockwise;
+  d["dtype_f32"] = static_cast<int>(core::kF32);
+  d["dtype_bf16"] = static_cast<int>(core::kBF16);
+  d["dtype_f16"] = static_cast<int>(core::kF16);
+  d["min_block"] = core::kMinBlock;
+  d["max_block"] = core::kMaxBlock;
+  d["align"] = core::kAlign;
+  d["max_numel"] = core::kMaxNumel;
+  d["max_topk_numel"] = core::kMaxTopkNumel;
+  d["exp_nonfinite"] = core::kExpNonFinite;
+  d["threads"] = gpu::kThreads;
+  d["warps"] = gpu::kWarps;
+  d["cast_tile"] = gpu::kCastTile;
+  d["topk_tile"] = gpu::kTopkTile;
+  d["max_grid"] = gpu::kMaxGrid;
+  d["scan_threads"] = gpu::kScanThreads;
+  d["topk_chunk"] = gpu::kTopkChunk;
+  d["topk_bins"] = gpu::kTopkBins;
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -74,6 +149,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return flatcomm::ops::wire_bytes(flatcomm::ops::parse_codec(codec), n, block, k);
       },
       "Payload bytes for numel values.");
+  m.def(
+      "wire_bytes",
+      [](int32_t codec, int64_t n, int64_t block, int64_t k) {
+        TORCH_CHECK(core::valid_codec_id(codec), "flatcomm: unknown codec id ", codec);
+        return flatcomm::ops::wire_bytes(codec, n, block, k);
+      },
+      "Payload bytes for numel values, the codec given by its id.");
+  m.def("wire_layout", &wire_layout,
+        "core::layout of a payload (codec id): nblocks, codes_offset, total, and where its data ends "
+        "(head_end, data_end; the rest is padding). ValueError for arguments no launch accepts.");
+  m.def(
+      "parse_codec", [](const std::string& name) { return flatcomm::ops::parse_codec(name); },
+      "The id of a codec name, with the ops' error for an unknown one.");
+  m.def(
+      "precision_of", [](int64_t headroom) { return flatcomm::ops::precision_of(headroom); },
+      "Fixed-point precision bits for a headroom, with the ops' error for a bad one.");
+  m.def(
+      "seed_key", [](uint64_t seed) { return core::seed_key(seed); },
+      "core::seed_key: the stochastic-rounding key of a seed (uint64).");
+  m.def("topk_scratch_layout", &topk_scratch_layout,
+        "gpu::topk_scratch_layout: byte offsets of the CUDA topk encoder's scratch parts and its size.");
+  m.def("constants", &constants,
+        "Codec names and ids, size limits and the CUDA launch shapes, as the C++ sources define them.");
   m.def(
       "set_simd", [](const std::string& isa) { return flatcomm::cpu::select_kernels(isa.c_str()); },
       "Select the CPU kernel build ('baseline', 'avx2', 'avx512'); False if unsupported here.");

@@ -78,6 +78,220 @@ GATHER_PIECE_BYTES = 8 << 20
 _EXCHANGE_ALONE = False
 
 
+def all_reduce(
+    tensor: torch.Tensor,
+    *,
+    codec: CodecLike = "fp32",
+    op: OpLike = "avg",
+    mode: str = "ordered",
+    group=None,
+    async_op: bool = False,
+    residual: Optional[ErrorFeedback] = None,
+    chunks: Optional[int] = None,
+    stats: Optional[CommStats] = None,
+    validate: bool = True,
+    exact_block: int = DEFAULT_EXACT_BLOCK,
+    headroom: int = DEFAULT_HEADROOM,
+    tuner=None,
+    topology=None,
+    intra_codec: CodecLike = "fp32",
+) -> Optional[Handle]:
+    """All-reduce ``tensor`` in place: reduce-scatter, then all-gather of the reduced shards.
+
+    Every rank ends with the same bits. ``residual`` (an :class:`ErrorFeedback` of the tensor's
+    numel) makes a lossy codec lose nothing over time: client and server residuals carry what a
+    step did not send into the next. ``codec="auto"``: ``tuner`` (default one per group) picks the
+    codec and chunks per numel, the same on every rank (``Handle.decision``); a residual works
+    with any choice (an fp32 choice adds the client residual once and zeroes it).
+    ``topology`` (a :class:`flatcomm.Topology`): reduce inside the node with ``intra_codec``,
+    exchange ``codec`` across nodes (``residual``: that tier's, see :mod:`flatcomm.hierarchical`).
+    A plain Tensor as ``residual`` raises ``TypeError``: an all-reduce has two residuals.
+    """
+    _two_stage_residual(residual, topology)
+    decision = None
+    if topology is not None:
+        group = _topology_group(topology, group)
+        if not topology.flat:
+            decision = _tiered_auto(codec, mode, tuner, tensor, topology, residual)
+            if decision is None or decision.path == "hierarchical":
+                if decision is not None:  # and its pipeline segments (unless the caller gave some)
+                    codec, intra_codec, chunks = decision.codec, decision.intra_codec, chunks or decision.chunks
+                return _with_decision(_two_level.all_reduce(
+                    tensor, topology, codec=codec, intra_codec=intra_codec, op=op, mode=mode,
+                    async_op=async_op, residual=residual, chunks=chunks, stats=stats, validate=validate,
+                    exact_block=exact_block, headroom=headroom, tuner=tuner), decision)
+            codec = decision.codec  # the flat path was predicted faster on this topology
+    group = private_group(group)
+    try:
+        if decision is None:
+            codec, chunks, decision = _resolve_auto(codec, chunks, tuner, tensor.numel(), group, tensor.device,
+                                                    mode, "all_reduce")
+        c, world, rank, scale = _setup(group, codec, mode, op)
+        flat = _flat(tensor, "tensor")
+        c = _alone(c, world, flat.dtype)
+        n = flat.numel()
+        if residual is not None:
+            _check_residual(residual.client, n, flat, "residual.client")
+            _check_residual(residual.server, n, flat, "residual.server")
+        align = _align_of(c, mode, exact_block)
+        nchunks = chunks or _default_chunks(max(1, n // world), c, world, mode, flat.dtype)
+        plan = _plan(shard_bounds(n, world, align), nchunks, align, rank)
+        fields = _signature(3, n, c, mode, scale, flat.dtype, nchunks, _exact_fields(mode, exact_block, headroom))
+    except (ValueError, TypeError) as e:
+        _fail_in_step(group, 3, e)
+        raise
+
+    def body():
+        pipe = _Pipeline(group, stats, fields, flat.device, validate)
+        if stats is not None:
+            stats.calls += 1
+        if mode == "exact":
+            _exact_all_reduce(pipe, flat, plan, nchunks, scale, exact_block, headroom)
+        else:
+            _ordered_all_reduce(pipe, flat, plan, nchunks, c, scale, residual)
+        pipe.release()
+
+    keep = (flat,) if residual is None else (flat, residual.client, residual.server)
+    return _with_decision(_run(body, tensor, group, async_op, keep, f"all_reduce of {n} values ({c.name})"),
+                          decision)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    codec: CodecLike = "fp32",
+    op: OpLike = "avg",
+    mode: str = "ordered",
+    group=None,
+    async_op: bool = False,
+    residual: Union[None, torch.Tensor, ErrorFeedback] = None,
+    chunks: Optional[int] = None,
+    stats: Optional[CommStats] = None,
+    validate: bool = True,
+    exact_block: int = DEFAULT_EXACT_BLOCK,
+    headroom: int = DEFAULT_HEADROOM,
+    tuner=None,
+    topology=None,
+    intra_codec: CodecLike = "fp32",
+) -> Optional[Handle]:
+    """Reduce ``input`` (world x ``output.numel()`` values) across ranks; rank r gets shard r.
+
+    ``residual`` (fp32, input's numel) turns on error feedback for a lossy ``codec``.
+    ``codec="auto"``: ``tuner`` (a :class:`flatcomm.autotune.Tuner`, default one per group) picks
+    the codec and chunks per input size, the same on every rank (``Handle.decision``).
+    ``topology`` (a :class:`flatcomm.Topology`): two levels, see :mod:`flatcomm.hierarchical`.
+    ``residual`` may also be an :class:`ErrorFeedback` (its ``client`` is used).
+    """
+    residual = _one_stage_residual(residual, "reduce_scatter's")
+    if topology is not None:
+        group = _topology_group(topology, group)
+        if not topology.flat:
+            return _two_level.reduce_scatter(
+                output, input, topology, codec=codec, intra_codec=intra_codec, op=op, mode=mode,
+                async_op=async_op, residual=residual, chunks=chunks, stats=stats, validate=validate,
+                exact_block=exact_block, headroom=headroom, tuner=tuner)
+    group = private_group(group)
+    try:
+        codec, chunks, decision = _resolve_auto(codec, chunks, tuner, input.numel(), group, input.device,
+                                                mode, "reduce_scatter")
+        c, world, rank, scale = _setup(group, codec, mode, op)
+        src, out = _flat(input, "input"), _flat(output, "output")
+        c = _alone(c, world, src.dtype)
+        if src.numel() != world * out.numel():
+            raise ValueError(f"flatcomm: reduce_scatter input has {src.numel()} values; it must be "
+                             f"world size ({world}) x output ({out.numel()})")
+        if out.device != src.device:
+            raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
+        _check_residual(residual, src.numel(), src, "residual")
+        align = _align_of(c, mode, exact_block)
+        nchunks = chunks or _default_chunks(out.numel(), c, world, mode, src.dtype, "reduce_scatter")
+        bounds = [r * out.numel() for r in range(world + 1)]
+        plan = _plan(bounds, nchunks, align, rank)
+        fields = _signature(1, src.numel(), c, mode, scale, src.dtype, nchunks,
+                            _exact_fields(mode, exact_block, headroom))
+    except (ValueError, TypeError) as e:
+        _fail_in_step(group, 1, e)
+        raise
+
+    def body():
+        pipe = _Pipeline(group, stats, fields, src.device, validate)
+        if stats is not None:
+            stats.calls += 1
+        if mode == "exact":
+            _exact_reduce_scatter(pipe, src, out, plan, nchunks, scale, exact_block, headroom)
+        else:
+            _ordered_reduce_scatter(pipe, src, out, plan, nchunks, c, scale, residual)
+        pipe.release()
+
+    return _with_decision(_run(body, output, group, async_op, (src, out, residual),
+                               f"reduce_scatter of {src.numel()} values ({c.name})"), decision)
+
+
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    codec: CodecLike = "fp32",
+    group=None,
+    async_op: bool = False,
+    residual: Union[None, torch.Tensor, ErrorFeedback] = None,
+    stats: Optional[CommStats] = None,
+    validate: bool = True,
+    topology=None,
+    intra_codec: CodecLike = "fp32",
+) -> Optional[Handle]:
+    """Gather every rank's ``input`` into ``output`` (world x input numel), in rank order.
+
+    With a lossy ``codec`` each rank's input is sent encoded (``residual`` keeps what was not
+    sent) and every rank, the sender included, receives the decoded values.
+    ``topology`` (a :class:`flatcomm.Topology`): two levels, see :mod:`flatcomm.hierarchical`.
+    ``residual`` may also be an :class:`ErrorFeedback` (its ``client`` is used).
+    """
+    residual = _one_stage_residual(residual, "all_gather's")
+    if topology is not None:
+        group = _topology_group(topology, group)
+        if not topology.flat:
+            return _two_level.all_gather(output, input, topology, codec=codec, intra_codec=intra_codec,
+                                           async_op=async_op, residual=residual, stats=stats,
+                                           validate=validate)
+    group = private_group(group)
+    try:
+        c = resolve(codec)
+        world = dist.get_world_size(group)
+        src, out = _flat(input, "input"), _flat(output, "output")
+        n = src.numel()
+        if out.numel() != world * n:
+            raise ValueError(f"flatcomm: all_gather output has {out.numel()} values; it must be "
+                             f"world size ({world}) x input ({n})")
+        _check_residual(residual, n, src, "residual")
+        fields = _signature(2, n, c, "ordered", 1.0, src.dtype, 1)
+    except (ValueError, TypeError) as e:
+        _fail_in_step(group, 2, e)
+        raise
+
+    def body():
+        pipe = _Pipeline(group, stats, fields, src.device, validate)
+        if stats is not None:
+            stats.calls += 1
+        payload = pipe.empty(c.wire_bytes(n), torch.uint8, src.device)
+        if residual is not None:  # as in _encode_pieces
+            pipe.checked()
+        pipe.timed("encode_s", lambda: _encode(src, c, residual=residual, out=payload))
+        work, recv = pipe.all_gather(payload, world)
+        pipe.wait(work)
+        rows = recv.view(world, -1)
+
+        def dec():
+            for d in range(world):
+                _decode(rows[d], c, n, out=out[d * n:(d + 1) * n])
+
+        pipe.timed("decode_s", dec)
+        pipe.release()
+
+    return _run(body, output, group, async_op, (src, out, residual), f"all_gather of {n} values ({c.name})")
+
+
 @dataclasses.dataclass
 class ErrorFeedback:
     """Residuals for a lossy all-reduce of one flat tensor of ``numel`` values.
@@ -192,6 +406,17 @@ class Handle:
 
     def get_future(self) -> torch.futures.Future:
         return self._torch_future
+
+
+def shard_bounds(numel: int, world: int, align: int = 1) -> List[int]:
+    """Boundaries of ``world`` contiguous shards of ``numel`` values, starting on multiples of
+    ``align`` (so codec blocks and exact-mode blocks line up with the global tensor)."""
+    units = math.ceil(numel / align) if numel else 0
+    per, extra = divmod(units, world)
+    bounds = [0]
+    for r in range(world):
+        bounds.append(min(numel, bounds[-1] + (per + (1 if r < extra else 0)) * align))
+    return bounds
 
 
 # One worker thread per process group runs every collective, synchronous ones included, in
@@ -474,17 +699,6 @@ def _exact_fields(mode: str, block: int, headroom: int) -> List[Tuple[str, int]]
 
 
 # ---- layout: shards across ranks, chunks within shards ------------------------------------------
-
-
-def shard_bounds(numel: int, world: int, align: int = 1) -> List[int]:
-    """Boundaries of ``world`` contiguous shards of ``numel`` values, starting on multiples of
-    ``align`` (so codec blocks and exact-mode blocks line up with the global tensor)."""
-    units = math.ceil(numel / align) if numel else 0
-    per, extra = divmod(units, world)
-    bounds = [0]
-    for r in range(world):
-        bounds.append(min(numel, bounds[-1] + (per + (1 if r < extra else 0)) * align))
-    return bounds
 
 
 def _auto_chunks(numel: int, codec: Codec, world: int, mode: str) -> int:
@@ -866,220 +1080,6 @@ def _with_decision(handle: Optional[Handle], decision) -> Optional[Handle]:
     if handle is not None:
         handle.decision = decision
     return handle
-
-
-def reduce_scatter(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    *,
-    codec: CodecLike = "fp32",
-    op: OpLike = "avg",
-    mode: str = "ordered",
-    group=None,
-    async_op: bool = False,
-    residual: Union[None, torch.Tensor, ErrorFeedback] = None,
-    chunks: Optional[int] = None,
-    stats: Optional[CommStats] = None,
-    validate: bool = True,
-    exact_block: int = DEFAULT_EXACT_BLOCK,
-    headroom: int = DEFAULT_HEADROOM,
-    tuner=None,
-    topology=None,
-    intra_codec: CodecLike = "fp32",
-) -> Optional[Handle]:
-    """Reduce ``input`` (world x ``output.numel()`` values) across ranks; rank r gets shard r.
-
-    ``residual`` (fp32, input's numel) turns on error feedback for a lossy ``codec``.
-    ``codec="auto"``: ``tuner`` (a :class:`flatcomm.autotune.Tuner`, default one per group) picks
-    the codec and chunks per input size, the same on every rank (``Handle.decision``).
-    ``topology`` (a :class:`flatcomm.Topology`): two levels, see :mod:`flatcomm.hierarchical`.
-    ``residual`` may also be an :class:`ErrorFeedback` (its ``client`` is used).
-    """
-    residual = _one_stage_residual(residual, "reduce_scatter's")
-    if topology is not None:
-        group = _topology_group(topology, group)
-        if not topology.flat:
-            return _two_level.reduce_scatter(
-                output, input, topology, codec=codec, intra_codec=intra_codec, op=op, mode=mode,
-                async_op=async_op, residual=residual, chunks=chunks, stats=stats, validate=validate,
-                exact_block=exact_block, headroom=headroom, tuner=tuner)
-    group = private_group(group)
-    try:
-        codec, chunks, decision = _resolve_auto(codec, chunks, tuner, input.numel(), group, input.device,
-                                                mode, "reduce_scatter")
-        c, world, rank, scale = _setup(group, codec, mode, op)
-        src, out = _flat(input, "input"), _flat(output, "output")
-        c = _alone(c, world, src.dtype)
-        if src.numel() != world * out.numel():
-            raise ValueError(f"flatcomm: reduce_scatter input has {src.numel()} values; it must be "
-                             f"world size ({world}) x output ({out.numel()})")
-        if out.device != src.device:
-            raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
-        _check_residual(residual, src.numel(), src, "residual")
-        align = _align_of(c, mode, exact_block)
-        nchunks = chunks or _default_chunks(out.numel(), c, world, mode, src.dtype, "reduce_scatter")
-        bounds = [r * out.numel() for r in range(world + 1)]
-        plan = _plan(bounds, nchunks, align, rank)
-        fields = _signature(1, src.numel(), c, mode, scale, src.dtype, nchunks,
-                            _exact_fields(mode, exact_block, headroom))
-    except (ValueError, TypeError) as e:
-        _fail_in_step(group, 1, e)
-        raise
-
-    def body():
-        pipe = _Pipeline(group, stats, fields, src.device, validate)
-        if stats is not None:
-            stats.calls += 1
-        if mode == "exact":
-            _exact_reduce_scatter(pipe, src, out, plan, nchunks, scale, exact_block, headroom)
-        else:
-            _ordered_reduce_scatter(pipe, src, out, plan, nchunks, c, scale, residual)
-        pipe.release()
-
-    return _with_decision(_run(body, output, group, async_op, (src, out, residual),
-                               f"reduce_scatter of {src.numel()} values ({c.name})"), decision)
-
-
-def all_gather(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    *,
-    codec: CodecLike = "fp32",
-    group=None,
-    async_op: bool = False,
-    residual: Union[None, torch.Tensor, ErrorFeedback] = None,
-    stats: Optional[CommStats] = None,
-    validate: bool = True,
-    topology=None,
-    intra_codec: CodecLike = "fp32",
-) -> Optional[Handle]:
-    """Gather every rank's ``input`` into ``output`` (world x input numel), in rank order.
-
-    With a lossy ``codec`` each rank's input is sent encoded (``residual`` keeps what was not
-    sent) and every rank, the sender included, receives the decoded values.
-    ``topology`` (a :class:`flatcomm.Topology`): two levels, see :mod:`flatcomm.hierarchical`.
-    ``residual`` may also be an :class:`ErrorFeedback` (its ``client`` is used).
-    """
-    residual = _one_stage_residual(residual, "all_gather's")
-    if topology is not None:
-        group = _topology_group(topology, group)
-        if not topology.flat:
-            return _two_level.all_gather(output, input, topology, codec=codec, intra_codec=intra_codec,
-                                           async_op=async_op, residual=residual, stats=stats,
-                                           validate=validate)
-    group = private_group(group)
-    try:
-        c = resolve(codec)
-        world = dist.get_world_size(group)
-        src, out = _flat(input, "input"), _flat(output, "output")
-        n = src.numel()
-        if out.numel() != world * n:
-            raise ValueError(f"flatcomm: all_gather output has {out.numel()} values; it must be "
-                             f"world size ({world}) x input ({n})")
-        _check_residual(residual, n, src, "residual")
-        fields = _signature(2, n, c, "ordered", 1.0, src.dtype, 1)
-    except (ValueError, TypeError) as e:
-        _fail_in_step(group, 2, e)
-        raise
-
-    def body():
-        pipe = _Pipeline(group, stats, fields, src.device, validate)
-        if stats is not None:
-            stats.calls += 1
-        payload = pipe.empty(c.wire_bytes(n), torch.uint8, src.device)
-        if residual is not None:  # as in _encode_pieces
-            pipe.checked()
-        pipe.timed("encode_s", lambda: _encode(src, c, residual=residual, out=payload))
-        work, recv = pipe.all_gather(payload, world)
-        pipe.wait(work)
-        rows = recv.view(world, -1)
-
-        def dec():
-            for d in range(world):
-                _decode(rows[d], c, n, out=out[d * n:(d + 1) * n])
-
-        pipe.timed("decode_s", dec)
-        pipe.release()
-
-    return _run(body, output, group, async_op, (src, out, residual), f"all_gather of {n} values ({c.name})")
-
-
-def all_reduce(
-    tensor: torch.Tensor,
-    *,
-    codec: CodecLike = "fp32",
-    op: OpLike = "avg",
-    mode: str = "ordered",
-    group=None,
-    async_op: bool = False,
-    residual: Optional[ErrorFeedback] = None,
-    chunks: Optional[int] = None,
-    stats: Optional[CommStats] = None,
-    validate: bool = True,
-    exact_block: int = DEFAULT_EXACT_BLOCK,
-    headroom: int = DEFAULT_HEADROOM,
-    tuner=None,
-    topology=None,
-    intra_codec: CodecLike = "fp32",
-) -> Optional[Handle]:
-    """All-reduce ``tensor`` in place: reduce-scatter, then all-gather of the reduced shards.
-
-    Every rank ends with the same bits. ``residual`` (an :class:`ErrorFeedback` of the tensor's
-    numel) makes a lossy codec lose nothing over time: client and server residuals carry what a
-    step did not send into the next. ``codec="auto"``: ``tuner`` (default one per group) picks the
-    codec and chunks per numel, the same on every rank (``Handle.decision``); a residual works
-    with any choice (an fp32 choice adds the client residual once and zeroes it).
-    ``topology`` (a :class:`flatcomm.Topology`): reduce inside the node with ``intra_codec``,
-    exchange ``codec`` across nodes (``residual``: that tier's, see :mod:`flatcomm.hierarchical`).
-    A plain Tensor as ``residual`` raises ``TypeError``: an all-reduce has two residuals.
-    """
-    _two_stage_residual(residual, topology)
-    decision = None
-    if topology is not None:
-        group = _topology_group(topology, group)
-        if not topology.flat:
-            decision = _tiered_auto(codec, mode, tuner, tensor, topology, residual)
-            if decision is None or decision.path == "hierarchical":
-                if decision is not None:  # and its pipeline segments (unless the caller gave some)
-                    codec, intra_codec, chunks = decision.codec, decision.intra_codec, chunks or decision.chunks
-                return _with_decision(_two_level.all_reduce(
-                    tensor, topology, codec=codec, intra_codec=intra_codec, op=op, mode=mode,
-                    async_op=async_op, residual=residual, chunks=chunks, stats=stats, validate=validate,
-                    exact_block=exact_block, headroom=headroom, tuner=tuner), decision)
-            codec = decision.codec  # the flat path was predicted faster on this topology
-    group = private_group(group)
-    try:
-        if decision is None:
-            codec, chunks, decision = _resolve_auto(codec, chunks, tuner, tensor.numel(), group, tensor.device,
-                                                    mode, "all_reduce")
-        c, world, rank, scale = _setup(group, codec, mode, op)
-        flat = _flat(tensor, "tensor")
-        c = _alone(c, world, flat.dtype)
-        n = flat.numel()
-        if residual is not None:
-            _check_residual(residual.client, n, flat, "residual.client")
-            _check_residual(residual.server, n, flat, "residual.server")
-        align = _align_of(c, mode, exact_block)
-        nchunks = chunks or _default_chunks(max(1, n // world), c, world, mode, flat.dtype)
-        plan = _plan(shard_bounds(n, world, align), nchunks, align, rank)
-        fields = _signature(3, n, c, mode, scale, flat.dtype, nchunks, _exact_fields(mode, exact_block, headroom))
-    except (ValueError, TypeError) as e:
-        _fail_in_step(group, 3, e)
-        raise
-
-    def body():
-        pipe = _Pipeline(group, stats, fields, flat.device, validate)
-        if stats is not None:
-            stats.calls += 1
-        if mode == "exact":
-            _exact_all_reduce(pipe, flat, plan, nchunks, scale, exact_block, headroom)
-        else:
-            _ordered_all_reduce(pipe, flat, plan, nchunks, c, scale, residual)
-        pipe.release()
-
-    keep = (flat,) if residual is None else (flat, residual.client, residual.server)
-    return _with_decision(_run(body, tensor, group, async_op, keep, f"all_reduce of {n} values ({c.name})"),
-                          decision)
 
 
 def _ordered_all_reduce(pipe: _Pipeline, flat: torch.Tensor, plan: _Plan, chunks: int, c: Codec,

@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import _C
+
 try:
     import numpy as np
 except ImportError:  # cupy needs numpy: without it only auto_register() below runs
@@ -42,7 +44,7 @@ __all__ = ["CupyLauncher", "LaunchError", "Launches", "Ops", "auto_register", "c
 # ---- the NVRTC source -----------------------------------------------------------------------------
 
 # Options of every compile (cupy adds the target architecture). -default-device: the shared headers
-# declare a few host functions (kernels.cuh, cpu/kernels.h) that NVRTC would otherwise reject; no
+# declare a few host functions (kernels.cuh) that NVRTC would otherwise reject; no
 # kernel calls them. Warning 177 is "declared but never referenced" (unused core helpers).
 NVRTC_OPTIONS: Tuple[str, ...] = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true",
                                   "--prec-sqrt=true", "-default-device", "--diag-suppress=177")
@@ -97,13 +99,24 @@ def nvrtc_source(root: Optional[Path] = None) -> str:
     return "\n".join(out) + "\n"
 
 
-# ---- kernel names and modules ---------------------------------------------------------------------
+# ---- codec ids, limits and launch shapes ----------------------------------------------------------
+# Read from the C++ sources through flatcomm._C (csrc/ops_common.h, csrc/core, csrc/cuda/kernels.cuh),
+# never copied: a changed constant reaches this path with the rebuilt extension.
 
-CODEC_IDS = {"fp32": 0, "bf16": 1, "fp16": 2, "int8": 3, "int4": 4, "sign": 5, "topk": 6}
-F32, BF16, F16 = 0, 1, 2
-INT8, INT4, SIGN, TOPK = 3, 4, 5, 6
+_K = _C.constants()
+CODEC_IDS = {name: i for i, name in enumerate(_K["codec_names"])}
+F32, BF16, F16 = _K["dtype_f32"], _K["dtype_bf16"], _K["dtype_f16"]
+INT8, INT4, SIGN, TOPK = (CODEC_IDS[c] for c in ("int8", "int4", "sign", "topk"))
 DTYPES = (F32, BF16, F16)
-NON_TOPK = (0, 1, 2, INT8, INT4, SIGN)
+NON_TOPK = tuple(c for c in CODEC_IDS.values() if c != TOPK)
+BLOCKWISE = tuple(_K["blockwise_codecs"])
+MIN_BLOCK, MAX_BLOCK, MAX_TOPK_NUMEL = _K["min_block"], _K["max_block"], _K["max_topk_numel"]
+K_THREADS, K_WARPS, K_SCAN_THREADS = _K["threads"], _K["warps"], _K["scan_threads"]
+K_CAST_TILE, K_TOPK_TILE, K_MAX_GRID = _K["cast_tile"], _K["topk_tile"], _K["max_grid"]
+K_TOPK_CHUNK, K_TOPK_BINS = _K["topk_chunk"], _K["topk_bins"]
+
+
+# ---- kernel names and modules ---------------------------------------------------------------------
 
 
 def k_encode(c: int, dt: int) -> str:
@@ -123,7 +136,7 @@ def kernel_names() -> List[str]:
     names = []
     for c in NON_TOPK:
         names += [k_encode(c, dt) for dt in DTYPES]
-        names += [k_encode_sum(c, sc) for sc in range(7)]
+        names += [k_encode_sum(c, sc) for sc in CODEC_IDS.values()]
         names += [k_t("decode_kernel", c, dt) for dt in DTYPES]
         names.append(k_t("decode_sum_kernel", c))
     for dt in DTYPES:
@@ -157,7 +170,7 @@ def modules() -> Dict[str, List[str]]:
     return groups
 
 
-# ---- kernel parameter structs (csrc/cpu/kernels.h, csrc/cuda/device.cuh) -------------------------
+# ---- kernel parameter structs (csrc/core/kernel_args.h, csrc/cuda/device.cuh) --------------------
 # Passed by value as numpy structured arrays (cupy's documented way). align=True lays them out like
 # the C++ compiler; tests/test_cupy_backend.py checks every offset and size against g++.
 
@@ -193,57 +206,25 @@ def pack(struct: np.dtype, **fields) -> np.ndarray:
     return a
 
 
-# ---- layouts and launch constants (csrc/core/codec.h, csrc/cuda/kernels.cuh, device.cuh) ----------
-
-K_THREADS, K_WARPS = 256, 8
-K_CAST_TILE, K_TOPK_TILE, K_MAX_GRID, K_SCAN_THREADS = 1024, 2048, 0x7FFFFFFF, 1024
-K_TOPK_CHUNK, K_TOPK_BINS = 4096, 2048
-MIN_BLOCK, MAX_BLOCK, ALIGN = 32, 4096, 16
-K_EXP_NONFINITE = 1 << 20
-
+# ---- layouts (flatcomm._C: csrc/core/codec.h, csrc/cuda/kernels.cuh) -----------------------------
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def round_up(a: int, b: int) -> int:
-    return ceil_div(a, b) * b
-
-
 def is_blockwise(c: int) -> bool:
-    return c in (INT8, INT4, SIGN)
-
-
-def is_cast(c: int) -> bool:
-    return c in (0, 1, 2)
-
-
-def code_bits(c: int) -> int:
-    return 8 if c == INT8 else 4 if c == INT4 else 1
+    return c in BLOCKWISE
 
 
 def layout(c: int, n: int, block: int, k: int) -> Tuple[int, int, int]:
-    """(nblocks, codes_offset, total) as core::layout."""
-    if n <= 0:
-        return 0, 0, 0
-    if is_cast(c):
-        return 0, 0, round_up(n * (4 if c == 0 else 2), ALIGN)
-    if c == TOPK:
-        co = round_up(4 * k, ALIGN)
-        return 0, co, round_up(co + 4 * k, ALIGN)
-    nb = ceil_div(n, block)
-    co = round_up(4 * nb, ALIGN)
-    return nb, co, round_up(co + ceil_div(n * code_bits(c), 8), ALIGN)
+    """(nblocks, codes_offset, total) of core::layout, for arguments a launch accepts."""
+    lay = _C.wire_layout(c, n, block, k)
+    return lay["nblocks"], lay["codes_offset"], lay["total"]
 
 
 def topk_scratch_layout(n: int) -> Dict[str, int]:
     """gpu::topk_scratch_layout: byte offsets of v, hist, state, counts and the total."""
-    up = lambda b: (b + 255) // 256 * 256  # noqa: E731
-    hist = up(4 * n)
-    state = hist + 3 * K_TOPK_BINS * 8
-    counts = state + 256
-    return {"v": 0, "hist": hist, "state": state, "counts": counts,
-            "total": counts + up(16 * ceil_div(n, K_TOPK_CHUNK))}
+    return _C.topk_scratch_layout(n)
 
 
 def grid_for(items: int, per_cta: int) -> int:
@@ -259,11 +240,8 @@ _MASK64 = (1 << 64) - 1
 
 
 def seed_key(seed: int) -> int:
-    """core::seed_key (splitmix64 of seed + golden ratio), on uint64."""
-    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
+    """core::seed_key of a uint64 seed."""
+    return _C.seed_key(seed)
 
 
 # ---- launches (the host side of csrc/cuda/kernels.cu) ---------------------------------------------
@@ -479,9 +457,7 @@ def _sizes(t: torch.Tensor) -> str:
 
 
 def parse_codec(name: str) -> int:
-    _check(name in CODEC_IDS, "flatcomm: unknown codec '", name,
-           "'; expected one of fp32, bf16, fp16, int8, int4, sign, topk")
-    return CODEC_IDS[name]
+    return _C.parse_codec(name)
 
 
 def parse_reencode_codec(name: str) -> int:
@@ -496,34 +472,12 @@ def dtype_code(dt: torch.dtype, what: str) -> int:
     return _DT_CODE[dt]
 
 
-def check_block(c: int, block: int) -> None:
-    if is_blockwise(c):
-        _check(MIN_BLOCK <= block <= MAX_BLOCK and block % 32 == 0, "flatcomm: block_size must be a multiple "
-               "of 32 in [", MIN_BLOCK, ", ", MAX_BLOCK, "], got ", block)
-
-
-def check_topk(c: int, n: int, k: int) -> None:
-    if c != TOPK:
-        return
-    _check(n <= MAX_TOPK_NUMEL, "flatcomm: topk supports up to 2^32 - 1 elements, got ", n)
-    _check(k == 0 if n == 0 else 1 <= k <= n, "flatcomm: topk needs 1 <= k <= numel (k = ", k,
-           ", numel = ", n, ")")
-
-
-MAX_NUMEL = 1 << 56  # csrc/core/codec.h kMaxNumel: sizes from larger numels would overflow int64
-MAX_TOPK_NUMEL = (1 << 32) - 1  # indices are uint32
-
-
 def check_numel(n: int) -> None:
-    _check(n >= 0, "flatcomm: numel must be >= 0, got ", n)
-    _check(n <= MAX_NUMEL, "flatcomm: numel ", n, " is larger than the supported 2^56")
+    _C.wire_bytes(F32, n, 0, 0)  # a cast codec's size checks only the numel
 
 
 def wire_bytes(c: int, n: int, block: int, k: int) -> int:
-    check_numel(n)
-    check_block(c, block)
-    check_topk(c, n, k)
-    return layout(c, n, block, k)[2]
+    return _C.wire_bytes(c, n, block, k)
 
 
 def check_contiguous(t: torch.Tensor, what: str) -> None:
@@ -566,8 +520,7 @@ def check_out(ref: torch.Tensor, out: torch.Tensor, numel: int, what: str) -> No
 
 
 def precision_of(headroom: int) -> int:
-    _check(1 <= headroom <= 38, "flatcomm: headroom must be in [1, 38], got ", headroom)
-    return 62 - headroom
+    return _C.precision_of(headroom)
 
 
 def check_exact_block(block: int) -> None:
@@ -615,13 +568,8 @@ class Ops:
 
     @staticmethod
     def zero_padding(payload: torch.Tensor, c: int, n: int, block: int, k: int) -> None:
-        nb, co, total = layout(c, n, block, k)
-        if is_cast(c):
-            head_end, data_end = 0, n * (4 if c == 0 else 2)
-        elif c == TOPK:
-            head_end, data_end = 4 * k, co + 4 * k
-        else:
-            head_end, data_end = 4 * nb, co + ceil_div(n * code_bits(c), 8)
+        lay = _C.wire_layout(c, n, block, k)
+        co, total, head_end, data_end = lay["codes_offset"], lay["total"], lay["head_end"], lay["data_end"]
         if co > head_end:
             payload.narrow(0, head_end, co - head_end).zero_()
         if total > data_end:

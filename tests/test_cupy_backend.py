@@ -356,9 +356,85 @@ def test_installed_packages_ship_the_kernel_sources(tmp_path):
     assert cb.nvrtc_source(shipped) == cb.nvrtc_source(ROOT / "csrc")
     spec_file = tmp_path / "flatcomm" / "cupy_backend.py"
     assert spec_file.is_file()  # the installed module resolves _csrc next to itself
-    code = ("import sys, importlib.util; s = importlib.util.spec_from_file_location('cb', sys.argv[1]); "
+    # Loaded as a module of the flatcomm package (it imports flatcomm._C), from the installed file.
+    code = ("import sys, importlib.util, flatcomm; "
+            "s = importlib.util.spec_from_file_location('flatcomm._installed_cb', sys.argv[1]); "
             "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); print(m.csrc_dir())")
-    out = subprocess.run([sys.executable, "-c", code, str(spec_file)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code, str(spec_file)], capture_output=True, text=True, cwd=ROOT,
                          env={k: v for k, v in __import__("os").environ.items() if k != "FLATCOMM_CSRC"})
     assert out.returncode == 0, out.stderr
     assert Path(out.stdout.strip()) == shipped
+
+
+# ---- constants and layouts: from flatcomm._C, equal to the C++ sources ---------------------------
+
+def test_constants_are_the_cpp_headers():
+    """cupy_backend takes its launch shapes and limits from _C; g++ reads the headers themselves."""
+    out = _gxx('#include "cuda/kernels.cuh"\n#include "core/codec.h"\n#include <cstdio>\nusing namespace flatcomm;\n'
+               'int main(){std::printf("%d %d %d %lld %d %lld %lld %lld %lld %lld %lld %d %d %d\\n", gpu::kThreads, '
+               'gpu::kWarps, gpu::kScanThreads, (long long)gpu::kCastTile, gpu::kTopkTile, (long long)gpu::kMaxGrid, '
+               '(long long)gpu::kTopkChunk, (long long)gpu::kTopkBins, (long long)core::kMinBlock, '
+               '(long long)core::kMaxBlock, (long long)core::kMaxTopkNumel, (int)core::kF32, (int)core::kBF16, '
+               '(int)core::kF16);for(int c=0;c<=core::kCodecTopK;++c) std::printf("%d ", (int)core::is_blockwise(c));}')
+    first, blockwise = out.splitlines()
+    assert [int(v) for v in first.split()] == [
+        cb.K_THREADS, cb.K_WARPS, cb.K_SCAN_THREADS, cb.K_CAST_TILE, cb.K_TOPK_TILE, cb.K_MAX_GRID, cb.K_TOPK_CHUNK,
+        cb.K_TOPK_BINS, cb.MIN_BLOCK, cb.MAX_BLOCK, cb.MAX_TOPK_NUMEL, cb.F32, cb.BF16, cb.F16]
+    assert [c for c, b in enumerate(blockwise.split()) if b == "1"] == list(cb.BLOCKWISE)
+    assert list(cb.CODEC_IDS) == list(CODECS) and list(cb.CODEC_IDS.values()) == list(range(len(CODECS)))
+    assert [cb.parse_codec(c) for c in CODECS] == list(range(len(CODECS)))
+    assert cb.MAX_BLOCK == flatcomm._C.max_block_size()
+
+
+ODD_SIZES = (1, 31, 33, 255, 1001, 4097, 65537)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_layouts_match_the_payloads_the_ops_write(codec):
+    """For every codec and odd sizes: the sizes the cupy path allocates are the C++ ops' payloads, the
+    bytes it zeroes are the bytes the C++ op leaves zero, and they carry no data."""
+    g = torch.Generator().manual_seed(hash(codec) % 1000)
+    c = cb.CODEC_IDS[codec]
+    for n in ODD_SIZES:
+        for block in ((32, 96, 4096) if c in cb.BLOCKWISE else (0,)):
+            k = k_of(codec, n)
+            x = torch.randn(n, generator=g)
+            ref = ops.encode(x, codec, block, k, None, False, 0)
+            nb, co, total = cb.layout(c, n, block, k)
+            assert total == ref.numel() == cb.wire_bytes(c, n, block, k)
+            assert total == flatcomm._C.wire_bytes(codec, n, block, k)
+            lay = flatcomm._C.wire_layout(c, n, block, k)
+            assert lay["head_end"] <= co <= lay["data_end"] <= total and total % 16 == 0
+            assert nb == (-(-n // block) if c in cb.BLOCKWISE else 0)
+            buf = torch.full_like(ref, 0xFF)
+            cb.Ops.zero_padding(buf, c, n, block, k)
+            padding = buf == 0
+            assert int(padding.sum()) == (co - lay["head_end"]) + (total - lay["data_end"]), (n, block)
+            assert torch.all(ref[padding] == 0)
+            noisy = ref.clone()
+            noisy[padding] = 0xA5  # padding carries nothing: the decode does not change
+            a = ops.decode(ref, codec, n, block, k, torch.float32)
+            b = ops.decode(noisy, codec, n, block, k, torch.float32)
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_layout_helpers_reject_what_no_launch_accepts():
+    for args in ((7, 10, 0, 0), (-1, 10, 0, 0), (cb.INT8, 10, 48, 0), (cb.INT8, -1, 32, 0),
+                 (cb.TOPK, 10, 0, 11), (cb.TOPK, 1 << 32, 0, 1), (cb.F32, (1 << 56) + 1, 0, 0)):
+        with pytest.raises(ValueError, match="no payload layout"):
+            cb.layout(*args)
+    assert cb.layout(cb.TOPK, 10, 0, 0) == (0, 0, 0)  # a launch accepts k = 0 (kernels.cu valid_topk)
+    for n in (-1, 1 << 32):
+        with pytest.raises(ValueError, match="topk scratch"):
+            cb.topk_scratch_layout(n)
+    with pytest.raises(RuntimeError, match="unknown codec id 9"):
+        cb.wire_bytes(9, 10, 0, 0)
+    for bad in ((cb.INT8, 10, 48, 0, "int8"), (cb.TOPK, 10, 0, 0, "topk"), (cb.F32, -1, 0, 0, "fp32")):
+        with pytest.raises(RuntimeError) as by_id:
+            cb.wire_bytes(*bad[:4])
+        with pytest.raises(RuntimeError) as by_name:
+            flatcomm._C.wire_bytes(bad[4], *bad[1:4])
+        assert str(by_id.value) == str(by_name.value)
+    assert cb.seed_key((1 << 64) - 1) == flatcomm._C.seed_key((1 << 64) - 1)
+    with pytest.raises(RuntimeError, match=r"headroom must be in \[1, 38\]"):
+        cb.precision_of(39)

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EMU = ROOT / "tests" / "cuda_emu"
 sys.path.insert(0, str(EMU))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_check  # noqa: E402  (bits / _both_nan: the GPU check's comparison)
+import gpu_check_common as gpu_check  # noqa: E402  (bits / _both_nan: the GPU check's comparison)
 import translate  # noqa: E402
 
 ops = torch.ops.flatcomm

@@ -146,8 +146,8 @@ def test_numerics_options_are_there():
         assert o in opts
 
 
-STRUCT_TYPES = {"EncodeParams": "flatcomm::gpu::kern::EncodeParams", "DecodeSumArgs": "flatcomm::cpu::DecodeSumArgs",
-                "OrderedSumArgs": "flatcomm::cpu::OrderedSumArgs", "ExactArgs": "flatcomm::cpu::ExactArgs",
+STRUCT_TYPES = {"EncodeParams": "flatcomm::gpu::kern::EncodeParams", "DecodeSumArgs": "flatcomm::DecodeSumArgs",
+                "OrderedSumArgs": "flatcomm::OrderedSumArgs", "ExactArgs": "flatcomm::ExactArgs",
                 "XSource<0>": "flatcomm::gpu::kern::XSource<0>", "SumSource<0>": "flatcomm::gpu::kern::SumSource<0>"}
 
 

@@ -74,6 +74,29 @@ FC_HD Layout layout(int32_t codec, int64_t n, int64_t block, int64_t k) {
   return l;
 }
 
+// The bytes of a payload that carry data: [0, head_end) (block scales or topk indices) and
+// [codes_offset, data_end) (codes or values; cast codecs: [0, data_end)). Every other byte up to
+// `total` is padding, which goes on the wire as zeros.
+struct DataEnds {
+  int64_t head_end;
+  int64_t data_end;
+};
+
+FC_HD DataEnds data_ends(int32_t codec, int64_t n, int64_t k, const Layout& l) {
+  DataEnds d{0, 0};
+  if (n <= 0) return d;
+  if (is_cast(codec)) {
+    d.data_end = n * cast_bytes(codec);
+  } else if (codec == kCodecTopK) {
+    d.head_end = 4 * k;
+    d.data_end = l.codes_offset + 4 * k;
+  } else {
+    d.head_end = 4 * l.nblocks;
+    d.data_end = l.codes_offset + ceil_div(n * code_bits(codec), 8);
+  }
+  return d;
+}
+
 // Validity of a topk index list (strictly ascending, every index < n): k when valid, else the
 // first entry that breaks it. The common, valid case is one branch-free pass that vectorises (an
 // OR of compares); only an invalid list is walked again to find the entry.

@@ -1,4 +1,4 @@
-// Torch-free CPU kernels: plain structs of raw pointers in, work on an element range out.
+// Torch-free CPU kernels: argument structs (core/kernel_args.h) in, work on an element range out.
 //
 // The kernels are compiled once per instruction set (kernels_baseline.cpp, kernels_avx2.cpp,
 // kernels_avx512.cpp) from the same source (kernels_impl.h); `kernels()` picks the best one the CPU
@@ -11,69 +11,12 @@
 #pragma once
 #include <stdint.h>
 
+#include "../core/kernel_args.h"
+
 namespace flatcomm {
 namespace cpu {
 
 constexpr int64_t kTile = 2048;  // elements per cache tile for casts, sums and exact ops
-
-struct EncodeArgs {
-  const void* x;       // n values of x_dtype
-  int32_t x_dtype;     // core::DType
-  float* residual;     // n fp32 values updated in place, or nullptr (no error feedback)
-  uint8_t* payload;    // layout(codec, n, block, k).total bytes
-  int64_t n;
-  int32_t codec;
-  int64_t block;       // block size (blockwise codecs)
-  int64_t k;           // kept count (topk)
-  bool stochastic;
-  uint64_t seed;
-  float* scratch;      // topk only: n floats
-};
-
-struct DecodeArgs {
-  const uint8_t* payload;
-  int64_t n;
-  int32_t codec;
-  int64_t block;
-  int64_t k;
-  void* out;           // n values of out_dtype
-  int32_t out_dtype;
-};
-
-// Decode `rows` payloads (row r at payloads + r * row_stride) and sum them in ascending row order.
-struct DecodeSumArgs {
-  const uint8_t* payloads;
-  int64_t row_stride;
-  int64_t rows;
-  int64_t n;
-  int32_t codec;
-  int64_t block;
-  int64_t k;
-  float scale;         // applied once to the final sum (1 = none)
-  float* out;          // n fp32 values (decode_sum only)
-};
-
-struct OrderedSumArgs {
-  const void* x;       // rows x n values of dtype, row r at x + r * row_stride elements
-  int32_t dtype;
-  int64_t rows;
-  int64_t row_stride;
-  int64_t n;
-  float* out;
-};
-
-struct ExactArgs {
-  const void* x;       // rows x n values of dtype (exponents, to_fixed, exact_sum)
-  int32_t dtype;
-  int64_t rows;
-  int64_t row_stride;
-  int64_t n;
-  int64_t block;
-  int32_t precision;   // P = 62 - headroom
-  int32_t* exponents;  // one per block
-  int64_t* fixed;      // n values (to_fixed output, from_fixed input)
-  float* out;          // n values (from_fixed, exact_sum)
-};
 
 struct KernelTable {
   const char* isa;

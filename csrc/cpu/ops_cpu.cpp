@@ -38,38 +38,38 @@ struct CpuBackend {
   static const cpu::KernelTable& K() { return cpu::kernels(); }
   static int64_t topk_scratch_bytes(int64_t n) { return 4 * n; }
 
-  static void encode(const cpu::EncodeArgs& a) {
+  static void encode(const EncodeArgs& a) {
     parallel_ranges(a.n, unit_of(a.codec, a.block), [&](int64_t i0, int64_t i1) { K().encode(a, i0, i1); });
   }
-  static void encode_topk(const cpu::EncodeArgs& a) { K().encode_topk(a); }
-  static void decode(const cpu::DecodeArgs& a) {
+  static void encode_topk(const EncodeArgs& a) { K().encode_topk(a); }
+  static void decode(const DecodeArgs& a) {
     parallel_ranges(a.n, unit_of(a.codec, a.block), [&](int64_t i0, int64_t i1) { K().decode(a, i0, i1); });
   }
   // Tiles of the output, each fed by all rows: a rank-order sum per element, any thread count.
-  static void decode_sum(const cpu::DecodeSumArgs& a) {
+  static void decode_sum(const DecodeSumArgs& a) {
     parallel_ranges(a.n, cpu::kTile, [&](int64_t i0, int64_t i1) { K().decode_sum(a, i0, i1); });
   }
-  static void decode_sum_encode(const cpu::DecodeSumArgs& a, const cpu::EncodeArgs& e) {
+  static void decode_sum_encode(const DecodeSumArgs& a, const EncodeArgs& e) {
     parallel_ranges(a.n, unit_of(e.codec, e.block),
                     [&](int64_t i0, int64_t i1) { K().decode_sum_encode(a, e, i0, i1); });
   }
-  static void ordered_sum(const cpu::OrderedSumArgs& a) {
+  static void ordered_sum(const OrderedSumArgs& a) {
     parallel_ranges(a.n, cpu::kTile, [&](int64_t i0, int64_t i1) { K().ordered_sum(a, i0, i1); });
   }
-  static void exact_exponents(const cpu::ExactArgs& a) {
+  static void exact_exponents(const ExactArgs& a) {
     parallel_ranges(a.n, a.block, [&](int64_t i0, int64_t i1) { K().exact_exponents(a, i0, i1); });
   }
-  static void to_fixed(const cpu::ExactArgs& a, const at::Tensor&) {
+  static void to_fixed(const ExactArgs& a, const at::Tensor&) {
     std::atomic<int64_t> bad{0};
     parallel_ranges(a.n, a.block, [&](int64_t i0, int64_t i1) { bad += K().to_fixed(a, i0, i1); });
     TORCH_CHECK(bad.load() == 0, "flatcomm: to_exact: ", bad.load(),
                 " values exceed their block's exponent (|v| must be < 2^exponent; take the "
                 "exponents from exact_exponents, reduced with MAX over all contributors)");
   }
-  static void from_fixed(const cpu::ExactArgs& a) {
+  static void from_fixed(const ExactArgs& a) {
     parallel_ranges(a.n, a.block, [&](int64_t i0, int64_t i1) { K().from_fixed(a, i0, i1); });
   }
-  static void exact_sum(const cpu::ExactArgs& a) {
+  static void exact_sum(const ExactArgs& a) {
     parallel_ranges(a.n, a.block, [&](int64_t i0, int64_t i1) { K().exact_sum(a, i0, i1); });
   }
 };

@@ -7,9 +7,10 @@
 // Only kernels.cu may include it (its non-template kernels are defined here, not just declared).
 // So this header includes no host header and nothing from the CUDA runtime: only csrc/core (whose
 // common.h supplies the fixed-width integer types under NVRTC) and the plain-C++ kernels.cuh for
-// the argument structs. Kernel parameters and shared-memory sizes are part of the launch contract
-// with kernels.cu and cupy_backend.py; change them in all three places (tests/test_nvrtc.py checks
-// the struct layouts and the kernel names).
+// the argument structs (core/kernel_args.h) and the launch shapes (kThreads, ...). Kernel
+// parameters and shared-memory sizes are part of the launch contract with kernels.cu and
+// cupy_backend.py; change them in all three places (tests/test_nvrtc.py checks the struct layouts
+// and the kernel names).
 //
 // Shapes used throughout:
 //   * elementwise kernels: each thread takes chunks of 4 consecutive elements (i % 4 == 0), with one
@@ -29,18 +30,7 @@ namespace gpu {
 namespace kern {
 
 using namespace ::flatcomm::core;
-using cpu::DecodeArgs;
-using cpu::DecodeSumArgs;
-using cpu::EncodeArgs;
-using cpu::ExactArgs;
-using cpu::OrderedSumArgs;
-
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
-constexpr int64_t kCastTile = 1024;  // elements per CTA step of the cast encoders (any size: same bits)
-constexpr int kTopkTile = 2048;      // elements per CTA step of the topk decoders
-constexpr int64_t kMaxGrid = 0x7fffffff;
 
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 __device__ __forceinline__ int mini(int a, int b) { return a < b ? a : b; }
@@ -704,7 +694,6 @@ topk_count_kernel(const float* v, int64_t n, const TopkState* st, unsigned long 
 }
 
 // One CTA of 1024 threads: exclusive prefix sums of the per-chunk counts, in place.
-constexpr int kScanThreads = 1024;
 __global__ void __launch_bounds__(kScanThreads) topk_scan_kernel(unsigned long long* counts, int64_t nchunks) {
   __shared__ unsigned long long sh[2][kScanThreads / 32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

@@ -21,11 +21,6 @@ namespace {
 
 using namespace ::flatcomm::core;
 using namespace ::flatcomm::gpu::kern;
-using cpu::DecodeArgs;
-using cpu::DecodeSumArgs;
-using cpu::EncodeArgs;
-using cpu::ExactArgs;
-using cpu::OrderedSumArgs;
 
 // ---- host side ------------------------------------------------------------------------------------
 
@@ -276,30 +271,30 @@ cudaError_t exact_sum(const ExactArgs& a, cudaStream_t s) {
 
 }  // namespace
 
-int launch_encode(const cpu::EncodeArgs& a, cudaStream_t s) { return static_cast<int>(encode(a, s)); }
-int launch_encode_topk(const cpu::EncodeArgs& a, cudaStream_t s) {
+int launch_encode(const EncodeArgs& a, cudaStream_t s) { return static_cast<int>(encode(a, s)); }
+int launch_encode_topk(const EncodeArgs& a, cudaStream_t s) {
   return static_cast<int>(a.codec == kCodecTopK ? encode_topk(a, s) : cudaErrorInvalidValue);
 }
-int launch_decode(const cpu::DecodeArgs& a, cudaStream_t s) { return static_cast<int>(decode(a, s)); }
-int launch_decode_sum(const cpu::DecodeSumArgs& a, cudaStream_t s) {
+int launch_decode(const DecodeArgs& a, cudaStream_t s) { return static_cast<int>(decode(a, s)); }
+int launch_decode_sum(const DecodeSumArgs& a, cudaStream_t s) {
   return static_cast<int>(decode_sum(a, s));
 }
-int launch_decode_sum_encode(const cpu::DecodeSumArgs& a, const cpu::EncodeArgs& enc, cudaStream_t s) {
+int launch_decode_sum_encode(const DecodeSumArgs& a, const EncodeArgs& enc, cudaStream_t s) {
   return static_cast<int>(decode_sum_encode(a, enc, s));
 }
-int launch_ordered_sum(const cpu::OrderedSumArgs& a, cudaStream_t s) {
+int launch_ordered_sum(const OrderedSumArgs& a, cudaStream_t s) {
   return static_cast<int>(ordered_sum(a, s));
 }
-int launch_exact_exponents(const cpu::ExactArgs& a, cudaStream_t s) {
+int launch_exact_exponents(const ExactArgs& a, cudaStream_t s) {
   return static_cast<int>(exact_exponents(a, s));
 }
-int launch_to_fixed(const cpu::ExactArgs& a, int64_t* bad_count, cudaStream_t s) {
+int launch_to_fixed(const ExactArgs& a, int64_t* bad_count, cudaStream_t s) {
   return static_cast<int>(to_fixed_launch(a, bad_count, s));
 }
-int launch_from_fixed(const cpu::ExactArgs& a, cudaStream_t s) {
+int launch_from_fixed(const ExactArgs& a, cudaStream_t s) {
   return static_cast<int>(from_fixed_launch(a, s));
 }
-int launch_exact_sum(const cpu::ExactArgs& a, cudaStream_t s) { return static_cast<int>(exact_sum(a, s)); }
+int launch_exact_sum(const ExactArgs& a, cudaStream_t s) { return static_cast<int>(exact_sum(a, s)); }
 
 }  // namespace gpu
 }  // namespace flatcomm

@@ -6,17 +6,28 @@
 // host and never allocates; it returns a cudaError_t value as an int (0 = cudaSuccess,
 // 1 = cudaErrorInvalidValue for arguments it rejects, else the launch error).
 //
-// The argument structs are the CPU kernels' (csrc/cpu/kernels.h) with device pointers in them. The
-// results are bitwise equal to the CPU kernels' on the same inputs (see README.md beside this file).
+// The argument structs are the CPU kernels' (csrc/core/kernel_args.h) with device pointers in
+// them. The results are bitwise equal to the CPU kernels' on the same inputs (see README.md beside
+// this file).
 #pragma once
 #include <stdint.h>
 
-#include "../cpu/kernels.h"
+#include "../core/kernel_args.h"
 
 typedef struct CUstream_st* cudaStream_t;
 
 namespace flatcomm {
 namespace gpu {
+
+// ---- launch shapes ---------------------------------------------------------------------------
+// Shared by the kernels (device.cuh), their launches (kernels.cu) and the cupy path's launches,
+// which read them through flatcomm._C.constants().
+constexpr int kThreads = 256;        // threads per CTA of every kernel but the topk scan
+constexpr int kWarps = kThreads / 32;
+constexpr int64_t kCastTile = 1024;  // elements per CTA step of the cast encoders (any size: same bits)
+constexpr int kTopkTile = 2048;      // elements per CTA step of the topk decoders
+constexpr int64_t kMaxGrid = 0x7fffffff;
+constexpr int kScanThreads = 1024;   // the topk scan's single CTA
 
 // ---- topk scratch ----------------------------------------------------------------------------
 // encode with codec topk needs EncodeArgs::scratch to point at topk_scratch_bytes(n) bytes of device
@@ -52,28 +63,28 @@ inline int64_t topk_scratch_bytes(int64_t n) { return topk_scratch_layout(n).tot
 //   topk: 0 <= k <= n <= 2^32.
 
 // Encode x (+ residual) into payload; any codec, topk included (then with the scratch above).
-int launch_encode(const cpu::EncodeArgs& a, cudaStream_t s);
+int launch_encode(const EncodeArgs& a, cudaStream_t s);
 // Encode with codec topk only (launch_encode forwards to it).
-int launch_encode_topk(const cpu::EncodeArgs& a, cudaStream_t s);
+int launch_encode_topk(const EncodeArgs& a, cudaStream_t s);
 // Decode one payload into out (out_dtype f32, bf16 or f16).
-int launch_decode(const cpu::DecodeArgs& a, cudaStream_t s);
+int launch_decode(const DecodeArgs& a, cudaStream_t s);
 // Sum of the decoded rows in ascending row order, times scale, into out (fp32).
-int launch_decode_sum(const cpu::DecodeSumArgs& a, cudaStream_t s);
+int launch_decode_sum(const DecodeSumArgs& a, cudaStream_t s);
 // decode_sum, then encode the sum with `enc` (enc.x is ignored, a.out is not written);
 // enc.codec must not be topk, and enc.n must equal a.n.
-int launch_decode_sum_encode(const cpu::DecodeSumArgs& a, const cpu::EncodeArgs& enc,
+int launch_decode_sum_encode(const DecodeSumArgs& a, const EncodeArgs& enc,
                              cudaStream_t s);
 // out = x[0] + x[1] + ... in ascending row order (fp32).
-int launch_ordered_sum(const cpu::OrderedSumArgs& a, cudaStream_t s);
+int launch_ordered_sum(const OrderedSumArgs& a, cudaStream_t s);
 // exponents[b] = exponent of the max |x| over all rows of block b.
-int launch_exact_exponents(const cpu::ExactArgs& a, cudaStream_t s);
+int launch_exact_exponents(const ExactArgs& a, cudaStream_t s);
 // fixed[i] = to_fixed(x[i], exponents[i / block]) for row 0; *bad_count (device int64) is
 // overwritten with the number of values that exceed their block's exponent.
-int launch_to_fixed(const cpu::ExactArgs& a, int64_t* bad_count, cudaStream_t s);
+int launch_to_fixed(const ExactArgs& a, int64_t* bad_count, cudaStream_t s);
 // out[i] = from_fixed(fixed[i], exponents[i / block]).
-int launch_from_fixed(const cpu::ExactArgs& a, cudaStream_t s);
+int launch_from_fixed(const ExactArgs& a, cudaStream_t s);
 // Exact sum over rows per block (exponents written too when a.exponents is not null).
-int launch_exact_sum(const cpu::ExactArgs& a, cudaStream_t s);
+int launch_exact_sum(const ExactArgs& a, cudaStream_t s);
 
 }  // namespace gpu
 }  // namespace flatcomm

@@ -25,35 +25,35 @@ struct CudaBackend {
   };
   static constexpr bool kHostMemory = false;
   static int64_t topk_scratch_bytes(int64_t n) { return gpu::topk_scratch_bytes(n); }
-  static void encode(const cpu::EncodeArgs& a) { check_launch(gpu::launch_encode(a, stream()), "encode"); }
-  static void encode_topk(const cpu::EncodeArgs& a) {
+  static void encode(const EncodeArgs& a) { check_launch(gpu::launch_encode(a, stream()), "encode"); }
+  static void encode_topk(const EncodeArgs& a) {
     check_launch(gpu::launch_encode_topk(a, stream()), "encode (topk)");
   }
-  static void decode(const cpu::DecodeArgs& a) { check_launch(gpu::launch_decode(a, stream()), "decode"); }
-  static void decode_sum(const cpu::DecodeSumArgs& a) {
+  static void decode(const DecodeArgs& a) { check_launch(gpu::launch_decode(a, stream()), "decode"); }
+  static void decode_sum(const DecodeSumArgs& a) {
     check_launch(gpu::launch_decode_sum(a, stream()), "decode_sum");
   }
-  static void decode_sum_encode(const cpu::DecodeSumArgs& a, const cpu::EncodeArgs& e) {
+  static void decode_sum_encode(const DecodeSumArgs& a, const EncodeArgs& e) {
     check_launch(gpu::launch_decode_sum_encode(a, e, stream()), "decode_sum_encode");
   }
-  static void ordered_sum(const cpu::OrderedSumArgs& a) {
+  static void ordered_sum(const OrderedSumArgs& a) {
     check_launch(gpu::launch_ordered_sum(a, stream()), "ordered_sum");
   }
-  static void exact_exponents(const cpu::ExactArgs& a) {
+  static void exact_exponents(const ExactArgs& a) {
     check_launch(gpu::launch_exact_exponents(a, stream()), "exact_exponents");
   }
   // The overflow count stays on the device: an asynchronous assert reports it without a sync.
-  static void to_fixed(const cpu::ExactArgs& a, const at::Tensor& like) {
+  static void to_fixed(const ExactArgs& a, const at::Tensor& like) {
     at::Tensor bad = at::empty({1}, like.options().dtype(at::kLong));
     check_launch(gpu::launch_to_fixed(a, bad.data_ptr<int64_t>(), stream()), "to_exact");
     at::_assert_async(bad.eq(0).squeeze(),
                       "flatcomm: to_exact: values exceed their block's exponent (take the "
                       "exponents from exact_exponents, reduced with MAX over all contributors)");
   }
-  static void from_fixed(const cpu::ExactArgs& a) {
+  static void from_fixed(const ExactArgs& a) {
     check_launch(gpu::launch_from_fixed(a, stream()), "from_exact");
   }
-  static void exact_sum(const cpu::ExactArgs& a) {
+  static void exact_sum(const ExactArgs& a) {
     check_launch(gpu::launch_exact_sum(a, stream()), "exact_sum");
   }
 };

@@ -150,7 +150,7 @@ static void test_isa_agreement() {
         Layout L = layout(codec, n, block, 0);
         std::vector<uint8_t> payload(L.total, 0);
         std::vector<float> res = res_old;
-        cpu::EncodeArgs a{};
+        EncodeArgs a{};
         a.x = x.data(); a.x_dtype = kF32; a.residual = res.data(); a.payload = payload.data();
         a.n = n; a.codec = codec; a.block = block; a.stochastic = stoch; a.seed = 7;
         cpu::kernels().encode(a, 0, n);
@@ -159,7 +159,7 @@ static void test_isa_agreement() {
           ref_res = res;
           // Error feedback identity, checked in float64, and the non-finite rule.
           std::vector<float> dec(n);
-          cpu::DecodeArgs d{payload.data(), n, codec, block, 0, dec.data(), kF32};
+          DecodeArgs d{payload.data(), n, codec, block, 0, dec.data(), kF32};
           cpu::kernels().decode(d, 0, n);
           int bad = 0;
           for (int64_t i = 0; i < n; ++i) {
@@ -194,15 +194,15 @@ static void test_decode_sum_order() {
   std::vector<std::vector<float>> dec(rows, std::vector<float>(n));
   for (int64_t r = 0; r < rows; ++r) {
     std::vector<float> x = random_values(n, float(r + 1));
-    cpu::EncodeArgs a{};
+    EncodeArgs a{};
     a.x = x.data(); a.x_dtype = kF32; a.payload = payloads.data() + r * L.total;
     a.n = n; a.codec = kCodecInt8; a.block = block;
     cpu::kernels().encode(a, 0, n);
-    cpu::DecodeArgs d{a.payload, n, kCodecInt8, block, 0, dec[r].data(), kF32};
+    DecodeArgs d{a.payload, n, kCodecInt8, block, 0, dec[r].data(), kF32};
     cpu::kernels().decode(d, 0, n);
   }
   std::vector<float> out(n);
-  cpu::DecodeSumArgs s{payloads.data(), L.total, rows, n, kCodecInt8, block, 0, 0.5f, out.data()};
+  DecodeSumArgs s{payloads.data(), L.total, rows, n, kCodecInt8, block, 0, 0.5f, out.data()};
   cpu::kernels().decode_sum(s, 0, n);
   int bad = 0;
   for (int64_t i = 0; i < n; ++i) {

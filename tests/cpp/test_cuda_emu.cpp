@@ -191,7 +191,7 @@ static std::vector<uint8_t> cpu_payload(int32_t codec, int64_t n, int64_t block,
   const Layout L = layout(codec, n, block, k);
   std::vector<uint8_t> payload(L.total, 0);
   std::vector<float> scratch(n);
-  cpu::EncodeArgs a{x.data(), kF32, nullptr, payload.data(), n, codec, block, k, false, 0, scratch.data()};
+  EncodeArgs a{x.data(), kF32, nullptr, payload.data(), n, codec, block, k, false, 0, scratch.data()};
   if (codec == kCodecTopK) K().encode_topk(a); else K().encode(a, 0, n);
   return payload;
 }
@@ -212,7 +212,7 @@ static void test_encode(int32_t codec, int32_t dt, int64_t n, bool with_residual
     Buf payload(L.total), residual(with_residual ? 4 * n : 0, misalign ? 4 : 0);
     payload.fill(poison);
     residual.set(res0);
-    cpu::EncodeArgs a{x.p(), dt, reinterpret_cast<float*>(residual.p()), payload.p(), n, codec, block, k,
+    EncodeArgs a{x.p(), dt, reinterpret_cast<float*>(residual.p()), payload.p(), n, codec, block, k,
                       stochastic, seed, nullptr};
     if (!gpu) {
       std::vector<float> scratch(n);
@@ -237,7 +237,7 @@ static void test_decode(int32_t codec, int32_t odt, int64_t n, bool misalign) {
     Buf payload(payload0.size()), out(n * esize(odt), misalign ? esize(odt) : 0);
     payload.set(payload0);
     out.fill(poison);
-    cpu::DecodeArgs a{payload.p(), n, codec, block, k, out.p(), odt};
+    DecodeArgs a{payload.p(), n, codec, block, k, out.p(), odt};
     if (gpu) expect_ok(gpu::launch_decode(a, nullptr), what); else K().decode(a, 0, n);
     return Outputs{floats(out.data(), odt)};
   });
@@ -267,7 +267,7 @@ static void test_decode_sum(int32_t codec, int64_t n, int64_t rows, bool odd_str
     Buf payloads(rows0.size()), out(4 * n);
     payloads.set(rows0);
     out.fill(poison);
-    cpu::DecodeSumArgs a{payloads.p(), stride, rows, n, codec, block, k, scale, reinterpret_cast<float*>(out.p())};
+    DecodeSumArgs a{payloads.p(), stride, rows, n, codec, block, k, scale, reinterpret_cast<float*>(out.p())};
     if (gpu) expect_ok(gpu::launch_decode_sum(a, nullptr), what); else K().decode_sum(a, 0, n);
     return Outputs{floats(out.data())};
   });
@@ -292,8 +292,8 @@ static void test_decode_sum_encode(int32_t src, int32_t enc_codec, int64_t n, in
     payloads.set(rows0);
     out.fill(poison);
     residual.set(res0);
-    cpu::DecodeSumArgs a{payloads.p(), stride, rows, n, src, block, k, scale, nullptr};
-    cpu::EncodeArgs e{nullptr, kF32, reinterpret_cast<float*>(residual.p()), out.p(), n, enc_codec, eblock, 0,
+    DecodeSumArgs a{payloads.p(), stride, rows, n, src, block, k, scale, nullptr};
+    EncodeArgs e{nullptr, kF32, reinterpret_cast<float*>(residual.p()), out.p(), n, enc_codec, eblock, 0,
                       stochastic, seed, nullptr};
     if (gpu) expect_ok(gpu::launch_decode_sum_encode(a, e, nullptr), what); else K().decode_sum_encode(a, e, 0, n);
     return Outputs{payload_out(out.data(), enc_codec, n, eblock, 0), floats(residual.data())};
@@ -311,7 +311,7 @@ static void test_ordered_sum(int32_t dt, int64_t n, int64_t rows, int64_t pad, b
   compare(what, [&](bool gpu, uint8_t poison) {
     Buf out(4 * n);
     out.fill(poison);
-    cpu::OrderedSumArgs a{x.p(), dt, rows, stride, n, reinterpret_cast<float*>(out.p())};
+    OrderedSumArgs a{x.p(), dt, rows, stride, n, reinterpret_cast<float*>(out.p())};
     if (gpu) expect_ok(gpu::launch_ordered_sum(a, nullptr), what); else K().ordered_sum(a, 0, n);
     return Outputs{floats(out.data())};
   });
@@ -330,7 +330,7 @@ static void test_exact(int32_t dt, int64_t n, int64_t rows, int64_t block, bool 
                 misalign ? " misaligned" : "");
   const std::string base = describe("", kCodecF32, dt, n, block, 0, extra);
   auto args = [&](Buf& exps, Buf& fixed, Buf& out) {
-    return cpu::ExactArgs{x.p(), dt, rows, stride, n, block, precision, reinterpret_cast<int32_t*>(exps.p()),
+    return ExactArgs{x.p(), dt, rows, stride, n, block, precision, reinterpret_cast<int32_t*>(exps.p()),
                           reinterpret_cast<int64_t*>(fixed.p()), reinterpret_cast<float*>(out.p())};
   };
   // exponents
@@ -338,7 +338,7 @@ static void test_exact(int32_t dt, int64_t n, int64_t rows, int64_t block, bool 
   compare("exact_exponents" + base, [&](bool gpu, uint8_t poison) {
     Buf exps(4 * nblocks), fixed, out;
     exps.fill(poison);
-    cpu::ExactArgs a = args(exps, fixed, out);
+    ExactArgs a = args(exps, fixed, out);
     if (gpu) expect_ok(gpu::launch_exact_exponents(a, nullptr), "exact_exponents" + base);
     else K().exact_exponents(a, 0, n);
     if (!gpu) exps0 = exps.data();
@@ -359,7 +359,7 @@ static void test_exact(int32_t dt, int64_t n, int64_t rows, int64_t block, bool 
     exps.set(exps_used);
     fixed.fill(poison);
     bad.fill(poison);
-    cpu::ExactArgs a = args(exps, fixed, out);
+    ExactArgs a = args(exps, fixed, out);
     int64_t count = 0;
     if (gpu) expect_ok(gpu::launch_to_fixed(a, reinterpret_cast<int64_t*>(bad.p()), nullptr), "to_fixed" + base);
     else count = K().to_fixed(a, 0, n);
@@ -378,7 +378,7 @@ static void test_exact(int32_t dt, int64_t n, int64_t rows, int64_t block, bool 
     exps.set(exps0);
     fixed.set(fixed0);
     out.fill(poison);
-    cpu::ExactArgs a = args(exps, fixed, out);
+    ExactArgs a = args(exps, fixed, out);
     if (gpu) expect_ok(gpu::launch_from_fixed(a, nullptr), "from_fixed" + base); else K().from_fixed(a, 0, n);
     return Outputs{floats(out.data())};
   });
@@ -387,7 +387,7 @@ static void test_exact(int32_t dt, int64_t n, int64_t rows, int64_t block, bool 
     Buf exps(4 * nblocks), fixed, out(4 * n, off32);
     exps.fill(poison);
     out.fill(poison);
-    cpu::ExactArgs a = args(exps, fixed, out);
+    ExactArgs a = args(exps, fixed, out);
     if (gpu) expect_ok(gpu::launch_exact_sum(a, nullptr), "exact_sum" + base); else K().exact_sum(a, 0, n);
     return Outputs{floats(out.data()), raw(exps.data())};
   });
@@ -399,15 +399,15 @@ static void test_rejections() {
   std::vector<uint8_t> payload(4096, 0x77);
   const auto before = fc_emu::stats().launches;
   auto enc = [&](int32_t codec, int64_t block, int32_t dt, float* scratch, int64_t k) {
-    cpu::EncodeArgs a{x.data(), dt, nullptr, payload.data(), 64, codec, block, k, false, 0, scratch};
+    EncodeArgs a{x.data(), dt, nullptr, payload.data(), 64, codec, block, k, false, 0, scratch};
     return gpu::launch_encode(a, nullptr);
   };
   auto dec = [&](int64_t n) {
-    cpu::DecodeArgs a{payload.data(), n, kCodecF32, 0, 0, x.data(), kF32};
+    DecodeArgs a{payload.data(), n, kCodecF32, 0, 0, x.data(), kF32};
     return gpu::launch_decode(a, nullptr);
   };
   auto dsum = [&](int64_t n) {
-    cpu::DecodeSumArgs a{payload.data(), 16, 1, n, kCodecInt8, 256, 0, 1.0f, x.data()};
+    DecodeSumArgs a{payload.data(), 16, 1, n, kCodecInt8, 256, 0, 1.0f, x.data()};
     return gpu::launch_decode_sum(a, nullptr);
   };
   const struct {
@@ -461,7 +461,7 @@ static void test_invalid_topk() {
     }
     for (int out_dt = kF32; out_dt <= kF16; ++out_dt) {
       Buf out(n * esize(out_dt));
-      cpu::DecodeArgs a{p.data(), n, kCodecTopK, 0, k, out.p(), out_dt};
+      DecodeArgs a{p.data(), n, kCodecTopK, 0, k, out.p(), out_dt};
       expect_ok(gpu::launch_decode(a, nullptr), "decode of an invalid topk row");
       const bool nan = is_nan(out.p() + bad_elem * esize(out_dt), out_dt);
       if (!nan) fail("invalid topk row variant " + std::to_string(variant) + ": element " + std::to_string(bad_elem) + " is not NaN");
@@ -470,11 +470,11 @@ static void test_invalid_topk() {
     Buf sum(4 * n);
     std::vector<uint8_t> rows(p);
     rows.insert(rows.end(), p.begin(), p.end());
-    cpu::DecodeSumArgs s{rows.data(), total, 2, n, kCodecTopK, 0, k, 0.5f, reinterpret_cast<float*>(sum.p())};
+    DecodeSumArgs s{rows.data(), total, 2, n, kCodecTopK, 0, k, 0.5f, reinterpret_cast<float*>(sum.p())};
     expect_ok(gpu::launch_decode_sum(s, nullptr), "decode_sum of an invalid topk row");
     if (!is_nan(sum.p() + 4 * bad_elem, kF32)) fail("decode_sum: invalid topk row gave no NaN"); else ++g_passed;
     Buf enc(layout(kCodecInt8, n, 256, 0).total), res(4 * n);
-    cpu::EncodeArgs e{nullptr, kF32, reinterpret_cast<float*>(res.p()), enc.p(), n, kCodecInt8, 256, 0, false, 0, nullptr};
+    EncodeArgs e{nullptr, kF32, reinterpret_cast<float*>(res.p()), enc.p(), n, kCodecInt8, 256, 0, false, 0, nullptr};
     expect_ok(gpu::launch_decode_sum_encode(s, e, nullptr), "decode_sum_encode of an invalid topk row");
     if (!is_nan(enc.p() + 4 * (bad_elem / 256), kF32)) fail("decode_sum_encode: invalid topk row gave a finite scale");
     else ++g_passed;

@@ -30,7 +30,7 @@ void decode_case(const Args& a, int64_t n) {
   const Layout L = layout(a.codec, n, a.block, a.k);
   Buf payload = payload_rows(a, L.total, 1);
   Buf gpu(static_cast<size_t>(4 * n)), cpu_out(static_cast<size_t>(4 * n));
-  cpu::DecodeArgs d{payload.p(), n, a.codec, a.block, a.k, gpu.p(), kF32};
+  DecodeArgs d{payload.p(), n, a.codec, a.block, a.k, gpu.p(), kF32};
   FUZZ_CHECK(gpu::launch_decode(d, nullptr) == 0, n);
   Args one = a;
   one.rows = 1;
@@ -47,7 +47,7 @@ void decode_sum_case(const Args& a, int64_t n) {
   const Layout L = layout(a.codec, n, a.block, a.k);
   Buf payloads = payload_rows(a, L.total, a.rows);
   Buf gpu(static_cast<size_t>(4 * n)), cpu_out(static_cast<size_t>(4 * n));
-  cpu::DecodeSumArgs s{payloads.p(), L.total, a.rows, n, a.codec, a.block, a.k, a.scale, gpu.f()};
+  DecodeSumArgs s{payloads.p(), L.total, a.rows, n, a.codec, a.block, a.k, a.scale, gpu.f()};
   FUZZ_CHECK(gpu::launch_decode_sum(s, nullptr) == 0, n);
   if (!rows_valid(payloads, a, L.total)) {
     FUZZ_CHECK(any_nan(gpu.f(), n), n, a.k);
@@ -63,8 +63,8 @@ void decode_sum_encode_case(const Args& a, int64_t n) {
   Buf payloads = payload_rows(a, L.total, a.rows);
   auto run = [&](bool on_gpu, Buf& out, Buf& res) {
     for (int64_t i = 0; i < n; ++i) res.f()[i] = static_cast<float>(i % 7) - 3.0f;
-    cpu::DecodeSumArgs s{payloads.p(), L.total, a.rows, n, a.codec, a.block, a.k, a.scale, nullptr};
-    cpu::EncodeArgs e{nullptr, kF32, a.residual ? res.f() : nullptr, out.p(), n, a.out_codec, a.out_block, 0,
+    DecodeSumArgs s{payloads.p(), L.total, a.rows, n, a.codec, a.block, a.k, a.scale, nullptr};
+    EncodeArgs e{nullptr, kF32, a.residual ? res.f() : nullptr, out.p(), n, a.out_codec, a.out_block, 0,
                       a.stochastic, a.seed, nullptr};
     if (on_gpu) FUZZ_CHECK(gpu::launch_decode_sum_encode(s, e, nullptr) == 0, n);
     else cpu::kernels().decode_sum_encode(s, e, 0, n);
@@ -108,7 +108,7 @@ void exact_case(const Args& a, int64_t n) {
   const int64_t block = in.block;
   const std::vector<int32_t>& E = in.E;
   Buf g(static_cast<size_t>(4 * n)), c(static_cast<size_t>(4 * n));
-  cpu::ExactArgs x = in.args(g.f());
+  ExactArgs x = in.args(g.f());
   FUZZ_CHECK(gpu::launch_from_fixed(x, nullptr) == 0, n);
   x.out = c.f();
   cpu::kernels().from_fixed(x, 0, n);

@@ -11,7 +11,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Buf payload = payload_rows(a, L.total, 1);
   const int64_t es = a.dtype == kF32 ? 4 : 2;
   Buf out(static_cast<size_t>(a.n * es));
-  cpu::DecodeArgs d{payload.p(), a.n, a.codec, a.block, a.k, out.p(), a.dtype};
+  DecodeArgs d{payload.p(), a.n, a.codec, a.block, a.k, out.p(), a.dtype};
   // Memory safety holds for every byte string, even one the op would reject (an invalid topk row).
   in_ranges(a.n, unit_of(a.codec, a.block), a.seed, [&](int64_t i0, int64_t i1) { cpu::kernels().decode(d, i0, i1); });
   if (a.codec == kCodecTopK && !topk_row_valid(payload.p(), a.n, a.k)) return 0;

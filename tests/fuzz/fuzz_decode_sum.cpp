@@ -10,7 +10,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const Layout L = layout(a.codec, a.n, a.block, a.k);
   Buf payloads = payload_rows(a, L.total, a.rows);
   Buf out(static_cast<size_t>(4 * a.n));
-  cpu::DecodeSumArgs s{payloads.p(), L.total, a.rows, a.n, a.codec, a.block, a.k, a.scale, out.f()};
+  DecodeSumArgs s{payloads.p(), L.total, a.rows, a.n, a.codec, a.block, a.k, a.scale, out.f()};
   in_ranges(a.n, cpu::kTile, a.seed, [&](int64_t i0, int64_t i1) { cpu::kernels().decode_sum(s, i0, i1); });
   if (a.codec == kCodecTopK)
     for (int64_t r = 0; r < a.rows; ++r)

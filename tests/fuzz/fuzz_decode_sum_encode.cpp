@@ -11,7 +11,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!decodable(a)) return 0;
   const Layout L = layout(a.codec, a.n, a.block, a.k), O = layout(a.out_codec, a.n, a.out_block, 0);
   Buf payloads = payload_rows(a, L.total, a.rows);
-  cpu::DecodeSumArgs s{payloads.p(), L.total, a.rows, a.n, a.codec, a.block, a.k, a.scale, nullptr};
+  DecodeSumArgs s{payloads.p(), L.total, a.rows, a.n, a.codec, a.block, a.k, a.scale, nullptr};
   // The residual's initial values come from the seed: finite, zero, huge and non-finite ones.
   Buf res0(static_cast<size_t>(4 * a.n));
   uint64_t bits = a.seed | 1;
@@ -21,7 +21,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   Buf fused(static_cast<size_t>(O.total)), res(static_cast<size_t>(4 * a.n));
   res.v = res0.v;
-  cpu::EncodeArgs e{nullptr, kF32, a.residual ? res.f() : nullptr, fused.p(), a.n, a.out_codec, a.out_block, 0,
+  EncodeArgs e{nullptr, kF32, a.residual ? res.f() : nullptr, fused.p(), a.n, a.out_codec, a.out_block, 0,
                     a.stochastic, a.seed, nullptr};
   in_ranges(a.n, unit_of(a.out_codec, a.out_block), a.seed,
             [&](int64_t i0, int64_t i1) { cpu::kernels().decode_sum_encode(s, e, i0, i1); });
@@ -33,7 +33,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   s.out = sum.f();
   cpu::kernels().decode_sum(s, 0, a.n);
   res2.v = res0.v;
-  cpu::EncodeArgs e2{sum.p(), kF32, a.residual ? res2.f() : nullptr, plain.p(), a.n, a.out_codec, a.out_block, 0,
+  EncodeArgs e2{sum.p(), kF32, a.residual ? res2.f() : nullptr, plain.p(), a.n, a.out_codec, a.out_block, 0,
                      a.stochastic, a.seed, nullptr};
   cpu::kernels().encode(e2, 0, a.n);
   // Both start zeroed, so padding compares too (the op zeroes it; neither kernel may touch it).

@@ -15,7 +15,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int32_t precision = in.precision;
   const std::vector<int32_t>& E = in.E;
   Buf out(static_cast<size_t>(4 * n));
-  cpu::ExactArgs x = in.args(out.f());
+  ExactArgs x = in.args(out.f());
   in_ranges(n, block, a.seed, [&](int64_t i0, int64_t i1) { cpu::kernels().from_fixed(x, i0, i1); });
   for (int64_t i = 0; i < n; ++i) {
     const int32_t e = E[i / block];

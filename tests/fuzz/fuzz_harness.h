@@ -207,8 +207,8 @@ struct ExactInput {
   int32_t precision;
   std::vector<int32_t> E;
   Buf fixed;
-  cpu::ExactArgs args(float* out) {
-    cpu::ExactArgs x{};
+  ExactArgs args(float* out) {
+    ExactArgs x{};
     x.n = n;
     x.block = block;
     x.precision = precision;

@@ -82,7 +82,7 @@ std::vector<uint8_t> valid_payload(std::mt19937_64& rng, int32_t codec, int64_t 
   const Layout L = layout(codec, n, block, k);
   std::vector<uint8_t> p(L.total);
   std::vector<float> x = random_floats(rng, n), scratch(n);
-  cpu::EncodeArgs e{x.data(), kF32, nullptr, p.data(), n, codec, block, k, false, rng(), scratch.data()};
+  EncodeArgs e{x.data(), kF32, nullptr, p.data(), n, codec, block, k, false, rng(), scratch.data()};
   if (codec == kCodecTopK) cpu::kernels().encode_topk(e);
   else cpu::kernels().encode(e, 0, n);
   return p;
