@@ -327,7 +327,6 @@ def bench_scale(a: argparse.Namespace, meta: dict) -> List[dict]:
     out: List[dict] = []
     if a.measured:
         # the model's compute is timed by the probe, on the harness ranks (see _probe_cluster)
-        kern = {"codec_s": dict.fromkeys(codecs), "numel": parse_size(a.kernel_numel)}
         clusters = {}
         for path in a.measured:
             with open(path) as fh:
@@ -336,7 +335,11 @@ def bench_scale(a: argparse.Namespace, meta: dict) -> List[dict]:
             nodes, g = L.get("nodes"), L.get("ranks_per_node")
             if not nodes or not g:
                 raise SystemExit(f"flatcomm.bench scale: {path} is not a `collectives --nodes` result")
-            key = (L["spec"], nodes, g)
+            # The kernels at the measured size by default: a smaller probe partly fits in the
+            # last-level cache and times the codecs faster than the collectives run them.
+            numel = parse_size(a.kernel_numel) if a.kernel_numel else max(r["numel"] for r in doc["results"])
+            kern = {"codec_s": dict.fromkeys(codecs), "numel": numel}
+            key = (L["spec"], nodes, g, numel)
             if key not in clusters:
                 clusters[key], probed = _probe_cluster(L["spec"], nodes, g, kern, a.timeout)
                 meta.setdefault("probes", []).append(dict(clusters[key].describe(), link=L["spec"],
@@ -715,7 +718,8 @@ def build_parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("scale", parents=[common], help="alpha-beta model: validate on the harness, project")
     sc.add_argument("--measured", type=lambda t: [x for x in t.split(",") if x], help="JSON files of `collectives --nodes` runs to validate against (comma separated)")
     sc.add_argument("--codecs", type=codec_list, help="comma separated (default fp32,int8,int4,sign)")
-    sc.add_argument("--kernel-numel", default="4M", help="values for the kernel probe (default 4M)")
+    sc.add_argument("--kernel-numel", default=None,
+                    help="values for the kernel probe (default: the measured file's largest size)")
     sc.add_argument("--project-nodes", type=int, default=128)
     sc.add_argument("--project-gpus", type=int, default=8, help="GPUs per node in the projection")
     sc.add_argument("--project-sizes", type=sizes, default=[25 << 20], help="fp32 values per all-reduce (default 25M)")
