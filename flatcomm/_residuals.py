@@ -87,9 +87,8 @@ class Store(Generic[S]):
                     emptied.append(okey)
             elif self.pending:
                 name = name_of(pid)
-                src = self.pending.pop(name, None) if name is not None else None
-                if src is not None:
-                    load(src, name, off, n)
+                if name is not None and name in self.pending:
+                    load(self.pending.pop(name), name, off, n)
             self._where[pid] = (key, off, n)
         for okey in emptied:
             del self.slots[okey], self._refs[okey]
@@ -115,9 +114,10 @@ class Store(Generic[S]):
 
     def adopt(self, key: Tuple[Hashable, ...], slot: S) -> None:
         """Register a slot restored as saved (a checkpoint's bucket): its parameters had no home."""
+        twice = [pid for pid, _, _ in slot.layout if pid in self._where]
+        if twice:
+            raise ValueError(f"flatcomm: parameter {twice[0]!r} is in two saved buckets")
         for pid, off, n in slot.layout:
-            if pid in self._where:
-                raise ValueError(f"flatcomm: parameter {pid!r} is in two saved buckets")
             self._where[pid] = (key, off, n)
         self.slots[key] = slot
         self._refs[key] = len(slot.layout)

@@ -27,15 +27,17 @@ only skips that check where it would cost a host sync (NCCL-only groups).
 
 **Error feedback, keyed by parameter.** DDP rebuilds its buckets after the first iteration (and may
 differ with ``static_graph``, ``gradient_as_bucket_view`` or unused parameters), so residuals are
-not keyed by bucket index. Each distinct bucket (key = the tuple of ``id(p)`` of its parameters, in
-``bucket.parameters()`` order, which is the buffer layout: offsets are read from the
-``bucket.gradients()`` views and checked) owns one flat :class:`~flatcomm.collectives.ErrorFeedback`
-(client + server residual, fp32, bucket numel). A map parameter -> (key, offset, numel) remembers
-where each parameter's residual lives. When a new key appears its residual is assembled once from
-the old buffers, parameter by parameter (zeros for parameters never seen). The server residual is
-only valid for the shard layout it was made with, so it is folded into the client residual on that
-copy: ``client += server / scale`` (the total that the next step adds is unchanged, see below). An
-old buffer is freed when no parameter refers to it any more.
+not keyed by bucket index: each distinct bucket owns one flat
+:class:`~flatcomm.collectives.ErrorFeedback` (client + server residual, fp32), assembled once from
+its parameters' residuals wherever they lived before (:mod:`flatcomm.ddp_residuals`, on the store
+shared with :mod:`flatcomm.fsdp`). The server residual is folded into the client one when a
+parameter moves: ``client += server / scale`` (the total that the next step adds is unchanged).
+
+**Where the code lives.** This module is the public face (:class:`State`, :func:`hook`,
+:func:`register`); the options are checked in :mod:`flatcomm._options`, the hook's communication
+is :mod:`flatcomm.ddp_comm`, statistics :mod:`flatcomm.ddp_stats`, checkpoints
+:mod:`flatcomm.ddp_checkpoint`, exceptions and backoff :mod:`flatcomm.ddp_adapt`, hierarchical
+residuals :mod:`flatcomm.ddp_tiers`.
 
 **What a residual is worth.** With ``scale = 1/W`` (averaging over W ranks) the next step effectively
 adds ``T = scale * sum_r client_r + server_owner`` to the averaged gradient, where ``server_owner``
@@ -67,15 +69,15 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import collectives as C
 from . import _options
+from . import collectives as C
 from . import ddp_adapt as _adapt
 from . import ddp_checkpoint as _ckpt
 from . import ddp_comm as _comm
 from . import ddp_stats as _stats
-from .ddp_residuals import Residuals
 from .codecs import Codec
 from .ddp_checkpoint import STATE_DICT_VERSION, reshard  # noqa: F401 (public names)
+from .ddp_residuals import Residuals
 
 __all__ = ["State", "hook", "register", "reshard"]
 
@@ -171,58 +173,6 @@ class State:
         self._scale_seen: Optional[float] = None
         self._recorder = _stats.Recorder(history, track_norms)
 
-    # ---- groups and names ------------------------------------------------------------------------
-
-    def _ddp_group(self):
-        pg = getattr(self.model, "process_group", None)
-        return pg if pg is not None else dist.group.WORLD
-
-    def _ensure_group(self):
-        # flatcomm's private copy of DDP's group (or of group=), with that group's timeout; cached.
-        self.group = C.private_group(self.group if self.group is not None else self._ddp_group())
-        return self.group
-
-    def _scale(self) -> float:
-        return 1.0 / dist.get_world_size(self.group)
-
-    def _name_map(self) -> Dict[int, str]:
-        if self._names is None:
-            if self.model is None:
-                raise RuntimeError("flatcomm: State has no model; use flatcomm.ddp.register(ddp_model, ...) "
-                                   "or State(..., model=ddp_model) to name parameters in checkpoints")
-            mod = getattr(self.model, "module", self.model)
-            self._names = {id(p): n for n, p in mod.named_parameters()}
-        return self._names
-
-    # ---- residual buffers keyed by parameters ------------------------------------------------------
-
-    def _name_of(self, pid) -> Optional[str]:
-        return self._name_map().get(pid)
-
-    def _where_kw(self) -> dict:
-        return {"scale": self._scale(), "tiered": self._tiered(), "name_of": self._name_of}
-
-    def _rescale_for_scaler(self) -> None:
-        s = float(self.grad_scaler.get_scale())
-        old = self._scale_seen
-        self._scale_seen = s
-        if old is None or s == old or s == 0.0:
-            return
-        self._res.rescale(s / old)
-
-    # ---- the hook --------------------------------------------------------------------------------
-
-    def _tiered(self) -> bool:
-        return self.topology is not None and not self.topology.flat
-
-    def _launch(self, bucket) -> torch.futures.Future:
-        return _comm.launch(self, bucket)
-
-    def _finished(self) -> None:
-        with self._cond:
-            self._inflight -= 1
-            self._cond.notify_all()
-
     def wait(self) -> None:
         """Block until every all-reduce launched by the hook (and its statistics) has finished."""
         with self._cond:
@@ -291,6 +241,57 @@ class State:
         """``T`` per parameter name (a collective, like :meth:`resharded_state_dict`)."""
         return self.resharded_state_dict()["residual"]
 
+    # ---- internals: groups, names, residual helpers, the hook's entry ----------------------------
+
+    def _ddp_group(self):
+        pg = getattr(self.model, "process_group", None)
+        return pg if pg is not None else dist.group.WORLD
+
+    def _ensure_group(self):
+        # flatcomm's private copy of DDP's group (or of group=), with that group's timeout; cached.
+        self.group = C.private_group(self.group if self.group is not None else self._ddp_group())
+        return self.group
+
+    def _scale(self) -> float:
+        return 1.0 / dist.get_world_size(self.group)
+
+    def _name_map(self) -> Dict[int, str]:
+        if self._names is None:
+            if self.model is None:
+                raise RuntimeError("flatcomm: State has no model; use flatcomm.ddp.register(ddp_model, ...) "
+                                   "or State(..., model=ddp_model) to name parameters in checkpoints")
+            mod = getattr(self.model, "module", self.model)
+            self._names = {id(p): n for n, p in mod.named_parameters()}
+        return self._names
+
+    # ---- residual buffers keyed by parameters ------------------------------------------------------
+
+    def _name_of(self, pid) -> Optional[str]:
+        return self._name_map().get(pid)
+
+    def _where_kw(self) -> dict:
+        return {"scale": self._scale(), "tiered": self._tiered(), "name_of": self._name_of}
+
+    def _rescale_for_scaler(self) -> None:
+        s = float(self.grad_scaler.get_scale())
+        old = self._scale_seen
+        self._scale_seen = s
+        if old is None or s == old or s == 0.0:
+            return
+        self._res.rescale(s / old)
+
+    # ---- the hook --------------------------------------------------------------------------------
+
+    def _tiered(self) -> bool:
+        return self.topology is not None and not self.topology.flat
+
+    def _launch(self, bucket) -> torch.futures.Future:
+        return _comm.launch(self, bucket)
+
+    def _finished(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
 
 def hook(state: State, bucket: "dist.GradBucket") -> torch.futures.Future:
     """DDP comm hook: flatcomm all-reduce (average) of the bucket; the future holds the buffer."""

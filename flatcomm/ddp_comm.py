@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -166,7 +166,7 @@ def _reduce(state, group, tensor: torch.Tensor, key: Tuple[int, ...], params, la
         res = state._res.flush_into_lossless(*where, **state._where_kw())
     if state._tiered():
         _tiers.add_carry(tensor, res)
-    kwargs = {}
+    kwargs: Dict[str, Any] = {}
     if _HAS_VALIDATE:  # the consistency round trip only for a bucket layout not seen before
         kwargs["validate"] = key not in state._seen
     state._seen.add(key)

@@ -23,7 +23,7 @@ from ._residuals import Store
 
 __all__ = ["Buf", "Residuals", "bucket_layout"]
 
-Key = Tuple[int, ...]
+Key = Tuple[Any, ...]  # the id(p) of a bucket's parameters
 NameOf = Callable[[Any], Optional[str]]
 
 

@@ -27,7 +27,7 @@ def _norms_to_floats(rec: dict) -> None:
         return
     c_sq, s_sq, v_sq, rel = lazy
     v = float(v_sq) if v_sq is not None else None
-    if c_sq is not None:
+    if c_sq is not None and v is not None:  # (the input norm is measured whenever a residual is)
         c = float(c_sq)
         rec["client_residual_norm"] = math.sqrt(c)
         rec["server_residual_norm"] = math.sqrt(float(s_sq))
@@ -93,8 +93,8 @@ class Recorder:
                                              "encode_s": 0.0, "exchange_s": 0.0, "decode_s": 0.0,
                                              "comm_s": 0.0, "_c": 0.0, "_v": 0.0})
             s["buckets"].append(r)
-            for k in ("wire_bytes", "fp32_bytes", "encode_s", "exchange_s", "decode_s", "comm_s"):
-                s[k] += r[k]
+            for f in ("wire_bytes", "fp32_bytes", "encode_s", "exchange_s", "decode_s", "comm_s"):
+                s[f] += r[f]
             if "rel_error" in r:
                 s["_c"] += r["client_residual_norm"] ** 2
                 s["_v"] += r["input_norm"] ** 2

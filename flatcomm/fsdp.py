@@ -44,7 +44,8 @@ fails when torch changes it), and if even that fails, the key falls back to the 
 kept as one flat buffer per distinct group (so encoding is one pass over one tensor); when a new
 group appears (a parameter without a gradient, a different wrapping) its buffer is assembled once
 from the old ones parameter by parameter (zeros for parameters never seen) and old buffers are freed
-when no parameter refers to them. Names are stable across steps, processes and re-wrapping (a new
+when no parameter refers to them. (The store, :class:`flatcomm._residuals.Store`, is the one the DDP hook
+uses.) Names are stable across steps, processes and re-wrapping (a new
 ``fully_shard`` of the same model), so residuals survive re-sharding at the same world size; a
 different world size changes the padding and the owner of every value: loading then raises.
 
@@ -53,6 +54,8 @@ fp32 tensor of the padded unsharded numel). Every rank saves different values, s
 of the key: DCP would otherwise de-duplicate equal keys as replicated tensors and keep only one
 rank's values. When the backend knows the model (:func:`apply`), ``state_dict()`` lists every
 parameter (zeros before the first step), so ``dcp.load`` can fill it in place before training.
+``keep_fp32=`` and the ``auto`` backoff (``backoff=``, decisions saved as
+``"rank{r}.__decisions__"``): :mod:`flatcomm.fsdp_adapt`.
 FSDP1 residuals are keyed by FSDP unit (module name when ``model`` is given, else the order in which
 units first reduce) and live in the same kind of dict.
 """
@@ -384,12 +387,25 @@ class _Backend:
 
         return done
 
+    def _send(self, output: torch.Tensor, input: torch.Tensor, pieces: _Pieces, codec: Codec, op: Any,
+              group, async_op: bool, world: int, key_numel: int):
+        """One reduce-scatter of ``pieces`` with their residuals (``key_numel``: the auto key's size)."""
+        residual = None
+        if self.error_feedback and (not codec.lossless or self._res.holds(pieces)):
+            residual = self._res.get(pieces, world, input.device)
+        measured = self._measured(codec, key_numel, "reduce_scatter", input, residual)
+        h = _reduce(output, input, codec=codec, op=op, mode=self.mode, group=group, async_op=async_op,
+                    residual=residual, chunks=self.chunks, stats=self.stats, first_call=self._first_call)
+        if measured is not None:
+            measured(h)
+        return h
+
     def _is_kept(self, name: str) -> bool:
         k = self._kept.get(name)
         if k is None:
             p = self._params.get(name)
             # (a parameter flatcomm cannot name, e.g. a size-keyed group, is sent with the codec)
-            k = self._kept[name] = p is not None and bool(self._keep_fn(name, p))
+            k = self._kept[name] = p is not None and self._keep_fn is not None and bool(self._keep_fn(name, p))
         return k
 
     def _warming(self, key: Any) -> bool:
@@ -565,19 +581,6 @@ class ReduceScatter(_Backend):
             _fadapt.put(output_tensor, part, pieces, side)
         return _Done(output_tensor) if async_op else None
 
-    def _send(self, output: torch.Tensor, input: torch.Tensor, pieces: _Pieces, codec: Codec, op: Any,
-              group, async_op: bool, world: int, key_numel: int):
-        """One reduce-scatter of ``pieces`` with their residuals (``key_numel``: the auto key's size)."""
-        residual = None
-        if self.error_feedback and (not codec.lossless or self._res.holds(pieces)):
-            residual = self._res.get(pieces, world, input.device)
-        measured = self._measured(codec, key_numel, "reduce_scatter", input, residual)
-        h = _reduce(output, input, codec=codec, op=op, mode=self.mode, group=group, async_op=async_op,
-                    residual=residual, chunks=self.chunks, stats=self.stats, first_call=self._first_call)
-        if measured is not None:
-            measured(h)
-        return h
-
     def _pieces(self, layout: Optional[_Pieces], numel: int, world: int) -> _Pieces:
         """The parameters in this call's input: the bound module's (every parameter got a
         gradient: the common case, public API), else FSDP's own list (a private frame, see
@@ -593,7 +596,8 @@ class ReduceScatter(_Backend):
                 name = self._names.get(id(param)) or fqn
                 if name is None or c is None:
                     break
-                self._params.setdefault(name, param)
+                if param is not None:
+                    self._params.setdefault(name, param)
                 pieces.append((name, c))
             else:
                 if sum(c for _, c in pieces) * world == numel:
