@@ -724,7 +724,12 @@ class FSDP1State(_Backend):
     def __init__(self, codec: Any = "fp32", *, error_feedback: bool = True, mode: str = "ordered",
                  chunks: Optional[int] = None, block_size: Optional[int] = None,
                  ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None, group=None,
-                 tuner=None, start_step: int = 0, backoff: Any = None):
+                 tuner=None, start_step: int = 0, backoff: Any = None, keep_fp32: Any = None):
+        if keep_fp32 is not None:
+            # FSDP1 flattens a unit's parameters into one FlatParameter whose layout is private.
+            raise NotImplementedError("flatcomm: keep_fp32 is not supported by FSDP1State (a unit's "
+                                      "parameters are one flat tensor); use FSDP2 with "
+                                      "flatcomm.fsdp.apply(model, codec, keep_fp32=...)")
         super().__init__(codec, error_feedback=error_feedback, mode=mode, chunks=chunks,
                          block_size=block_size, ratio=ratio, tuner=tuner, start_step=start_step,
                          backoff=backoff)

@@ -148,3 +148,10 @@ def test_decisions_entry_rejects_bad_tensors():
                 torch.tensor([[0, -1, 0, 1]]), [[0, 1, 0, 1]]):
         with pytest.raises(ValueError, match="__decisions__"):
             decode(bad, "rank0.__decisions__")
+
+
+def test_fsdp1_refuses_keep_fp32_with_a_pointer_to_fsdp2():
+    from flatcomm.fsdp import FSDP1State
+
+    with pytest.raises(NotImplementedError, match="apply"):
+        FSDP1State("int8", keep_fp32="small")
