@@ -162,6 +162,11 @@ class Monitor:
             moves.append(rec)
         return moves
 
+    def clear(self) -> None:
+        """Forget every window (a check of all keys at once starts the next windows from zero)."""
+        with self._lock:
+            self._window.clear()
+
     def measured_fields(self, key: Hashable) -> dict:
         m = self.measured.get(key)
         return {} if m is None else {"measured_rel_error": m[0], "measured_residual_ratio": m[1]}

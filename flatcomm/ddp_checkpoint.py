@@ -114,7 +114,7 @@ def load_state_dict(state, sd, *, allow_codec_change: bool = False) -> None:
                   for n, t in _checked(state, sd, "residual", params).items()}
         server = {}
     _restore(state, params, client, server, sd.get("buckets", []) if form == "per_rank" else [], world,
-                  sd.get("tiered", False))
+             sd.get("tiered", False))
     if state._auto and not changed and form == "per_rank":
         _restore_decisions(state, params, check.field(sd, "decisions", list))
     state._step = check.field(sd, "step", int)

@@ -148,8 +148,8 @@ def _reduce(state, group, tensor: torch.Tensor, key: Tuple[int, ...], params, la
             # the two-level model; the State's residual layout is tiered, so the path stays.
             tiers = dict(topology=state.topology, paths=("hierarchical",)) if state._tiered() else {}
             d = state.decisions[key] = state.tuner.choose(tensor.numel(), key=tuner_key, group=group,
-                                                        device=tensor.device, deterministic=not state._open,
-                                                        **tiers)
+                                                          device=tensor.device, deterministic=not state._open,
+                                                          **tiers)
         state._key_where[key] = (index, tensor.numel())
         if d.codec == _BACKEND and not (state.error_feedback and state._res.carries(params, state._name_of)):
             return _backend(state, tensor, step, index)
@@ -209,7 +209,7 @@ def _reduce(state, group, tensor: torch.Tensor, key: Tuple[int, ...], params, la
         try:
             f.value()  # raises if the collective failed: DDP sees that error, no record
             state._recorder.bucket(step, index, tensor.numel(), dist.get_world_size(group), codec, cs,
-                                  time.perf_counter() - t0, res, v_sq[0] if v_sq else None)
+                                   time.perf_counter() - t0, res, v_sq[0] if v_sq else None)
             if state.backoff is not None and force is None and res is not None and v_sq:
                 state._monitor.accumulate(key, res.client_sq, v_sq[0], g_sq[0])
         except BaseException:  # noqa: BLE001 - statistics never break training
@@ -236,8 +236,10 @@ def _check_errors(state, group, device) -> None:
         return {"bucket": index, "numel": numel}
 
     state._monitor.check(state.decisions, keys, state.tuner.error_budget, state._step,
-                        lambda t: C.all_reduce(t, codec="fp32", op="sum", mode="ordered", group=group),
-                        device, where)
+                         lambda t: C.all_reduce(t, codec="fp32", op="sum", mode="ordered", group=group),
+                         device, where)
+    state._monitor.clear()  # (the windows of buckets not checked, e.g. fp32 ones, start over too)
+
 
 def _backend(state, tensor: torch.Tensor, step: int, index: int) -> torch.futures.Future:
     """codec="auto" chose the backend's own all-reduce: exactly torch's default hook (divide,

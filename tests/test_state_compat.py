@@ -94,12 +94,15 @@ def _fsdp_steps(model, steps, step0=0):
 
 
 def _cases():
+    def fsdp_steps(model, state, n, step0=0):
+        _fsdp_steps(model, n, step0)
+
     return {
         "ddp_int8": (lambda: _ddp("ddp_int8"), _ddp_steps, 3),
         "ddp_auto": (lambda: _ddp("ddp_auto"), _ddp_steps, 4),
-        "fsdp2_int8": (_fsdp2, lambda m, s, n, step0=0: _fsdp_steps(m, n, step0), 3),
-        "fsdp1_full_int4": (lambda: _fsdp1("FULL_SHARD", "int4", 1), lambda m, s, n, step0=0: _fsdp_steps(m, n, step0), 3),
-        "fsdp1_noshard_int8": (lambda: _fsdp1("NO_SHARD", "int8"), lambda m, s, n, step0=0: _fsdp_steps(m, n, step0), 3),
+        "fsdp2_int8": (_fsdp2, fsdp_steps, 3),
+        "fsdp1_full_int4": (lambda: _fsdp1("FULL_SHARD", "int4", 1), fsdp_steps, 3),
+        "fsdp1_noshard_int8": (lambda: _fsdp1("NO_SHARD", "int8"), fsdp_steps, 3),
     }
 
 
