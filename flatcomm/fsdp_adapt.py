@@ -7,7 +7,11 @@ sent in their own lossless fp32 reduce-scatter: :func:`split` divides a call's p
 :func:`put` writes that side's reduced shard back into the output. Each side keeps its residuals
 under its own group of parameter names (:class:`flatcomm._residuals.Store`), so a parameter's
 residual follows it; a kept parameter that still has one (a checkpoint saved without the
-exception) sends it once through the fp32 encode, which zeroes it.
+exception) sends it once through the fp32 encode, which zeroes it. FSDP1 flattens a unit's
+parameters into one flat gradient whose chunk r is rank r's shard, so the kept values fall
+differently in each chunk: :func:`rows` gives per-rank index rows padded to the widest (a padding
+index reads a zero), :func:`gather` / :func:`scatter` move values and residuals, and the unit's
+residual keeps its full layout (zeros where kept), so checkpoints do not change.
 
 **Backoff.** As in the DDP hook (:class:`flatcomm.ddp_adapt.Monitor`), per ``auto`` decision key
 ``(kind, numel)``: each reduction with a residual adds ``||residual after||^2``,
@@ -26,7 +30,7 @@ import torch
 from .autotune import KINDS, Decision
 from .codecs import CODECS
 
-__all__ = ["decode", "encode", "put", "split", "take"]
+__all__ = ["decode", "encode", "gather", "put", "rows", "scatter", "split", "take"]
 
 Pieces = List[Tuple[str, int]]  # (name, values per rank) in the input's column order
 
@@ -59,6 +63,40 @@ def put(out: torch.Tensor, part: torch.Tensor, pieces: Pieces, side: Pieces) -> 
     for o, c in _columns(pieces, side):
         out[o:o + c].copy_(part[o2:o2 + c])
         o2 += c
+
+
+def rows(mask: torch.Tensor, world: int) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
+    """FSDP1: the flat gradient's chunk r is rank r's shard; ``mask`` marks kept values, which
+    fall differently in each chunk. Returns (kept, rest, kept count per rank): ``[world, width]``
+    indices into the flat gradient, each row padded with the index ``numel`` (a zero, see
+    :func:`gather`) to the widest row."""
+    numel = mask.numel()
+    m = mask.view(world, -1)
+    idx = torch.arange(numel).view(world, -1)
+    counts = [int(c) for c in m.sum(1)]
+
+    def side(sel: torch.Tensor) -> torch.Tensor:
+        width = max(int(s.sum()) for s in sel)
+        out = torch.full((world, width), numel, dtype=torch.int64)
+        for r in range(world):
+            ids = idx[r][sel[r]]
+            out[r, :ids.numel()] = ids
+        return out
+
+    return side(m), side(~m), counts
+
+
+def gather(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``flat[idx]`` as a new contiguous flat tensor, the padding index reading a zero."""
+    ext = torch.cat([flat.reshape(-1), flat.new_zeros(1)])
+    return ext[idx.reshape(-1).to(flat.device)]
+
+
+def scatter(flat: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
+    """The inverse of :func:`gather` (padding left out)."""
+    i = idx.reshape(-1).to(flat.device)
+    keep = i < flat.numel()
+    flat.view(-1)[i[keep]] = values[keep]
 
 
 def encode(decisions: Dict[Tuple[str, int], Any]) -> torch.Tensor:

@@ -150,8 +150,91 @@ def test_decisions_entry_rejects_bad_tensors():
             decode(bad, "rank0.__decisions__")
 
 
-def test_fsdp1_refuses_keep_fp32_with_a_pointer_to_fsdp2():
+def _fsdp1(strategy, codec, **kw):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from flatcomm.fsdp import FSDP1State, fsdp1_hook
+
+    torch.manual_seed(0)
+    model = FSDP(_Tiny(), sharding_strategy=getattr(ShardingStrategy, strategy),
+                 auto_wrap_policy=ModuleWrapPolicy({torch.nn.TransformerEncoderLayer}),
+                 device_id=torch.device("cpu"), use_orig_params=True)
+    state = FSDP1State(codec, model=model, **kw)
+    model.register_comm_hook(state, fsdp1_hook)
+    return model, state
+
+
+def _grads1(model, rank, s):
+    model.zero_grad()
+    _loss(model, rank, s).backward()
+    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _same(a, b):
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+def _w_keep1(rank, world, strategy):
+    out = {}
+    ref, _ = _fsdp1(strategy, "fp32")
+    model, st = _fsdp1(strategy, "int8", keep_fp32="small")
+    g_ref, g = _grads1(ref, rank, 0), _grads1(model, rank, 0)
+    flat_small = {n for n, p in _Tiny().named_parameters() if p.dim() < 2}  # what "small" keeps here
+    small = {n for n in g if n.replace("_fsdp_wrapped_module.", "") in flat_small}
+    out["kept_exact"] = all(_same(g[n], g_ref[n]) for n in g if n in small)
+    out["rest_lossy"] = any(not _same(g[n], g_ref[n]) for n in g if n not in small)
+    out["finite"] = all(v is None or bool(torch.isfinite(v).all()) for v in g.values())
+    _grads1(model, rank, 1)
+    masks = {k[0]: m for k, m in st._masks.items()}
+    out["units_split"] = sum(m is not None for m in masks.values())
+    sd = st.state_dict()
+    kept_zero, rest_held = True, True
+    for unit, m in masks.items():
+        if m is None:
+            continue
+        if strategy == "NO_SHARD":
+            c, s = sd[f"rank{rank}.{unit}.client"], sd[f"rank{rank}.{unit}.server"]
+            kept_zero &= not c[m].any() and not s[m].any()
+            rest_held &= bool(c[~m].any())
+        else:
+            t = sd[f"rank{rank}.{unit}"]
+            kept_zero &= not t[m].any()
+            rest_held &= bool(t[~m].any())
+    out["kept_zero"], out["rest_held"] = kept_zero, rest_held
+
+    # saved without exceptions, loaded with them: the kept values' residuals are sent once
+    plain, st_plain = _fsdp1(strategy, "int8")
+    _grads1(plain, rank, 0)
+    saved = st_plain.state_dict()
+    m2, st2 = _fsdp1(strategy, "int8", keep_fp32="small")
+    st2.load_state_dict(saved)
+    out["loaded_equal"] = all(torch.equal(st2.state_dict()[k], v) for k, v in saved.items())
+    _grads1(m2, rank, 1)
+    after = st2.state_dict()
+    ok = True
+    for (unit, _), m in st2._masks.items():
+        if m is None:
+            continue
+        keys = [f"rank{rank}.{unit}.client", f"rank{rank}.{unit}.server"] if strategy == "NO_SHARD" \
+            else [f"rank{rank}.{unit}"]
+        ok &= all(not after[k][m].any() for k in keys)
+    out["after_kept_zero"] = ok
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_fsdp1_keep_fp32_sends_kept_values_exactly_and_keeps_the_residual_layout(strategy):
+    for r in spawn.run(2, _w_keep1, strategy, timeout_s=300):
+        assert r["units_split"] >= 2, r  # every unit here holds biases or norms
+        assert r["kept_exact"] and r["rest_lossy"] and r["finite"], r
+        assert r["kept_zero"] and r["rest_held"], r
+        assert r["loaded_equal"] and r["after_kept_zero"], r
+
+
+def test_fsdp1_keep_fp32_needs_the_model():
     from flatcomm.fsdp import FSDP1State
 
-    with pytest.raises(NotImplementedError, match="apply"):
+    with pytest.raises(ValueError, match="model="):
         FSDP1State("int8", keep_fp32="small")
