@@ -31,6 +31,8 @@ _HAS_VALIDATE = "validate" in inspect.signature(C.all_reduce).parameters
 
 
 def launch(state, bucket) -> torch.futures.Future:
+    """The hook's work for one bucket of a :class:`flatcomm.ddp.State`; the future holds the
+    bucket buffer, averaged in place."""
     group = state._ensure_group()
     if state.topology is None:
         state.topology = _tiers.resolve_topology(state._topology_arg, group)

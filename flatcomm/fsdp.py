@@ -325,6 +325,7 @@ class _Backend:
         self._params: Dict[str, torch.Tensor] = {}  # name -> parameter, for keep_fp32
         # codec="auto": (kind, numel) -> Decision, the tuner's or a backoff's (mirrored in stats)
         self._decided: Dict[Tuple[str, int], Any] = {}
+        self._decisions_loaded = False  # restored from a checkpoint: saved again (see _decisions_entry)
         self.backoff = o.backoff
         self._monitor = _adapt.Monitor(o.backoff or _adapt.Backoff(every=0))
         self.adaptations: List[dict] = self._monitor.adaptations  # the backoff's moves, with numbers
@@ -438,7 +439,9 @@ class _Backend:
         return self._decided
 
     def _decisions_entry(self) -> Dict[str, torch.Tensor]:
-        if not (self._auto and self._decided):
+        # Only once the backoff has moved a size (what the tuner chose it chooses again; a move is
+        # learned from training), so a state_dict() otherwise holds residuals only, as before.
+        if not (self._auto and self._decided and (self.adaptations or self._decisions_loaded)):
             return {}
         return {f"{self._prefix()}{_DECISIONS_KEY}": _fadapt.encode(self._decided)}
 
@@ -449,7 +452,7 @@ class _Backend:
             return state_dict
         saved = _fadapt.decode(state_dict[k], k)
         if self._auto:
-            self._decided = saved
+            self._decided, self._decisions_loaded = saved, True
             if isinstance(self.stats, Stats):
                 self.stats.decisions.update(saved)
         return {kk: vv for kk, vv in state_dict.items() if not kk.endswith("." + _DECISIONS_KEY)}
@@ -526,7 +529,8 @@ class ReduceScatter(_Backend):
     backoff: ``codec="auto"`` only: a :class:`flatcomm.ddp_adapt.Backoff` (default ``Backoff()``;
         ``False``: off) that moves a collective size to a more precise codec when the error measured
         in training exceeds the budget, checked every ``every`` reductions of that size;
-        ``adaptations`` and ``decisions`` say when and why, ``state_dict()`` keeps the decisions.
+        ``adaptations`` and ``decisions`` say when and why; after a move ``state_dict()`` keeps
+        the decisions (``"rank{r}.__decisions__"``).
     """
 
     def __init__(self, codec: Any = "fp32", *, error_feedback: bool = True, mode: str = "ordered",
