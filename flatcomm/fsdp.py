@@ -529,8 +529,9 @@ class ReduceScatter(_Backend):
     backoff: ``codec="auto"`` only: a :class:`flatcomm.ddp_adapt.Backoff` (default ``Backoff()``;
         ``False``: off) that moves a collective size to a more precise codec when the error measured
         in training exceeds the budget, checked every ``every`` reductions of that size;
-        ``adaptations`` and ``decisions`` say when and why; after a move ``state_dict()`` keeps
-        the decisions (``"rank{r}.__decisions__"``).
+        ``adaptations`` (``kind``, ``numel``, ``step``: reductions of that size so far, from, to,
+        numbers, why) and ``decisions`` say when and why; after a move ``state_dict()`` keeps the
+        decisions (``"rank{r}.__decisions__"``).
     """
 
     def __init__(self, codec: Any = "fp32", *, error_feedback: bool = True, mode: str = "ordered",
