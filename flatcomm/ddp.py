@@ -293,6 +293,7 @@ class State:
             self._inflight -= 1
             self._cond.notify_all()
 
+
 def hook(state: State, bucket: "dist.GradBucket") -> torch.futures.Future:
     """DDP comm hook: flatcomm all-reduce (average) of the bucket; the future holds the buffer."""
     return state._launch(bucket)

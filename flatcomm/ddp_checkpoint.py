@@ -30,15 +30,18 @@ def _params(state) -> Dict[str, torch.nn.Parameter]:
     mod = getattr(state.model, "module", state.model)
     return dict(mod.named_parameters())
 
+
 def _world_rank(state) -> Tuple[int, int]:
     g = state.group if state.group is not None else state._ddp_group()
     return dist.get_world_size(g), dist.get_rank(g)
+
 
 def _meta(state) -> dict:
     return {"codec": "auto" if state._auto else state.codec.name, "block_size": state.codec.block_size,
             "mode": state.mode, "error_feedback": state.error_feedback, "step": state._step,
             "tiered": state._tiered(),
             "scale_seen": state._scale_seen}
+
 
 def state_dict(state) -> dict:
     """:meth:`flatcomm.ddp.State.state_dict`."""
@@ -60,6 +63,7 @@ def state_dict(state) -> dict:
     return {"version": STATE_DICT_VERSION, "form": "per_rank", **_meta(state), "world_size": world,
             "rank": rank, "buckets": buckets, "decisions": decisions, "client": client, "server": server}
 
+
 def resharded_state_dict(state) -> dict:
     """:meth:`flatcomm.ddp.State.resharded_state_dict` (a collective)."""
     state.wait()
@@ -79,6 +83,7 @@ def resharded_state_dict(state) -> dict:
             residual[n] = t.reshape(p.shape).cpu().clone()
     return {"version": STATE_DICT_VERSION, "form": "total", **_meta(state), "world_size": world,
             "residual": residual}
+
 
 def load_state_dict(state, sd, *, allow_codec_change: bool = False) -> None:
     """:meth:`flatcomm.ddp.State.load_state_dict`."""
@@ -121,8 +126,10 @@ def load_state_dict(state, sd, *, allow_codec_change: bool = False) -> None:
     scale_seen = sd.get("scale_seen")
     state._scale_seen = float(scale_seen) if scale_seen is not None else None
 
+
 def _scale_for(world: int) -> float:
     return 1.0 / world  # the hook averages
+
 
 def _check_codec(state, sd: dict, allow: bool) -> bool:
     saved = (check.field(sd, "codec", str), check.field(sd, "block_size", int), check.field(sd, "mode", str))
@@ -135,6 +142,7 @@ def _check_codec(state, sd: dict, allow: bool) -> bool:
                          f"mode={mine[2]!r}. Create the State with the saved settings, or pass "
                          f"allow_codec_change=True to send the saved residuals with the new codec")
     return True
+
 
 def _checked(state, sd: dict, field: str, params) -> Dict[str, torch.Tensor]:
     """sd[field] checked against the model; an empty dict (saved without error feedback) is zeros."""
@@ -151,10 +159,12 @@ def _checked(state, sd: dict, field: str, params) -> Dict[str, torch.Tensor]:
                          f"fp32 State, or zero them yourself to discard them on purpose")
     return out
 
+
 def _restore(state, params, client, server, buckets, world: int, tiered: bool = False) -> None:
     saved = state._res.restore(params, client, server, buckets, world, tiered)
     state._replay = saved or None
     state._replay_tiered = bool(tiered)
+
 
 def _restore_decisions(state, params, saved: list) -> None:
     from .autotune import Decision
@@ -163,6 +173,7 @@ def _restore_decisions(state, params, saved: list) -> None:
     for names, codec, chunks in saved:
         key = tuple(id(params[n]) for n in names if n in params)
         state.decisions[key] = Decision(str(codec), int(chunks), "restored from a checkpoint", {})
+
 
 def reshard(states) -> dict:
     """Every rank's :meth:`State.state_dict` (one save, any order) combined into the

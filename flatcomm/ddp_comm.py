@@ -94,12 +94,14 @@ def launch(state, bucket) -> torch.futures.Future:
 
     return torch.futures.collect_all(futs).then(scatter)
 
+
 def _is_kept(state, p) -> bool:
     k = state._kept.get(id(p))
     if k is None:
         name = state._name_map().get(id(p), "")
         k = state._kept[id(p)] = bool(state._keep_fn(name, p))
     return k
+
 
 def _split_kept(state, parts):
     """Each part split into its codec parameters and its keep_fp32 ones (forced lossless fp32),
@@ -115,6 +117,7 @@ def _split_kept(state, parts):
             out.append((tuple(id(p) for p in rest), rest, force))
         out.append((tuple(id(p) for p in kept), kept, resolve("fp32")))
     return out
+
 
 def _replay_parts(state, params, layout) -> Optional[List[Tuple[Tuple[int, ...], list, Any]]]:
     """The saved buckets wholly inside this bucket (in saved parameter order), plus one part for
@@ -135,6 +138,7 @@ def _replay_parts(state, params, layout) -> Optional[List[Tuple[Tuple[int, ...],
     if rest:
         parts.append((tuple(id(p) for p in rest), rest, None))
     return parts
+
 
 def _reduce(state, group, tensor: torch.Tensor, key: Tuple[int, ...], params, layout, step: int,
             index: int, tuner_key: str, force: Optional[Codec] = None) -> torch.futures.Future:
@@ -223,6 +227,7 @@ def _reduce(state, group, tensor: torch.Tensor, key: Tuple[int, ...], params, la
     return fut
 
 # ---- codec="auto": the measured error against the budget -------------------------------------
+
 
 def _check_errors(state, group, device) -> None:
     """Every ``backoff.every`` steps, at the first bucket of a step (the same point on every
