@@ -136,7 +136,7 @@ class Monitor:
 
     def check(self, decisions: Dict[Any, Any], keys: Sequence[Any], budget: str, step: int,
               all_reduce_sum: Callable[[torch.Tensor], Any], device=None,
-              where: Callable[[Any], dict] = lambda key: {}) -> List[dict]:
+              where: Callable[[Any], dict] = lambda key: {}, unit: str = "steps") -> List[dict]:
         """Sum the windows of ``keys`` over the ranks (one collective: call it at the same point,
         with the same keys in the same order, on every rank) and move each key whose error is over
         the budget one codec up, in ``decisions`` (a :class:`flatcomm.autotune.Decision` each).
@@ -155,7 +155,7 @@ class Monitor:
             if move is None:
                 continue
             reason = (f"backed off from {move['from']} at step {step}: {move['why']} over the last "
-                      f"{self.backoff.every} steps, all ranks")
+                      f"{self.backoff.every} {unit}, all ranks")
             decisions[k] = Decision(move["to"], d.chunks, reason, {})
             rec = {"step": step, **where(k), **move}
             self.adaptations.append(rec)

@@ -360,7 +360,7 @@ class _Backend:
             if self._monitor.due(n) and d.codec in PRECISION[1:]:
                 self._monitor.check(self._decided, [key], self.tuner.error_budget, n,
                                     lambda t: C.all_reduce(t, codec="fp32", op="sum", mode="ordered", group=group),
-                                    device, lambda k: {"kind": k[0], "numel": k[1]})
+                                    device, lambda k: {"kind": k[0], "numel": k[1]}, "reductions of this size")
                 d = self._decided[key]
         self._reductions[key] = self._reductions.get(key, 0) + 1
         if not isinstance(self.stats, Stats):  # someone swapped in a plain CommStats
