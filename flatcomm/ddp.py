@@ -73,6 +73,7 @@ import torch.distributed as dist
 
 from . import checkpoint as check
 from . import collectives as C
+from . import ddp_accordion as _accordion
 from . import ddp_adapt as _adapt
 from . import ddp_tiers as _tiers
 from .autotune import BACKEND as _BACKEND
@@ -153,6 +154,9 @@ class State:
     backoff: ``codec="auto"`` only: a :class:`flatcomm.ddp_adapt.Backoff` (default ``Backoff()``,
         every 50 steps; ``False`` turns it off) that moves a bucket to a more precise codec when the
         error measured in training exceeds the budget; ``adaptations`` / ``stats()`` say when and why.
+    accordion: adaptive switching (:mod:`flatcomm.ddp_accordion`): a precise codec (``"int8"``, or an
+        :class:`~flatcomm.ddp_accordion.Accordion`; ``True``: its defaults) in intervals where the
+        gradient norm changes fast, this State's codec otherwise. Not with ``codec="auto"``.
     """
 
     def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: Optional[str] = None,
@@ -160,7 +164,7 @@ class State:
                  ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None,
                  grad_scaler=None, track_norms: bool = True, history: int = 100, tuner=None,
                  topology=None, start_step: Optional[int] = None, keep_fp32: Any = None,
-                 backoff: Any = None):
+                 backoff: Any = None, accordion: Any = None):
         # mode None: the caller did not ask for determinism (see register()); fixed codecs run ordered
         self._open = mode is None and isinstance(codec, str) and codec == "auto"
         mode = "ordered" if mode is None else mode
@@ -192,6 +196,9 @@ class State:
         if backoff is not None and backoff is not False and not isinstance(backoff, _adapt.Backoff):
             raise TypeError(f"flatcomm: backoff must be a flatcomm.ddp_adapt.Backoff or False, got {backoff!r}")
         self.backoff = None if backoff is False or not self._auto else (backoff or _adapt.Backoff())
+        self.accordion = _accordion.policy(accordion)
+        if self.accordion is not None and self._auto:
+            raise ValueError("flatcomm: accordion= picks between two fixed codecs; it does not combine with codec='auto'")
         self.adaptations: List[dict] = []
         self._window: Dict[Tuple[int, ...], List[Any]] = {}  # key -> [c_sq, v_sq, g_sq] since the last check
         self._key_where: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # auto key -> (DDP bucket index, numel)
@@ -469,6 +476,8 @@ class State:
             chunks = chunks or d.chunks
         if step < self.start_step:  # warm-up: lossless; a residual loaded from a checkpoint is flushed
             codec = resolve("fp32")
+        elif self.accordion is not None and force is None:
+            codec = self.accordion.choose(key, step, codec)
         res = None
         where = (key, params, layout, tensor.numel(), tensor.device)
         if self.error_feedback and not codec.lossless:
@@ -529,6 +538,8 @@ class State:
                 self._finished()
 
         fut.add_done_callback(record)  # runs on the worker thread; does not block
+        if self.accordion is not None and force is None:
+            fut = self.accordion.watch(key, step, fut)  # DDP waits for it: decisions before the next step
         return fut
 
     # ---- codec="auto": the measured error against the budget -------------------------------------
@@ -744,8 +755,11 @@ class State:
             buckets = [[names[pid] for pid, _, _ in b.layout] for b in self._bufs.values()]
             decisions = [[[names[pid] for pid in key], d.codec, d.chunks] for key, d in self.decisions.items()
                          if all(pid in names for pid in key)]
-        return {"version": STATE_DICT_VERSION, "form": "per_rank", **self._meta(), "world_size": world,
-                "rank": rank, "buckets": buckets, "decisions": decisions, "client": client, "server": server}
+        out = {"version": STATE_DICT_VERSION, "form": "per_rank", **self._meta(), "world_size": world,
+               "rank": rank, "buckets": buckets, "decisions": decisions, "client": client, "server": server}
+        if self.accordion is not None and self.model is not None:  # its intervals (the same on every rank)
+            out["accordion"] = self.accordion.state_dict(self._name_map())
+        return out
 
     def resharded_state_dict(self) -> dict:
         """The world-size-independent form: per parameter, the total ``T`` that the next step adds
@@ -814,6 +828,8 @@ class State:
         if self._auto and not changed and form == "per_rank":
             self._restore_decisions(params, check.field(sd, "decisions", list))
         self._step = check.field(sd, "step", int)
+        if self.accordion is not None and sd.get("accordion") is not None:
+            self.accordion.load_state_dict(sd["accordion"], params)
         scale_seen = sd.get("scale_seen")
         self._scale_seen = float(scale_seen) if scale_seen is not None else None
 
@@ -950,7 +966,8 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: Any = 
              chunks: Optional[int] = None, block_size: Optional[int] = None, ratio: Optional[float] = None,
              grad_scaler: Optional[Any] = None, track_norms: bool = True, history: int = 100,
              tuner: Optional[Any] = None, topology: Optional[Any] = None,
-             start_step: Optional[int] = None, keep_fp32: Any = None, backoff: Any = None) -> State:
+             start_step: Optional[int] = None, keep_fp32: Any = None, backoff: Any = None,
+             accordion: Any = None) -> State:
     """Create a :class:`State` that knows ``ddp_model`` and register :func:`hook` on it.
 
     Args:
@@ -980,6 +997,8 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: Any = 
             patterns, or ``"small"`` (see :class:`State`).
         backoff: ``codec="auto"`` only: when measured compression error moves a bucket to a more
             precise codec (see :class:`State`; ``False`` turns it off).
+        accordion: a precise codec in critical intervals, ``codec`` otherwise (Accordion; see
+            :class:`State` and :mod:`flatcomm.ddp_accordion`): ``"int8"``, ``True`` or an ``Accordion``.
 
     Returns the :class:`State` (for ``state_dict()``, ``stats()``, ``decisions``).
     """
@@ -990,6 +1009,6 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: Any = 
     state = State(codec, error_feedback=error_feedback, mode=mode, group=group, chunks=chunks,
                   block_size=block_size, ratio=ratio, model=ddp_model, grad_scaler=grad_scaler,
                   track_norms=track_norms, history=history, tuner=tuner, topology=topology,
-                  start_step=start_step, keep_fp32=keep_fp32, backoff=backoff)
+                  start_step=start_step, keep_fp32=keep_fp32, backoff=backoff, accordion=accordion)
     ddp_model.register_comm_hook(state, hook)
     return state
