@@ -19,6 +19,18 @@ while compressing the gradients that feed Adam's variance does not (see README, 
   ``p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^T) + eps)`` with ``T = warmup_steps``
   (the variance's bias correction frozen with it), so the weights stay identical on every rank.
 
+**Variance floor.** A coordinate that had no gradient during the warm-up (a dead ReLU unit, a token
+not yet seen: 3-6% of some tensors after 20 steps in the convergence workloads) froze with ``v = 0``;
+a later gradient there would be divided by ``eps`` alone, and the run diverges (even with fp32
+momentum). At the freeze every parameter's ``v`` is raised to at least ``variance_floor`` times its
+mean over that parameter, so such coordinates take a typical step.
+
+``space="update"`` sends ``m_r / d`` instead, with ``d = sqrt(v) / sqrt(1 - beta2^T) + eps`` the
+frozen (identical on every rank) divisor: the same average, but the codec's error, which a
+blockwise codec spreads at the block's magnitude, then falls on Adam's update rather than on the
+momentum, where a coordinate with a small variance would multiply it by ``1 / d``. The residuals
+live in that space (fixed while the variance is frozen); ``m`` is recovered as ``u * d``.
+
 **Usage.** The DDP model must average gradients during the warm-up and must NOT reduce them once
 the compressed phase starts: :func:`register` installs :func:`hook`, which is torch's default
 all-reduce hook during the warm-up and returns the local gradient untouched afterwards::
@@ -75,12 +87,16 @@ class OnebitAdam(torch.optim.Optimizer):
         error_feedback: keep the residuals (off only to measure what they are worth).
         group: process group of the all-reduce (default: the world; flatcomm uses its private copy).
         chunks: pipeline chunks per all-reduce (default: automatic).
+        space: ``"momentum"`` (default, the paper's) or ``"update"``: what the codec compresses (see
+            the module docstring).
+        variance_floor: at the freeze, each parameter's ``exp_avg_sq`` is raised to at least this
+            fraction of its mean (0 keeps it as it is; see the module docstring).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, warmup_steps: int = 100, codec: Any = "sign",
                  block_size: Optional[int] = None, error_feedback: bool = True, group=None,
-                 chunks: Optional[int] = None):
+                 chunks: Optional[int] = None, space: str = "momentum", variance_floor: float = 0.01):
         _check_number("lr", lr, 0.0, math.inf, hi_open=True)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"flatcomm.optim: betas must be a pair (beta1, beta2), got {betas!r}")
@@ -98,6 +114,10 @@ class OnebitAdam(torch.optim.Optimizer):
         self.codec: Codec = resolve(codec, block_size)
         if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
             raise ValueError(f"flatcomm.optim: chunks must be an int >= 1 or None, got {chunks!r}")
+        if space not in ("momentum", "update"):
+            raise ValueError(f"flatcomm.optim: space must be 'momentum' or 'update', got {space!r}")
+        self.space = space
+        self.variance_floor = _check_number("variance_floor", variance_floor, 0.0, 1.0)
         defaults = dict(lr=lr, betas=tuple(float(b) for b in betas), eps=float(eps),
                         weight_decay=float(weight_decay))
         super().__init__(params, defaults)
@@ -181,7 +201,19 @@ class OnebitAdam(torch.optim.Optimizer):
             r = self._residuals[gi] = C.ErrorFeedback.zeros(n, device)
         return r
 
+    def _freeze(self) -> None:
+        """The first compressed step: floor each parameter's variance (the same on every rank)."""
+        if self.variance_floor == 0:
+            return
+        for g in self.param_groups:
+            for p in g["params"]:
+                v = self._state_of(p)["exp_avg_sq"]
+                if v.numel():
+                    v.clamp_(min=self.variance_floor * float(v.mean()))
+
     def _compressed_step(self) -> None:
+        if self.steps_done == self.warmup_steps:
+            self._freeze()
         group = self._group()
         wire = 0
         for gi, g in enumerate(self.param_groups):
@@ -201,20 +233,28 @@ class OnebitAdam(torch.optim.Optimizer):
                     st["exp_avg"].lerp_(p.grad, 1 - b1)
                 else:
                     st["exp_avg"].mul_(b1)
-            flat = torch.cat([st["exp_avg"].reshape(-1) for st in states])
+            bc2_sqrt = (1 - b2 ** self.warmup_steps) ** 0.5  # the variance froze after warmup_steps
+            denoms = [(st["exp_avg_sq"].sqrt() / bc2_sqrt).add_(eps) for st in states]
+            if self.space == "update":
+                flat = torch.cat([(st["exp_avg"] / d).reshape(-1) for st, d in zip(states, denoms)])
+            else:
+                flat = torch.cat([st["exp_avg"].reshape(-1) for st in states])
             cs = C.CommStats()
             C.all_reduce(flat, codec=self.codec, op="avg", mode="ordered", group=group,
                          residual=self._residual(gi, flat.numel(), flat.device), chunks=self.chunks, stats=cs)
             wire += cs.wire_bytes
-            bc2_sqrt = (1 - b2 ** self.warmup_steps) ** 0.5  # the variance froze after warmup_steps
             o = 0
-            for p, st in zip(params, states):
+            for p, st, d in zip(params, states, denoms):
                 m = st["exp_avg"]
-                m.copy_(flat[o:o + m.numel()].view_as(m))
+                part = flat[o:o + m.numel()].view_as(m)
                 o += m.numel()
                 bc1 = 1 - b1 ** st["step"].item()
-                denom = (st["exp_avg_sq"].sqrt() / bc2_sqrt).add_(eps)
-                p.addcdiv_(m, denom, value=-(lr / bc1))
+                if self.space == "update":
+                    torch.mul(part, d, out=m)
+                    p.add_(part, alpha=-(lr / bc1))
+                else:
+                    m.copy_(part)
+                    p.addcdiv_(m, d, value=-(lr / bc1))
         self.last_wire_bytes = wire
 
     # ---- checkpoints ------------------------------------------------------------------------------
@@ -224,7 +264,8 @@ class OnebitAdam(torch.optim.Optimizer):
         world = dist.get_world_size(self._group_arg) if dist.is_initialized() else 1
         sd[STATE_KEY] = {
             "steps_done": self.steps_done, "warmup_steps": self.warmup_steps, "codec": self.codec.name,
-            "block_size": self.codec.block_size, "world_size": world,
+            "block_size": self.codec.block_size, "world_size": world, "space": self.space,
+            "variance_floor": self.variance_floor,
             "residuals": [None if r is None else {"client": r.client.clone(), "server": r.server.clone()}
                           for r in self._residuals],
         }
@@ -241,6 +282,9 @@ class OnebitAdam(torch.optim.Optimizer):
         if (extra["codec"], extra["block_size"]) != (self.codec.name, self.codec.block_size):
             raise ValueError(f"flatcomm.optim: checkpoint codec {extra['codec']} (block {extra['block_size']}) "
                              f"!= this optimizer's {self.codec.name} (block {self.codec.block_size})")
+        if extra.get("space", "momentum") != self.space:
+            raise ValueError(f"flatcomm.optim: checkpoint space {extra.get('space')!r} != {self.space!r}: the "
+                             "residuals are in that space")
         if extra["warmup_steps"] != self.warmup_steps:
             raise ValueError(f"flatcomm.optim: checkpoint warmup_steps {extra['warmup_steps']} != "
                              f"{self.warmup_steps}: the frozen variance's bias correction depends on it")

@@ -59,11 +59,11 @@ def _ref_all_reduce(ms, clients, servers, codec, bs, world):
     return out
 
 
-def _w_phases(rank, world, codec, bs, warm, steps):
+def _w_phases(rank, world, codec, bs, warm, steps, space):
     net = _net()
     ddp = DDP(net, bucket_cap_mb=0.001)
     opt = fo.OnebitAdam(ddp.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, warmup_steps=warm,
-                        codec=codec, block_size=bs)
+                        codec=codec, block_size=bs, space=space)
     fo.register(ddp, opt)
     # torch's AdamW on a second DDP copy with the default all-reduce: the warm-up's reference
     tnet = _net()
@@ -89,12 +89,16 @@ def _w_phases(rank, world, codec, bs, warm, steps):
             ref_w = [p.detach().clone() for p in net.parameters()]
             m = [opt.state[p]["exp_avg"].clone() for p in net.parameters()]
             v = [opt.state[p]["exp_avg_sq"].clone() for p in net.parameters()]
+            v = [vv.clamp(min=0.01 * float(vv.mean())) for vv in v]  # the freeze's variance floor
         # every rank's local gradient at the current weights (each rank computes its own, then gathers)
         g_mine = torch.cat([g.reshape(-1) for g in _local_grads(net, ref_w, x, y)])
         g_all = [torch.empty_like(g_mine) for _ in range(world)]
         dist.all_gather(g_all, g_mine)
         t = step + 1
+        bc1, bc2s = 1 - b1 ** t, (1 - b2 ** warm) ** 0.5
+        d = [(vv.sqrt() / bc2s).add_(EPS) for vv in v]
         m_flat = torch.cat([mm.reshape(-1) for mm in m])
+        d_flat = torch.cat([dd.reshape(-1) for dd in d])
         ms = []
         for r in range(world):
             # p *= 1 - lr wd; m_r = lerp(m, g_r, 1 - b1), per parameter as the optimizer does
@@ -103,16 +107,20 @@ def _w_phases(rank, world, codec, bs, warm, steps):
                 k = mm.numel()
                 parts.append(m_flat[o:o + k].clone().lerp_(g_all[r][o:o + k], 1 - b1))
                 o += k
-            ms.append(torch.cat(parts))
-        m_avg = _ref_all_reduce(ms, clients, servers, codec, bs, world)
-        bc1, bc2s = 1 - b1 ** t, (1 - b2 ** warm) ** 0.5
+            ms.append(torch.cat(parts) if space == "momentum" else torch.cat(parts) / d_flat)
+        avg = _ref_all_reduce(ms, clients, servers, codec, bs, world)
         o = 0
         for i, w in enumerate(ref_w):
             k = w.numel()
-            m[i] = m_avg[o:o + k].view_as(w).clone()
+            part = avg[o:o + k].view_as(w)
             o += k
             w.mul_(1 - LR * WD)
-            w.addcdiv_(m[i], (v[i].sqrt() / bc2s).add_(EPS), value=-(LR / bc1))
+            if space == "momentum":
+                m[i] = part.clone()
+                w.addcdiv_(m[i], d[i], value=-(LR / bc1))
+            else:  # the codec compressed Adam's update m / d
+                m[i] = part * d[i]
+                w.add_(part, alpha=-(LR / bc1))
         opt.zero_grad(set_to_none=True)
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
@@ -125,10 +133,11 @@ def _w_phases(rank, world, codec, bs, warm, steps):
     return out
 
 
-@pytest.mark.parametrize("codec,bs", [("sign", 32), ("int4", 64), ("int8", 256)])
-def test_warmup_is_adamw_then_compressed_momentum_matches_the_reference(codec, bs):
+@pytest.mark.parametrize("codec,bs,space", [("sign", 32, "momentum"), ("int4", 64, "momentum"),
+                                            ("int8", 256, "momentum"), ("sign", 64, "update")])
+def test_warmup_is_adamw_then_compressed_momentum_matches_the_reference(codec, bs, space):
     warm, steps = 3, 8
-    outs = spawn.run(2, _w_phases, codec, bs, warm, steps, timeout_s=180)
+    outs = spawn.run(2, _w_phases, codec, bs, warm, steps, space, timeout_s=180)
     for r in outs:
         assert r["warm_bitwise"] == [True] * warm
         assert r["m_bitwise"] == [True] * (steps - warm), r["m_bitwise"]
@@ -239,7 +248,7 @@ def test_bad_arguments_are_clear_errors():
                       (dict(eps=-1e-8), "eps must be"), (dict(weight_decay=-0.1), "weight_decay"),
                       (dict(warmup_steps=0), "warmup_steps must be an int >= 1"),
                       (dict(warmup_steps=2.5), "warmup_steps"), (dict(codec="auto"), "codec='auto'"),
-                      (dict(chunks=0), "chunks must be")):
+                      (dict(chunks=0), "chunks must be"), (dict(space="grad"), "space must be")):
         with pytest.raises(ValueError, match=match):
             fo.OnebitAdam(ps, **kw)
     with pytest.raises(ValueError, match="unknown codec|codec"):
