@@ -131,6 +131,7 @@ class OnebitAdam(torch.optim.Optimizer):
         self.chunks = chunks
         self._group_arg = group
         self._comm_group = None
+        self._ddp_group: Any = None  # register(): DDP's group, where the warm-up averages gradients
         self.steps_done = 0
         self._residuals: List[Optional[C.ErrorFeedback]] = []
         self.last_wire_bytes = 0  # bytes this rank sent in the last compressed step's all-reduces
@@ -324,7 +325,8 @@ def hook(opt: OnebitAdam, bucket: "dist.GradBucket") -> torch.futures.Future:
     warm-up; afterwards the bucket's local gradient, untouched (the optimizer sends the momentum)."""
     if not opt.compressing:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-        return default_hooks.allreduce_hook(getattr(opt, "_ddp_group", None), bucket)
+        pg: Any = opt._ddp_group or dist.group.WORLD
+        return default_hooks.allreduce_hook(pg, bucket)
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
@@ -340,5 +342,5 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: On
                         f"{type(ddp_model).__name__}")
     if not isinstance(optimizer, OnebitAdam):
         raise TypeError(f"flatcomm.optim.register needs a flatcomm.optim.OnebitAdam, got {type(optimizer).__name__}")
-    optimizer._ddp_group = ddp_model.process_group  # the warm-up averages on DDP's own group
+    optimizer._ddp_group = ddp_model.process_group
     ddp_model.register_comm_hook(optimizer, hook)
