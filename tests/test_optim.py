@@ -187,31 +187,26 @@ def _w_checkpoint(rank, world):
     snap = [p.detach().clone() for p in net.parameters()]
     _run(ddp, opt, rank, 4, 5)
     want = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    # a fresh model and optimizer at the snapshot
-    net2 = _net(seed=1)
-    with torch.no_grad():
-        for p, s in zip(net2.parameters(), snap):
-            p.copy_(s)
-    ddp2 = DDP(net2)
-    opt2 = fo.OnebitAdam(ddp2.parameters(), lr=LR, warmup_steps=3, codec="sign", block_size=32)
-    fo.register(ddp2, opt2)
-    opt2.load_state_dict(sd)
-    assert opt2.compressing and opt2.steps_done == 5
-    _run(ddp2, opt2, rank, 4, 5)
-    got = torch.cat([p.detach().reshape(-1) for p in net2.parameters()])
+
+    def resumed(state):
+        """A fresh model and optimizer at the snapshot, loaded from ``state``, 4 more steps."""
+        net2 = _net(seed=1)
+        with torch.no_grad():
+            for p, s in zip(net2.parameters(), snap):
+                p.copy_(s)
+        ddp2 = DDP(net2)
+        opt2 = fo.OnebitAdam(ddp2.parameters(), lr=LR, warmup_steps=3, codec="sign", block_size=32)
+        fo.register(ddp2, opt2)
+        opt2.load_state_dict(state)
+        assert opt2.compressing and opt2.steps_done == 5
+        _run(ddp2, opt2, rank, 4, 5)
+        return torch.cat([p.detach().reshape(-1) for p in net2.parameters()]), opt2
+
+    got, _ = resumed(sd)
     # the residuals are needed: loading without them ends elsewhere
-    net3 = _net(seed=1)
-    with torch.no_grad():
-        for p, s in zip(net3.parameters(), snap):
-            p.copy_(s)
-    ddp3 = DDP(net3)
-    opt3 = fo.OnebitAdam(ddp3.parameters(), lr=LR, warmup_steps=3, codec="sign", block_size=32)
-    fo.register(ddp3, opt3)
     lost = dict(sd)
     lost[fo.STATE_KEY] = dict(sd[fo.STATE_KEY], residuals=[])
-    opt3.load_state_dict(lost)
-    _run(ddp3, opt3, rank, 4, 5)
-    other = torch.cat([p.detach().reshape(-1) for p in net3.parameters()])
+    other, opt3 = resumed(lost)
     errors = []
     for change, match in ((dict(world_size=3), "world size 3"), (dict(codec="int8"), "codec int8"),
                           (dict(warmup_steps=4), "warmup_steps 4")):
@@ -231,7 +226,7 @@ def _w_checkpoint(rank, world):
     with pytest.raises(ValueError, match="not finite"):
         opt3.load_state_dict(bad)
     with pytest.raises(ValueError, match="not an OnebitAdam state_dict"):
-        opt3.load_state_dict(torch.optim.AdamW(net3.parameters()).state_dict())
+        opt3.load_state_dict(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]).state_dict())
     return torch.equal(got, want), torch.equal(other, want), len(errors)
 
 
