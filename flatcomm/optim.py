@@ -309,8 +309,9 @@ class OnebitAdam(torch.optim.Optimizer):
             for k in ("client", "server"):
                 t = r.get(k) if isinstance(r, dict) else None
                 if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != n:
+                    got = (t.dtype, t.numel()) if isinstance(t, torch.Tensor) else t
                     raise ValueError(f"flatcomm.optim: residual {k!r} of group {gi} must be an fp32 tensor of "
-                                     f"{n} values, got {t if not isinstance(t, torch.Tensor) else (t.dtype, t.numel())}")
+                                     f"{n} values, got {got}")
                 if not torch.isfinite(t).all():
                     raise ValueError(f"flatcomm.optim: residual {k!r} of group {gi} is not finite")
                 parts.append(t.detach().to(dev).clone().reshape(-1))

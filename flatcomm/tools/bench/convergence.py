@@ -21,9 +21,10 @@ with its defaults (error feedback on for lossy codecs); ``sign:block_size=32,sta
 options; ``sign:accordion=int8,accordion_every=10,accordion_threshold=0.5`` registers with a
 :class:`flatcomm.ddp_accordion.Accordion`. ``onebit:codec=sign,warmup_steps=20`` trains with
 :class:`flatcomm.optim.OnebitAdam` (the workload's AdamW settings, options passed on) and its hook
-instead; it applies to the AdamW workloads only (its row is left out of the others). Within a seed every row starts from the same weights and sees the same batches, so the
-paired difference to ``torch`` measures the codec, not the seed. The held-out metric is reported
-relative to torch (``val / val_torch - 1`` per seed, then mean and sample sd over seeds).
+instead; it applies to the AdamW workloads only (its row is left out of the others). Within a seed
+every row starts from the same weights and sees the same batches, so the paired difference to
+``torch`` measures the codec, not the seed. The held-out metric is reported relative to torch
+(``val / val_torch - 1`` per seed, then mean and sample sd over seeds).
 
 JSON: ``{"command": "convergence", "world", "seeds", "quick", "workloads": {name: {"optimizer",
 "steps", "params", "rows": [{"row", "codec", "options", "val": [per seed], "rel": [per seed],
@@ -246,7 +247,7 @@ def _train_one(w: Workload, row: str, rank: int, world: int, seed: int) -> dict:
         w.make_optimizer(ddp.parameters())
     if onebit is not None:
         foptim.register(ddp, opt)
-    curve, onebit_wire = [], []
+    curve, onebit_wire, onebit_warm = [], [], 0
     for step in range(w.steps):
         x, y = w.batch(step, rank)
         opt.zero_grad(set_to_none=True)
@@ -256,6 +257,7 @@ def _train_one(w: Workload, row: str, rank: int, world: int, seed: int) -> dict:
         opt.step()
         if onebit is not None:
             onebit_wire.append(opt.last_wire_bytes if compressing else ring)
+            onebit_warm += not compressing
         if sched is not None:
             sched.step()
         lt = loss.detach().reshape(1)
@@ -273,10 +275,11 @@ def _train_one(w: Workload, row: str, rank: int, world: int, seed: int) -> dict:
         out["rel_error"] = [s.get("rel_error", 0.0) for s in steps][::TRACK_EVERY]
         out["wire_bytes_per_step"] = statistics.fmean(s["wire_bytes"] for s in steps) if steps else 0.0
         used = [b["codec"] for s in steps for b in s["buckets"]]
-        out["codec_share"] = {c: used.count(c) / len(used) for c in sorted(set(used))}
+        out["codec_share"] = {c: used.count(c) / len(used) for c in sorted(set(used))} if used else {}
     elif onebit is not None:
         out["wire_bytes_per_step"] = statistics.fmean(onebit_wire) if onebit_wire else 0.0
-        out["codec_share"] = {"fp32 (DDP)": opt.warmup_steps / w.steps, opt.codec.name: 1 - opt.warmup_steps / w.steps}
+        out["codec_share"] = {"fp32 (DDP)": onebit_warm / len(onebit_wire),
+                              opt.codec.name: 1 - onebit_warm / len(onebit_wire)} if onebit_wire else {}
     else:
         out["wire_bytes_per_step"] = ring
     out["params"] = sum(p.numel() for p in model.parameters())
