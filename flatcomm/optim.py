@@ -23,7 +23,8 @@ while compressing the gradients that feed Adam's variance does not (see README, 
 not yet seen: 3-6% of some tensors after 20 steps in the convergence workloads) froze with ``v = 0``;
 a later gradient there would be divided by ``eps`` alone, and the run diverges (even with fp32
 momentum). At the freeze every parameter's ``v`` is raised to at least ``variance_floor`` times its
-mean over that parameter, so such coordinates take a typical step.
+mean over that parameter (over its group for a parameter that had no gradient at all), so such
+coordinates take a typical step.
 
 ``space="update"`` sends ``m_r / d`` instead, with ``d = sqrt(v) / sqrt(1 - beta2^T) + eps`` the
 frozen (identical on every rank) divisor: the same average, but the codec's error, which a
@@ -207,10 +208,14 @@ class OnebitAdam(torch.optim.Optimizer):
         if self.variance_floor == 0:
             return
         for g in self.param_groups:
-            for p in g["params"]:
-                v = self._state_of(p)["exp_avg_sq"]
+            vs = [self._state_of(p)["exp_avg_sq"] for p in g["params"]]
+            n = sum(v.numel() for v in vs)
+            # a parameter without any gradient in the warm-up takes its group's mean
+            group_mean = sum(float(v.double().sum()) for v in vs) / n if n else 0.0
+            for v in vs:
                 if v.numel():
-                    v.clamp_(min=self.variance_floor * float(v.mean()))
+                    mean = float(v.mean())
+                    v.clamp_(min=self.variance_floor * (mean if mean > 0 else group_mean))
 
     def _compressed_step(self) -> None:
         if self.steps_done == self.warmup_steps:

@@ -257,25 +257,31 @@ def test_bad_arguments_are_clear_errors():
 
 
 def _w_floor(rank, world, floor):
-    """Coordinates 20.. get no gradient during the warm-up (v = 0 there), then one."""
+    """Coordinates 20.. of p, and all of q, get no gradient during the warm-up (v = 0 there), then one."""
     p = torch.nn.Parameter(torch.zeros(40))
-    opt = fo.OnebitAdam([p], lr=1e-3, weight_decay=0.0, warmup_steps=3, codec="int8", variance_floor=floor)
+    q = torch.nn.Parameter(torch.zeros(7))
+    opt = fo.OnebitAdam([p, q], lr=1e-3, weight_decay=0.0, warmup_steps=3, codec="int8", variance_floor=floor)
     g = torch.Generator().manual_seed(5)
     for step in range(4):
         grad = torch.randn(40, generator=g)  # the same on both ranks: the warm-up's averaged gradient
         if step < 3:
             grad[20:] = 0
         p.grad = grad
+        q.grad = torch.randn(7, generator=g) if step >= 3 else None
         before = p.detach().clone()
         v_before = opt.state[p]["exp_avg_sq"].clone() if p in opt.state else None
         opt.step()
-    return (p.detach() - before).abs().max().item(), v_before, opt.state[p]["exp_avg_sq"].clone()
+    q_v = opt.state[q]["exp_avg_sq"]
+    return (max((p.detach() - before).abs().max().item(), q.detach().abs().max().item()), v_before,
+            opt.state[p]["exp_avg_sq"].clone(), q_v.clone())
 
 
 def test_variance_floor_keeps_unseen_coordinates_finite():
-    step0, _, _ = spawn.run(2, _w_floor, 0.0, timeout_s=120)[0]
+    step0 = spawn.run(2, _w_floor, 0.0, timeout_s=120)[0][0]
     assert step0 > 1e2, "without the floor a coordinate with v = 0 takes a step of lr * m / eps"
-    step, v_before, v_after = spawn.run(2, _w_floor, 0.01, timeout_s=120)[0]
+    step, v_before, v_after, q_v = spawn.run(2, _w_floor, 0.01, timeout_s=120)[0]
     assert step < 0.1, step
     assert torch.equal(v_after, v_before.clamp(min=0.01 * float(v_before.mean())))
     assert (v_before[20:] == 0).all() and (v_after[20:] > 0).all()
+    # q had no gradient at all in the warm-up: its floor is from the group's mean (p's 40 and q's 7)
+    assert torch.allclose(q_v, torch.full((7,), 0.01 * float(v_before.double().sum()) / 47), rtol=1e-6)
