@@ -71,6 +71,7 @@ import torch.distributed as dist
 
 from . import _options
 from . import collectives as C
+from . import ddp_accordion as _accordion
 from . import ddp_adapt as _adapt
 from . import ddp_checkpoint as _ckpt
 from . import ddp_comm as _comm
@@ -124,6 +125,9 @@ class State:
     backoff: ``codec="auto"`` only: a :class:`flatcomm.ddp_adapt.Backoff` (default ``Backoff()``,
         every 50 steps; ``False`` turns it off) that moves a bucket to a more precise codec when the
         error measured in training exceeds the budget; ``adaptations`` / ``stats()`` say when and why.
+    accordion: adaptive switching (:mod:`flatcomm.ddp_accordion`): a precise codec (``"int8"``, or an
+        :class:`~flatcomm.ddp_accordion.Accordion`; ``True``: its defaults) in intervals where the
+        gradient norm changes fast, this State's codec otherwise. Not with ``codec="auto"``.
     """
 
     def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: Optional[str] = None,
@@ -131,7 +135,7 @@ class State:
                  ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None,
                  grad_scaler=None, track_norms: bool = True, history: int = 100, tuner=None,
                  topology=None, start_step: Optional[int] = None, keep_fp32: Any = None,
-                 backoff: Any = None):
+                 backoff: Any = None, accordion: Any = None):
         o = _options.resolve(codec, error_feedback=error_feedback, mode=mode, block_size=block_size,
                              ratio=ratio, tuner=tuner, start_step=start_step, keep_fp32=keep_fp32,
                              backoff=backoff, defaults=CODEC_DEFAULTS)
@@ -144,6 +148,9 @@ class State:
         self.error_feedback = o.error_feedback
         self.start_step = o.start_step
         self.backoff = o.backoff
+        self.accordion = _accordion.policy(accordion)
+        if self.accordion is not None and o.auto:
+            raise ValueError("flatcomm: accordion= picks between two fixed codecs; it does not combine with codec='auto'")
         if o.auto:
             self.tuner = o.tuner
         self.decisions: Dict[Tuple[int, ...], Any] = {}
@@ -308,7 +315,8 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: Any = 
              chunks: Optional[int] = None, block_size: Optional[int] = None, ratio: Optional[float] = None,
              grad_scaler: Optional[Any] = None, track_norms: bool = True, history: int = 100,
              tuner: Optional[Any] = None, topology: Optional[Any] = None,
-             start_step: Optional[int] = None, keep_fp32: Any = None, backoff: Any = None) -> State:
+             start_step: Optional[int] = None, keep_fp32: Any = None, backoff: Any = None,
+             accordion: Any = None) -> State:
     """Create a :class:`State` that knows ``ddp_model`` and register :func:`hook` on it.
 
     Args:
@@ -338,6 +346,8 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: Any = 
             patterns, or ``"small"`` (see :class:`State`).
         backoff: ``codec="auto"`` only: when measured compression error moves a bucket to a more
             precise codec (see :class:`State`; ``False`` turns it off).
+        accordion: a precise codec in critical intervals, ``codec`` otherwise (Accordion; see
+            :class:`State` and :mod:`flatcomm.ddp_accordion`): ``"int8"``, ``True`` or an ``Accordion``.
 
     Returns the :class:`State` (for ``state_dict()``, ``stats()``, ``decisions``).
     """
@@ -348,6 +358,6 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: Any = 
     state = State(codec, error_feedback=error_feedback, mode=mode, group=group, chunks=chunks,
                   block_size=block_size, ratio=ratio, model=ddp_model, grad_scaler=grad_scaler,
                   track_norms=track_norms, history=history, tuner=tuner, topology=topology,
-                  start_step=start_step, keep_fp32=keep_fp32, backoff=backoff)
+                  start_step=start_step, keep_fp32=keep_fp32, backoff=backoff, accordion=accordion)
     ddp_model.register_comm_hook(state, hook)
     return state

@@ -60,8 +60,11 @@ def state_dict(state) -> dict:
         buckets = state._res.bucket_names(names)
         decisions = [[[names[pid] for pid in key], d.codec, d.chunks] for key, d in state.decisions.items()
                      if all(pid in names for pid in key)]
-    return {"version": STATE_DICT_VERSION, "form": "per_rank", **_meta(state), "world_size": world,
-            "rank": rank, "buckets": buckets, "decisions": decisions, "client": client, "server": server}
+    out = {"version": STATE_DICT_VERSION, "form": "per_rank", **_meta(state), "world_size": world,
+           "rank": rank, "buckets": buckets, "decisions": decisions, "client": client, "server": server}
+    if state.accordion is not None and state.model is not None:  # its intervals (the same on every rank)
+        out["accordion"] = state.accordion.state_dict(state._name_map())
+    return out
 
 
 def resharded_state_dict(state) -> dict:
@@ -123,6 +126,8 @@ def load_state_dict(state, sd, *, allow_codec_change: bool = False) -> None:
     if state._auto and not changed and form == "per_rank":
         _restore_decisions(state, params, check.field(sd, "decisions", list))
     state._step = check.field(sd, "step", int)
+    if state.accordion is not None and sd.get("accordion") is not None:
+        state.accordion.load_state_dict(sd["accordion"], params)
     scale_seen = sd.get("scale_seen")
     state._scale_seen = float(scale_seen) if scale_seen is not None else None
 

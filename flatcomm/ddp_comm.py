@@ -164,6 +164,8 @@ def _reduce(state, group, tensor: torch.Tensor, key: Tuple[int, ...], params, la
         chunks = chunks or d.chunks
     if step < state.start_step:  # warm-up: lossless; a residual loaded from a checkpoint is flushed
         codec = resolve("fp32")
+    elif state.accordion is not None and force is None:
+        codec = state.accordion.choose(key, step, codec)
     res = None
     where = (key, layout, tensor.numel(), tensor.device)
     if state.error_feedback and not codec.lossless:
@@ -224,6 +226,8 @@ def _reduce(state, group, tensor: torch.Tensor, key: Tuple[int, ...], params, la
             state._finished()
 
     fut.add_done_callback(record)  # runs on the worker thread; does not block
+    if state.accordion is not None and force is None:
+        fut = state.accordion.watch(key, step, fut)  # DDP waits for it: decisions before the next step
     return fut
 
 # ---- codec="auto": the measured error against the budget -------------------------------------
