@@ -36,7 +36,7 @@ def build_info() -> dict:
     return info
 
 
-_SUBMODULES = ("ddp", "fsdp", "fsdp_hybrid", "reproducible", "reference")
+_SUBMODULES = ("ddp", "fsdp", "fsdp_hybrid", "reproducible", "reference", "optim")
 
 
 def __getattr__(name: str):

@@ -12,6 +12,9 @@ public information (the sharded parameters are DTensors whose placements give th
 * FSDP1 comm hooks receive only the gradient: the unit is the ``handle`` local (a
   ``FlatParamHandle``, its ``flat_param``) of the frame that calls the hook, the process group its
   ``state`` local (:func:`fsdp1_unit`); ``module._handle`` names units at construction.
+* FSDP1 ``keep_fp32=``: where each parameter lies in its unit's flat parameter
+  (:func:`fsdp1_param_ranges`: ``_numels_with_padding``, ``_is_padding_mask``, ``_fqns``,
+  ``_shapes`` and, with ``use_orig_params``, ``_params``).
 * Tests compare the public layout with FSDP's own (:func:`fsdp2_param_groups`).
 
 :func:`check` lists what the installed torch no longer has; ``tests/test_fsdp_private.py`` runs it
@@ -26,7 +29,9 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["check", "fsdp1_flat_param", "fsdp1_unit", "fsdp2_param_groups", "param_piece", "reduce_call_params"]
+__all__ = ["check", "fsdp1_flat_param", "fsdp1_param_ranges", "fsdp1_unit", "fsdp2_param_groups", "param_piece",
+           "reduce_call_params"]
+_FLAT_PARAM_FIELDS = ("_numels_with_padding", "_is_padding_mask", "_fqns", "_shapes", "_params")
 
 # How far up the stack the caller of a comm / hook may be: FSDP calls it directly, flatcomm adds
 # two or three frames of its own between the entry point and this module.
@@ -82,6 +87,24 @@ def fsdp1_flat_param(module: torch.nn.Module) -> Optional[torch.Tensor]:
     return None if handle is None else handle.flat_param
 
 
+def fsdp1_param_ranges(flat_param: Any) -> Optional[List[Tuple[Optional[torch.Tensor], str, int, int, torch.Size]]]:
+    """FSDP1: (original parameter or None, unit-relative name, offset, numel, shape) of each
+    parameter in the unsharded flat parameter (alignment padding skipped), or None if unknown."""
+    try:
+        numels, padding = flat_param._numels_with_padding, flat_param._is_padding_mask
+        fqns, shapes = flat_param._fqns, flat_param._shapes
+    except AttributeError:
+        return None
+    params = getattr(flat_param, "_params", None) or [None] * len(fqns)  # use_orig_params only
+    out, off, i = [], 0, 0
+    for n, is_pad in zip(numels, padding):
+        if not is_pad:
+            out.append((params[i], fqns[i], off, int(n), shapes[i]))
+            i += 1
+        off += int(n)
+    return out
+
+
 def _names_used(cls: type) -> set:
     """Attribute and local names the methods of ``cls`` use (from their code objects)."""
     used: set = set()
@@ -125,4 +148,8 @@ def check() -> List[str]:
             problems.append(f"FSDP1 _runtime_utils.{name} has no 'handle'/'state' locals")
     if "flat_param" not in _names_used(FlatParamHandle):
         problems.append("FSDP1 FlatParamHandle has no flat_param")
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    fields = set(getattr(FlatParameter, "__annotations__", {})) | _names_used(FlatParameter)
+    problems += [f"FSDP1 FlatParameter no longer has {a}" for a in _FLAT_PARAM_FIELDS if a not in fields]
     return problems

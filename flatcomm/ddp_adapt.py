@@ -13,18 +13,20 @@ every rank sees the same bits and decides the same) give ``rel_error`` and ``res
 budget codec's error on Gaussian values times ``margin``) or whose residual outgrows its gradient
 (``residual_ratio > residual_limit``: error feedback falls behind) moves one codec up
 :data:`flatcomm.autotune.PRECISION`. The residual stays (keyed by parameters): the next codec
-sends it.
+sends it. :class:`Monitor` keeps the windows, the measured errors and the moves; the DDP hook and
+the FSDP backends (:mod:`flatcomm.fsdp`) both use it.
 """
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence
+import threading
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Backoff", "small", "keep_predicate", "NOMINAL_REL_ERROR"]
+__all__ = ["Backoff", "Monitor", "small", "keep_predicate", "NOMINAL_REL_ERROR"]
 
 # ||x - decode(encode(x))|| / ||x|| for Gaussian x with flatcomm's default blocks (absmax scaling:
 # int8 step max/127, int4 max/7, sign at the block's mean magnitude: sqrt(1 - 2/pi)).
@@ -106,3 +108,65 @@ def agreed_sums(window: List[List[Any]], all_reduce_sum, device=None) -> List[Li
     all_reduce_sum(flat)
     vals = flat.tolist()
     return [vals[i:i + 3] for i in range(0, len(vals), 3)]
+
+
+class Monitor:
+    """A :class:`Backoff` at work: per decision key, the window of ``[c_sq, v_sq, g_sq]`` since the
+    last check, the last measured errors, and every move made (``adaptations``)."""
+
+    def __init__(self, backoff: Backoff):
+        self.backoff = backoff
+        self.adaptations: List[dict] = []
+        self.measured: Dict[Hashable, Tuple[float, float]] = {}  # key -> (rel_error, residual ratio)
+        self._window: Dict[Hashable, List[Any]] = {}
+        self._lock = threading.Lock()  # accumulate runs on collective worker threads
+
+    def due(self, count: int) -> bool:
+        """Whether the ``count``-th step / call (from 0) is a check point."""
+        every = self.backoff.every
+        return bool(every) and count > 0 and count % every == 0
+
+    def accumulate(self, key: Hashable, c_sq: Any, v_sq: Any, g_sq: Any) -> None:
+        """Add one step's ||client residual||^2, ||g + old residual||^2, ||g||^2 of ``key`` (floats or
+        0-dim tensors: no host sync until :meth:`check` reads them)."""
+        with self._lock:
+            w = self._window.get(key)
+            new = [c_sq, v_sq, g_sq]
+            self._window[key] = new if w is None else [a + b for a, b in zip(w, new)]
+
+    def check(self, decisions: Dict[Any, Any], keys: Sequence[Any], budget: str, step: int,
+              all_reduce_sum: Callable[[torch.Tensor], Any], device=None,
+              where: Callable[[Any], dict] = lambda key: {}, unit: str = "steps") -> List[dict]:
+        """Sum the windows of ``keys`` over the ranks (one collective: call it at the same point,
+        with the same keys in the same order, on every rank) and move each key whose error is over
+        the budget one codec up, in ``decisions`` (a :class:`flatcomm.autotune.Decision` each).
+        Returns this check's moves (also appended to ``adaptations``, with ``where(key)``)."""
+        from .autotune import PRECISION, Decision
+
+        with self._lock:
+            rows = [self._window.pop(k, [0.0, 0.0, 0.0]) for k in keys]
+        sums = agreed_sums(rows, all_reduce_sum, device)
+        moves = []
+        for k, (c, v, g) in zip(keys, sums):
+            d = decisions[k]
+            move = self.backoff.judge(d.codec, budget, c, v, g, PRECISION)
+            if v > 0:  # (a collective not run since the last check sends nothing)
+                self.measured[k] = (math.sqrt(c / v), math.sqrt(c / g) if g > 0 else 0.0)
+            if move is None:
+                continue
+            reason = (f"backed off from {move['from']} at step {step}: {move['why']} over the last "
+                      f"{self.backoff.every} {unit}, all ranks")
+            decisions[k] = Decision(move["to"], d.chunks, reason, {})
+            rec = {"step": step, **where(k), **move}
+            self.adaptations.append(rec)
+            moves.append(rec)
+        return moves
+
+    def clear(self) -> None:
+        """Forget every window (a check of all keys at once starts the next windows from zero)."""
+        with self._lock:
+            self._window.clear()
+
+    def measured_fields(self, key: Hashable) -> dict:
+        m = self.measured.get(key)
+        return {} if m is None else {"measured_rel_error": m[0], "measured_residual_ratio": m[1]}

@@ -44,7 +44,8 @@ fails when torch changes it), and if even that fails, the key falls back to the 
 kept as one flat buffer per distinct group (so encoding is one pass over one tensor); when a new
 group appears (a parameter without a gradient, a different wrapping) its buffer is assembled once
 from the old ones parameter by parameter (zeros for parameters never seen) and old buffers are freed
-when no parameter refers to them. Names are stable across steps, processes and re-wrapping (a new
+when no parameter refers to them. (The store, :class:`flatcomm._residuals.Store`, is the one the DDP hook
+uses.) Names are stable across steps, processes and re-wrapping (a new
 ``fully_shard`` of the same model), so residuals survive re-sharding at the same world size; a
 different world size changes the padding and the owner of every value: loading then raises.
 
@@ -53,6 +54,8 @@ fp32 tensor of the padded unsharded numel). Every rank saves different values, s
 of the key: DCP would otherwise de-duplicate equal keys as replicated tensors and keep only one
 rank's values. When the backend knows the model (:func:`apply`), ``state_dict()`` lists every
 parameter (zeros before the first step), so ``dcp.load`` can fill it in place before training.
+``keep_fp32=`` and the ``auto`` backoff (``backoff=``, decisions saved as
+``"rank{r}.__decisions__"``): :mod:`flatcomm.fsdp_adapt`.
 FSDP1 residuals are keyed by FSDP unit (module name when ``model`` is given, else the order in which
 units first reduce) and live in the same kind of dict.
 """
@@ -67,8 +70,13 @@ import torch
 import torch.distributed as dist
 
 from . import _fsdp_private as _private
+from . import _options
 from . import checkpoint as check
 from . import collectives as C
+from . import ddp_adapt as _adapt
+from . import fsdp_adapt as _fadapt
+from ._residuals import Store
+from .autotune import PRECISION
 from .codecs import Codec, resolve
 
 __all__ = ["ReduceScatter", "ModuleReduceScatter", "FSDP1State", "fsdp1_hook", "apply", "Stats"]
@@ -76,6 +84,8 @@ __all__ = ["ReduceScatter", "ModuleReduceScatter", "FSDP1State", "fsdp1_hook", "
 _Pieces = List[Tuple[str, int]]  # (name, values per rank) in the input's row layout
 _RANK_KEY = re.compile(r"rank(\d+)\.")
 _STEP_KEY = "__step__"  # per-rank warm-up step count in state_dict() (with start_step only)
+_FSDP1_WRAPPER = "_fsdp_wrapped_module."
+_DECISIONS_KEY = "__decisions__"  # per-rank codec="auto" decisions in state_dict() (fsdp_adapt.encode)
 
 
 @dataclasses.dataclass
@@ -95,62 +105,62 @@ class Stats(C.CommStats):
 # ---- residual storage, keyed by parameter name --------------------------------------------------
 
 
+@dataclasses.dataclass
+class _Group:
+    """One parameter group's residuals: ``buf[r]`` is this rank's residual of rank r's chunk."""
+    buf: torch.Tensor  # [world, values per rank of the group]
+    layout: List[Tuple[Any, int, int]]  # (name, offset, values per rank)
+
+
 class _Residuals:
-    """Flat fp32 residual buffers, one per distinct parameter group, addressable per parameter."""
+    """Flat fp32 residual buffers, one per distinct parameter group (a :class:`flatcomm._residuals.Store`
+    keyed by parameter name), addressable per parameter, plus the model's sizes when known."""
 
     def __init__(self) -> None:
-        # key (names) -> (buffer [world, S], {name: (offset, c)})
-        self._bufs: Dict[Tuple[str, ...], Tuple[torch.Tensor, Dict[str, Tuple[int, int]]]] = {}
-        self._where: Dict[str, Tuple[str, ...]] = {}
-        self._pending: Dict[str, torch.Tensor] = {}  # loaded, not yet placed: name -> [world * c]
+        self._store: Store[_Group] = Store()
         self.templates: Dict[str, int] = {}  # name -> padded unsharded numel (known in advance)
 
     def view(self, name: str) -> Optional[torch.Tensor]:
         """This rank's residual of ``name`` as a [world, c] view (None if never seen)."""
-        key = self._where.get(name)
-        if key is None:
+        loc = self._store.locate(name)
+        if loc is None:
             return None
-        buf, lay = self._bufs[key]
-        off, c = lay[name]
-        return buf[:, off:off + c]
+        group, off, c = loc
+        return group.buf[:, off:off + c]
 
     def holds(self, pieces: _Pieces) -> bool:
         """Whether any of these parameters has a residual (placed or loaded)."""
-        return any(n in self._where or n in self._pending for n, _ in pieces)
+        names = [n for n, _ in pieces]
+        return self._store.holds(names, names)
 
     def get(self, pieces: _Pieces, world: int, device: torch.device) -> torch.Tensor:
         key = tuple(n for n, _ in pieces)
         total = sum(c for _, c in pieces)
-        hit = self._bufs.get(key)
-        if hit is not None and hit[0].shape == (world, total) and hit[0].device == device:
-            return hit[0].view(-1)
+        hit = self._store.get(key)
+        if hit is not None and hit.buf.shape == (world, total) and hit.buf.device == device:
+            return hit.buf.view(-1)
         buf = torch.zeros(world, total, dtype=torch.float32, device=device)
-        lay: Dict[str, Tuple[int, int]] = {}
-        off = 0
+        layout, off = [], 0
         for name, c in pieces:
-            src = self._pending.pop(name, None)
-            if src is not None:
-                if src.numel() != world * c:
-                    raise ValueError(
-                        f"flatcomm: loaded residual for {name!r} has {src.numel()} values but this "
-                        f"run needs {world} x {c} (residuals load at the world size they were saved at)")
-                buf[:, off:off + c].copy_(src.view(world, c))
-            else:
-                old = self.view(name)
-                if old is not None and old.shape == (world, c):
-                    buf[:, off:off + c].copy_(old)
-            lay[name] = (off, c)
+            layout.append((name, off, c))
             off += c
-        self._bufs[key] = (buf, lay)
-        for name in key:
-            self._where[name] = key
-        live = set(self._where.values())
-        for k in [k for k in self._bufs if k not in live]:
-            del self._bufs[k]
+
+        def move(old: _Group, ooff: int, oc: int, off: int, c: int) -> None:
+            if oc == c and old.buf.shape[0] == world:  # else another world size: nothing carries over
+                buf[:, off:off + c].copy_(old.buf[:, ooff:ooff + oc])
+
+        def load(src: torch.Tensor, name: str, off: int, c: int) -> None:
+            if src.numel() != world * c:
+                raise ValueError(
+                    f"flatcomm: loaded residual for {name!r} has {src.numel()} values but this "
+                    f"run needs {world} x {c} (residuals load at the world size they were saved at)")
+            buf[:, off:off + c].copy_(src.view(world, c))
+
+        self._store.place(key, _Group(buf, layout), move, load, name_of=str)
         return buf.view(-1)
 
     def names(self) -> List[str]:
-        return sorted(set(self._where) | set(self._pending) | set(self.templates))
+        return sorted({str(n) for n in self._store.ids()} | set(self._store.pending) | set(self.templates))
 
     def state_dict(self, prefix: str) -> Dict[str, torch.Tensor]:
         out = {}
@@ -158,8 +168,8 @@ class _Residuals:
             v = self.view(name)
             if v is not None:
                 t = v.reshape(-1).clone()
-            elif name in self._pending:
-                t = self._pending[name].clone()
+            elif name in self._store.pending:
+                t = self._store.pending[name].clone()
             else:
                 t = torch.zeros(self.templates[name], dtype=torch.float32)
             out[prefix + name] = t
@@ -179,9 +189,7 @@ class _Residuals:
             loaded[name] = check.residual(name, v, shape).reshape(-1).clone()
         if self.templates:  # the model is known: every parameter must come back
             check.keys([n for n in loaded if n in self.templates], self.templates, f"{prefix[:-1]} residuals")
-        self._bufs.clear()
-        self._where.clear()
-        self._pending = loaded
+        self._store.clear(loaded)
 
 
 def _op_scale(op: Any, world: int) -> Tuple[str, Optional[float]]:
@@ -213,6 +221,24 @@ def _wire_codec(codec: Codec, dtype: torch.dtype) -> Codec:
     if codec.lossless and dtype == torch.float16:
         return resolve("fp16")
     return codec
+
+
+class _Done:
+    """A completed :class:`flatcomm.collectives.Handle` (a call that had to run synchronously)."""
+
+    def __init__(self, value: torch.Tensor):
+        self._value = value
+
+    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+        return self._value
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._value)
+        return fut
 
 
 class _ScaledHandle:
@@ -274,32 +300,36 @@ def _reduce(output: torch.Tensor, input: torch.Tensor, *, codec: Codec, op: Any,
 
 class _Backend:
     def __init__(self, codec: Any, *, error_feedback: bool, mode: str, chunks: Optional[int],
-                 block_size: Optional[int], ratio: Optional[float], tuner=None, start_step: int = 0):
-        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-            raise ValueError(f"flatcomm: start_step must be an int >= 0, got {start_step!r}")
+                 block_size: Optional[int], ratio: Optional[float], tuner=None, start_step: int = 0,
+                 keep_fp32: Any = None, backoff: Any = None):
+        o = _options.resolve(codec, error_feedback=error_feedback, mode=mode, block_size=block_size,
+                             ratio=ratio, tuner=tuner, start_step=start_step, keep_fp32=keep_fp32,
+                             backoff=backoff)
         # Warm-up: the first start_step reductions of each parameter group / unit are lossless fp32
         # (FSDP has no step counter we can see: a group reduces once per backward). Counted from the
         # step a checkpoint saved ("rank{r}.__step__").
-        self.start_step = start_step
+        self.start_step = o.start_step
         self._calls: Dict[Any, int] = {}
         self._step_base = 0
-        if mode not in C.MODES:
-            raise ValueError(f"flatcomm: mode must be one of {C.MODES}, got {mode!r}")
         # codec="auto": the tuner picks per collective size (the same on every rank); self.codec is
         # then only the lossless placeholder and stats.decisions says what was chosen and why.
-        self._auto = isinstance(codec, str) and codec == "auto"
-        if self._auto:
-            from .autotune import Tuner
-
-            if mode != "ordered":
-                raise ValueError("flatcomm: codec='auto' needs mode='ordered'")
-            self.tuner = tuner if tuner is not None else Tuner()
-        self._block_size = block_size
-        self.codec: Codec = resolve("fp32" if self._auto else codec, block_size, ratio)
-        if mode == "exact" and not self.codec.lossless:
-            raise ValueError("flatcomm: mode='exact' sums exact fixed point of the values; use codec='fp32' with it")
-        self.mode = mode
-        self.error_feedback = bool(error_feedback) and (self._auto or not self.codec.lossless)
+        self._auto = o.auto
+        if o.auto:
+            self.tuner = o.tuner
+        self._block_size = o.block_size
+        self.codec: Codec = o.codec
+        self.mode = o.mode
+        self.error_feedback = o.error_feedback
+        self._keep_fn = o.keep_fn  # keep_fp32 as a predicate f(name, param), or None
+        self._kept: Dict[str, bool] = {}  # name -> keep_fp32(name, param), asked once
+        self._params: Dict[str, torch.Tensor] = {}  # name -> parameter, for keep_fp32
+        # codec="auto": (kind, numel) -> Decision, the tuner's or a backoff's (mirrored in stats)
+        self._decided: Dict[Tuple[str, int], Any] = {}
+        self._decisions_loaded = False  # restored from a checkpoint: saved again (see _decisions_entry)
+        self.backoff = o.backoff
+        self._monitor = _adapt.Monitor(o.backoff or _adapt.Backoff(every=0))
+        self.adaptations: List[dict] = self._monitor.adaptations  # the backoff's moves, with numbers
+        self._reductions: Dict[Tuple[str, int], int] = {}  # auto key -> reductions so far (backoff)
         self.chunks = chunks
         self.stats = Stats()
         self._res = _Residuals()
@@ -317,14 +347,68 @@ class _Backend:
         return True
 
     def _codec_for(self, numel: int, group, device: torch.device, kind: str) -> Codec:
-        """The codec of one collective: fixed, or the tuner's choice for this size."""
+        """The codec of one collective: fixed, or the tuner's choice for this size (as moved by
+        the backoff, which checks the measured error here every ``backoff.every`` reductions)."""
         if not self._auto:
             return self.codec
-        d = self.tuner.choose(numel, group=group, device=device, kind=kind)
+        key = (kind, numel)
+        d = self._decided.get(key)
+        if d is None:
+            d = self._decided[key] = self.tuner.choose(numel, group=group, device=device, kind=kind)
+        elif self.backoff is not None:
+            n = self._reductions.get(key, 0)
+            if self._monitor.due(n) and d.codec in PRECISION[1:]:
+                self._monitor.check(self._decided, [key], self.tuner.error_budget, n,
+                                    lambda t: C.all_reduce(t, codec="fp32", op="sum", mode="ordered", group=group),
+                                    device, lambda k: {"kind": k[0], "numel": k[1]}, "reductions of this size")
+                d = self._decided[key]
+        self._reductions[key] = self._reductions.get(key, 0) + 1
         if not isinstance(self.stats, Stats):  # someone swapped in a plain CommStats
             self.stats = Stats(**dataclasses.asdict(self.stats))
-        self.stats.decisions[(kind, numel)] = d
+        self.stats.decisions[key] = d
         return resolve(d.codec, self._block_size)
+
+    def _measured(self, codec: Codec, numel: int, kind: str, x: torch.Tensor, residual: Optional[torch.Tensor]):
+        """With a backoff: ``done(handle)`` adds this reduction's error sums to the key's window
+        (``||residual after||^2``, ``||x + residual before||^2``, ``||x||^2``); else None."""
+        if self.backoff is None or residual is None or codec.lossless:
+            return None
+        flat = x.reshape(-1).float()
+        g = flat.dot(flat).double()
+        v = g + 2.0 * flat.dot(residual).double() + residual.dot(residual).double()
+        key = (kind, numel)
+
+        def done(handle) -> None:
+            def add(_=None) -> None:
+                self._monitor.accumulate(key, residual.dot(residual).double(), v, g)
+
+            if handle is None:
+                add()
+            else:  # asynchronous: once the collective has written the new residual
+                handle.get_future().add_done_callback(add)
+
+        return done
+
+    def _send(self, output: torch.Tensor, input: torch.Tensor, pieces: _Pieces, codec: Codec, op: Any,
+              group, async_op: bool, world: int, key_numel: int):
+        """One reduce-scatter of ``pieces`` with their residuals (``key_numel``: the auto key's size)."""
+        residual = None
+        if self.error_feedback and (not codec.lossless or self._res.holds(pieces)):
+            residual = self._res.get(pieces, world, input.device)
+        measured = self._measured(codec, key_numel, "reduce_scatter", input, residual)
+        h = _reduce(output, input, codec=codec, op=op, mode=self.mode, group=group, async_op=async_op,
+                    residual=residual, chunks=self.chunks, stats=self.stats, first_call=self._first_call)
+        if measured is not None:
+            measured(h)
+        return h
+
+    def _is_kept(self, name: str) -> bool:
+        k = self._kept.get(name)
+        if k is None:
+            p = self._params.get(name)
+            # (a parameter flatcomm cannot name, e.g. a size-keyed group, is sent with the codec)
+            k = self._kept[name] = p is not None and self._keep_fn is not None and bool(self._keep_fn(name, p))
+        return k
 
     def _warming(self, key: Any) -> bool:
         """Count one reduction of ``key``; True while it is still in the warm-up."""
@@ -352,7 +436,26 @@ class _Backend:
     @property
     def decisions(self) -> Dict[Tuple[str, int], Any]:
         """codec="auto": ``(kind, numel) -> Decision`` made so far (also in ``stats.decisions``)."""
-        return getattr(self.stats, "decisions", {})
+        return self._decided
+
+    def _decisions_entry(self) -> Dict[str, torch.Tensor]:
+        # Only once the backoff has moved a size (what the tuner chose it chooses again; a move is
+        # learned from training), so a state_dict() otherwise holds residuals only, as before.
+        if not (self._auto and self._decided and (self.adaptations or self._decisions_loaded)):
+            return {}
+        return {f"{self._prefix()}{_DECISIONS_KEY}": _fadapt.encode(self._decided)}
+
+    def _take_decisions(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The dict without this rank's decisions entry; restores ``auto``'s decisions from it."""
+        k = f"{self._prefix()}{_DECISIONS_KEY}"
+        if k not in state_dict:
+            return state_dict
+        saved = _fadapt.decode(state_dict[k], k)
+        if self._auto:
+            self._decided, self._decisions_loaded = saved, True
+            if isinstance(self.stats, Stats):
+                self.stats.decisions.update(saved)
+        return {kk: vv for kk, vv in state_dict.items() if not kk.endswith("." + _DECISIONS_KEY)}
 
     def _prefix(self) -> str:
         return f"rank{dist.get_rank()}." if dist.is_initialized() else "rank0."
@@ -362,8 +465,8 @@ class _Backend:
 
         Not a collective. Empty without error feedback."""
         if not self.error_feedback:
-            return self._step_entry()
-        return {**self._res.state_dict(self._prefix()), **self._step_entry()}
+            return {**self._step_entry(), **self._decisions_entry()}
+        return {**self._res.state_dict(self._prefix()), **self._step_entry(), **self._decisions_entry()}
 
     def load_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
         """Restore residuals saved by :meth:`state_dict` at the same world size (keys of other
@@ -371,7 +474,7 @@ class _Backend:
         finite, sizes, every known parameter present, no rank beyond this world size; a State
         without error feedback refuses nonzero residuals (they would be dropped)."""
         self._check_ranks(state_dict)
-        state_dict = self._take_step(state_dict)
+        state_dict = self._take_decisions(self._take_step(state_dict))
         if self.error_feedback:
             self._res.load_state_dict(state_dict, self._prefix())
         else:
@@ -419,13 +522,25 @@ class ReduceScatter(_Backend):
     chunks, block_size, ratio: passed to the collective / codec.
     start_step: the first ``start_step`` reductions of each parameter group are lossless fp32 (a
         warm-up, as in :class:`flatcomm.ddp.State`); ``state_dict()`` carries the count.
+    keep_fp32: parameters always sent in lossless fp32 (no residual), as in
+        :class:`flatcomm.ddp.State`: a predicate ``f(name, param)``, fnmatch name patterns, or
+        ``"small"``. A group that mixes both is sent as two reduce-scatters (:mod:`flatcomm.fsdp_adapt`).
+        Needs parameter names: :func:`apply` (or :meth:`for_module`) gives them.
+    backoff: ``codec="auto"`` only: a :class:`flatcomm.ddp_adapt.Backoff` (default ``Backoff()``;
+        ``False``: off) that moves a collective size to a more precise codec when the error measured
+        in training exceeds the budget, checked every ``every`` reductions of that size;
+        ``adaptations`` (``kind``, ``numel``, ``step``: reductions of that size so far, from, to,
+        numbers, why) and ``decisions`` say when and why; after a move ``state_dict()`` keeps the
+        decisions (``"rank{r}.__decisions__"``).
     """
 
     def __init__(self, codec: Any = "fp32", *, error_feedback: bool = True, mode: str = "ordered",
                  chunks: Optional[int] = None, block_size: Optional[int] = None,
-                 ratio: Optional[float] = None, tuner=None, start_step: int = 0):
+                 ratio: Optional[float] = None, tuner=None, start_step: int = 0, keep_fp32: Any = None,
+                 backoff: Any = None):
         super().__init__(codec, error_feedback=error_feedback, mode=mode, chunks=chunks,
-                         block_size=block_size, ratio=ratio, tuner=tuner, start_step=start_step)
+                         block_size=block_size, ratio=ratio, tuner=tuner, start_step=start_step,
+                         keep_fp32=keep_fp32, backoff=backoff)
         self._names: Dict[int, str] = {}  # id(sharded parameter) -> name (from for_module's model)
         # How each call found its parameters (see _pieces): "module", "fsdp_frame" or "size".
         self.layout_sources: Dict[str, int] = {"module": 0, "fsdp_frame": 0, "size": 0}
@@ -441,8 +556,10 @@ class ReduceScatter(_Backend):
         """This backend bound to one ``FSDPModule``, for ``module.set_custom_reduce_scatter``:
         it knows the module's parameters (names from ``model``, default ``module``), so residuals
         are keyed without FSDP's internals. :func:`apply` does this for every module."""
-        names = {id(p): n for n, p in (model if model is not None else module).named_parameters()}
+        named = list((model if model is not None else module).named_parameters())
+        names = {id(p): n for n, p in named}
         self._names.update(names)
+        self._params.update(named)
         layout = _module_layout(module, names)
         for name, numel, world in layout:
             self._res.templates[name] = world * numel
@@ -452,18 +569,23 @@ class ReduceScatter(_Backend):
 
     def _reduce_scatter(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op: Any,
                         async_op: bool, layout: Optional[_Pieces]):
-        residual = None
-        codec = self._codec_for(input_tensor.numel(), group, input_tensor.device, "reduce_scatter")
+        numel = input_tensor.numel()
+        codec = self._codec_for(numel, group, input_tensor.device, "reduce_scatter")
         world = dist.get_world_size(group)
-        pieces = self._pieces(layout, input_tensor.numel(), world)
+        pieces = self._pieces(layout, numel, world)
         if self._warming(tuple(n for n, _ in pieces)):
             codec = resolve("fp32")  # a residual loaded from a checkpoint is sent (flushed) once
-        if self.error_feedback:
-            if not codec.lossless or self._res.holds(pieces):
-                residual = self._res.get(pieces, world, input_tensor.device)
-        return _reduce(output_tensor, input_tensor, codec=codec, op=op, mode=self.mode,
-                       group=group, async_op=async_op, residual=residual, chunks=self.chunks,
-                       stats=self.stats, first_call=self._first_call)
+        rest, kept = _fadapt.split(pieces, self._is_kept) if self._keep_fn is not None else (pieces, [])
+        if not kept or not rest:
+            return self._send(output_tensor, input_tensor, pieces, codec if rest else resolve("fp32"),
+                              op, group, async_op, world, numel)
+        # keep_fp32: the codec's parameters and the kept ones in two reduce-scatters (fsdp_adapt)
+        for side, side_codec in ((rest, codec), (kept, resolve("fp32"))):
+            part = torch.empty(sum(c for _, c in side), dtype=output_tensor.dtype, device=output_tensor.device)
+            self._send(part, _fadapt.take(input_tensor, world, pieces, side), side, side_codec, op, group,
+                       False, world, numel)
+            _fadapt.put(output_tensor, part, pieces, side)
+        return _Done(output_tensor) if async_op else None
 
     def _pieces(self, layout: Optional[_Pieces], numel: int, world: int) -> _Pieces:
         """The parameters in this call's input: the bound module's (every parameter got a
@@ -480,6 +602,8 @@ class ReduceScatter(_Backend):
                 name = self._names.get(id(param)) or fqn
                 if name is None or c is None:
                     break
+                if param is not None:
+                    self._params.setdefault(name, param)
                 pieces.append((name, c))
             else:
                 if sum(c for _, c in pieces) * world == numel:
@@ -563,7 +687,8 @@ def _module_layout(module: Any, names: Dict[int, str]) -> List[Tuple[str, int, i
 
 def apply(model: torch.nn.Module, codec: Any = "fp32", *, error_feedback: bool = True,
           mode: str = "ordered", chunks: Optional[int] = None, block_size: Optional[int] = None,
-          ratio: Optional[float] = None, tuner=None, start_step: int = 0) -> ReduceScatter:
+          ratio: Optional[float] = None, tuner=None, start_step: int = 0, keep_fp32: Any = None,
+          backoff: Any = None) -> ReduceScatter:
     """Set one flatcomm :class:`ReduceScatter` on every ``FSDPModule`` in ``model`` and return it.
 
     One instance serves all modules (residuals are keyed by parameter name, not by module), so
@@ -575,7 +700,8 @@ def apply(model: torch.nn.Module, codec: Any = "fp32", *, error_feedback: bool =
     from torch.distributed.fsdp import FSDPModule
 
     rs = ReduceScatter(codec, error_feedback=error_feedback, mode=mode, chunks=chunks,
-                       block_size=block_size, ratio=ratio, tuner=tuner, start_step=start_step)
+                       block_size=block_size, ratio=ratio, tuner=tuner, start_step=start_step,
+                       keep_fp32=keep_fp32, backoff=backoff)
     found = False
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -597,19 +723,32 @@ class FSDP1State(_Backend):
     all-reduce with client + server residuals). ``model`` (the FSDP root) names the units in the
     state dict; without it units are named by the order they first reduce (deterministic for a
     given model). ``group`` overrides the group (default: the unit's FSDP process group).
-    ``codec="auto"`` and ``tuner=``: as for :class:`ReduceScatter` (all-reduce sizes for NO_SHARD).
+    ``codec="auto"``, ``tuner=`` and ``backoff=``: as for :class:`ReduceScatter` (all-reduce sizes
+    for NO_SHARD). ``keep_fp32=`` (needs ``model``): as for :class:`ReduceScatter`, per parameter
+    inside each unit (the predicate's ``param`` is a meta tensor of the parameter's original shape:
+    FSDP1 flattens parameters); see :mod:`flatcomm.fsdp_adapt`.
     """
 
     def __init__(self, codec: Any = "fp32", *, error_feedback: bool = True, mode: str = "ordered",
                  chunks: Optional[int] = None, block_size: Optional[int] = None,
                  ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None, group=None,
-                 tuner=None, start_step: int = 0):
+                 tuner=None, start_step: int = 0, backoff: Any = None, keep_fp32: Any = None):
+        if keep_fp32 is not None and model is None:
+            raise ValueError("flatcomm: FSDP1State(keep_fp32=...) needs model= (the FSDP root) to name "
+                             "the parameters inside each unit")
         super().__init__(codec, error_feedback=error_feedback, mode=mode, chunks=chunks,
-                         block_size=block_size, ratio=ratio, tuner=tuner, start_step=start_step)
+                         block_size=block_size, ratio=ratio, tuner=tuner, start_step=start_step,
+                         backoff=backoff, keep_fp32=keep_fp32)
         self.group = group
         self._unit_names: Dict[int, str] = {}
         self._ef: Dict[str, C.ErrorFeedback] = {}  # NO_SHARD residuals
+        self._flat_of: Dict[str, Any] = {}  # unit name -> its flat parameter (keep_fp32)
+        self._masks: Dict[Tuple[str, int], Optional[torch.Tensor]] = {}  # keep_fp32 per unit, or None
+        self._rows: Dict[Tuple[str, int], Any] = {}  # keep_fp32: fsdp_adapt.rows per sharded unit
         if model is not None:
+            named = list(model.named_parameters())
+            self._param_names = {id(p): n for n, p in named}
+            self._params.update(named)
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
             for name, m in model.named_modules():
@@ -626,7 +765,28 @@ class FSDP1State(_Backend):
         key = id(unit[0])
         if key not in self._unit_names:
             self._unit_names[key] = f"unit{len(self._unit_names)}"
+        self._flat_of[self._unit_names[key]] = unit[0]
         return self._unit_names[key], unit[1]
+
+    def _kept_mask(self, name: str, numel: int) -> Optional[torch.Tensor]:
+        """keep_fp32: which values of the unit's (padded) flat gradient belong to kept parameters
+        (None: none do, or the layout is unknown); computed once per unit."""
+        if self._keep_fn is None:
+            return None
+        if (name, numel) not in self._masks:
+            ranges = _private.fsdp1_param_ranges(self._flat_of[name]) if name in self._flat_of else None
+            # names as the model lists them (FSDP1 wraps modules in "_fsdp_wrapped_module")
+            prefix = "" if name == "<root>" else (name + ".").replace(_FSDP1_WRAPPER, "")
+            mask = torch.zeros(numel, dtype=torch.bool)
+            for param, fqn, off, n, shape in ranges or []:
+                pname = self._param_names.get(id(param)) if param is not None else None
+                pname = pname or prefix + fqn.replace(_FSDP1_WRAPPER, "")
+                # FSDP1 flattens parameters (even use_orig_params ones are 1-D shard views): the
+                # predicate gets a meta tensor of the original shape
+                if self._keep_fn(pname, torch.empty(shape, device="meta")):
+                    mask[off:off + n] = True
+            self._masks[(name, numel)] = mask if bool(mask.any()) else None
+        return self._masks[(name, numel)]
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         sd = super().state_dict()
@@ -639,7 +799,7 @@ class FSDP1State(_Backend):
 
     def load_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
         self._check_ranks(state_dict)
-        state_dict = self._take_step(state_dict)
+        state_dict = self._take_decisions(self._take_step(state_dict))
         if not self.error_feedback:
             self._refuse_residuals(state_dict)
             return
@@ -665,35 +825,89 @@ def fsdp1_hook(state: FSDP1State, grad: torch.Tensor, output: Optional[torch.Ten
     group = state.group if state.group is not None else fsdp_group
     world = dist.get_world_size(group)
     warming = state._warming(name)
-    if output is None:
-        codec = state._codec_for(grad.numel(), group, grad.device, "all_reduce")
-        codec = resolve("fp32") if warming else codec
-        ef = None
-        if state.error_feedback and (not codec.lossless or name in state._ef):
-            ef = state._ef.get(name)
-            if ef is not None and ef.client.numel() != grad.numel():
-                raise ValueError(f"flatcomm: the residual of FSDP unit {name!r} has {ef.client.numel()} values "
-                                 f"but its gradient {grad.numel()} (a checkpoint of another model or world size)")
-            if ef is None:
-                ef = state._ef[name] = C.ErrorFeedback.zeros(grad.numel(), grad.device)
-            elif ef.client.device != grad.device:  # loaded on the CPU
-                ef = state._ef[name] = C.ErrorFeedback(ef.client.to(grad.device), ef.server.to(grad.device))
-            if codec.lossless:  # auto chose fp32: the fp32 encode sends client + server once
-                ef.client.add_(ef.server, alpha=float(world))
-                ef.server.zero_()
-        flat = grad if grad.is_contiguous() else grad.contiguous()
-        C.all_reduce(flat, codec=_wire_codec(codec, grad.dtype), op="avg", mode=state.mode,
-                     group=group, residual=ef, chunks=state.chunks, stats=state.stats,
-                     validate=state._first_call("ar", _group_sig(group), flat.numel(), flat.dtype, codec.name))
-        if flat is not grad:
-            grad.copy_(flat)
-        return None
-    codec = state._codec_for(grad.numel(), group, grad.device, "reduce_scatter")
+    kind = "all_reduce" if output is None else "reduce_scatter"
+    codec = state._codec_for(grad.numel(), group, grad.device, kind)
     codec = resolve("fp32") if warming else codec
-    residual = None
-    pieces = [(name, grad.numel() // world)]
-    if state.error_feedback and (not codec.lossless or state._res.holds(pieces)):
-        residual = state._res.get(pieces, world, grad.device)
-    _reduce(output, grad, codec=codec, op="avg", mode=state.mode, group=group, async_op=False,
-            residual=residual, chunks=state.chunks, stats=state.stats, first_call=state._first_call)
+    mask = state._kept_mask(name, grad.numel())
+    if output is None:
+        _fsdp1_all_reduce(state, grad, name, codec, group, world, mask)
+    elif mask is None:
+        state._send(output, grad, [(name, grad.numel() // world)], codec, "avg", group, False, world, grad.numel())
+    else:
+        _fsdp1_reduce_scatter_kept(state, output, grad, name, codec, group, world, mask)
     return None
+
+
+def _fsdp1_all_reduce(state: FSDP1State, grad: torch.Tensor, name: str, codec: Codec, group, world: int,
+                      mask: Optional[torch.Tensor]) -> None:
+    """NO_SHARD: the whole gradient averaged in place, with client + server residuals per unit;
+    with keep_fp32, the codec's values and the kept ones as two all-reduces."""
+    ef = None
+    if state.error_feedback and (not codec.lossless or name in state._ef or mask is not None):
+        ef = state._ef.get(name)
+        if ef is not None and ef.client.numel() != grad.numel():
+            raise ValueError(f"flatcomm: the residual of FSDP unit {name!r} has {ef.client.numel()} values "
+                             f"but its gradient {grad.numel()} (a checkpoint of another model or world size)")
+        if ef is None:
+            ef = state._ef[name] = C.ErrorFeedback.zeros(grad.numel(), grad.device)
+        elif ef.client.device != grad.device:  # loaded on the CPU
+            ef = state._ef[name] = C.ErrorFeedback(ef.client.to(grad.device), ef.server.to(grad.device))
+        if codec.lossless or mask is not None:
+            # fp32 (auto's choice) sends client + server once; a split changes the shard layout the
+            # server residual is valid for: either way it is folded into the client one first
+            ef.client.add_(ef.server, alpha=float(world))
+            ef.server.zero_()
+    flat = grad if grad.is_contiguous() else grad.contiguous()
+    if mask is None:
+        _fsdp1_send_all(state, flat, ef, codec, group)
+    else:
+        mask = mask.to(flat.device)
+        for sel, c in ((~mask, codec), (mask, resolve("fp32"))):
+            part = flat.view(-1)[sel]
+            res = C.ErrorFeedback(ef.client[sel], ef.server[sel]) if ef is not None else None
+            _fsdp1_send_all(state, part, res, c, group)
+            flat.view(-1)[sel] = part
+            if ef is not None and res is not None:
+                ef.client[sel] = res.client
+                ef.server[sel] = res.server
+    if flat is not grad:
+        grad.copy_(flat)
+
+
+def _fsdp1_send_all(state: FSDP1State, flat: torch.Tensor, ef: Optional[C.ErrorFeedback], codec: Codec,
+                    group) -> None:
+    measured = state._measured(codec, flat.numel(), "all_reduce", flat, ef.client if ef is not None else None)
+    C.all_reduce(flat, codec=_wire_codec(codec, flat.dtype), op="avg", mode=state.mode,
+                 group=group, residual=ef, chunks=state.chunks, stats=state.stats,
+                 validate=state._first_call("ar", _group_sig(group), flat.numel(), flat.dtype, codec.name))
+    if measured is not None:
+        measured(None)
+
+
+def _fsdp1_reduce_scatter_kept(state: FSDP1State, output: torch.Tensor, grad: torch.Tensor, name: str,
+                               codec: Codec, group, world: int, mask: torch.Tensor) -> None:
+    """A sharded unit holding keep_fp32 parameters: each rank's chunk splits into its codec values
+    and its kept ones (counts differ per rank: rows padded with zeros, :func:`flatcomm.fsdp_adapt.rows`),
+    sent as two reduce-scatters; the unit's residual keeps its full layout (kept values: zero)."""
+    if (name, world) not in state._rows:
+        state._rows[(name, world)] = _fadapt.rows(mask, world)
+    ik, ir, kept_counts = state._rows[(name, world)]
+    numel, shard = grad.numel(), grad.numel() // world
+    flat = grad.reshape(-1)
+    res = None
+    if state.error_feedback:
+        res = state._res.get([(name, shard)], world, grad.device)
+    me = dist.get_rank(group)
+    mine = mask.view(world, shard)[me].to(output.device)
+    for idx, c, kept in ((ir, codec, False), (ik, resolve("fp32"), True)):
+        x = _fadapt.gather(flat, idx)
+        r = _fadapt.gather(res, idx) if res is not None else None
+        out = torch.empty(idx.shape[1], dtype=output.dtype, device=output.device)
+        measured = state._measured(c, numel, "reduce_scatter", x, r)
+        _reduce(out, x, codec=c, op="avg", mode=state.mode, group=group, async_op=False, residual=r,
+                chunks=state.chunks, stats=state.stats, first_call=state._first_call)
+        if measured is not None:
+            measured(None)
+        if res is not None and r is not None:
+            _fadapt.scatter(res, idx, r)
+        output[mine if kept else ~mine] = out[:kept_counts[me] if kept else shard - kept_counts[me]]

@@ -41,3 +41,18 @@ def test_quick_run_json(tmp_path):
     assert fp32_row["rel"] == [0.0, 0.0]
     assert sign_row["options"] == {"start_step": 2} and sign_row["val"] != torch_row["val"]
     assert sign_row["wire_bytes_per_step"] < fp32_row["wire_bytes_per_step"] / 2
+
+
+def test_accordion_and_onebit_rows():
+    from flatcomm.ddp_accordion import Accordion
+
+    assert conv._accordion_opts({"accordion": "int8"}) == {"accordion": "int8"}
+    opts = conv._accordion_opts(dict(conv.parse_row("sign:accordion=fp32,accordion_every=4,"
+                                                    "accordion_threshold=0.25")[1]))
+    acc = opts["accordion"]
+    assert isinstance(acc, Accordion) and (acc.low.name, acc.every, acc.threshold) == ("fp32", 4, 0.25)
+    assert conv._applies("onebit:warmup_steps=3", conv.CNN(0, 0.1))
+    assert not conv._applies("onebit:warmup_steps=3", conv.MLPSGD(0, 0.1))
+    assert conv._applies("sign", conv.MLPSGD(0, 0.1))
+    opt, _ = conv.CNN(0, 0.1).make_optimizer(conv.CNN(0, 0.1).model().parameters(), {"warmup_steps": 3})
+    assert type(opt).__name__ == "OnebitAdam" and opt.warmup_steps == 3

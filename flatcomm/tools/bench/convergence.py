@@ -18,14 +18,19 @@ Every workload warms its learning rate up linearly and decays it along a cosine 
 
 A row is torch's default all-reduce hook (``torch``) or ``flatcomm.ddp.register(ddp, codec, **opts)``
 with its defaults (error feedback on for lossy codecs); ``sign:block_size=32,start_step=50`` passes
-options. Within a seed every row starts from the same weights and sees the same batches, so the
-paired difference to ``torch`` measures the codec, not the seed. The held-out metric is reported
-relative to torch (``val / val_torch - 1`` per seed, then mean and sample sd over seeds).
+options; ``sign:accordion=int8,accordion_every=10,accordion_threshold=0.5`` registers with a
+:class:`flatcomm.ddp_accordion.Accordion`. ``onebit:codec=sign,warmup_steps=20`` trains with
+:class:`flatcomm.optim.OnebitAdam` (the workload's AdamW settings, options passed on) and its hook
+instead; it applies to the AdamW workloads only (its row is left out of the others). Within a seed
+every row starts from the same weights and sees the same batches, so the paired difference to
+``torch`` measures the codec, not the seed. The held-out metric is reported relative to torch
+(``val / val_torch - 1`` per seed, then mean and sample sd over seeds).
 
 JSON: ``{"command": "convergence", "world", "seeds", "quick", "workloads": {name: {"optimizer",
 "steps", "params", "rows": [{"row", "codec", "options", "val": [per seed], "rel": [per seed],
 "rel_mean", "rel_sd", "curves": [[train loss per step] per seed], "residual_norm": [[...]],
-"rel_error": [[...]], "wire_bytes_per_step"}]}}, "seconds"}``.
+"rel_error": [[...]], "wire_bytes_per_step", "codec_share": {codec: share of bucket-steps}}]}},
+"seconds"}``.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -84,6 +89,17 @@ class Workload:
     # Subclasses give model(), make_optimizer(params) -> (optimizer, scheduler or None),
     # batch(step, rank) -> (x, y) and held_out() -> [(x, y), ...].
 
+    def adam(self, params, lr: float, warm: int, onebit: Optional[Dict[str, Any]]):
+        """AdamW (no weight decay) with the warm-up + cosine schedule; ``onebit``: OnebitAdam's options
+        (flatcomm.optim) instead."""
+        if onebit is not None:
+            from flatcomm.optim import OnebitAdam
+
+            opt: torch.optim.Optimizer = OnebitAdam(params, lr=lr, weight_decay=0.0, **onebit)
+        else:
+            opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(warm, self.steps))
+
     def loss(self, out, y) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
@@ -111,9 +127,8 @@ class LM(Workload):
     def model(self):
         return self.demo.CharTransformer(self.vocab)
 
-    def make_optimizer(self, params):
-        opt = torch.optim.AdamW(params, lr=self.demo.LR, weight_decay=0.0)
-        return opt, torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(20, self.steps))
+    def make_optimizer(self, params, onebit=None):
+        return self.adam(params, self.demo.LR, 20, onebit)
 
     def batch(self, step, rank):
         return self.demo.batch(self.train, step, rank, stream=10 + self.seed)
@@ -158,9 +173,8 @@ class CNN(Workload):
                              nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                              nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
 
-    def make_optimizer(self, params):
-        opt = torch.optim.AdamW(params, lr=2e-3, weight_decay=0.0)
-        return opt, torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(10, self.steps))
+    def make_optimizer(self, params, onebit=None):
+        return self.adam(params, 2e-3, 10, onebit)
 
     def batch(self, step, rank):
         g = torch.Generator().manual_seed(1_000_003 * (10 + self.seed) + 7919 * step + rank)
@@ -190,7 +204,8 @@ class MLPSGD(Workload):
         return nn.Sequential(nn.Linear(self.DIM, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
                              nn.Linear(128, self.CLASSES))
 
-    def make_optimizer(self, params):
+    def make_optimizer(self, params, onebit=None):
+        assert onebit is None, "OnebitAdam rows apply to the AdamW workloads"
         opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(5, self.steps))
 
@@ -217,19 +232,32 @@ def _train_one(w: Workload, row: str, rank: int, world: int, seed: int) -> dict:
     torch.manual_seed(1000 + seed)
     model = w.model()
     ddp = DDP(model)
-    state = None
+    state = onebit = None
+    n = sum(p.numel() for p in model.parameters())
+    ring = 2 * (world - 1) * 4 * n / world  # a ring all-reduce of fp32, nominal
     if name == "torch":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    elif name == "onebit":
+        from flatcomm import optim as foptim
+
+        onebit = opts
     else:
-        state = fddp.register(ddp, name, history=w.steps + 1, **opts)
-    opt, sched = w.make_optimizer(ddp.parameters())
-    curve = []
+        state = fddp.register(ddp, name, history=w.steps + 1, **_accordion_opts(opts))
+    opt, sched = w.make_optimizer(ddp.parameters(), onebit) if onebit is not None else \
+        w.make_optimizer(ddp.parameters())
+    if onebit is not None:
+        foptim.register(ddp, opt)
+    curve, onebit_wire, onebit_warm = [], [], 0
     for step in range(w.steps):
         x, y = w.batch(step, rank)
         opt.zero_grad(set_to_none=True)
         loss = w.loss(ddp(x), y)
         loss.backward()
+        compressing = onebit is not None and opt.compressing
         opt.step()
+        if onebit is not None:
+            onebit_wire.append(opt.last_wire_bytes if compressing else ring)
+            onebit_warm += not compressing
         if sched is not None:
             sched.step()
         lt = loss.detach().reshape(1)
@@ -246,11 +274,34 @@ def _train_one(w: Workload, row: str, rank: int, world: int, seed: int) -> dict:
         out["residual_norm"] = [s.get("residual_norm", 0.0) for s in steps][::TRACK_EVERY]
         out["rel_error"] = [s.get("rel_error", 0.0) for s in steps][::TRACK_EVERY]
         out["wire_bytes_per_step"] = statistics.fmean(s["wire_bytes"] for s in steps) if steps else 0.0
+        used = [b["codec"] for s in steps for b in s["buckets"]]
+        out["codec_share"] = {c: used.count(c) / len(used) for c in sorted(set(used))} if used else {}
+    elif onebit is not None:
+        out["wire_bytes_per_step"] = statistics.fmean(onebit_wire) if onebit_wire else 0.0
+        out["codec_share"] = {"fp32 (DDP)": onebit_warm / len(onebit_wire),
+                              opt.codec.name: 1 - onebit_warm / len(onebit_wire)} if onebit_wire else {}
     else:
-        n = sum(p.numel() for p in model.parameters())
-        out["wire_bytes_per_step"] = 2 * (world - 1) * 4 * n / world  # ring all-reduce, nominal
+        out["wire_bytes_per_step"] = ring
     out["params"] = sum(p.numel() for p in model.parameters())
     return out
+
+
+def _accordion_opts(opts: Dict[str, Any]) -> Dict[str, Any]:
+    """Row options ``accordion=int8,accordion_every=10,accordion_threshold=0.5`` -> ``accordion=Accordion(...)``."""
+    extra = {k: opts[k] for k in ("accordion_every", "accordion_threshold") if k in opts}
+    if not extra:
+        return opts
+    from flatcomm.ddp_accordion import Accordion
+
+    out = {k: v for k, v in opts.items() if k not in extra}
+    out["accordion"] = Accordion(low=out.get("accordion", "int8"), every=extra.get("accordion_every", 10),
+                                 threshold=extra.get("accordion_threshold", 0.5))
+    return out
+
+
+def _applies(row: str, w: Workload) -> bool:
+    """OnebitAdam rows apply to the AdamW workloads only."""
+    return parse_row(row)[0] != "onebit" or w.optimizer == "AdamW"
 
 
 def _rank_main(rank: int, world: int, workloads: List[str], rows: List[str], seeds: int, scale: float,
@@ -264,6 +315,8 @@ def _rank_main(rank: int, world: int, workloads: List[str], rows: List[str], see
             w = WORKLOAD_CLASSES[wname](seed, scale)
             meta = {"optimizer": w.optimizer, "steps": w.steps}
             for row in rows:
+                if not _applies(row, w):
+                    continue
                 r = _train_one(w, row, rank, world, seed)
                 runs[row].append(r)
                 meta["params"] = r["params"]
@@ -284,6 +337,8 @@ def summarize(raw: Dict[str, Any], rows: List[str]) -> Dict[str, Any]:
         table = []
         for row in rows:
             rs = runs[row]
+            if not rs:  # a row that does not apply to this workload
+                continue
             vals = [r["val"] for r in rs]
             rel = [v / b - 1.0 for v, b in zip(vals, base)] if base else []
             rec = {"row": row, "codec": rs[0]["codec"], "options": rs[0]["options"], "val": vals, "rel": rel,
@@ -291,7 +346,7 @@ def summarize(raw: Dict[str, Any], rows: List[str]) -> Dict[str, Any]:
                    "rel_sd": statistics.stdev(rel) if len(rel) > 1 else 0.0,
                    "curves": [r["curve"] for r in rs],
                    "wire_bytes_per_step": statistics.fmean(r["wire_bytes_per_step"] for r in rs)}
-            for k in ("residual_norm", "rel_error"):
+            for k in ("residual_norm", "rel_error", "codec_share"):
                 if k in rs[0]:
                     rec[k] = [r[k] for r in rs]
             table.append(rec)
