@@ -157,16 +157,17 @@ def _parts(costs: CostModel, codec: str, numel: int, world: int, kind: str) -> T
 
 def decide(costs: CostModel, numel: int, world: int, error_budget: str = "int8",
            kind: str = "all_reduce", deterministic: bool = True, *, paths: Optional[Tuple[str, ...]] = None,
-           intra_budget: str = "fp32") -> Decision:
+           intra_budget: str = "fp32", segments: Optional[int] = None) -> Decision:
     """Pure: the codec for ``numel`` values on ``world`` ranks under ``costs`` and the budget;
     ``deterministic=False`` adds the backend's own all-reduce (first among near ties).
 
     ``paths`` (a Topology's all-reduce: some of ``("flat", "hierarchical")``): with per-tier costs
     in ``costs`` the path and a codec per tier are chosen as well, by :mod:`flatcomm.costmodel`
     (see :mod:`flatcomm.autotune_tiers`); ``intra_budget`` is the least precise node-tier codec
-    allowed (default lossless), never less precise than ``error_budget``."""
+    allowed (default lossless), never less precise than ``error_budget``; ``segments``: the
+    hierarchical pipeline's segment count (default: the model's best)."""
     if paths is not None and kind == "all_reduce" and T.tiered(costs):
-        return _decide_tiered(costs, numel, world, error_budget, deterministic, paths, intra_budget)
+        return _decide_tiered(costs, numel, world, error_budget, deterministic, paths, intra_budget, segments)
     cands = [c for c in allowed(error_budget) if c in costs.compute_Bps]
     if "fp32" not in cands:
         cands.insert(0, "fp32")
@@ -196,7 +197,7 @@ def decide(costs: CostModel, numel: int, world: int, error_budget: str = "int8",
 
 
 def _decide_tiered(costs: CostModel, numel: int, world: int, error_budget: str, deterministic: bool,
-                   paths: Tuple[str, ...], intra_budget: str) -> Decision:
+                   paths: Tuple[str, ...], intra_budget: str, segments: Optional[int] = None) -> Decision:
     if costs.nodes * costs.ranks_per_node != world:
         raise ValueError(f"flatcomm auto: the costs were measured on {costs.nodes} nodes x "
                          f"{costs.ranks_per_node} ranks but the group has {world} ranks")
@@ -205,7 +206,7 @@ def _decide_tiered(costs: CostModel, numel: int, world: int, error_budget: str, 
         raise ValueError(f"flatcomm: paths must be some of {T.PATHS}, got {paths!r}")
     inter = [c for c in allowed(error_budget) if c in costs.compute_Bps]
     intra = [c for c in allowed(intra_budget) if c in allowed(error_budget) and c in costs.compute_Bps] or ["fp32"]
-    pred = {T.name(k): (k, v) for k, v in T.predict(costs, numel, inter or ["fp32"], intra, paths).items()}
+    pred = {T.name(k): (k, v) for k, v in T.predict(costs, numel, inter or ["fp32"], intra, paths, segments).items()}
     if not deterministic and costs.backend_Bps is not None:
         pred = {BACKEND: ((BACKEND, "fp32", "fp32"), predict(costs, BACKEND, numel, world)), **pred}
     times = {n: t for n, (_, t) in pred.items()}
@@ -223,7 +224,8 @@ def _decide_tiered(costs: CostModel, numel: int, world: int, error_budget: str, 
                         times, path=BACKEND)
     if path == "flat":
         return Decision(c, _chunks(c, numel, world), reason, times, path="flat")
-    return Decision(c, T.segments(numel, costs, c, ci), reason, times, path="hierarchical", intra_codec=ci)
+    return Decision(c, T.segments(numel, costs, c, ci, segments), reason, times, path="hierarchical",
+                    intra_codec=ci)
 
 
 # ---- measurement ----------------------------------------------------------------------------------
@@ -505,8 +507,11 @@ class Tuner:
                 raise ValueError(f"flatcomm auto: {topology!r} needs per-tier link costs, and this tuner's "
                                  "costs (profile) have none: measure them with the topology (`python -m "
                                  "flatcomm.tune --save` under torchrun sets LOCAL_WORLD_SIZE)")
+            # One pipeline segment on CPU: the segments' staging copies and the node tier's transfers
+            # compete with the kernels for the same cores, which the model's overlap does not see.
+            cpu = device is None or torch.device(device).type == "cpu"
             d = decide(self.costs, numel, world, budget, kind, deterministic, paths=paths,
-                       intra_budget=self.intra_budget)
+                       intra_budget=self.intra_budget, segments=1 if cpu else None)
             _agree(d, group, device)
             if budget == self.error_budget:
                 cache[ck] = d

@@ -15,7 +15,7 @@ across it buys little wire and adds error where the link is fast).
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, Tuple
+from typing import Dict, Iterable, Optional, Tuple
 
 from . import costmodel as M
 from . import hierarchical as H
@@ -40,8 +40,9 @@ def cluster(costs) -> M.Cluster:
 
 
 def predict(costs, numel: int, inter_codecs: Iterable[str], intra_codecs: Iterable[str],
-            paths: Iterable[str] = PATHS) -> Dict[Candidate, float]:
-    """Seconds per candidate, in precision order (see the module docstring)."""
+            paths: Iterable[str] = PATHS, segments: Optional[int] = None) -> Dict[Candidate, float]:
+    """Seconds per candidate, in precision order (see the module docstring); hierarchical ones with
+    ``segments`` pipeline segments (default: the model's best)."""
     order = list(intra_codecs)
     cl = cluster(costs)
     out: Dict[Candidate, float] = {}
@@ -51,7 +52,7 @@ def predict(costs, numel: int, inter_codecs: Iterable[str], intra_codecs: Iterab
         if "hierarchical" in paths:
             for ci in order:
                 if ci in cl.codec_s and order.index(ci) <= _rank(c, order):
-                    k = M.best_segments(cl, numel, c, ci)
+                    k = segments or M.best_segments(cl, numel, c, ci)
                     out[("hierarchical", c, ci)] = M.hierarchical(cl, numel, c, ci, k)
     return out
 
@@ -61,11 +62,11 @@ def _rank(codec: str, order) -> int:
     return order.index(codec) if codec in order else len(order)
 
 
-def segments(numel: int, costs, codec: str, intra_codec: str) -> int:
+def segments(numel: int, costs, codec: str, intra_codec: str, fixed: Optional[int] = None) -> int:
     """The hierarchical pipeline's segment count with the least predicted time (a function of the
-    shard size and the tiers: more where the tiers' times are comparable and copies are cheap)."""
-    cl = cluster(costs)
-    k = M.best_segments(cl, numel, codec, intra_codec)
+    shard size and the tiers: more where the tiers' times are comparable and copies are cheap), or
+    ``fixed`` (cut as flatcomm.hierarchical will cut it)."""
+    k = fixed or M.best_segments(cluster(costs), numel, codec, intra_codec)
     return len(H.segments_of(math.ceil(numel / costs.ranks_per_node), 1, k)) - 1
 
 

@@ -75,6 +75,17 @@ def test_profile_keeps_tier_costs_and_replays_the_same_decisions(tmp_path):
     assert decide(flat_only, 1 << 20, 8, "int8", paths=T.PATHS).path == "flat"  # old profiles: flat only
 
 
+def test_fixed_segments_price_and_cut_the_pipeline_as_given():
+    c = _tiered(inter_Bps=1 * GB, intra_Bps=5 * GB)  # comparable tiers: the model pipelines
+    n = 8 << 20
+    best = decide(c, n, 8, "int8", paths=("hierarchical",))
+    one = decide(c, n, 8, "int8", paths=("hierarchical",), segments=1)
+    assert best.chunks > 1 and one.chunks == 1, (best.reason, one.reason)
+    cl = T.cluster(c)
+    assert one.predicted_s["hier:int8/fp32"] == pytest.approx(M.hierarchical(cl, n, "int8", "fp32", 1))
+    assert best.predicted_s["hier:int8/fp32"] < one.predicted_s["hier:int8/fp32"]
+
+
 # ---- on 4 ranks: 2 "nodes" x 2 -------------------------------------------------------------------
 
 
@@ -99,6 +110,10 @@ def _rank_main(rank, world):
             fc.all_reduce(b, codec=d.codec)
         out[label] = (d.path, d.codec, d.intra_codec, torch.equal(a, b), a)
     out["ddp"] = _ddp(rank, topo, slow, _tiered(inter_Bps=0.01 * GB, nodes=2, g=2, backend_Bps=100 * GB))
+    # where the model would pipeline, a Tuner on CPU tensors still cuts one segment (shared cores)
+    piped = _tiered(inter_Bps=1 * GB, intra_Bps=5 * GB, nodes=2, g=2)
+    out["cpu_segments"] = (Tuner("int8", costs=piped).choose(8 << 20, topology=topo, paths=("hierarchical",)).chunks,
+                           decide(piped, 8 << 20, 4, "int8", paths=("hierarchical",)).chunks)
     # measured with the topology: the costs hold both tiers, agreed on every rank
     t = Tuner("int8")
     t.costs = fc.autotune.measure(None, topology=topo, numel=1 << 14, small=1 << 10, large=1 << 16, reps=1)
@@ -144,6 +159,11 @@ def test_collective_auto_runs_the_chosen_path_and_codecs(ranks):
         for label in ("slow", "fast"):
             assert r[label][3], label  # the same bits as calling the chosen path and codecs by name
             assert torch.equal(r[label][4], ranks[0][label][4])  # and on every rank
+
+
+def test_tuner_on_cpu_keeps_one_segment(ranks):
+    for r in ranks:
+        assert r["cpu_segments"][0] == 1 and r["cpu_segments"][1] > 1, r["cpu_segments"]
 
 
 def test_measured_costs_hold_both_tiers_on_every_rank(ranks):
