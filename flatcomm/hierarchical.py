@@ -10,8 +10,8 @@ All-reduce of n values, on every rank:
    instead of the flat path's ~2*G*c*S;
 3. inside the node, an all-gather of the reduced shards.
 
-The shard can be cut into segments (``chunks``, :func:`segments_of`) that flow through the three steps as a
-pipeline: the tiers' collectives run on their groups' worker threads, so the node reduce-scatter
+The shard can be cut into segments (``chunks``, :func:`segments_of`) that flow through the three
+steps as a pipeline: the tiers' collectives run on their groups' worker threads, so the node reduce-scatter
 of segment j+1 and the node all-gather of segment j-1 overlap the exchange of segment j across
 nodes. Each step is a flatcomm collective on the tier's group, so sums run in a fixed order: the result is
 the same bits on every rank and every run, for a given topology (not the same bits as the flat
@@ -57,7 +57,6 @@ __all__ = [
     "TierStats", "TieredFeedback", "all_gather", "all_reduce", "padded_shard", "reduce_scatter", "segments_of",
     "shard_numel", "shard_range", "submit"
 ]
-
 
 
 @dataclasses.dataclass
@@ -270,7 +269,7 @@ def segments_of(m: int, align: int, chunks: Optional[int] = None) -> List[int]:
     reduce-scatter of segment j+1 and the all-gather of j-1 run while j crosses nodes. Default one
     segment: every further one costs two staging copies of the tensor and node-tier latencies, and
     on CPU hosts (2x2 and 2x4 ranks, 1 Gbit/s and 100 Mbit/s links) that cost more than the overlap
-    hid; ``codec="auto"`` picks more where the cost model says they pay
+    hid; ``codec="auto"`` picks more for GPU tensors where the cost model says they pay
     (:func:`flatcomm.costmodel.best_segments`). Keep it the same on every rank and every call for a
     given numel (the server residuals' layout depends on it)."""
     k = chunks if chunks else 1
