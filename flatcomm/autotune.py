@@ -210,14 +210,14 @@ def _decide_tiered(costs: CostModel, numel: int, world: int, error_budget: str, 
     if not deterministic and costs.backend_Bps is not None:
         pred = {BACKEND: ((BACKEND, "fp32", "fp32"), predict(costs, BACKEND, numel, world)), **pred}
     times = {n: t for n, (_, t) in pred.items()}
-    fastest = min(times, key=times.get)
+    fastest = min(times, key=times.__getitem__)
     best = next(n for n in times if times[n] <= times[fastest] * (1.0 + NEAR_TIE))  # most precise near-tie
     why = f"{best} fastest" if best == fastest else \
         f"{best} within {NEAR_TIE:.0%} of fastest {fastest} and more precise"
     listed = ", ".join(f"{n}={t * 1e3:.3g}ms" for n, t in times.items())
     reason = (f"{why} for numel={numel} on {costs.nodes}x{costs.ranks_per_node} budget={error_budget} "
-              f"intra budget={intra_budget} (inter {costs.inter_Bps / 1e9:.3g} GB/s/node, intra "
-              f"{costs.intra_Bps / 1e9:.3g} GB/s/rank); predicted: {listed}")
+              f"intra budget={intra_budget} (inter {(costs.inter_Bps or 0.0) / 1e9:.3g} GB/s/node, intra "
+              f"{(costs.intra_Bps or 0.0) / 1e9:.3g} GB/s/rank); predicted: {listed}")
     path, c, ci = pred[best][0]
     if path == BACKEND:
         return Decision(BACKEND, 1, reason + "; the backend's own all-reduce (not flatcomm's same-bits sum)",
@@ -466,8 +466,9 @@ class Tuner:
         for v in self.pinned.values():
             Codec(v)
         self.costs = costs
-        self.decisions: Dict[Tuple[str, int], Decision] = {}  # unpinned choices, by (kind, numel)
-        self.open_decisions: Dict[Tuple[str, int], Decision] = {}  # the same with deterministic=False
+        # unpinned choices, by (kind, numel) (+ the paths with a topology)
+        self.decisions: Dict[Tuple[Any, ...], Decision] = {}
+        self.open_decisions: Dict[Tuple[Any, ...], Decision] = {}  # the same with deterministic=False
 
     def _pin(self, numel: int, key: Optional[str]) -> Optional[Tuple[str, str]]:
         if self.codec != "auto":

@@ -43,7 +43,7 @@ import math
 import threading
 import time
 import sys
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -373,12 +373,12 @@ def _node_gather(topo: Topology, out: torch.Tensor, shard: torch.Tensor) -> None
         C._all_gather_single(out, shard, group=topo.intra_group)
         return
     n, me = shard.numel(), topo.local_rank
+    grp = cast(dist.ProcessGroup, topo.intra_group)
     ops = []
     for peer in range(topo.local_size):
         if peer != me:
-            ops.append(dist.P2POp(dist.isend, shard, group=topo.intra_group, group_peer=peer))
-            ops.append(dist.P2POp(dist.irecv, out[peer * n:(peer + 1) * n], group=topo.intra_group,
-                                  group_peer=peer))
+            ops.append(dist.P2POp(dist.isend, shard, group=grp, group_peer=peer))
+            ops.append(dist.P2POp(dist.irecv, out[peer * n:(peer + 1) * n], group=grp, group_peer=peer))
     works = dist.batch_isend_irecv(ops)
     out[me * n:(me + 1) * n].copy_(shard)
     for w in works:
