@@ -70,7 +70,7 @@ class Accordion:
         self.threshold = float(threshold)
         self._tracks: Dict[Tuple[int, ...], _Track] = {}
         self._lock = threading.Lock()
-        self.switches: list = []  # {"step", "key_numel", "critical", "change"}: each decision taken
+        self.switches: list = []  # {"step", "params" (of the bucket), "critical", "change"}: each decision
 
     def __repr__(self) -> str:
         return f"Accordion(low={self.low.name!r}, every={self.every}, threshold={self.threshold})"
@@ -104,7 +104,7 @@ class Accordion:
         t.prev = norm
         t.acc = 0.0
         t.interval = interval
-        self.switches.append({"step": step, "numel": len(key), "critical": t.critical,
+        self.switches.append({"step": step, "params": len(key), "critical": t.critical,
                               "change": change})
         if len(self.switches) > 10000:
             del self.switches[:5000]
