@@ -62,6 +62,7 @@ import torch.distributed as dist
 
 from . import autotune_tiers as T
 from . import collectives as C
+from . import hierarchical as H
 from .codecs import Codec
 
 __all__ = ["BACKEND", "PRECISION", "KINDS", "CostModel", "Decision", "Tuner", "allowed", "decide",
@@ -508,11 +509,16 @@ class Tuner:
                 raise ValueError(f"flatcomm auto: {topology!r} needs per-tier link costs, and this tuner's "
                                  "costs (profile) have none: measure them with the topology (`python -m "
                                  "flatcomm.tune --save` under torchrun sets LOCAL_WORLD_SIZE)")
-            # One pipeline segment on CPU: the segments' staging copies and the node tier's transfers
+            # On CPU the two-level path keeps its own segment count (by size; one where a lossy intra
+            # codec may be picked, whose segments cost staging copies): the node tier's transfers
             # compete with the kernels for the same cores, which the model's overlap does not see.
             cpu = device is None or torch.device(device).type == "cpu"
+            segments = None
+            if cpu and two_level:
+                segments = (H.default_segments(math.ceil(numel / topology.local_size), topology.nodes)
+                            if self.intra_budget == "fp32" else 1)
             d = decide(self.costs, numel, world, budget, kind, deterministic, paths=paths,
-                       intra_budget=self.intra_budget, segments=1 if cpu else None)
+                       intra_budget=self.intra_budget, segments=segments)
             _agree(d, group, device)
             if budget == self.error_budget:
                 cache[ck] = d

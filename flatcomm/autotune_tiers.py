@@ -67,7 +67,7 @@ def segments(numel: int, costs, codec: str, intra_codec: str, fixed: Optional[in
     shard size and the tiers: more where the tiers' times are comparable and copies are cheap), or
     ``fixed`` (cut as flatcomm.hierarchical will cut it)."""
     k = fixed or M.best_segments(cluster(costs), numel, codec, intra_codec)
-    return len(H.segments_of(math.ceil(numel / costs.ranks_per_node), 1, k)) - 1
+    return len(H.segments_of(math.ceil(numel / costs.ranks_per_node), 1, k, nodes=costs.nodes)) - 1
 
 
 def name(cand: Candidate) -> str:

@@ -18,12 +18,15 @@ Bytes, S = 4 numel, W = N G, c = wire bytes / fp32 bytes of the codec:
   inside; the all-gather is a ring: (W-1)/W c S per node and per rank inside.
 - hierarchical: node reduce-scatter (fp32, (G-1)/G S per rank inside), flat all-reduce of the
   S/G shard among the N ranks of one local rank (the node's G ranks share the link:
-  2 (N-1)/N c S per node), node all-gather ((G-1)/G S per rank inside).
+  2 (N-1)/N c S per node), node all-gather: with an fp32 intra codec of the compressed payloads
+  ((G-1)/G c S per rank inside, then a decode of the other (G-1) shards), else of the values
+  ((G-1)/G S, the intra codec's ratio).
 
 Overlap: a phase moves its bytes on both tiers at once (time = the slower tier); a flat call of k
 chunks overlaps compute and wire: max(a, b) + min(a, b) / k; the hierarchical path's k segments
-overlap its three steps the same way (a node-tier latency per segment and step; two copies of the
-tensor when k > 1). Latency per chunk: one for the all-to-all, W - 1 for the ring all-gather.
+overlap its three steps the same way (a node-tier latency per segment and step; with a lossy
+intra codec two copies of the tensor when k > 1). Latency per chunk: one for the all-to-all,
+W - 1 for the ring all-gather.
 """
 from __future__ import annotations
 
@@ -136,6 +139,27 @@ def hierarchical(cl: Cluster, numel: int, codec: str, intra_codec: str = "fp32",
     n, g = cl.nodes, cl.ranks_per_node
     if n == 1 or g == 1:
         return flat(cl, numel, codec)
+    if intra_codec != "fp32":
+        return _staged(cl, numel, codec, intra_codec, segments)
+    s, m, share = 4.0 * numel, numel / g, cl.compute_share
+    k = len(H.segments_of(int(m), 1, segments, nodes=n)) - 1  # the segments flatcomm.hierarchical cuts
+    cs = _ratio(codec, max(1, int(m))) * 4.0 * m
+    node_rs = (g - 1) / g * s / cl.intra.Bps + (g - 1) * m * cl.reduce_s / share
+    # Across nodes each segment is one chunk of a one-hop all-reduce (its exchange overlaps the
+    # neighbouring segments' re-encoding), the node's G ranks sharing its link.
+    across_wire = 2 * (n - 1) / n * cs * g / cl.inter.Bps
+    across = _overlap(m * cl.codec_s[codec] / share, across_wire, k) + k * _steps(n) * cl.inter.latency_s
+    # The node gathers the payloads and decodes the other ranks' shards (a third of codec_s: it
+    # covers encode, decode-sum with re-encode, and decode).
+    node_ag = (g - 1) * cs / cl.intra.Bps + (g - 1) * m * cl.codec_s[codec] / 3 / share
+    steps = (node_rs + k * cl.intra.latency_s, across, node_ag + k * cl.intra.latency_s)
+    return max(steps) + (sum(steps) - max(steps)) / k
+
+
+def _staged(cl: Cluster, numel: int, codec: str, intra_codec: str, segments: Optional[int]) -> float:
+    """The two-level path with a lossy intra codec: codec collectives inside the node, the shard's
+    flat all-reduce across nodes, the node all-gather of decoded values."""
+    n, g = cl.nodes, cl.ranks_per_node
     s = 4.0 * numel
     m = numel / g
     ci = _ratio(intra_codec, numel)
@@ -146,7 +170,7 @@ def hierarchical(cl: Cluster, numel: int, codec: str, intra_codec: str = "fp32",
     k_in = _chunks(int(m), codec, n)
     across = _overlap(m * cl.codec_s[codec] / share, across_wire, k_in) + k_in * _steps(n) * cl.inter.latency_s
     intra_ag = (g - 1) / g * ci * s / cl.intra.Bps + numel * cl.codec_s[intra_codec] / 2 / share
-    k = len(H.segments_of(int(m), 1, segments)) - 1  # the segments flatcomm.hierarchical will cut
+    k = segments or 1
     # Every segment is one node reduce-scatter and one node all-gather call (a latency each); the
     # cross-node call chunks itself by size, so its latencies do not grow with k.
     steps = (intra_rs + k * cl.intra.latency_s, across, intra_ag + k * cl.intra.latency_s)

@@ -8,12 +8,14 @@ All-reduce of n values, on every rank:
 2. across nodes, the one-hop chunked all-reduce of that shard with ``codec`` (and error feedback)
    among the N ranks of local rank l: only compressed bytes leave the node, ~2*c*S per node
    instead of the flat path's ~2*G*c*S;
-3. inside the node, an all-gather of the reduced shards.
+3. inside the node, an all-gather of the reduced shards: with the default fp32 ``intra_codec``, of
+   the compressed payloads that crossed the nodes (every rank decodes all of them: c x the bytes
+   of an fp32 gather, the same bits; :mod:`flatcomm._hier_ordered`).
 
-The shard can be cut into segments (``chunks``, :func:`segments_of`) that flow through the three
-steps as a pipeline: the tiers' collectives run on their groups' worker threads, so the node reduce-scatter
-of segment j+1 and the node all-gather of segment j-1 overlap the exchange of segment j across
-nodes. Each step is a flatcomm collective on the tier's group, so sums run in a fixed order: the result is
+The shard is cut into segments (``chunks``, :func:`segments_of`) that flow through the three
+steps as a pipeline: the tiers' steps run on their groups' worker threads, so the node
+reduce-scatter of segment j+1 and the node all-gather of segment j-1 overlap the exchange of
+segment j across nodes. Each step sums in a fixed order: the result is
 the same bits on every rank and every run, for a given topology (not the same bits as the flat
 path: the grouping of the sum differs). ``mode="exact"`` agrees per-block exponents over all W
 ranks, sums fixed-point integers inside the node, sends the *integer* partial sums across nodes and
@@ -40,22 +42,23 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
-import threading
-import time
 import sys
-from typing import Callable, List, Optional, Union, cast
+import threading
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
+from . import _hier_ordered as _ordered
+from . import _node
 from . import collectives as C
 from .codecs import Codec, CodecLike, resolve
 from .sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM, exact_exponents, from_exact, to_exact
 from .topology import Topology
 
 __all__ = [
-    "TierStats", "TieredFeedback", "all_gather", "all_reduce", "padded_shard", "reduce_scatter", "segments_of",
-    "shard_numel", "shard_range", "submit"
+    "TierStats", "TieredFeedback", "all_gather", "all_reduce", "default_segments", "padded_shard",
+    "reduce_scatter", "segments_of", "shard_numel", "shard_range", "submit"
 ]
 
 
@@ -264,17 +267,28 @@ def all_reduce(tensor: torch.Tensor, topology: Topology, *, codec: CodecLike = "
     return _run(topo, body, tensor, async_op)
 
 
-def segments_of(m: int, align: int, chunks: Optional[int] = None) -> List[int]:
+SEGMENT_BYTES = 6 << 20  # fp32 bytes of a shard per pipeline segment, by default
+SEGMENT_PIECE = 1 << 19  # and at least this many values per node's piece of a segment
+
+
+def segments_of(m: int, align: int, chunks: Optional[int] = None, *, nodes: int) -> List[int]:
     """Boundaries of the pipeline segments within a shard of ``m`` values (aligned): the node
-    reduce-scatter of segment j+1 and the all-gather of j-1 run while j crosses nodes. Default one
-    segment: every further one costs two staging copies of the tensor and node-tier latencies, and
-    on CPU hosts (2x2 and 2x4 ranks, 1 Gbit/s and 100 Mbit/s links) that cost more than the overlap
-    hid; ``codec="auto"`` picks more for GPU tensors where the cost model says they pay
-    (:func:`flatcomm.costmodel.best_segments`). Keep it the same on every rank and every call for a
-    given numel (the server residuals' layout depends on it)."""
-    k = chunks if chunks else 1
+    reduce-scatter of segment j+1 and the all-gather of j-1 run while j crosses nodes. Default
+    (:func:`default_segments`): by size; ``codec="auto"`` picks by the cost model
+    (:func:`flatcomm.costmodel.best_segments`). Keep it the same on every rank and every call for
+    a given numel (which node re-encodes which values, and so holds their server residual,
+    depends on it)."""
+    k = chunks if chunks else default_segments(m, nodes)
     bounds = C.shard_bounds(m, k, align)
     return [a for i, a in enumerate(bounds) if i == 0 or a > bounds[i - 1]]  # no empty segments
+
+
+def default_segments(m: int, nodes: int) -> int:
+    """Segments of a shard of ``m`` values across ``nodes`` when the caller names none: one per
+    :data:`SEGMENT_BYTES`, 1 to 8, while every node's piece keeps :data:`SEGMENT_PIECE` values
+    (each segment is one exchange across nodes, whose all-gather costs N - 1 latencies)."""
+    k = min(round(4 * m / SEGMENT_BYTES), m // (nodes * SEGMENT_PIECE))
+    return int(min(8, max(1, k)))
 
 
 def _ordered_all_reduce(topo, flat, m, align, codec, ci, scale, inter_fb, intra_fb, chunks, validate,
@@ -289,100 +303,16 @@ def _ordered_all_reduce(topo, flat, m, align, codec, ci, scale, inter_fb, intra_
         taken.append(t)
         return t
 
-    _ordered_steps(topo, flat, m, align, codec, ci, scale, inter_fb, intra_fb, chunks, validate, tiers, tuner,
-                   empty)
+    inter = codec if codec == "auto" else resolve(codec)
+    if _ordered.forwards_payloads(inter, ci, flat.dtype):
+        seg = segments_of(m, align, chunks, nodes=topo.nodes)
+        _ordered.all_reduce(topo, flat, m, align, seg, inter, scale, inter_fb, validate, tiers, empty)
+    else:  # every segment past one costs the staged path two copies of the tensor
+        seg = segments_of(m, align, chunks or 1, nodes=topo.nodes)
+        _ordered.staged(topo, flat, m, align, seg, codec, ci, scale, inter_fb, intra_fb, validate, tiers, tuner,
+                        empty)
     for t in taken:  # not after a failure: a collective still in flight may write to them
         pool.give(t)
-
-
-def _ordered_steps(topo, flat, m, align, codec, ci, scale, inter_fb, intra_fb, chunks, validate, tiers,
-                   tuner, empty):
-    g, n = topo.local_size, flat.numel()
-    if n == g * m:
-        src = flat
-    else:
-        src = empty(g * m, flat.dtype)
-        src[:n].copy_(flat)
-        src[n:].zero_()
-    rows = src.view(g, m)
-    shard = empty(m)
-    seg = segments_of(m, align, chunks)
-    k = len(seg) - 1
-    # Only the shard's data crosses nodes: padding in a block would change sign's scale, and its
-    # residual would be kept for values that do not exist. The same width on the whole inter group.
-    real = max(0, min(m, n - topo.local_rank * m))
-    rs, ar, ag = [], [], []
-    for j in range(k):  # the intra client residual is laid out segment by segment (G x width each)
-        a, b = seg[j], seg[j + 1]
-        piece = src if k == 1 else empty(g * (b - a), src.dtype).view(g, b - a).copy_(rows[:, a:b]).view(-1)
-        res = intra_fb.client[g * a:g * b] if intra_fb is not None else None
-        rs.append(C.reduce_scatter(shard[a:b], piece, codec=ci, op="sum", group=topo.intra_group,
-                                   validate=validate, residual=res, stats=tiers.intra, async_op=True))
-    for j in range(k):
-        rs[j].wait()
-        a, b = seg[j], min(seg[j + 1], real)
-        if b > a:
-            fb = C.ErrorFeedback(inter_fb.client[a:b], inter_fb.server[a:b]) if inter_fb is not None else None
-            ar.append(C.all_reduce(shard[a:b], codec=codec, op="sum", group=topo.inter_group, residual=fb,
-                                   validate=validate, stats=tiers.inter, tuner=tuner, async_op=True))
-        else:
-            ar.append(None)
-    whole = k == 1 and src is flat
-    for j in range(k):
-        if ar[j] is not None:
-            ar[j].wait()
-        a, b = seg[j], seg[j + 1]
-        if scale != 1.0:
-            shard[a:b].mul_(scale)
-        out = flat if whole else empty(g * (b - a), flat.dtype)
-        if ci.lossless and flat.dtype == torch.float32:
-            ag.append((out, _raw_gather(topo, out, shard[a:b], tiers.intra)))
-            continue
-        res = intra_fb.server[a:b] if intra_fb is not None else None
-        ag.append((out, C.all_gather(out, shard[a:b], codec=ci, group=topo.intra_group, validate=validate,
-                                     residual=res, stats=tiers.intra, async_op=True)))
-    for j, (out, h) in enumerate(ag):
-        h.result() if isinstance(h, concurrent.futures.Future) else h.wait()
-        if whole:
-            continue
-        a, b = seg[j], seg[j + 1]
-        if src is flat:
-            rows[:, a:b].copy_(out.view(g, b - a))
-        else:  # padded: write back the part that holds data
-            for lr in range(g):
-                lo, hi = lr * m + a, min(lr * m + b, n)
-                if hi > lo:
-                    flat[lo:hi].copy_(out[lr * (b - a):lr * (b - a) + hi - lo])
-
-
-def _raw_gather(topo: Topology, out: torch.Tensor, shard: torch.Tensor,
-                st: C.CommStats) -> "concurrent.futures.Future":
-    """Lossless fp32 node all-gather straight into ``out`` (no encode/decode copies: measured 4x
-    faster than the codec path on loopback), queued on the node group's worker so it keeps its
-    place among that group's collectives."""
-    st.wire_bytes += (topo.local_size - 1) * shard.numel() * 4
-    return _queued(st, topo.intra_group, shard.device, lambda: _node_gather(topo, out, shard))
-
-
-def _node_gather(topo: Topology, out: torch.Tensor, shard: torch.Tensor) -> None:
-    """All-gather inside the node. On CPU (gloo) every rank sends its shard straight to each peer:
-    gloo's all-gather stages the result in a freshly allocated buffer and copies it out, which
-    costs more than the transfer on loopback; inside a node the direct sends move the same bytes
-    per rank as a ring. NCCL's all-gather is already direct."""
-    if shard.is_cuda or topo.local_size == 1:
-        C._all_gather_single(out, shard, group=topo.intra_group)
-        return
-    n, me = shard.numel(), topo.local_rank
-    grp = cast(dist.ProcessGroup, topo.intra_group)
-    ops = []
-    for peer in range(topo.local_size):
-        if peer != me:
-            ops.append(dist.P2POp(dist.isend, shard, group=grp, group_peer=peer))
-            ops.append(dist.P2POp(dist.irecv, out[peer * n:(peer + 1) * n], group=grp, group_peer=peer))
-    works = dist.batch_isend_irecv(ops)
-    out[me * n:(me + 1) * n].copy_(shard)
-    for w in works:
-        w.wait()
 
 
 def _agreed_exponents(topo: Topology, x: torch.Tensor, block: int, tiers: TierStats) -> torch.Tensor:
@@ -390,27 +320,12 @@ def _agreed_exponents(topo: Topology, x: torch.Tensor, block: int, tiers: TierSt
     return _agree_max(topo, exact_exponents(x, block), tiers)
 
 
-def _queued(st: C.CommStats, group, device: torch.device, fn: Callable[[], object]) -> "concurrent.futures.Future":
-    """Queue one exchange of ``group`` on that group's worker (so it keeps its place among the
-    group's other flatcomm collectives on every rank), counting its time."""
-    def call():
-        t0 = time.perf_counter()
-        fn()
-        st.exchange_s += time.perf_counter() - t0
-
-    return C._submit(group, device, call)
-
-
-def _timed(st: C.CommStats, group, device: torch.device, fn: Callable[[], object]) -> None:
-    _queued(st, group, device, fn).result()
-
-
 def _exact_node_sum(topo: Topology, rows_out: torch.Tensor, send: torch.Tensor, exps: torch.Tensor,
                     width: int, block: int, headroom: int, tiers: TierStats) -> torch.Tensor:
     """All-to-all ``send`` (G pieces of ``width`` values) inside the node and sum what arrives as
     fixed-point integers on ``exps`` (this rank's piece): the node's int64 partial sum."""
     g = topo.local_size
-    _timed(tiers.intra, topo.intra_group, send.device,
+    _node.timed(tiers.intra, topo.intra_group, send.device,
            lambda: dist.all_to_all_single(rows_out, send, group=topo.intra_group))
     tiers.intra.wire_bytes += (g - 1) * width * send.element_size()
     rows = rows_out.view(g, width)
@@ -428,14 +343,14 @@ def _exact_all_reduce(topo, flat, m, scale, block, headroom, tiers):
     recv = torch.empty(g * m, dtype=src.dtype, device=src.device)
     acc = _exact_node_sum(topo, recv, src, mine, m, block, headroom, tiers)
     # Partial sums cross nodes as integers: converting them to fp32 first would round per node.
-    _timed(tiers.inter, topo.inter_group, acc.device,
+    _node.timed(tiers.inter, topo.inter_group, acc.device,
            lambda: dist.all_reduce(acc, dist.ReduceOp.SUM, group=topo.inter_group))
     tiers.inter.wire_bytes += 2 * (topo.nodes - 1) * acc.numel() * 8 // topo.nodes
     val = from_exact(acc, mine, block, headroom)
     if scale != 1.0:
         val = val * scale
     gathered = torch.empty(g * m, dtype=torch.float32, device=flat.device)
-    _timed(tiers.intra, topo.intra_group, val.device, lambda: _node_gather(topo, gathered, val))
+    _node.timed(tiers.intra, topo.intra_group, val.device, lambda: _node.gather(topo, gathered, val))
     tiers.intra.wire_bytes += (g - 1) * m * 4
     flat.copy_(gathered[:flat.numel()])
 
@@ -494,7 +409,7 @@ def _exact_reduce_scatter(topo, src, grouped, out, width, scale, block, headroom
     exps = _agree_max(topo, exps, tiers)
     mine = _by_local_rank(exps, topo, nb)[lr]  # [N, nb]: the exponents of the shards I reduce
     recv = torch.empty(g * nodes * width, dtype=src.dtype, device=src.device)
-    _timed(tiers.intra, topo.intra_group, recv.device,
+    _node.timed(tiers.intra, topo.intra_group, recv.device,
            lambda: dist.all_to_all_single(recv, grouped, group=topo.intra_group))
     tiers.intra.wire_bytes += (g - 1) * nodes * width * src.element_size()
     arrived = recv.view(g, nodes, width)
@@ -505,7 +420,7 @@ def _exact_reduce_scatter(topo, src, grouped, out, width, scale, block, headroom
             acc[k] += to_exact(arrived[s, k], mine[k], block, headroom)
     # Integer partial sums cross nodes: node k' gets row k' from every node and adds integers.
     got = torch.empty_like(acc)
-    _timed(tiers.inter, topo.inter_group, acc.device,
+    _node.timed(tiers.inter, topo.inter_group, acc.device,
            lambda: dist.all_to_all_single(got.view(-1), acc.view(-1), group=topo.inter_group))
     tiers.inter.wire_bytes += (nodes - 1) * width * 8
     total = got.sum(dim=0)
@@ -516,7 +431,7 @@ def _exact_reduce_scatter(topo, src, grouped, out, width, scale, block, headroom
 def _agree_max(topo: Topology, e: torch.Tensor, tiers: TierStats) -> torch.Tensor:
     """``e`` (int32 exponents) replaced by its MAX over all W ranks: inside the node, then across."""
     for grp, st in ((topo.intra_group, tiers.intra), (topo.inter_group, tiers.inter)):
-        _timed(st, grp, e.device, lambda: dist.all_reduce(e, dist.ReduceOp.MAX, group=grp))
+        _node.timed(st, grp, e.device, lambda: dist.all_reduce(e, dist.ReduceOp.MAX, group=grp))
         st.wire_bytes += e.numel() * 4
     return e
 

@@ -30,7 +30,8 @@ def test_slow_network_picks_hierarchical_compressed_with_a_lossless_node_tier():
     assert d.predicted_s["hier:int4/fp32"] < d.predicted_s["int4"]  # flat int4 moves G x the bytes
     # every candidate's time is the shared model's (the tuner and `bench scale` agree)
     cl = T.cluster(c)
-    assert d.predicted_s["hier:int8/fp32"] == pytest.approx(M.hierarchical(cl, 8 << 20, "int8", "fp32"))
+    k = M.best_segments(cl, 8 << 20, "int8", "fp32")  # the model's pipeline segments
+    assert d.predicted_s["hier:int8/fp32"] == pytest.approx(M.hierarchical(cl, 8 << 20, "int8", "fp32", k))
     assert d.predicted_s["int8"] == pytest.approx(M.flat(cl, 8 << 20, "int8"))
     assert not any(k.startswith("hier:") and not k.endswith("/fp32") for k in d.predicted_s)  # lossless intra
 
@@ -110,10 +111,13 @@ def _rank_main(rank, world):
             fc.all_reduce(b, codec=d.codec)
         out[label] = (d.path, d.codec, d.intra_codec, torch.equal(a, b), a)
     out["ddp"] = _ddp(rank, topo, slow, _tiered(inter_Bps=0.01 * GB, nodes=2, g=2, backend_Bps=100 * GB))
-    # where the model would pipeline, a Tuner on CPU tensors still cuts one segment (shared cores)
+    # on CPU tensors a Tuner cuts the segments flatcomm.hierarchical cuts by itself (shared cores:
+    # the model's overlap does not hold), one where a lossy intra codec may be picked
     piped = _tiered(inter_Bps=1 * GB, intra_Bps=5 * GB, nodes=2, g=2)
     out["cpu_segments"] = (Tuner("int8", costs=piped).choose(8 << 20, topology=topo, paths=("hierarchical",)).chunks,
-                           decide(piped, 8 << 20, 4, "int8", paths=("hierarchical",)).chunks)
+                           decide(piped, 8 << 20, 4, "int8", paths=("hierarchical",)).chunks,
+                           Tuner("int8", costs=piped, intra_budget="bf16").choose(
+                               8 << 20, topology=topo, paths=("hierarchical",)).chunks)
     # measured with the topology: the costs hold both tiers, agreed on every rank
     t = Tuner("int8")
     t.costs = fc.autotune.measure(None, topology=topo, numel=1 << 14, small=1 << 10, large=1 << 16, reps=1)
@@ -161,9 +165,12 @@ def test_collective_auto_runs_the_chosen_path_and_codecs(ranks):
             assert torch.equal(r[label][4], ranks[0][label][4])  # and on every rank
 
 
-def test_tuner_on_cpu_keeps_one_segment(ranks):
+def test_tuner_on_cpu_cuts_the_default_segments(ranks):
+    from flatcomm.hierarchical import default_segments
+
     for r in ranks:
-        assert r["cpu_segments"][0] == 1 and r["cpu_segments"][1] > 1, r["cpu_segments"]
+        assert r["cpu_segments"] == (default_segments(4 << 20, 2), 8, 1), r["cpu_segments"]
+        assert default_segments(4 << 20, 2) == 3
 
 
 def test_measured_costs_hold_both_tiers_on_every_rank(ranks):

@@ -148,6 +148,14 @@ def _lossy(log: _Log, rank: int, topo: Topology) -> None:
             log.add(s, f"{codec} n={n} inter tier moves compressed bytes only",
                     st.inter.wire_bytes == wire and st.inter.calls == 1,
                     f"inter {st.inter.wire_bytes} B, expected {wire}")
+            # the node: the fp32 reduce-scatter, then a gather of the payloads (one width for the node)
+            m = H.padded_shard(n, G, 256)
+            width = max(flatcomm.wire_bytes(codec, hi - lo) for lr in range(G)
+                        for bb in [C.shard_bounds(max(0, min(m, n - lr * m)), 2, 256)]
+                        for lo, hi in zip(bb, bb[1:]))
+            node = (G - 1) * m * 4 + (G - 1) * 2 * width
+            log.add(s, f"{codec} n={n} node tier gathers payloads, not fp32", st.intra.wire_bytes == node,
+                    f"intra {st.intra.wire_bytes} B, expected {node}")
     # bf16 as the intra codec: lossy inside the node too, still the same bits on every rank
     xs = inputs("lossy/intra", 5000)
     t = xs[rank].clone()
@@ -270,18 +278,22 @@ def _all_gather(log: _Log, rank: int, topo: Topology) -> None:
 def _error_feedback(log: _Log, rank: int, topo: Topology) -> None:
     """Nothing is lost: sum of outputs + every tier residual == steps x the true sum."""
     s = "error_feedback"
-    n = 3000  # not a multiple of G x 256: the padded tail takes part too
-    for codec, steps in (("int8", 30), (flatcomm.Codec("sign", 32), 60)):
+    # n = 3000 is not a multiple of G x 256: the padded tail takes part too; in 3 segments the last
+    # local rank's data ends inside the last one; at n = 200 it has none
+    for codec, steps, n, chunks in (("int8", 30, 3000, None), ("int8", 30, 3000, 3), ("int8", 30, 200, 2),
+                                    (flatcomm.Codec("sign", 32), 60, 3000, None)):
         name = codec if isinstance(codec, str) else codec.name
+        name += f" n={n} chunks={chunks}"
         xs = inputs(f"ef/{name}", n, kind="normal")
-        m = H.padded_shard(n, G, 256 if name == "int8" else 32)
+        m = H.padded_shard(n, G, 256 if codec == "int8" else 32)
         real = H.shard_numel(n, topo, codec)
-        log.add(s, f"{name}: residual covers this rank's data", real == min(m, n - topo.local_rank * m), str(real))
+        log.add(s, f"{name}: residual covers this rank's data", real == max(0, min(m, n - topo.local_rank * m)),
+                str(real))
         ef = C.ErrorFeedback.zeros(real)
         acc = torch.zeros(n, dtype=torch.float64)
         for _ in range(steps):
             y = xs[rank].clone()
-            C.all_reduce(y, codec=codec, op="sum", residual=ef, topology=topo)
+            C.all_reduce(y, codec=codec, op="sum", residual=ef, topology=topo, chunks=chunks)
             acc += y.double()
         # rank r's residuals cover shard r % G of its node's sum
         held = gather(torch.nn.functional.pad(ef.client + ef.server, (0, m - real)))
@@ -293,7 +305,7 @@ def _error_feedback(log: _Log, rank: int, topo: Topology) -> None:
         gap = float((acc + total[:n] - truth).abs().max() / truth.abs().max())
         log.add(s, f"{name}: outputs + residuals == steps x sum", gap < 1e-5, f"rel gap {gap:.3g}")
         plain = xs[rank].clone()
-        C.all_reduce(plain, codec=codec, op="sum", topology=topo)
+        C.all_reduce(plain, codec=codec, op="sum", topology=topo, chunks=chunks)
         e_avg = float((acc / steps - truth / steps).abs().max())
         e_one = float((plain.double() - truth / steps).abs().max())
         log.add(s, f"{name}: time average beats one step", e_avg < e_one / 3, f"{e_avg:.3g} vs {e_one:.3g}")
@@ -362,6 +374,11 @@ def _bad_input(log: _Log, rank: int, topo: Topology) -> None:
     # ranks that disagree on numel fail on every rank (the tier's consistency check), no hang
     _expect(log, "numel differs across nodes", ValueError,
             lambda: C.all_reduce(torch.zeros(4096 + 512 * (rank // 2)), topology=topo), ("numel",))
+    # one node's ranks disagree on the codec: that node fails its check, and the other node's
+    # ranks, which agree, fail too (told across nodes) instead of waiting for payloads
+    _expect(log, "codec differs inside one node", ValueError,
+            lambda: C.all_reduce(torch.zeros(4096), codec="int4" if rank == 1 else "int8", topology=topo),
+            ("codec" if rank < G else "failed",))
     t = torch.full((1000,), float(rank + 1))
     C.all_reduce(t, op="sum", topology=topo)
     log.add("bad_input", f"rank {rank}: usable afterwards", bool((t == 10).all()))

@@ -1,0 +1,80 @@
+"""Node-tier transfers of the two-level collectives: lossless all-gather and reduce-scatter among
+the ranks of one node, straight between the caller's tensors, queued on the node group's worker.
+
+Every rank sends its pieces directly to each peer (``batch_isend_irecv``): inside a node that moves
+the same bytes per rank as a ring, and it needs neither contiguous inputs (a pipeline segment of
+the node's G shards is G separate ranges: a collective would need a staging copy of them) nor
+gloo's result staging (gloo's all-gather lands in a freshly allocated buffer and copies it out;
+first-touch page faults cost as much as the loopback transfer). NCCL's all-gather is already
+direct and is used for the gather on CUDA.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from typing import Callable, List, cast
+
+import torch
+import torch.distributed as dist
+
+from . import collectives as C
+from .topology import Topology
+
+def queued(st: C.CommStats, group, device: torch.device, fn: Callable[[], object]) -> "concurrent.futures.Future":
+    """Queue one exchange of ``group`` on that group's worker (so it keeps its place among the
+    group's other flatcomm collectives on every rank), counting its time in ``st.exchange_s``."""
+    def call():
+        t0 = time.perf_counter()
+        fn()
+        st.exchange_s += time.perf_counter() - t0
+
+    return C._submit(group, device, call)
+
+
+def timed(st: C.CommStats, group, device: torch.device, fn: Callable[[], object]) -> None:
+    queued(st, group, device, fn).result()
+
+
+def _exchange(ops: List[dist.P2POp]) -> None:
+    works = dist.batch_isend_irecv(ops) if ops else []
+    for w in works:
+        w.wait()
+
+
+def gather(topo: Topology, out: torch.Tensor, shard: torch.Tensor) -> None:
+    """``out`` (G x shard.numel()) = every local rank's ``shard`` in local-rank order. ``shard``
+    may be this rank's slice of ``out``."""
+    n, me = shard.numel(), topo.local_rank
+    mine = out[me * n:(me + 1) * n]
+    if shard.is_cuda or topo.local_size == 1:
+        C._all_gather_single(out, shard, group=topo.intra_group)
+        return
+    grp = cast(dist.ProcessGroup, topo.intra_group)
+    ops = []
+    for peer in range(topo.local_size):
+        if peer != me:
+            ops.append(dist.P2POp(dist.isend, shard, group=grp, group_peer=peer))
+            ops.append(dist.P2POp(dist.irecv, out[peer * n:(peer + 1) * n], group=grp, group_peer=peer))
+    if mine.data_ptr() != shard.data_ptr():
+        mine.copy_(shard)
+    _exchange(ops)
+
+
+def reduce(topo: Topology, out: torch.Tensor, rows: torch.Tensor, scratch: torch.Tensor) -> None:
+    """Lossless fp32 reduce-scatter: ``out`` (w values) = the sum over local ranks s, in ascending
+    order (``((r0 + r1) + r2) + ...``), of rank s's ``rows[me]``. ``rows``: [G, w] fp32, each row
+    contiguous (a column range of the node's shards); ``scratch``: G x w fp32 values (this
+    rank's own row is summed from ``rows``, not copied)."""
+    g, me = topo.local_size, topo.local_rank
+    got = scratch.view(g, rows.shape[1])
+    grp = cast(dist.ProcessGroup, topo.intra_group)
+    ops = []
+    for peer in range(g):
+        if peer != me:
+            ops.append(dist.P2POp(dist.isend, rows[peer], group=grp, group_peer=peer))
+            ops.append(dist.P2POp(dist.irecv, got[peer], group=grp, group_peer=peer))
+    _exchange(ops)
+    part = [rows[me] if s == me else got[s] for s in range(g)]
+    torch.add(part[0], part[1], out=out)
+    for p in part[2:]:
+        out.add_(p)
