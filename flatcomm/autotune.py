@@ -100,6 +100,7 @@ class CostModel:
     inter_Bps: Optional[float] = None  # bytes one node sends per second (its ranks share the link)
     intra_latency_s: Optional[float] = None
     intra_Bps: Optional[float] = None  # bytes one rank sends per second inside its node
+    shared_cores: bool = False  # the node's transfers are CPU work on the kernels' cores (CPU hosts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,6 +331,7 @@ def measure(group=None, *, device: Optional[torch.device] = None, codecs=PRECISI
     tiers = {}
     if two_level:  # MAX-agreed with the rest: every rank holds the same costs
         tiers = _tier_costs(topology, vals[-4:], small, large)
+        tiers["shared_cores"] = device.type == "cpu"
         vals = vals[:-4]
     t_small, t_large = vals[0], vals[1]
     b_lat, b_bps = _fit(4 * (small // 4), vals[2], 4 * numel, vals[3])

@@ -36,7 +36,8 @@ def cluster(costs) -> M.Cluster:
     """The :class:`flatcomm.costmodel.Cluster` of a tiered CostModel."""
     codec_s = {c: 0.0 if math.isinf(b) else 4.0 / b for c, b in costs.compute_Bps.items()}
     return M.Cluster(costs.nodes, costs.ranks_per_node, M.Tier(costs.inter_latency_s, costs.inter_Bps),
-                     M.Tier(costs.intra_latency_s, costs.intra_Bps), codec_s, codec_s.get("fp32", 0.0), 1.0)
+                     M.Tier(costs.intra_latency_s, costs.intra_Bps), codec_s, codec_s.get("fp32", 0.0), 1.0,
+                     costs.shared_cores)
 
 
 def predict(costs, numel: int, inter_codecs: Iterable[str], intra_codecs: Iterable[str],

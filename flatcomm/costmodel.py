@@ -9,6 +9,8 @@ compute one rank spends per fp32 value of a flat all-reduce with codec c (encode
 feedback, decode-and-sum with the re-encode, decode of the gathered shards; for fp32 the ordered
 sum), ``reduce_s`` a plain add per value (the ring's reduction), and ``compute_share`` the fraction
 of a processor each rank gets (1 on a GPU; cores / ranks when ranks share a machine's cores).
+``shared_cores``: the node tier's transfers are CPU work on the cores that run the kernels (a CPU
+host's loopback TCP), so in the two-level path they add to the codec work instead of overlapping it.
 
 Bytes, S = 4 numel, W = N G, c = wire bytes / fp32 bytes of the codec:
 
@@ -59,6 +61,7 @@ class Cluster:
     codec_s: Mapping[str, float]
     reduce_s: float
     compute_share: float = 1.0
+    shared_cores: bool = False  # the node tier's transfers run on the cores that run the kernels
 
     @property
     def world(self) -> int:
@@ -69,7 +72,8 @@ class Cluster:
                 "inter_latency_s": self.inter.latency_s, "inter_GBps": self.inter.Bps / 1e9,
                 "intra_latency_s": self.intra.latency_s, "intra_GBps": self.intra.Bps / 1e9,
                 "codec_ns_per_value": {k: v * 1e9 for k, v in self.codec_s.items()},
-                "reduce_ns_per_value": self.reduce_s * 1e9, "compute_share": self.compute_share}
+                "reduce_ns_per_value": self.reduce_s * 1e9, "compute_share": self.compute_share,
+                "shared_cores": self.shared_cores}
 
 
 def _ratio(codec: str, numel: int) -> float:
@@ -152,6 +156,12 @@ def hierarchical(cl: Cluster, numel: int, codec: str, intra_codec: str = "fp32",
     # The node gathers the payloads and decodes the other ranks' shards (a third of codec_s: it
     # covers encode, decode-sum with re-encode, and decode).
     node_ag = (g - 1) * cs / cl.intra.Bps + (g - 1) * m * cl.codec_s[codec] / 3 / share
+    if cl.shared_cores:
+        # The node's transfers are CPU work (loopback TCP) on the cores that run the kernels: the
+        # node tier and the codec work add up, and only the network overlaps them.
+        cpu = node_rs + node_ag + m * cl.codec_s[codec] / share + 2 * k * cl.intra.latency_s
+        wire = across_wire + k * _steps(n) * cl.inter.latency_s
+        return max(cpu, wire) + min(cpu, wire) / k
     steps = (node_rs + k * cl.intra.latency_s, across, node_ag + k * cl.intra.latency_s)
     return max(steps) + (sum(steps) - max(steps)) / k
 

@@ -267,8 +267,8 @@ def all_reduce(tensor: torch.Tensor, topology: Topology, *, codec: CodecLike = "
     return _run(topo, body, tensor, async_op)
 
 
-SEGMENT_BYTES = 6 << 20  # fp32 bytes of a shard per pipeline segment, by default
-SEGMENT_PIECE = 1 << 19  # and at least this many values per node's piece of a segment
+SEGMENT_BYTES = 4 << 20  # fp32 bytes of a shard per pipeline segment, by default
+SEGMENT_PIECE = 1 << 18  # and at least this many values per node's piece of a segment
 
 
 def segments_of(m: int, align: int, chunks: Optional[int] = None, *, nodes: int) -> List[int]:

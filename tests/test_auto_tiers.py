@@ -170,7 +170,7 @@ def test_tuner_on_cpu_cuts_the_default_segments(ranks):
 
     for r in ranks:
         assert r["cpu_segments"] == (default_segments(4 << 20, 2), 8, 1), r["cpu_segments"]
-        assert default_segments(4 << 20, 2) == 3
+        assert default_segments(4 << 20, 2) == 4
 
 
 def test_measured_costs_hold_both_tiers_on_every_rank(ranks):

@@ -74,6 +74,22 @@ def test_bench_scale_projection(tmp_path, capsys):
     assert "projection" in capsys.readouterr().out
 
 
+def test_shared_cores_add_the_node_tier_to_the_codec_work():
+    """On a CPU host the node's loopback transfers and the kernels share the cores: the two-level
+    path's node tier and codec work add up, only the network overlaps them."""
+    n, g, nodes = 8 << 20, 2, 2
+    cl = M.Cluster(nodes, g, M.Tier(0.0, 1e8), M.Tier(0.0, 1e9), {"int8": 4e-9}, 1e-9, 1.0, shared_cores=True)
+    m = n / g
+    cs = Codec("int8").wire_bytes(int(m))
+    node_rs = (g - 1) / g * 4 * n / 1e9 + (g - 1) * m * 1e-9
+    node_ag = (g - 1) * cs / 1e9 + (g - 1) * m * 4e-9 / 3
+    cpu = node_rs + node_ag + m * 4e-9
+    wire = 2 * (nodes - 1) / nodes * cs * g / 1e8
+    assert M.hierarchical(cl, n, "int8", segments=4) == pytest.approx(max(cpu, wire) + min(cpu, wire) / 4)
+    apart = M.Cluster(nodes, g, cl.inter, cl.intra, cl.codec_s, cl.reduce_s, 1.0)
+    assert M.hierarchical(apart, n, "int8", segments=4) < M.hierarchical(cl, n, "int8", segments=4)
+
+
 def test_segments_pay_where_tiers_overlap_and_latencies_are_cheap():
     gpu = lambda nodes: M.Cluster(nodes, 8, M.Tier(10e-6, 400e9), M.Tier(3e-6, 900e9),  # noqa: E731
                                   {c: 4.0 / 1e12 for c in ("fp32", "int8")}, 4.0 / 3e12)

@@ -303,7 +303,8 @@ def _probe_cluster(spec: str, nodes: int, g: int, kern: dict, timeout: float):
     more from run to run with the other processes' load (the kernel's TCP work competes for the
     cores), which measures the box, not the link. The intra tier and the
     compute are probed on the harness (the kernels timed on every rank at once, so the cores'
-    share is measured: ``compute_share`` 1), ``kern``'s codecs and size."""
+    share is measured: ``compute_share`` 1; the node tier's loopback transfers use the same cores:
+    ``shared_cores``), ``kern``'s codecs and size."""
     from flatcomm import costmodel as M
     from flatcomm.tools.netlink import Link, parse_link
 
@@ -317,7 +318,7 @@ def _probe_cluster(spec: str, nodes: int, g: int, kern: dict, timeout: float):
     inter = M.Tier(max(0.0, small_s - small_sent / rate), rate)
     intra = M.Tier(*tiers["intra"][:2]) if "intra" in tiers else M.Tier(0.0, float("inf"))
     k = tiers["kernels"]
-    return M.Cluster(nodes, g, inter, intra, k["codec_s"], k["reduce_s"], 1.0), probed_Bps
+    return M.Cluster(nodes, g, inter, intra, k["codec_s"], k["reduce_s"], 1.0, shared_cores=True), probed_Bps
 
 
 def bench_scale(a: argparse.Namespace, meta: dict) -> List[dict]:
