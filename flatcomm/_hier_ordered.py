@@ -33,6 +33,9 @@ from . import collectives as C
 from .codecs import Codec, decode_sum, encode
 from .topology import Topology
 
+__all__ = ["all_reduce", "forwards_payloads", "staged"]
+
+
 _NO_EXACT = C._exact_fields("ordered", 0, 0)
 
 

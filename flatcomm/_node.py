@@ -20,6 +20,9 @@ import torch.distributed as dist
 from . import collectives as C
 from .topology import Topology
 
+__all__ = ["gather", "queued", "reduce", "timed"]
+
+
 def queued(st: C.CommStats, group, device: torch.device, fn: Callable[[], object]) -> "concurrent.futures.Future":
     """Queue one exchange of ``group`` on that group's worker (so it keeps its place among the
     group's other flatcomm collectives on every rank), counting its time in ``st.exchange_s``."""

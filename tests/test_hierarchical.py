@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import flatcomm
+from flatcomm import _node
 from flatcomm import collectives as C
 from flatcomm import hierarchical as H
 from flatcomm.tools import spawn
@@ -166,6 +167,19 @@ def _lossy(log: _Log, rank: int, topo: Topology) -> None:
     log.add(s, "intra bf16 + inter int8: close to the mean", rel < 0.05, f"rel err {rel:.3g}")
 
 
+def _node_delays(seed: int, max_s: float):
+    """Every node-tier transfer (the two-level path's direct sends) starts after a random delay."""
+    rng = random.Random(seed)
+    orig = _node._exchange
+
+    def exchange(ops):
+        time.sleep(rng.random() * max_s)
+        orig(ops)
+
+    _node._exchange = exchange
+    return lambda: setattr(_node, "_exchange", orig)
+
+
 def _determinism(log: _Log, rank: int, topo: Topology) -> None:
     """Same bits every repeat, with random per-rank delays before calls and between chunks."""
     s = "determinism"
@@ -174,6 +188,7 @@ def _determinism(log: _Log, rank: int, topo: Topology) -> None:
     runs: Dict[str, List[torch.Tensor]] = {}
     for rep in range(3):
         undo = _with_delays(rep * 31 + rank, 0.003)
+        undo_node = _node_delays(rep * 37 + rank, 0.003)
         try:
             for codec in ("fp32", "int8", "sign"):
                 x = inputs(f"det/{codec}", n)[rank]
@@ -189,6 +204,7 @@ def _determinism(log: _Log, rank: int, topo: Topology) -> None:
             runs.setdefault("exact", []).append(t)
         finally:
             undo()
+            undo_node()
     for k, v in runs.items():
         log.add(s, f"{k}: same bits in 3 delayed runs", all(same_bits(v[0], u) for u in v[1:]))
         TC._identical_across_ranks(log, s, f"{k}: same bits on every rank", v[0])
