@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from . import collectives as C
 from . import fsdp as F
+from ._fsdp_backend import _wire_codec
 from . import hierarchical as H
 from .codecs import resolve
 from .topology import Topology
@@ -69,7 +70,7 @@ class CrossNode:
         sig = (key, flat.numel(), flat.dtype)
         validate = sig not in self._validated  # the consistency round trip once per layout
         self._validated.add(sig)
-        C.all_reduce(flat, codec=F._wire_codec(self.codec, flat.dtype), op="avg", group=self.group,
+        C.all_reduce(flat, codec=_wire_codec(self.codec, flat.dtype), op="avg", group=self.group,
                      residual=ef, chunks=self.chunks, stats=self.stats, validate=validate)
 
     def state_dict(self, prefix: str) -> Dict[str, torch.Tensor]:
