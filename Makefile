@@ -11,14 +11,14 @@ NVCC_FLAGS := -std=c++17 -O3 -fmad=false -Icsrc --threads 0 \
 	-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
 	-gencode arch=compute_90,code=compute_90
 
-.PHONY: all venv build demo test test-cpp test-py bench microbench dist-check cuda-check clean
+.PHONY: all venv build demo test test-cpp test-py typecheck bench microbench dist-check cuda-check clean
 
 all: build
 
 $(DEPS): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q setuptools wheel ninja pytest pytest-benchmark hypothesis numpy matplotlib
+	$(PY) -m pip install -q setuptools wheel ninja pytest pytest-benchmark hypothesis numpy matplotlib mypy
 	touch $@
 
 venv: $(DEPS)
@@ -32,7 +32,7 @@ build: $(EXT)
 demo: build
 	$(PY) -m flatcomm.demo
 
-test: test-cpp test-py
+test: test-cpp test-py typecheck
 
 test-cpp:
 	cmake -S . -B build-cmake -DFLATCOMM_CUDA=OFF -DCMAKE_BUILD_TYPE=Release > /dev/null
@@ -41,6 +41,9 @@ test-cpp:
 
 test-py: build
 	$(PY) -m pytest tests
+
+typecheck: $(DEPS)
+	$(PY) -m mypy flatcomm
 
 bench: build
 	$(PY) -m flatcomm.bench kernels
