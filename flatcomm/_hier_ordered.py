@@ -110,7 +110,7 @@ def all_reduce(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List
         tiers.inter.calls += 1
 
         def send(j):
-            reduced[j].result()
+            reduced[j].wait()  # CUDA: this side stream waits for the node's sum
             plan, a = plans[j][me], seg[j]
             w = plan.bounds[-1]
             if w == 0:  # every rank of this inter group has the same shard: all skip
@@ -168,11 +168,11 @@ def all_reduce(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List
 
         _timed_into(tiers.intra, "decode_s", decode)
 
-    spread: List[concurrent.futures.Future] = []
+    spread: List[_node.Job] = []
     reduced = [_node.queued(tiers.intra, topo.intra_group, dev, functools.partial(node_reduce, j)) for j in range(k)]
-    C._submit(topo.inter_group, dev, across).result()
-    for f in spread:
-        f.result()
+    _node.queued(None, topo.inter_group, dev, across).wait()  # its pipeline counts its own time
+    for job in spread:
+        job.wait()
 
 
 def _timed_into(st: C.CommStats, field: str, fn: Callable[[], None]) -> None:
@@ -226,7 +226,7 @@ def staged(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List[int
         ag.append((out, C.all_gather(out, shard[a:b], codec=ci, group=topo.intra_group, validate=validate,
                                      residual=res, stats=tiers.intra, async_op=True)))
     for j, (out, h) in enumerate(ag):
-        h.result() if isinstance(h, concurrent.futures.Future) else h.wait()
+        h.wait()  # a Handle or a node Job
         if whole:
             continue
         a, b = seg[j], seg[j + 1]

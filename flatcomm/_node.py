@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import Callable, List, cast
+from typing import Callable, List, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -20,22 +20,60 @@ import torch.distributed as dist
 from . import collectives as C
 from .topology import Topology
 
-__all__ = ["gather", "queued", "reduce", "timed"]
+__all__ = ["Job", "after", "gather", "mark", "queued", "reduce", "timed"]
 
 
-def queued(st: C.CommStats, group, device: torch.device, fn: Callable[[], object]) -> "concurrent.futures.Future":
+class Job:
+    """A node-tier exchange queued on its group's worker (:func:`queued`)."""
+
+    def __init__(self) -> None:
+        self.future: Optional["concurrent.futures.Future"] = None
+        self.done: Optional["torch.cuda.Event"] = None  # CUDA: recorded after the job's kernels
+
+    def wait(self) -> None:
+        """Block until the job has run (re-raising its error); with CUDA tensors the current stream
+        is then made to wait for its kernels, which ran on the worker's side stream."""
+        assert self.future is not None
+        self.future.result()
+        after(self.done)
+
+
+def queued(st: Optional[C.CommStats], group, device: torch.device, fn: Callable[[], object]) -> Job:
     """Queue one exchange of ``group`` on that group's worker (so it keeps its place among the
-    group's other flatcomm collectives on every rank), counting its time in ``st.exchange_s``."""
+    group's other flatcomm collectives on every rank), counting its time in ``st.exchange_s``
+    (unless None: ``fn`` counts its own).
+    CUDA: it runs on the group's side stream after the caller's current stream (see
+    :mod:`flatcomm._streams`)."""
+    job = Job()
+
     def call():
         t0 = time.perf_counter()
         fn()
-        st.exchange_s += time.perf_counter() - t0
+        if st is not None:
+            st.exchange_s += time.perf_counter() - t0
+        job.done = mark(device)
 
-    return C._submit(group, device, call)
+    job.future = C._submit(group, device, call)
+    return job
 
 
 def timed(st: C.CommStats, group, device: torch.device, fn: Callable[[], object]) -> None:
-    queued(st, group, device, fn).result()
+    queued(st, group, device, fn).wait()
+
+
+def mark(device: torch.device) -> Optional["torch.cuda.Event"]:
+    """CUDA: an event on the current stream, for work on another stream to wait for; else None."""
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+def after(event: Optional["torch.cuda.Event"]) -> None:
+    """Make the current stream wait for ``event`` (no host sync); nothing without one."""
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)
 
 
 def _exchange(ops: List[dist.P2POp]) -> None:

@@ -195,7 +195,7 @@ def _reduce(state, group, tensor: torch.Tensor, key: Tuple[int, ...], params, la
             g_sq.append(g)
 
         if state._tiered():
-            _tiers.submit(state.topology, pre)
+            _tiers.submit(state.topology, pre, tensor)  # CUDA: on the two-level side stream, in order
         else:
             C._submit(group, tensor.device, pre)  # CUDA: on the all-reduce's side stream, in order
     cs = C.CommStats()

@@ -79,8 +79,8 @@ def total(buf, off: int, ln: int, scale: float, tiered: bool) -> torch.Tensor:
     return t * scale
 
 
-def submit(topology: Topology, fn) -> None:
-    H.submit(topology, fn)
+def submit(topology: Topology, fn, reads: torch.Tensor) -> None:
+    H.submit(topology, fn, reads)
 
 
 def add_carry(tensor: torch.Tensor, buf) -> None:

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from . import _hier_ordered as _ordered
-from . import _node
+from . import _node, _streams
 from . import collectives as C
 from .codecs import Codec, CodecLike, resolve
 from .sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM, exact_exponents, from_exact, to_exact
@@ -161,22 +161,31 @@ def _run(topo: Topology, body: Callable[[], None], value: torch.Tensor, async_op
                 1, thread_name_prefix="flatcomm-hier", initializer=lambda: setattr(_on, "key", key))
             _executors[key] = ex
     grad = torch.is_grad_enabled()
+    # CUDA: the body runs on the topology's side stream after the caller's current stream, and the
+    # caller's stream (or the Handle's future) then waits for it, as flatcomm.collectives' calls do;
+    # the tiers' jobs inside hand their work over with events (flatcomm._node.Job).
+    streams = _streams.for_call(("two-level",) + key, value.device)
+    inner = C._on_worker(body, streams, (value,))
 
     def run():
         with torch.set_grad_enabled(grad):
-            body()
+            inner()
 
     future = ex.submit(run)
     if not async_op:
         future.result()
+        if streams is not None:
+            streams.join_current()
         return None
-    return C.Handle(future, value)
+    return C.Handle(future, value, streams, "two-level collective", topo.group)
 
 
-def submit(topology: Topology, fn: Callable[[], None]) -> None:
+def submit(topology: Topology, fn: Callable[[], None], reads: Optional[torch.Tensor] = None) -> None:
     """Queue ``fn`` (no collective) on the topology's worker, in order with its collectives (the
-    DDP hook's norms, which read a bucket before the all-reduce rewrites it)."""
-    _run(topology, fn, torch.empty(0), async_op=True)
+    DDP hook's norms, which read a bucket before the all-reduce rewrites it). ``reads``: the
+    tensor ``fn`` reads (CUDA: ``fn`` then runs on the topology's side stream, after the caller's
+    stream and before the collectives queued after it)."""
+    _run(topology, fn, reads if reads is not None else torch.empty(0), async_op=True)
 
 
 # ---- argument handling ---------------------------------------------------------------------------

@@ -408,6 +408,12 @@ _SECTIONS = {
 
 
 def _rank_main(rank: int, world: int) -> Checks:
+    from flatcomm import _streams
+
+    def boom(*a, **k):
+        raise AssertionError("CallStreams built for CPU tensors")
+
+    _streams.CallStreams = boom  # the two-level path's CUDA stream handling stays off the CPU path
     log = _Log(rank)
     topo = Topology(local_size=G)
     for section, fn in _SECTIONS.items():
