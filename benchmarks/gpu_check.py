@@ -3,7 +3,7 @@
 Correctness: every op of torch.ops.flatcomm (encode, encode_into, decode, decode_into, decode_sum,
 decode_sum_into, decode_sum_encode, decode_sum_encode_into, ordered_sum, exact_exponents, to_exact,
 from_exact, exact_sum), called through the public API (flatcomm.encode / decode / decode_sum and
-flatcomm.sums), for every codec, input dtype, decode output dtype, block size and size of the sweep,
+flatcomm.ops.sums), for every codec, input dtype, decode output dtype, block size and size of the sweep,
 on fresh random inputs (seed printed) with an all-zero block, subnormal and near-max blocks, and
 inf / NaN blocks. The same inputs run on the CPU (the reference) and on the device; payloads,
 residuals, decoded values and sums must match BIT FOR BIT (stochastic rounding included: the RNG is
@@ -153,7 +153,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     built = env["flatcomm"].get("devices", []) if isinstance(env["flatcomm"], dict) else []
     nvrtc_only = False
     try:
-        nvrtc_only = fc._ops.cuda_path().startswith("nvrtc")
+        nvrtc_only = fc.cuda_path().startswith("nvrtc")
     except AttributeError:
         pass
     if device.type == "cuda" and "cuda" not in built and not (nvrtc_only and not args.cupy):

@@ -140,7 +140,7 @@ else
 fi
 
 # ---- 4. cupy / NVRTC ---------------------------------------------------------------------------
-# The optional runtime-compiled path (flatcomm/cupy_backend.py): NVRTC compiles the same kernel
+# The optional runtime-compiled path (flatcomm/ops/cupy_backend.py): NVRTC compiles the same kernel
 # sources (~108 kernels, first run ~1 min, then cupy's disk cache), a short sweep against the CPU
 # with the NVRTC ops in place of the compiled ones, a direct bitwise comparison with the compiled
 # kernels, and the int8 encode+EF time of both paths.

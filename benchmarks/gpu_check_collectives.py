@@ -19,7 +19,7 @@ def collectives_section(device: torch.device, seed: int, max_seconds: float, sel
     self_test (CPU) the "device" group is a second gloo group: it exercises this code, not NCCL.
 
     Every case runs twice: as flatcomm does at world size 1 (local copies), and with
-    ``collectives._EXCHANGE_ALONE``, which sends through torch.distributed anyway so that the NCCL
+    ``flatcomm.comm.groups.EXCHANGE_ALONE``, which sends through torch.distributed anyway so that the NCCL
     calls and their stream hand-offs run on a one-GPU machine. On CUDA every input is written on the
     caller's stream behind a ~10 ms ``torch.cuda._sleep`` over a NaN poison, so a collective that does
     not wait for the caller's stream reads NaN; asynchronous results are read on another stream right
@@ -32,6 +32,7 @@ def collectives_section(device: torch.device, seed: int, max_seconds: float, sel
 
     import torch.distributed as dist
     from flatcomm import collectives as C
+    from flatcomm.comm import groups
     from flatcomm import ddp as fddp
 
     cuda = device.type == "cuda"
@@ -119,20 +120,20 @@ def collectives_section(device: torch.device, seed: int, max_seconds: float, sel
             print(f"   FAIL {msg}", flush=True)
 
         def both_exchange_paths(label: str, body: Callable[[str], None]) -> None:
-            """body(label) once through flatcomm's own exchange and once via dist (_EXCHANGE_ALONE),
+            """body(label) once through flatcomm's own exchange and once via dist (EXCHANGE_ALONE),
             within the time budget; an exception is that case's failure."""
             for alone in (False, True):
                 lab = label.replace("]", ", via dist]") if alone else label
                 if time.monotonic() - t0 > max_seconds:
                     out["skipped_cases"] += 1
                     continue
-                C._EXCHANGE_ALONE = alone
+                groups.EXCHANGE_ALONE = alone
                 try:
                     body(lab)
                 except Exception as e:  # noqa: BLE001
                     fail(f"{lab}: {type(e).__name__}: {e}")
                 finally:
-                    C._EXCHANGE_ALONE = False
+                    groups.EXCHANGE_ALONE = False
 
         def run_case(name: str, make_run, how: str, on_caller: bool) -> None:
             """make_run(dev, group) -> run(async_op); compared device (as `how`) vs cpu (sync)."""
@@ -236,7 +237,7 @@ def collectives_section(device: torch.device, seed: int, max_seconds: float, sel
         both_exchange_paths("DDP int8 hook, 3 steps [hook]", lambda label: compare(
             label, ddp_grads(device, dev_group), ddp_grads(torch.device("cpu"), cpu_group)))
     finally:
-        C._EXCHANGE_ALONE = False
+        groups.EXCHANGE_ALONE = False
         dist.destroy_process_group()
         shutil.rmtree(tmp, ignore_errors=True)
     out["ok"] = out["failed"] == 0

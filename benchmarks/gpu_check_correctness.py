@@ -12,7 +12,7 @@ import flatcomm as fc
 from gpu_check_common import (BLOCKWISE, CODECS, DT_NAME, DTYPES, REENCODE, STOCHASTIC, Checker, Config,
                               ContextBroken, Interrupted, make_residual, make_x)
 
-HEADROOM = int(fc.sums.DEFAULT_HEADROOM)
+HEADROOM = int(fc.ops.sums.DEFAULT_HEADROOM)
 
 
 class Sweep:

@@ -23,9 +23,10 @@ def cupy_section(device: torch.device, seed: int, max_seconds: float, reps: int,
     kernels for the time of it), vs the compiled kernels directly (every codec's encode + EF and
     decode on one input), and the int8 encode + EF time of both. With self_test (CPU, no cupy) both
     "paths" are the CPU kernels: it exercises this code, not the NVRTC kernels."""
-    from flatcomm import _ops, cupy_backend as cb
+    import flatcomm
+    from flatcomm.ops import cupy_backend as cb
 
-    out: dict = {"cuda_path": _ops.cuda_path(), "kernels": len(cb.kernel_names())}
+    out: dict = {"cuda_path": flatcomm.cuda_path(), "kernels": len(cb.kernel_names())}
     t0 = time.monotonic()
     if self_test:
         nvrtc_ops = None

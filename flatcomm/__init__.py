@@ -1,27 +1,50 @@
 """flatcomm: fast and exact gradient communication for PyTorch data parallelism.
 
-Kernels (this module): codecs with fused error feedback, fused decode-and-sum in a fixed order,
-ordered sums and exact (order-independent) sums. See README.md for the whole picture.
+The package is built in layers, each importing only those below it (``docs/architecture.md``):
+
+* :mod:`flatcomm.ops`: the kernels (codecs with fused error feedback, fused decode-and-sum in a fixed
+  order, ordered and exact sums), re-exported here;
+* :mod:`flatcomm.comm`: the machinery (private groups, workers, call headers, the chunk pipeline,
+  the flat and two-level paths);
+* :mod:`flatcomm.autotune`: ``codec="auto"``;
+* :mod:`flatcomm.collectives`: the public collectives, re-exported here;
+* the integrations: :mod:`flatcomm.ddp`, :mod:`flatcomm.fsdp`, :mod:`flatcomm.optim`,
+  :mod:`flatcomm.reproducible`, :mod:`flatcomm.stats` (imported on first use);
+* :mod:`flatcomm.integrations`: adapters for Lightning, Accelerate and transformers (never imported
+  by the library); :mod:`flatcomm.tools`: benchmarks, tuner and demo.
 """
 from __future__ import annotations
 
-from . import _ops
+from . import _compat
 from ._version import __version__
-from ._ops import _C
-from .codecs import (
+from .ops import (
     CODECS,
     Codec,
     decode,
     decode_sum,
     encode,
+    exact_exponents,
+    exact_sum,
+    from_exact,
+    ordered_sum,
     resolve,
+    to_exact,
     wire_bytes,
 )
-from .sums import exact_exponents, exact_sum, from_exact, ordered_sum, to_exact
+from .ops import cupy_backend as _cupy_backend
+from .ops.native import extension as _C
 from .collectives import CommStats, ErrorFeedback, all_gather, all_reduce, reduce_scatter
-from .topology import Topology
-from . import autotune  # noqa: F401,E402  (registers the default tuner of codec="auto")
-from . import hierarchical  # noqa: F401,E402  (registers the two-level path of topology=)
+from .comm.topology import Topology
+
+# The NVRTC path for the CUDA ops, when the extension was built without CUDA (a plugin of the ops,
+# registered from here, above them; opt-in with FLATCOMM_CUPY=1 until a GPU run has passed).
+_CUDA_PATH = _cupy_backend.auto_register(list(_C.build_info()["devices"]))
+_compat.install()
+
+
+def cuda_path() -> str:
+    """Which CUDA implementation the flatcomm ops use: 'compiled', 'nvrtc (cupy)' or 'none (why)'."""
+    return _CUDA_PATH
 
 
 def build_info() -> dict:
@@ -32,11 +55,12 @@ def build_info() -> dict:
     info["threads"] = torch.get_num_threads()
     info["torch"] = torch.__version__
     info["version"] = __version__
-    info["cuda_path"] = _ops.cuda_path()  # "compiled", "nvrtc (cupy)" or "none (reason)"
+    info["cuda_path"] = cuda_path()  # "compiled", "nvrtc (cupy)" or "none (reason)"
     return info
 
 
-_SUBMODULES = ("ddp", "fsdp", "fsdp_hybrid", "reproducible", "reference", "optim")
+_SUBMODULES = ("ddp", "fsdp", "fsdp_hybrid", "hierarchical", "reproducible", "reference", "optim", "stats",
+               "autotune", "integrations")
 
 
 def __getattr__(name: str):
@@ -60,6 +84,7 @@ __all__ = [
     "Codec",
     "Topology",
     "build_info",
+    "cuda_path",
     "decode",
     "decode_sum",
     "encode",

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
-from .codecs import Codec, resolve
+from .ops.codecs import Codec, resolve
 
 __all__ = ["OnebitAdam", "hook", "register"]
 

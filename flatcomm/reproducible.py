@@ -77,7 +77,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .sums import (
+from .comm.header import check_consistent
+from .ops.sums import (
     DEFAULT_EXACT_BLOCK,
     DEFAULT_HEADROOM,
     NONFINITE_EXPONENT,
@@ -286,9 +287,8 @@ class ExactGradAccumulator:
     def _check_consistent(self) -> None:
         if self.world == 1:
             return
-        from .collectives import _check_consistent  # one tiny all-gather, clear error on mismatch
-
-        _check_consistent(self.group, [
+        # one tiny all-gather, clear error on mismatch
+        check_consistent(self.group, [
             ("parameter numel (padded)", self.numel), ("micro_batches", self.micro_batches_per_step),
             ("margin", self.margin), ("span", self.span), ("block_size", self.block),
             ("headroom", self.headroom), ("on_nonfinite", _ON_NONFINITE.index(self.on_nonfinite)),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flatcomm
-from flatcomm import reference as R
+from flatcomm.ops import reference as R
 
 SIZES = (0, 1, 2, 31, 32, 33, 97, 255, 256, 257, 1000, 4099, 65537)
 BLOCK_SIZES = (32, 64, 256, 4096)

@@ -111,25 +111,26 @@ def test_every_library_module_has_all():
     import pkgutil
 
     missing = []
-    for m in pkgutil.iter_modules(flatcomm.__path__):
-        if m.name in ("tools", "_version") or m.name.startswith("_C"):
+    for m in pkgutil.walk_packages(flatcomm.__path__, "flatcomm."):
+        if m.name.startswith(("flatcomm.tools", "flatcomm.integrations")) or m.name in (
+                "flatcomm._version", "flatcomm._C", "flatcomm.bench", "flatcomm.tune", "flatcomm.demo"):
             continue
-        mod = importlib.import_module(f"flatcomm.{m.name}")
+        mod = importlib.import_module(m.name)
         names = getattr(mod, "__all__", None)
         if names is None:
             missing.append(m.name)
             continue
         for n in names:
-            assert hasattr(mod, n), f"flatcomm.{m.name}.__all__ names {n!r}, which it lacks"
+            assert hasattr(mod, n), f"{m.name}.__all__ names {n!r}, which it lacks"
     assert not missing, f"modules without __all__: {missing}"
 
 
 def test_one_codec_list():
-    """flatcomm.codecs.CODECS is the list; the C++ ids, the cupy path and the reference agree."""
+    """flatcomm.ops.codecs.CODECS is the list; the C++ ids, the cupy path and the reference agree."""
     import re
 
-    from flatcomm import cupy_backend, reference
-    from flatcomm.codecs import CODECS
+    from flatcomm.ops import cupy_backend, reference
+    from flatcomm.ops.codecs import CODECS
 
     with pytest.raises(RuntimeError) as e:
         torch.ops.flatcomm.encode(torch.zeros(4), "nope", 256, 0, None, False, 0)

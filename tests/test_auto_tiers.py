@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from flatcomm import autotune_tiers as T
-from flatcomm import costmodel as M
+from flatcomm.autotune import tiers as T
+from flatcomm.autotune import costmodel as M
 from flatcomm.autotune import BACKEND, CostModel, Tuner, decide, load_profile, save_profile
 from flatcomm.tools import spawn
 
@@ -92,7 +92,7 @@ def test_fixed_segments_price_and_cut_the_pipeline_as_given():
 
 def _rank_main(rank, world):
     import flatcomm as fc
-    from flatcomm.topology import Topology
+    from flatcomm import Topology
 
     topo = Topology(local_size=2)
     out = {}

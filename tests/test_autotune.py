@@ -59,12 +59,6 @@ def test_tuner_caches_per_kind_and_numel():
     assert t.choose(10).codec == "fp32" and ("all_reduce", 10) not in t.decisions  # pins are not cached
 
 
-def test_layering_ddp_does_not_import_the_tool():
-    for name in ("ddp.py", "fsdp.py", "collectives.py", "autotune.py"):
-        text = (ROOT / "flatcomm" / name).read_text()
-        assert "from .tune" not in text and "import tune" not in text, name
-
-
 # ---- on 2 ranks ---------------------------------------------------------------------------------------
 
 

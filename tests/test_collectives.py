@@ -28,8 +28,9 @@ import torch.distributed as dist
 import flatcomm
 from flatcomm.tools import spawn
 from flatcomm import collectives as C
-from flatcomm import reference as R
-from flatcomm.codecs import Codec, decode, decode_sum, encode
+from flatcomm.comm import groups, pipeline
+from flatcomm.ops import reference as R
+from flatcomm.ops.codecs import Codec, decode, decode_sum, encode
 
 CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk")
 BLOCKWISE = ("int8", "int4", "sign")
@@ -240,7 +241,7 @@ def _accuracy(log: _Log, rank: int, world: int) -> None:
             cases.append((codec, n, "avg", 1, dtype))
     for codec, n, op, chunks, dtype in cases:
         # Tiny gather pieces on the raw cases: many pieces, shards ending inside a piece.
-        C.GATHER_PIECE_BYTES = 4096 if chunks == 1 and codec in ("fp32", "bf16", "fp16") else 8 << 20
+        pipeline.GATHER_PIECE_BYTES = 4096 if chunks == 1 and codec in ("fp32", "bf16", "fp16") else 8 << 20
         scale = 1.0 / world if op == "avg" else 1.0
         tag = f"acc/{codec}/{n}/{op}/{dtype}/{world}"
         # all_reduce
@@ -317,7 +318,7 @@ def _chunks(log: _Log, rank: int, world: int) -> None:
     ra, rb = C.ErrorFeedback.zeros(big.numel()), C.ErrorFeedback.zeros(big.numel())
     C.all_reduce(a, codec="int8", chunks=1, residual=ra)
     C.all_reduce(b, codec="int8", residual=rb)
-    auto = C._auto_chunks(max(1, big.numel() // world), Codec("int8"), world, "ordered")
+    auto = pipeline._auto_chunks(max(1, big.numel() // world), Codec("int8"), "ordered")
     log.add("chunks", f"all_reduce int8 4M values: auto ({auto} chunks) == chunks=1",
             auto > 1 and same_bits(a, b) and same_bits(ra.client, rb.client) and same_bits(ra.server, rb.server))
     # more chunks than values, and empty tensors
@@ -336,14 +337,14 @@ def _chunks(log: _Log, rank: int, world: int) -> None:
 def _with_delays(seed: int, max_s: float):
     """Monkeypatch the pipeline so every chunk wait starts after a random per-rank delay."""
     rng = random.Random(seed)
-    orig = C._Pipeline.wait
+    orig = pipeline.Pipeline.wait
 
     def wait(self, work):
         time.sleep(rng.random() * max_s)
         orig(self, work)
 
-    C._Pipeline.wait = wait
-    return lambda: setattr(C._Pipeline, "wait", orig)
+    pipeline.Pipeline.wait = wait
+    return lambda: setattr(pipeline.Pipeline, "wait", orig)
 
 
 def _determinism(log: _Log, rank: int, world: int) -> None:
@@ -602,7 +603,7 @@ def _rank_main(rank: int, world: int) -> Checks:
     log = _Log(rank)
     # One rank compresses nothing (tests/test_checkpoint.py checks that). These sections check the
     # codec path itself, so at world size 1 they run it through a real exchange (the test hook).
-    C._EXCHANGE_ALONE = world == 1
+    groups.EXCHANGE_ALONE = world == 1
     for section, fn in _SECTIONS.items():
         t0 = time.perf_counter()
         fn(log, rank, world)  # an exception on one rank fails the whole run (spawn re-raises it)

@@ -44,7 +44,7 @@ def test_quick_run_json(tmp_path):
 
 
 def test_accordion_and_onebit_rows():
-    from flatcomm.ddp_accordion import Accordion
+    from flatcomm.ddp.accordion import Accordion
 
     assert conv._accordion_opts({"accordion": "int8"}) == {"accordion": "int8"}
     opts = conv._accordion_opts(dict(conv.parse_row("sign:accordion=fp32,accordion_every=4,"

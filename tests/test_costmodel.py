@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from flatcomm import costmodel as M
-from flatcomm.codecs import Codec
+from flatcomm.autotune import costmodel as M
+from flatcomm.ops.codecs import Codec
 
 INF = float("inf")
 

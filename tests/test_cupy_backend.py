@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import flatcomm
-from flatcomm import cupy_backend as cb
+from flatcomm.ops import cupy_backend as cb
 
 ROOT = Path(__file__).resolve().parents[1]
 ops = torch.ops.flatcomm
@@ -303,11 +303,12 @@ def test_launch_preconditions_raise_before_launching():
 # ---- registration ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("devices,cuda,found,env,ok", [
-    (["cpu", "cuda"], "13.0", True, None, False),
-    (["cpu"], "13.0", True, None, True),
+    (["cpu", "cuda"], "13.0", True, "1", False),
+    (["cpu"], "13.0", True, None, False),  # opt-in until a GPU run has passed
+    (["cpu"], "13.0", True, "1", True),
     (["cpu"], "13.0", True, "0", False),
-    (["cpu"], None, True, None, False),
-    (["cpu"], "13.0", False, None, False),
+    (["cpu"], None, True, "1", False),
+    (["cpu"], "13.0", False, "1", False),
 ])
 def test_should_register(devices, cuda, found, env, ok):
     got, reason = cb.should_register(devices, cuda, found, env)
@@ -315,9 +316,8 @@ def test_should_register(devices, cuda, found, env, ok):
 
 
 def test_cuda_path_reported():
-    from flatcomm import _ops
 
-    path = _ops.cuda_path()
+    path = flatcomm.cuda_path()
     assert flatcomm.build_info()["cuda_path"] == path
     if "cuda" in flatcomm.build_info()["devices"]:
         assert path == "compiled"
@@ -354,11 +354,11 @@ def test_installed_packages_ship_the_kernel_sources(tmp_path):
                    check=True, capture_output=True)
     shipped = tmp_path / "flatcomm" / "_csrc"
     assert cb.nvrtc_source(shipped) == cb.nvrtc_source(ROOT / "csrc")
-    spec_file = tmp_path / "flatcomm" / "cupy_backend.py"
+    spec_file = tmp_path / "flatcomm" / "ops" / "cupy_backend" / "kernels.py"
     assert spec_file.is_file()  # the installed module resolves _csrc next to itself
     # Loaded as a module of the flatcomm package (it imports flatcomm._C), from the installed file.
     code = ("import sys, importlib.util, flatcomm; "
-            "s = importlib.util.spec_from_file_location('flatcomm._installed_cb', sys.argv[1]); "
+            "s = importlib.util.spec_from_file_location('flatcomm.ops.cupy_backend._installed_cb', sys.argv[1]); "
             "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); print(m.csrc_dir())")
     out = subprocess.run([sys.executable, "-c", code, str(spec_file)], capture_output=True, text=True, cwd=ROOT,
                          env={k: v for k, v in __import__("os").environ.items() if k != "FLATCOMM_CSRC"})

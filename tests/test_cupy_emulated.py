@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import flatcomm
-from flatcomm import cupy_backend as cb
+from flatcomm.ops import cupy_backend as cb
 
 ROOT = Path(__file__).resolve().parents[1]
 EMU = ROOT / "tests" / "cuda_emu"

@@ -318,8 +318,8 @@ def _w_amp(rank, world):
         before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
         grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in ddp.parameters())
         res_finite = all(bool(torch.isfinite(b.ef.client).all() and torch.isfinite(b.ef.server).all())
-                         for b in state._res.bufs.values())
-        res_norm = math.sqrt(sum(float(b.ef.client.square().sum()) for b in state._res.bufs.values()))
+                         for b in state.residuals.bufs.values())
+        res_norm = math.sqrt(sum(float(b.ef.client.square().sum()) for b in state.residuals.bufs.values()))
         scale = scaler.get_scale()
         scaler.step(opt)
         scaler.update()

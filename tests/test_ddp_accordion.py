@@ -1,4 +1,4 @@
-"""flatcomm.ddp_accordion.Accordion: a precise codec in intervals after the gradient norm changed by
+"""flatcomm.ddp.accordion.Accordion: a precise codec in intervals after the gradient norm changed by
 at least the threshold, the State's codec otherwise; the decisions follow a float64 recomputation
 from the reduced gradients, agree on every rank, and survive a checkpoint."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatcomm.ddp as fddp
-from flatcomm.codecs import resolve
-from flatcomm.ddp_accordion import Accordion, policy
+from flatcomm.ops.codecs import resolve
+from flatcomm.ddp.accordion import Accordion, policy
 from flatcomm.tools import spawn
 
 EVERY, THRESHOLD = 3, 0.5

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatcomm.ddp as fddp
 from flatcomm.autotune import PRECISION, Tuner
-from flatcomm.ddp_adapt import Backoff, keep_predicate, small
+from flatcomm._training.adapt import Backoff, keep_predicate, small
 from flatcomm.tools import spawn
 
 

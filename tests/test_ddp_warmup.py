@@ -100,6 +100,6 @@ def test_sign_by_name_gets_small_blocks_and_a_warm_up_by_default():
     for name in ("int8", "int4", "fp32"):
         st = fddp.State(name)
         assert st.codec.block_size == 256 and st.start_step == 0
-    from flatcomm.codecs import Codec
+    from flatcomm.ops.codecs import Codec
 
     assert fddp.State(Codec("sign")).codec.block_size == 256  # a Codec carries its own parameters

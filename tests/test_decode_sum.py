@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flatcomm
-from flatcomm import reference as R
+from flatcomm.ops import reference as R
 
 from conftest import BLOCK_SIZES, CODECS, assert_bits_equal, make_input
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flatcomm
-from flatcomm import reference as R
+from flatcomm.ops import reference as R
 
 from conftest import BLOCK_SIZES, CODECS, DTYPES, SIZES, assert_bits_equal, make_input
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import flatcomm
-from flatcomm import reference as R
+from flatcomm.ops import reference as R
 
 from conftest import DTYPES, assert_bits_equal, make_input
 
-HEADROOM = flatcomm.sums.DEFAULT_HEADROOM
+HEADROOM = flatcomm.ops.sums.DEFAULT_HEADROOM
 
 
 def _rows(gen, W, n, dtype=torch.float32, kind="mixed"):
@@ -121,7 +121,7 @@ def test_nonfinite_block_gives_nan(gen, bad):
     assert torch.isnan(got[64:128]).all()
     assert torch.isfinite(got[:64]).all() and torch.isfinite(got[128:]).all()
     E = flatcomm.exact_exponents(x, 64)
-    assert E[1].item() == flatcomm.sums.NONFINITE_EXPONENT
+    assert E[1].item() == flatcomm.ops.sums.NONFINITE_EXPONENT
     # to_exact of the finite rows with the reduced exponents, then from_exact: NaN block too
     acc = flatcomm.to_exact(x[0], E, 64) + flatcomm.to_exact(x[2], E, 64)
     out = flatcomm.from_exact(acc, E, 64)
@@ -134,7 +134,7 @@ def test_zero_blocks_and_exponents():
     x = torch.zeros(2, 100)
     x[0, 50] = 0.75
     E = flatcomm.exact_exponents(x, 32)
-    assert E.tolist() == [flatcomm.sums.ZERO_EXPONENT, 0, flatcomm.sums.ZERO_EXPONENT, flatcomm.sums.ZERO_EXPONENT]
+    assert E.tolist() == [flatcomm.ops.sums.ZERO_EXPONENT, 0, flatcomm.ops.sums.ZERO_EXPONENT, flatcomm.ops.sums.ZERO_EXPONENT]
     got = flatcomm.exact_sum(x, 32)
     assert_bits_equal(got, x.sum(0))
 

@@ -46,7 +46,7 @@ def _same_on_all_ranks(t: dict) -> bool:
 
 
 def _fsdp2(rank):
-    from flatcomm import fsdp_hybrid
+    from flatcomm.fsdp import hybrid as fsdp_hybrid
 
     mesh = _mesh()
     out = {}
@@ -109,7 +109,7 @@ def _fsdp1_model(group, state_fn):
 
 
 def _fsdp1(rank):
-    from flatcomm.fsdp_hybrid import HybridFSDP1State, hybrid_fsdp1_hook
+    from flatcomm.fsdp.hybrid import HybridFSDP1State, hybrid_fsdp1_hook
 
     topo = flatcomm.Topology(local_size=2)
     ref, _ = _fsdp1_model(None, lambda m: None)

@@ -85,7 +85,7 @@ def _w_backoff(rank, world):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from flatcomm.autotune import Tuner
-    from flatcomm.ddp_adapt import Backoff
+    from flatcomm._training.adapt import Backoff
     from flatcomm.fsdp import FSDP1State, apply, fsdp1_hook
 
     out = {}
@@ -142,7 +142,7 @@ def test_fsdp_keep_and_backoff_reject_bad_values(kw, err):
 
 
 def test_decisions_entry_rejects_bad_tensors():
-    from flatcomm.fsdp_adapt import decode
+    from flatcomm.fsdp.adapt import decode
 
     for bad in (torch.zeros(2, 3, dtype=torch.int64), torch.zeros(1, 4), torch.tensor([[0, 10, 99, 1]]),
                 torch.tensor([[0, -1, 0, 1]]), [[0, 1, 0, 1]]):

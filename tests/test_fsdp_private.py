@@ -1,4 +1,4 @@
-"""The private FSDP attributes flatcomm still reads (flatcomm._fsdp_private) exist in this torch,
+"""The private FSDP attributes flatcomm still reads (flatcomm.fsdp.frames) exist in this torch,
 and the public layout flatcomm.fsdp derives from DTensor placements equals FSDP's own.
 
 If a torch release renames one of them, test_private_attributes_exist fails and names it: flatcomm
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from flatcomm import _fsdp_private
+from flatcomm.fsdp import frames as _fsdp_private
 from flatcomm.tools import spawn
 
 
@@ -44,7 +44,7 @@ def _rank(rank, world):
     layouts = {}
     for m in net.modules():
         if isinstance(m, FSDPModule):
-            public = [(n, c) for n, c, _ in F._module_layout(m, names)]
+            public = [(n, c) for n, c, _ in F.fsdp2._module_layout(m, names)]
             private = []
             for group in _fsdp_private.fsdp2_param_groups(m):
                 for fp in group:

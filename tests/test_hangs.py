@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatcomm
 from flatcomm import collectives as C
+from flatcomm.comm import header, worker
 from flatcomm.tools import spawn
 
 PG_TIMEOUT_S = 15.0
@@ -55,7 +56,7 @@ def _timeouts(rank: int, world: int) -> Dict[str, str]:
     g = C.private_group()
     out["private group inherits the timeout"] = "" if C.group_timeout(g) == want else str(C.group_timeout(g))
     out["private group is cached"] = "" if C.private_group() is g and C.private_group(g) is g else "new group"
-    t = C.group_timeout(flatcomm.ddp.State("int8")._ensure_group())  # what the hook's first call makes
+    t = C.group_timeout(flatcomm.ddp.State("int8").ensure_group())  # what the hook's first call makes
     out["DDP hook group inherits the timeout"] = "" if t == want else f"{t}"
     # Handle.wait(timeout) raises a TimeoutError that names the call, and the call still completes.
     x = torch.full((1 << 12,), float(rank + 1))
@@ -131,7 +132,7 @@ def _in_step(rank: int, world: int) -> Dict[str, str]:
     # and the numbering resumes together.
     g = C.private_group()
     if rank == 1:
-        C._executor(g).submit(lambda: C._calls.__setitem__(C._group_key(g), C._calls[C._group_key(g)] + 1)).result()
+        worker.call(worker.key_of(g), lambda: header._calls.__setitem__(worker.key_of(g), header._calls[worker.key_of(g)] + 1))
     out["out of step is named"] = _expect(lambda: C.all_reduce(torch.zeros(10)), RuntimeError,
                                           "out of step", "call number")
     out["in step again afterwards"] = "" if _sum_ok(world, 10) else "wrong sum"

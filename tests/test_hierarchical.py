@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 import flatcomm
-from flatcomm import _node
+from flatcomm.comm import node as _node
 from flatcomm import collectives as C
 from flatcomm import hierarchical as H
 from flatcomm.tools import spawn
-from flatcomm.topology import Topology
+from flatcomm import Topology
 from test_collectives import _with_delays, bits, same_bits
 import test_collectives as TC
 
@@ -408,7 +408,7 @@ _SECTIONS = {
 
 
 def _rank_main(rank: int, world: int) -> Checks:
-    from flatcomm import _streams
+    from flatcomm.comm import streams as _streams
 
     def boom(*a, **k):
         raise AssertionError("CallStreams built for CPU tensors")

@@ -1,17 +1,46 @@
-"""Layering: the library (every flatcomm module outside flatcomm.tools) never imports the tools, and its
-modules import each other without cycles (layers look only down)."""
+"""Layering: every library module has a floor, and imports only modules on lower floors (or earlier
+modules of its own subpackage, in the order stated below); no module sets attributes on another
+module; no module reads another subpackage's ``_private`` names; the library never imports the tools
+or a framework adapter at import time; examples import the installed package."""
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Set
+from typing import Dict, List, Set, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "flatcomm"
-# `python -m flatcomm.bench|tune|demo`: entry modules that import their tool only when run as __main__.
-ENTRY_POINTS = {"bench", "tune", "demo"}
+
+# Floors, bottom first. A module may import any module on a lower floor. Inside a subpackage the
+# modules are listed bottom first too: a module may import those listed before it in its own
+# subpackage (a subpackage's __init__ is its face: it may import all of its modules, none imports it).
+FLOORS: List[Tuple[str, List[str]]] = [
+    ("base", ["flatcomm._C", "flatcomm._version", "flatcomm._compat"]),
+    ("ops", ["flatcomm.ops.native", "flatcomm.ops.codecs", "flatcomm.ops.sums",
+             "flatcomm.ops.reference.bits", "flatcomm.ops.reference.codecs", "flatcomm.ops.reference.sums",
+             "flatcomm.ops.reference", "flatcomm.ops.cupy_backend.kernels", "flatcomm.ops.cupy_backend.launches",
+             "flatcomm.ops.cupy_backend.ops", "flatcomm.ops.cupy_backend"]),
+    ("comm", ["flatcomm.comm.groups", "flatcomm.comm.streams", "flatcomm.comm.worker", "flatcomm.comm.header",
+              "flatcomm.comm.args", "flatcomm.comm.pipeline", "flatcomm.comm.exact", "flatcomm.comm.flat",
+              "flatcomm.comm.topology", "flatcomm.comm.node", "flatcomm.comm.two_level_ordered",
+              "flatcomm.comm.two_level"]),
+    ("autotune", ["flatcomm.autotune.costmodel", "flatcomm.autotune.tiers", "flatcomm.autotune.tuner"]),
+    ("facade", ["flatcomm.collectives", "flatcomm.hierarchical"]),
+    ("training", ["flatcomm._training.checks", "flatcomm._training.residual_store", "flatcomm._training.adapt",
+                  "flatcomm._training.options"]),
+    ("integrations", ["flatcomm.ddp.accordion", "flatcomm.ddp.stats", "flatcomm.ddp.tiers", "flatcomm.ddp.residuals",
+                      "flatcomm.ddp.checkpoint", "flatcomm.ddp.traffic", "flatcomm.ddp.state",
+                      "flatcomm.fsdp.frames", "flatcomm.fsdp.adapt", "flatcomm.fsdp.backend",
+                      "flatcomm.fsdp.fsdp1", "flatcomm.fsdp.fsdp2", "flatcomm.fsdp.hybrid",
+                      "flatcomm.optim", "flatcomm.reproducible", "flatcomm.stats"]),
+]
+# Outside the floors: the package facade (imports anything), the entry modules of `python -m
+# flatcomm.bench|tune|demo` (import their tool only when run), the tools.
+ENTRY_POINTS = {"flatcomm.bench", "flatcomm.tune", "flatcomm.demo"}
+# Subpackages whose modules stand side by side on one floor and must not import each other.
+SIBLINGS = ("flatcomm.ddp", "flatcomm.fsdp", "flatcomm.optim", "flatcomm.reproducible", "flatcomm.stats")
 
 
 def _library_modules() -> Dict[str, Path]:
@@ -26,86 +55,225 @@ def _library_modules() -> Dict[str, Path]:
     return out
 
 
+MODULES = _library_modules()
+KNOWN = set(MODULES) | {"flatcomm._C"}
+
+
+def _package_of(module: str, path: Path) -> str:
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+        base = ".".join(anchor + ([base] if base else []))
+    return base
+
+
 def _imports(path: Path, module: str, top_level_only: bool = False) -> List[str]:
-    """Absolute names of the modules ``path`` imports (lazy imports inside functions included, unless
-    top_level_only); ``from X import y`` counts as both X and X.y (y may be a submodule)."""
+    """Absolute names of the flatcomm modules ``path`` imports (lazy imports inside functions
+    included, unless top_level_only). ``from X import y`` counts X.y when that is a module, else X."""
     tree = ast.parse(path.read_text(), str(path))
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    package = _package_of(module, path)
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     names = []
     for node in nodes:
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                base = ".".join(anchor + ([base] if base else []))
-            names += [base] + [f"{base}.{a.name}" for a in node.names]
+            base = _absolute(node, package)
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in KNOWN]
+            names += subs if len(subs) == len(node.names) else subs + [base]
     return names
+
+
+def _module_names(tree: ast.Module, package: str) -> Dict[str, str]:
+    """Local name -> flatcomm module, for every name a file binds to a module by importing it."""
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("flatcomm"):
+                    bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(node, package)
+            for a in node.names:
+                if f"{base}.{a.name}" in KNOWN:
+                    bound[a.asname or a.name] = f"{base}.{a.name}"
+    return bound
+
+
+def _floor(module: str) -> Tuple[int, int]:
+    """(floor, position inside its subpackage's list) of a library module."""
+    for i, (_, members) in enumerate(FLOORS):
+        if module in members:
+            return i, members.index(module)
+        if module in {m.rpartition(".")[0] for m in members} and module != "flatcomm":  # a subpackage face
+            return i, len(members)
+    raise AssertionError(f"{module} has no floor in tests/test_layering.py: add it to FLOORS")
+
+
+def _unit(module: str) -> str:
+    """The subpackage a module belongs to (a top-level module is its own)."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_every_module_has_a_floor():
+    for module in MODULES:
+        if module == "flatcomm" or module in ENTRY_POINTS:
+            continue
+        _floor(module)
+
+
+def test_imports_only_look_down():
+    bad = []
+    for module, path in MODULES.items():
+        if module == "flatcomm" or module in ENTRY_POINTS:
+            continue
+        floor, pos = _floor(module)
+        for name in set(_imports(path, module)):
+            if name == module or not name.startswith("flatcomm"):
+                continue
+            if name not in KNOWN:
+                continue
+            if name == "flatcomm":
+                bad.append(f"{module} imports the package facade (flatcomm)")
+                continue
+            their, their_pos = _floor(name)
+            same_unit = _unit(name) == _unit(module)
+            if their > floor:
+                bad.append(f"{module} (floor {FLOORS[floor][0]}) imports {name} (floor {FLOORS[their][0]})")
+            elif their == floor and same_unit and (their_pos >= pos or name == _unit(module)):
+                bad.append(f"{module} imports {name}, which is not below it in {_unit(module)}")
+            elif their == floor and not same_unit and (_unit(module) in SIBLINGS or _unit(name) in SIBLINGS):
+                bad.append(f"{module} imports its sibling {name}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_no_module_sets_attributes_on_another():
+    bad = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        mods = _module_names(tree, _package_of(module, path))
+        for node in ast.walk(tree):
+            targets: list = []
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+                targets = node.args[:1]
+                if targets and isinstance(targets[0], ast.Name) and targets[0].id in mods:
+                    bad.append(f"{path.name}:{node.lineno} setattr on module {mods[targets[0].id]}")
+                continue
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in mods:
+                    bad.append(f"{path.name}:{node.lineno} sets {mods[t.value.id]}.{t.attr}")
+    assert not bad, "\n".join(bad)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_no_private_names_across_subpackages():
+    bad = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        package = _package_of(module, path)
+        mods = _module_names(tree, package)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = _absolute(node, package)
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    if full in KNOWN and not _private(a.name):
+                        continue
+                    owner = full if full in KNOWN else base
+                    if owner.startswith("flatcomm") and _private(a.name) and _unit(owner) != _unit(module) \
+                            and (module, full) not in _PRIVATE_IMPORTS:
+                        bad.append(f"{path.name}:{node.lineno} imports {full}")
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in mods:
+                owner = mods[node.value.id]
+                if _private(node.attr) and _unit(owner) != _unit(module):
+                    bad.append(f"{path.name}:{node.lineno} reads {owner}.{node.attr}")
+    assert not bad, "\n".join(bad)
+
+
+# The only private names one subpackage may import from another: the package facade loads the
+# extension and installs the old module paths.
+_PRIVATE_IMPORTS = {("flatcomm", "flatcomm._compat"), ("flatcomm.ops.native", "flatcomm._C")}
 
 
 def _is_tools(name: str) -> bool:
     return name == "flatcomm.tools" or name.startswith("flatcomm.tools.")
 
 
-def test_no_library_file_imports_the_tools():
-    for module, path in _library_modules().items():
-        if module.split(".")[-1] in ENTRY_POINTS:
+def _is_adapter(name: str) -> bool:
+    return name == "flatcomm.integrations" or name.startswith("flatcomm.integrations.")
+
+
+def test_no_library_file_imports_the_tools_or_an_adapter():
+    for module, path in MODULES.items():
+        if _is_adapter(module):
+            continue
+        if module in ENTRY_POINTS:
             top = _imports(path, module, top_level_only=True)
             assert not any(_is_tools(n) for n in top), f"{path}: imports a tool at import time"
             continue
-        bad = [n for n in _imports(path, module) if _is_tools(n)]
+        lazy_ok = module == "flatcomm"  # its __getattr__ imports the integrations on first use
+        bad = [n for n in _imports(path, module, top_level_only=lazy_ok) if _is_tools(n) or _is_adapter(n)]
         assert not bad, f"{path} imports {bad}"
 
 
 def test_importing_the_library_never_imports_the_tools():
     """In a fresh interpreter: import every library module, one by one, and look at sys.modules."""
-    modules = sorted(_library_modules())
+    modules = sorted(m for m in MODULES if not _is_adapter(m))
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}:\n"
         "    importlib.import_module(m)\n"
-        "    tools = sorted(k for k in sys.modules if k == 'flatcomm.tools' or k.startswith('flatcomm.tools.'))\n"
-        "    assert not tools, f'importing {m} imported {tools}'\n"
+        "    bad = sorted(k for k in sys.modules if k.startswith(('flatcomm.tools', 'flatcomm.integrations',"
+        " 'lightning', 'accelerate', 'transformers')))\n"
+        "    assert not bad, f'importing {m} imported {bad}'\n"
         "print('ok', len(sys.modules))\n"
     )
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.startswith("ok"), p.stdout[-2000:] + p.stderr[-3000:]
 
 
-def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
-    """Every cycle found by a depth-first search (each reported once, from where it was entered)."""
-    found, state, stack = [], {}, []
-
-    def visit(node: str) -> None:
-        state[node] = "open"
-        stack.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == "open":
-                found.append(stack[stack.index(nxt):] + [nxt])
-            elif nxt not in state:
-                visit(nxt)
-        stack.pop()
-        state[node] = "done"
-
-    for node in sorted(graph):
-        if node not in state:
-            visit(node)
-    return found
+def test_old_module_paths_still_import():
+    """Paths of the flat package (``flatcomm.codecs``, ...) give the moved modules themselves."""
+    code = (
+        "import importlib, flatcomm, flatcomm._compat as c\n"
+        "for old, new in c.MOVED.items():\n"
+        "    a = importlib.import_module('flatcomm.' + old)\n"
+        "    assert a is importlib.import_module('flatcomm.' + new), old\n"
+        "from flatcomm.codecs import Codec\n"
+        "from flatcomm.fsdp_hybrid import apply\n"
+        "import flatcomm.costmodel as m\n"
+        "assert Codec is flatcomm.Codec and m.Cluster\n"
+        "print('ok')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("ok"), p.stdout[-2000:] + p.stderr[-3000:]
 
 
-def test_library_modules_import_without_cycles():
-    """Lazy imports inside functions count: a lazy import that closes a circle still ties the two modules
-    together. The package's __init__ is the facade over everything and stays out of the graph."""
-    mods = {m: p for m, p in _library_modules().items() if m != "flatcomm"}
-    graph = {m: {n for n in _imports(p, m) if n in mods and n != m} for m, p in mods.items()}
-    assert not _cycles(graph), _cycles(graph)
+def test_no_library_module_is_over_600_lines():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long
 
 
-def test_cycle_finder_finds_a_cycle():
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
-    assert _cycles({"a": {"b"}, "b": set()}) == []
+def test_checker_finds_upward_imports(tmp_path):
+    """The rules above are not vacuous: a graph with an upward import is reported."""
+    assert _floor("flatcomm.comm.flat") < _floor("flatcomm.collectives")
+    assert _floor("flatcomm.ops.codecs")[0] < _floor("flatcomm.comm.groups")[0]
+    src = tmp_path / "m.py"
+    src.write_text("from flatcomm import collectives as C\nC.x = 1\nC._y\nfrom flatcomm.comm.flat import _ordered\n")
+    tree = ast.parse(src.read_text())
+    mods = _module_names(tree, "flatcomm.comm")
+    assert mods == {"C": "flatcomm.collectives"}
+    assert _imports(src, "flatcomm.comm.m") == ["flatcomm.collectives", "flatcomm.comm.flat"]
 
 
 def test_examples_import_the_installed_package():

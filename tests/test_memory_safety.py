@@ -12,7 +12,7 @@ RATIO = 0.25
 
 def topk_rows(indices_per_row, n):
     """Topk payloads ([W, nbytes]) holding the given index lists (values 1, 2, 3, ...)."""
-    codec = flatcomm.codecs.Codec("topk", ratio=RATIO)
+    codec = flatcomm.ops.codecs.Codec("topk", ratio=RATIO)
     k = codec.k(n)
     rows = []
     for idx in indices_per_row:
@@ -33,7 +33,7 @@ def spike_indices(n, k):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_decode_rejects_non_ascending_topk_indices(dtype):
     n = 4096 + 17
-    k = flatcomm.codecs.Codec("topk", ratio=RATIO).k(n)
+    k = flatcomm.ops.codecs.Codec("topk", ratio=RATIO).k(n)
     codec, k, rows = topk_rows([spike_indices(n, k)], n)
     with pytest.raises(RuntimeError, match="strictly ascending, but entry"):
         flatcomm.decode(rows[0], codec, n, dtype=dtype)
@@ -42,7 +42,7 @@ def test_decode_rejects_non_ascending_topk_indices(dtype):
 @pytest.mark.parametrize("reencode", [None, "fp32", "int8", "bf16"])
 def test_decode_sum_rejects_non_ascending_topk_indices(reencode):
     n = 3 * 2048 + 5
-    k = flatcomm.codecs.Codec("topk", ratio=RATIO).k(n)
+    k = flatcomm.ops.codecs.Codec("topk", ratio=RATIO).k(n)
     good = list(range(0, 4 * k, 4))
     codec, k, rows = topk_rows([good, spike_indices(n, k)], n)
     with pytest.raises(RuntimeError, match=r"row 1\): indices must be strictly ascending"):
@@ -51,7 +51,7 @@ def test_decode_sum_rejects_non_ascending_topk_indices(reencode):
 
 def test_duplicate_and_out_of_range_topk_indices_are_errors():
     n = 1000
-    k = flatcomm.codecs.Codec("topk", ratio=RATIO).k(n)
+    k = flatcomm.ops.codecs.Codec("topk", ratio=RATIO).k(n)
     dup = list(range(k))
     dup[5] = dup[4]
     codec, _, rows = topk_rows([dup], n)
@@ -71,7 +71,7 @@ def test_duplicate_and_out_of_range_topk_indices_are_errors():
 def test_valid_topk_payload_still_decodes_exactly():
     n = 5000
     x = torch.randn(n)
-    codec = flatcomm.codecs.Codec("topk", ratio=RATIO)
+    codec = flatcomm.ops.codecs.Codec("topk", ratio=RATIO)
     p = flatcomm.encode(x, codec)
     d = flatcomm.decode(p, codec, n)
     kept = d != 0

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flatcomm import cupy_backend as cb
+from flatcomm.ops import cupy_backend as cb
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flatcomm  # noqa: F401  (registers the ops)
-from flatcomm import reference as R
+from flatcomm.ops import reference as R
 
 ops = torch.ops.flatcomm
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatcomm.optim as fo
-from flatcomm import reference as R
+from flatcomm.ops import reference as R
 from flatcomm.collectives import shard_bounds
 from flatcomm.tools import spawn
 

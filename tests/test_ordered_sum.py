@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flatcomm
-from flatcomm import reference as R
+from flatcomm.ops import reference as R
 
 from conftest import DTYPES, assert_bits_equal, make_input
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import flatcomm
-from flatcomm import reference as R
+from flatcomm.ops import reference as R
 
 from conftest import assert_bits_equal
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flatcomm
-from flatcomm import reference as R
+from flatcomm.ops import reference as R
 
 from conftest import SIZES, BLOCK_SIZES
 
@@ -17,7 +17,7 @@ from conftest import SIZES, BLOCK_SIZES
 def test_splitmix64_tensor_matches_python_ints(gen):
     vals = [0, 1, 2, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, 0x9E3779B97F4A7C15]
     vals += [int(v) & ((1 << 64) - 1) for v in torch.randint(-(1 << 62), 1 << 62, (200,), generator=gen).tolist()]
-    t = torch.tensor([R._s64(v) for v in vals], dtype=torch.int64)
+    t = torch.tensor([R.bits._s64(v) for v in vals], dtype=torch.int64)
     got = [v & ((1 << 64) - 1) for v in R.splitmix64_t(t).tolist()]
     assert got == [R.splitmix64_int(v) for v in vals]
 

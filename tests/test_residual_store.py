@@ -1,4 +1,4 @@
-"""flatcomm._residuals.Store: residuals owned by parameters, one flat buffer per group (shared by
+"""flatcomm._training.residual_store.Store: residuals owned by parameters, one flat buffer per group (shared by
 the DDP hook and the FSDP backends). Regrouping moves every parameter's values, loaded values fill
 a group once, emptied groups are freed, nothing is lost or duplicated."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any, List, Tuple
 import pytest
 import torch
 
-from flatcomm._residuals import Store
+from flatcomm._training.residual_store import Store
 
 
 @dataclasses.dataclass

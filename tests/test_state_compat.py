@@ -49,7 +49,7 @@ def _ddp(kind):
 
     import flatcomm.ddp as fddp
     from flatcomm.autotune import Tuner
-    from flatcomm.ddp_adapt import Backoff
+    from flatcomm._training.adapt import Backoff
 
     ddp = DDP(_Net(), bucket_cap_mb=0.002)
     if kind == "ddp_int8":

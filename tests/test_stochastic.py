@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flatcomm
-from flatcomm import reference as R
+from flatcomm.ops import reference as R
 
 from conftest import BLOCK_SIZES, DTYPES, assert_bits_equal, make_input
 

@@ -4,7 +4,7 @@ import threading
 
 import torch
 
-from flatcomm import _streams
+from flatcomm.comm import groups, streams as _streams, worker
 from flatcomm import collectives as C
 from flatcomm.tools import spawn
 
@@ -18,13 +18,13 @@ def test_on_worker_leaves_cpu_bodies_alone():
     def fn():
         pass
 
-    assert C._on_worker(fn, None) is fn
-    assert C._on_worker(fn, None, (torch.empty(1),)) is fn
+    assert worker._on_side(fn, None) is fn
+    assert worker._on_side(fn, None, (torch.empty(1),)) is fn
 
 
 def test_submit_runs_in_order_on_the_group_worker():
     seen = []
-    futs = [C._submit("test-streams-group", torch.device("cpu"),
+    futs = [worker.submit("test-streams-group", torch.device("cpu"),
                       lambda i=i: seen.append((i, threading.current_thread().name))) for i in range(5)]
     for f in futs:
         f.result(10)
@@ -41,7 +41,7 @@ def _rank(rank, world):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(300_001, generator=g)
     for alone in (False, True):
-        C._EXCHANGE_ALONE = alone  # world size 1 through gloo's all_to_all / all_gather
+        groups.EXCHANGE_ALONE = alone  # world size 1 through gloo's all_to_all / all_gather
         t, ef = x.clone(), C.ErrorFeedback.zeros(x.numel())
         C.all_reduce(t, codec="int8", chunks=3, residual=ef)
         h = C.all_reduce(t, codec="int8", chunks=3, residual=ef, async_op=True)
@@ -52,7 +52,7 @@ def _rank(rank, world):
         ex = x.clone()
         C.all_reduce(ex, mode="exact", chunks=3)
         out[alone] = [t, ef.client, ef.server, rs, ex]
-    C._EXCHANGE_ALONE = False
+    groups.EXCHANGE_ALONE = False
     same = [torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(out[False][3:], out[True][3:])]
     # Without the forced exchange one rank compresses nothing: int8 returns the input, no residual.
     t, client, server = out[False][:3]

@@ -83,7 +83,7 @@ def positive(kind: type) -> Callable[[str], object]:
 
 
 def codecs() -> tuple:
-    from flatcomm.codecs import CODECS
+    from flatcomm.ops.codecs import CODECS
 
     return CODECS
 

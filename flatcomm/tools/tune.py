@@ -35,7 +35,7 @@ __all__ = ["main", "pinned_ranges"]
 def _rank(rank: int, world: int, sizes: Sequence[int], budget: str, kind: str, local_size: int = 1):
     topo = None
     if local_size > 1:
-        from flatcomm.topology import Topology
+        from flatcomm import Topology
 
         topo = Topology(local_size)
     costs = measure(None, topology=topo)

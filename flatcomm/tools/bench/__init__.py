@@ -42,7 +42,7 @@ import time
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional
 
-from flatcomm.codecs import CODECS
+from flatcomm.ops.codecs import CODECS
 from flatcomm.tools._cli import add_version, codecs, format_size, names, parse_size, positive, say, sizes
 
 COMMANDS = ("kernels", "collectives", "ddp", "fsdp", "scale")
@@ -173,7 +173,7 @@ def table_kernels(results: List[dict]) -> str:
 
 def bench_nodes(a: argparse.Namespace, meta: dict) -> List[dict]:
     """``collectives --nodes``: torch / flat / hierarchical all-reduce with cross-node bytes."""
-    from flatcomm.codecs import CODECS
+    from flatcomm.ops.codecs import CODECS
 
     if not a.link:
         raise SystemExit("flatcomm.bench: --nodes needs --link (the nodes are joined by a shaped link)")
@@ -229,7 +229,7 @@ def table_nodes(results: List[dict]) -> str:
 
 
 def bench_collectives(a: argparse.Namespace, meta: dict) -> List[dict]:
-    from flatcomm.codecs import CODECS
+    from flatcomm.ops.codecs import CODECS
 
     if a.nodes:
         return bench_nodes(a, meta)
@@ -297,7 +297,7 @@ TCP_PAYLOAD_SHARE = 1448 / 1514
 
 
 def _probe_cluster(spec: str, nodes: int, g: int, kern: dict, timeout: float):
-    """(:class:`flatcomm.costmodel.Cluster`, probed inter-node bytes/s) for ``nodes`` x ``g`` ranks
+    """(:class:`flatcomm.autotune.costmodel.Cluster`, probed inter-node bytes/s) for ``nodes`` x ``g`` ranks
     on a ``spec`` link of this machine. The inter tier's rate is the shaped rate (tc's, in payload
     bytes: TCP_PAYLOAD_SHARE), its latency probed (a small all-to-all): on a shared box a probed rate moves by 2x and
     more from run to run with the other processes' load (the kernel's TCP work competes for the
@@ -305,7 +305,7 @@ def _probe_cluster(spec: str, nodes: int, g: int, kern: dict, timeout: float):
     compute are probed on the harness (the kernels timed on every rank at once, so the cores'
     share is measured: ``compute_share`` 1; the node tier's loopback transfers use the same cores:
     ``shared_cores``), ``kern``'s codecs and size."""
-    from flatcomm import costmodel as M
+    from flatcomm.autotune import costmodel as M
     from flatcomm.tools.netlink import Link, parse_link
 
     bn = importlib.import_module(".nodes", __name__)
@@ -322,7 +322,7 @@ def _probe_cluster(spec: str, nodes: int, g: int, kern: dict, timeout: float):
 
 
 def bench_scale(a: argparse.Namespace, meta: dict) -> List[dict]:
-    from flatcomm import costmodel as M
+    from flatcomm.autotune import costmodel as M
 
     codecs = a.codecs or ["fp32", "int8", "int4", "sign"]
     out: List[dict] = []
@@ -369,7 +369,7 @@ def bench_scale(a: argparse.Namespace, meta: dict) -> List[dict]:
                         "numel": numel, "model_s": M.ring(cl, numel)})
             for path in ("flat", "hierarchical"):
                 for c in codecs:
-                    # hierarchical: the segment count codec="auto" picks (flatcomm.autotune_tiers)
+                    # hierarchical: the segment count codec="auto" picks (flatcomm.autotune.tiers)
                     k = M.best_segments(cl, numel, c) if path == "hierarchical" else None
                     out.append({"kind": "projection", "nodes": n, "ranks_per_node": g, "path": path, "codec": c,
                                 "numel": numel, "model_s": M.predict(cl, path, numel, c, segments=k),

@@ -19,7 +19,7 @@ Every workload warms its learning rate up linearly and decays it along a cosine 
 A row is torch's default all-reduce hook (``torch``) or ``flatcomm.ddp.register(ddp, codec, **opts)``
 with its defaults (error feedback on for lossy codecs); ``sign:block_size=32,start_step=50`` passes
 options; ``sign:accordion=int8,accordion_every=10,accordion_threshold=0.5`` registers with a
-:class:`flatcomm.ddp_accordion.Accordion`. ``onebit:codec=sign,warmup_steps=20`` trains with
+:class:`flatcomm.ddp.accordion.Accordion`. ``onebit:codec=sign,warmup_steps=20`` trains with
 :class:`flatcomm.optim.OnebitAdam` (the workload's AdamW settings, options passed on) and its hook
 instead; it applies to the AdamW workloads only (its row is left out of the others). Within a seed
 every row starts from the same weights and sees the same batches, so the paired difference to
@@ -291,7 +291,7 @@ def _accordion_opts(opts: Dict[str, Any]) -> Dict[str, Any]:
     extra = {k: opts[k] for k in ("accordion_every", "accordion_threshold") if k in opts}
     if not extra:
         return opts
-    from flatcomm.ddp_accordion import Accordion
+    from flatcomm.ddp.accordion import Accordion
 
     out = {k: v for k, v in opts.items() if k not in extra}
     out["accordion"] = Accordion(low=out.get("accordion", "int8"), every=extra.get("accordion_every", 10),

@@ -2,7 +2,7 @@
 
 For each op and size: min, median and max time per call (torch.utils.benchmark's Timer), effective
 GB/s (the bytes the op must read and write), the ratio to copy_'s GB/s measured in the same run at
-the same size, and the speed-up over the pure-torch composition in flatcomm.reference; throughput
+the same size, and the speed-up over the pure-torch composition in flatcomm.ops.reference; throughput
 and ratios come from the fastest sample. Outputs are preallocated, as in the collectives.
 Run by ``python -m flatcomm.bench kernels [--quick] [--block-sizes]``.
 """
@@ -17,7 +17,7 @@ import torch
 import torch.utils.benchmark as benchmark
 
 import flatcomm
-from flatcomm import reference
+from flatcomm.ops import reference
 from flatcomm.tools._cli import format_size
 
 WORLD = 4  # rows for the sums

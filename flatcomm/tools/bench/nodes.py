@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from flatcomm import collectives as C
-from flatcomm.codecs import Codec
+from flatcomm.ops.codecs import Codec
 from flatcomm.tools.netlink import interface_bytes
 
 
@@ -132,7 +132,7 @@ def _rank_main(rank: int, world: int, cfg: dict) -> Optional[List[Dict]]:
     return rows if rank == 0 else None
 
 
-# ---- probes for the scaling model (flatcomm.costmodel) ------------------------------------------
+# ---- probes for the scaling model (flatcomm.autotune.costmodel) ------------------------------------------
 
 
 def _fit(sizes, times):

@@ -1,0 +1,297 @@
+"""The one-hop collectives on one process group, for a named codec (``"auto"`` is resolved above,
+in :mod:`flatcomm.collectives`).
+
+Reduce-scatter is one hop: every rank encodes the piece of its input destined to each peer, one
+``all_to_all_single`` moves the payloads, and one fused kernel decodes them and accumulates in fp32
+in ascending *source rank* order, so every rank and every run computes the same bits whatever the
+backend's algorithm or the arrival order. All-reduce is that reduce-scatter plus an all-gather; with
+a lossy codec the reduced shard is re-encoded with a second, per-shard residual (server-side error
+feedback) and every rank, the owner included, uses the decoded shard, so all ranks hold equal bits.
+``mode="exact"``: :mod:`flatcomm.comm.exact`. Large inputs are split into chunks: the exchange of
+chunk j+1 is in flight while chunk j is decoded (:mod:`flatcomm.comm.pipeline`).
+
+**Groups and headers.** Each call runs on flatcomm's private copy of the named group
+(:mod:`flatcomm.comm.groups`: the caller's own collectives never interleave with flatcomm's; the
+parent's timeout), on that group's worker thread (:mod:`flatcomm.comm.worker`), and first
+all-gathers a fixed-size header per rank (:mod:`flatcomm.comm.header`): the call's fields, its
+number on the group and, for a rank whose arguments were rejected, the reason. Every rank checks the
+same table before any payload moves, so mismatches raise on every rank (also with
+``validate=False``, kept for compatibility) and argument errors keep the group in step.
+
+**CUDA streams** (:mod:`flatcomm.comm.streams`; untested on a GPU so far). With CUDA tensors a call
+records an event on the caller's current stream at submission; the group's worker runs the
+collective's kernels on a side stream per (group, device) that waits on that event, and NCCL
+issues each exchange on its own stream after waiting for the side stream, so the worker only
+enqueues: no host synchronisation (the call header travels on the group's CPU backend; on an
+NCCL-only group it is read back from the GPU, so it runs there only with ``validate=True``, which
+the DDP hook passes once per bucket layout). A synchronous call returns once the work is enqueued,
+with the caller's current stream made to wait for it; ``Handle.wait()`` does the same;
+``Handle.get_future()`` is a CUDA-aware ``torch.futures.Future`` whose ``wait()`` makes the
+consumer's current stream wait (DDP's reducer does that). ``CommStats`` times are host times, i.e.
+of enqueueing the work on CUDA (``exchange_s`` is then about 0). CPU tensors take none of this.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import args, exact, groups, header, worker
+from .args import ErrorFeedback, OpLike
+from . import pipeline
+from .pipeline import CommStats, Pipeline, Plan, default_chunks, plan, shard_bounds, zero_copy
+from ..ops.codecs import Codec, CodecLike, decode, decode_sum, encode, resolve
+from ..ops.sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM
+
+__all__ = ["all_gather", "all_reduce", "reduce_scatter"]
+
+_REDUCE_SCATTER, _ALL_GATHER, _ALL_REDUCE = 1, 2, 3  # header.KINDS
+
+
+def all_reduce(tensor: torch.Tensor, *, codec: CodecLike = "fp32", op: OpLike = "avg", mode: str = "ordered",
+               group=None, async_op: bool = False, residual: Optional[ErrorFeedback] = None,
+               chunks: Optional[int] = None, stats: Optional[CommStats] = None, validate: bool = True,
+               exact_block: int = DEFAULT_EXACT_BLOCK, headroom: int = DEFAULT_HEADROOM) -> Optional[worker.Handle]:
+    """All-reduce ``tensor`` in place (see :func:`flatcomm.collectives.all_reduce`)."""
+    group = groups.private_group(group)
+    try:
+        args.two_stage_residual(residual, None)
+        c, world, rank, scale = args.setup(group, codec, mode, op)
+        flat = args.as_flat(tensor, "tensor")
+        c = args.alone(c, world, flat.dtype)
+        n = flat.numel()
+        if residual is not None:
+            args.check_residual(residual.client, n, flat, "residual.client")
+            args.check_residual(residual.server, n, flat, "residual.server")
+        align = args.align_of(c, mode, exact_block)
+        nchunks = chunks or default_chunks(max(1, n // world), c, world, mode, flat.dtype)
+        p = plan(shard_bounds(n, world, align), nchunks, align, rank)
+        fields = header.signature(_ALL_REDUCE, n, c, mode, scale, flat.dtype, nchunks,
+                                  header.exact_fields(mode, exact_block, headroom))
+    except (ValueError, TypeError) as e:
+        header.fail_in_step(group, _ALL_REDUCE, e)
+        raise
+
+    def body():
+        pipe = Pipeline(group, stats, fields, flat.device, validate)
+        pipe.stats.calls += 1
+        if mode == "exact":
+            exact.all_reduce(pipe, flat, p, nchunks, scale, exact_block, headroom)
+        else:
+            _ordered_all_reduce(pipe, flat, p, nchunks, c, scale, residual)
+        pipe.release()
+
+    keep = (flat,) if residual is None else (flat, residual.client, residual.server)
+    return worker.run(worker.key_of(group), body, tensor, async_op, keep, f"all_reduce of {n} values ({c.name})",
+                      group)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, codec: CodecLike = "fp32", op: OpLike = "avg",
+                   mode: str = "ordered", group=None, async_op: bool = False,
+                   residual: Union[None, torch.Tensor, ErrorFeedback] = None, chunks: Optional[int] = None,
+                   stats: Optional[CommStats] = None, validate: bool = True,
+                   exact_block: int = DEFAULT_EXACT_BLOCK,
+                   headroom: int = DEFAULT_HEADROOM) -> Optional[worker.Handle]:
+    """Reduce ``input`` across ranks; rank r gets shard r (see :func:`flatcomm.collectives.reduce_scatter`)."""
+    group = groups.private_group(group)
+    try:
+        r = args.one_stage_residual(residual, "reduce_scatter's")
+        c, world, rank, scale = args.setup(group, codec, mode, op)
+        src, out = args.as_flat(input, "input"), args.as_flat(output, "output")
+        c = args.alone(c, world, src.dtype)
+        if src.numel() != world * out.numel():
+            raise ValueError(f"flatcomm: reduce_scatter input has {src.numel()} values; it must be "
+                             f"world size ({world}) x output ({out.numel()})")
+        if out.device != src.device:
+            raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
+        args.check_residual(r, src.numel(), src, "residual")
+        align = args.align_of(c, mode, exact_block)
+        nchunks = chunks or default_chunks(out.numel(), c, world, mode, src.dtype, "reduce_scatter")
+        p = plan([d * out.numel() for d in range(world + 1)], nchunks, align, rank)
+        fields = header.signature(_REDUCE_SCATTER, src.numel(), c, mode, scale, src.dtype, nchunks,
+                                  header.exact_fields(mode, exact_block, headroom))
+    except (ValueError, TypeError) as e:
+        header.fail_in_step(group, _REDUCE_SCATTER, e)
+        raise
+
+    def body():
+        pipe = Pipeline(group, stats, fields, src.device, validate)
+        pipe.stats.calls += 1
+        if mode == "exact":
+            exact.reduce_scatter(pipe, src, out, p, nchunks, scale, exact_block, headroom)
+        else:
+            _ordered_reduce_scatter(pipe, src, out, p, nchunks, c, scale, r)
+        pipe.release()
+
+    return worker.run(worker.key_of(group), body, output, async_op, (src, out, r),
+                      f"reduce_scatter of {src.numel()} values ({c.name})", group)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, *, codec: CodecLike = "fp32", group=None,
+               async_op: bool = False, residual: Union[None, torch.Tensor, ErrorFeedback] = None,
+               stats: Optional[CommStats] = None, validate: bool = True) -> Optional[worker.Handle]:
+    """Gather every rank's ``input`` into ``output`` (see :func:`flatcomm.collectives.all_gather`)."""
+    group = groups.private_group(group)
+    try:
+        r = args.one_stage_residual(residual, "all_gather's")
+        c = resolve(codec)
+        world = dist.get_world_size(group)
+        src, out = args.as_flat(input, "input"), args.as_flat(output, "output")
+        n = src.numel()
+        if out.numel() != world * n:
+            raise ValueError(f"flatcomm: all_gather output has {out.numel()} values; it must be "
+                             f"world size ({world}) x input ({n})")
+        args.check_residual(r, n, src, "residual")
+        fields = header.signature(_ALL_GATHER, n, c, "ordered", 1.0, src.dtype, 1)
+    except (ValueError, TypeError) as e:
+        header.fail_in_step(group, _ALL_GATHER, e)
+        raise
+
+    def body():
+        pipe = Pipeline(group, stats, fields, src.device, validate)
+        pipe.stats.calls += 1
+        payload = pipe.empty(c.wire_bytes(n), torch.uint8, src.device)
+        if r is not None:  # encoding updates the residual: never for a call that then fails its check
+            pipe.checked()
+        pipe.timed("encode_s", lambda: encode(src, c, residual=r, out=payload))
+        work, recv = pipe.all_gather(payload, world)
+        pipe.wait(work)
+        rows = recv.view(world, -1)
+
+        def dec():
+            for d in range(world):
+                decode(rows[d], c, n, out=out[d * n:(d + 1) * n])
+
+        pipe.timed("decode_s", dec)
+        pipe.release()
+
+    return worker.run(worker.key_of(group), body, output, async_op, (src, out, r),
+                      f"all_gather of {n} values ({c.name})", group)
+
+
+# ---- ordered (fixed source-rank order) -----------------------------------------------------------
+
+
+def _ordered_reduce_scatter(pipe: Pipeline, src: torch.Tensor, out: torch.Tensor, p: Plan, chunks: int,
+                            codec: Codec, scale: float, residual: Optional[torch.Tensor]) -> None:
+    me = p.rank
+    base = p.bounds[me]
+    if zero_copy(codec, src.dtype, p, chunks, residual):
+        _raw_reduce(pipe, src, p, codec, scale, out)
+        return
+
+    def send(j):
+        buf, sizes = pipe.encode_pieces(src, p, j, codec, residual)
+        a, b = p.piece(me, j)
+        return pipe.all_to_all(buf, sizes, codec.wire_bytes(b - a), p.world)
+
+    def reduce(j, state):
+        work, recv = state
+        pipe.wait(work)
+        a, b = p.piece(me, j)
+        pipe.decode_sum_to(recv, p.world, codec, b - a, scale, out[a - base:b - base])
+
+    pipe.run(chunks, send, reduce, None)
+
+
+def _raw_reduce(pipe: Pipeline, src: torch.Tensor, p: Plan, codec: Codec, scale: float, dst: torch.Tensor) -> None:
+    """Zero-copy one-hop reduce: ``src`` itself is the all-to-all's send buffer (its shards are
+    the raw payloads, in destination order) and the received rows are summed in source-rank
+    order into ``dst`` (this rank's shard)."""
+    sizes = [p.bounds[d + 1] - p.bounds[d] for d in range(p.world)]
+    mine = sizes[p.rank]
+    work, recv = pipe.all_to_all(src, sizes, mine, p.world)
+    pipe.wait(work)
+    pipe.decode_sum_to(recv.view(torch.uint8).view(p.world, -1), p.world, codec, mine, scale, dst)
+
+
+def _ordered_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, chunks: int, c: Codec, scale: float,
+                        residual: Optional[ErrorFeedback]) -> None:
+    me, world = p.rank, p.world
+    client = residual.client if residual is not None else None
+    server = residual.server if residual is not None and not c.lossless else None
+    if residual is not None and c.lossless:
+        # Nothing re-encodes the reduced shard, so a server residual left by an earlier lossy call
+        # (codec="auto" switching to fp32, one rank) would never be sent: fold it into the client
+        # residual (the next step adds scale * client), which this encode sends and zeroes.
+        residual.client.add_(residual.server, alpha=1.0 / scale)
+        residual.server.zero_()
+    if zero_copy(c, flat.dtype, p, chunks, client):
+        _raw_all_reduce(pipe, flat, p, c, scale)
+        return
+
+    def send(j):
+        buf, sizes = pipe.encode_pieces(flat, p, j, c, client)
+        a, b = p.piece(me, j)
+        return pipe.all_to_all(buf, sizes, c.wire_bytes(b - a), world)
+
+    def reduce(j, state):
+        work, recv = state
+        pipe.wait(work)
+        a, b = p.piece(me, j)
+        rows = recv.view(world, -1)
+        # Every rank sends a payload as large as the largest shard's for this chunk (padding),
+        # because all_gather_into_tensor moves equal sizes.
+        width = max(c.wire_bytes(y - x) for x, y in (p.piece(d, j) for d in range(world)))
+        send_buf = pipe.empty(width, torch.uint8, flat.device)  # padding past nbytes is never read
+        nbytes = c.wire_bytes(b - a)
+        r = server[a:b] if server is not None else None
+
+        def dec():
+            if c.reencodes_fused:
+                decode_sum(rows, c, b - a, scale=scale, reencode=c, residual=r, out=send_buf[:nbytes])
+            else:  # topk re-selects on the whole reduced shard
+                total = decode_sum(rows, c, b - a, scale=scale)
+                encode(total, c, residual=r, out=send_buf[:nbytes])
+
+        pipe.timed("decode_s", dec)
+        return pipe.all_gather(send_buf, world)
+
+    def finish(j, state):
+        work, recv = state
+        pipe.wait(work)
+        rows = recv.view(world, -1)
+
+        def dec():
+            for d in range(world):
+                a, b = p.piece(d, j)
+                if b > a:
+                    decode(rows[d, :c.wire_bytes(b - a)], c, b - a, out=flat[a:b])
+
+        pipe.timed("decode_s", dec)
+
+    pipe.run(chunks, send, reduce, finish)
+
+
+def _raw_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale: float) -> None:
+    """Lossless all-reduce without staging copies: the one-hop reduce reads ``flat`` directly,
+    sums into the all-gather's send buffer, and the gather lands in ``flat`` (only the pieces past
+    a shorter shard's end go through scratch)."""
+    me, world = p.rank, p.world
+    sizes = [p.bounds[d + 1] - p.bounds[d] for d in range(world)]
+    width = max(sizes)
+    send_buf = pipe.empty(width, flat.dtype, flat.device)  # padding past this shard is never read
+    _raw_reduce(pipe, flat, p, c, scale, send_buf[:sizes[me]])
+    # The all-to-all has completed, so flat may be overwritten: gather straight into it, in pieces
+    # (gloo's all-gather slows down 2-3x once one call moves more than ~32 MB).
+    pipe.stats.wire_bytes += width * flat.element_size() * (world - 1)
+    step = max(1, pipeline.GATHER_PIECE_BYTES // (world * flat.element_size()))
+    for off in range(0, width, step):
+        m = min(step, width - off)
+        outs, tails = [], []
+        for d in range(world):
+            a = p.bounds[d] + off
+            keep = max(0, min(m, sizes[d] - off))
+            if keep == m:
+                outs.append(flat[a:a + m])
+            else:  # this rank's shard ends inside the piece: land in scratch, keep its prefix
+                scratch = pipe.empty(m, flat.dtype, flat.device)
+                outs.append(scratch)
+                tails.append((flat[a:a + keep], scratch[:keep]))
+        if not groups.exchanges(pipe.group):
+            outs[0].copy_(send_buf[off:off + m])
+        else:
+            pipe.wait(dist.all_gather(outs, send_buf[off:off + m], group=pipe.group, async_op=True))
+        for dst, src in tails:
+            dst.copy_(src)

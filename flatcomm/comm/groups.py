@@ -1,0 +1,107 @@
+"""flatcomm's own process groups: one private copy of every group a caller names, with its timeout.
+
+flatcomm's collectives run on a worker thread, several exchanges per call, while the caller keeps
+issuing its own collectives (a loss all-reduce, DDP's bucket rebuild, FSDP's all-gathers). Two
+threads issuing collectives on one group interleave them in a different order on different ranks,
+and a backend pairs collectives by issue order: a deadlock, or garbage, until the timeout. So the
+traffic of a group G runs on a private group with G's ranks, created once per G and cached.
+
+``dist.new_group`` is itself a collective of G's members (all ranks when G is the world), so the
+private group is made on the caller's thread at the first flatcomm call that names G: a point
+every rank reaches in the same order, as torch requires of group creation. Never on a worker.
+
+The private group inherits G's timeout (``dist.new_group`` would otherwise use torch's 30-minute
+default, far above the ``init_process_group`` timeout a user chose), or takes ``timeout=``.
+"""
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["EXCHANGE_ALONE", "exchanges", "group_timeout", "is_private", "private_group"]
+
+_lock = threading.Lock()
+_private: dict = {}  # id(parent) -> (parent, private): the parent is kept alive, so its id is not reused
+_owned: dict = {}    # id(private) -> private
+on_worker = threading.local()  # .key and .active set on flatcomm's worker threads (flatcomm.comm.worker)
+# Tests only: exchange through torch.distributed even with one rank (normally a local copy), so a
+# one-GPU machine runs the NCCL calls and their stream hand-offs (benchmarks/gpu_check.py).
+EXCHANGE_ALONE = False
+
+
+def exchanges(group) -> bool:
+    """Whether a call on ``group`` moves data through the backend (more than one rank)."""
+    return dist.get_world_size(group) > 1 or EXCHANGE_ALONE
+
+
+def _parent(group):
+    return group if group is not None else dist.group.WORLD
+
+
+def group_timeout(group=None) -> Optional[timedelta]:
+    """The operation timeout of ``group`` (default: the world), None where the backend hides it.
+
+    torch 2.13 exposes it as ``group._get_backend(device).options._timeout`` (what
+    ``init_process_group(timeout=)`` / ``new_group(timeout=)`` set); there is no public getter.
+    """
+    pg = _parent(group)
+    for dev in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            t = pg._get_backend(dev).options._timeout
+        except Exception:  # noqa: BLE001 - no backend for that device, or another backend kind
+            continue
+        if isinstance(t, timedelta):
+            return t
+    return None
+
+
+def _alive(pg) -> bool:
+    try:  # a destroyed group (destroy_process_group) is no longer registered
+        dist.get_process_group_ranks(pg)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def is_private(group) -> bool:
+    return group is not None and id(group) in _owned
+
+
+def private_group(group=None, *, timeout: Optional[timedelta] = None):
+    """flatcomm's own group for ``group`` (default: the world): the same ranks, created on the
+    first call (a collective of ``group``'s members: call it where every member does, in the same
+    order as their other group creations), then cached. A group this function returned is its own
+    private group. ``timeout``: its operation timeout (default: ``group``'s own); given for an
+    existing group, it replaces that group's timeout on this rank.
+
+    With one rank nothing is exchanged and ``group`` itself is returned."""
+    if is_private(group):
+        if timeout is not None:
+            group.set_timeout(timeout)
+        return group
+    parent = _parent(group)
+    if dist.get_world_size(parent) == 1:
+        return group
+    with _lock:
+        entry = _private.get(id(parent))
+        if entry is not None and entry[0] is parent and _alive(entry[1]):
+            if timeout is not None:
+                entry[1].set_timeout(timeout)
+            return entry[1]
+        if getattr(on_worker, "active", False):
+            raise RuntimeError(
+                "flatcomm: the private group of a process group must be created on the caller's thread "
+                "(a collective), not inside a flatcomm callback: make one flatcomm call on that group "
+                "first, or pass flatcomm.comm.private_group(group) explicitly")
+        ranks = dist.get_process_group_ranks(parent)
+        t = timeout if timeout is not None else group_timeout(parent)
+        # Members only synchronise when the parent is a subgroup: non-members never get here.
+        pg = dist.new_group(ranks, timeout=t, use_local_synchronization=len(ranks) != dist.get_world_size(),
+                            group_desc="flatcomm")
+        _private[id(parent)] = (parent, pg)
+        _owned[id(pg)] = pg
+        return pg

@@ -1,0 +1,255 @@
+"""The layout of a collective (shards across ranks, chunks within shards) and the pipeline that
+runs it chunk by chunk: while chunk j is exchanged, chunk j-1 is decoded. Staging buffers come from
+a pool per group."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import groups, header
+from ..ops.codecs import Codec, decode_sum, encode
+
+__all__ = ["CHUNK_TARGET_BYTES", "CommStats", "GATHER_PIECE_BYTES", "MAX_AUTO_CHUNKS", "MIN_PIPELINE_BYTES",
+           "BufferPool", "Pipeline", "Plan", "default_chunks", "forget_pool", "plan", "shard_bounds",
+           "zero_copy"]
+
+# The automatic chunk count aims at about CHUNK_TARGET_BYTES of payload per shard and chunk, and
+# pipelines (at least 2 chunks) from MIN_PIPELINE_BYTES on (measurements: docs/benchmarks.md).
+CHUNK_TARGET_BYTES = 1 << 20
+MIN_PIPELINE_BYTES = 512 << 10
+MAX_AUTO_CHUNKS = 16
+GATHER_PIECE_BYTES = 8 << 20
+
+
+@dataclasses.dataclass
+class CommStats:
+    """Counters a collective adds to (pass one in, read it after). The times are host seconds:
+    with CUDA tensors, of enqueueing the work (the GPU runs it later; ``exchange_s`` is ~0)."""
+
+    calls: int = 0
+    wire_bytes: int = 0  # bytes this rank put on the wire
+    encode_s: float = 0.0
+    exchange_s: float = 0.0  # time spent waiting for the network
+    decode_s: float = 0.0
+
+    def add(self, other: "CommStats") -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+def shard_bounds(numel: int, world: int, align: int = 1) -> List[int]:
+    """Boundaries of ``world`` contiguous shards of ``numel`` values, starting on multiples of
+    ``align`` (so codec blocks and exact-mode blocks line up with the global tensor)."""
+    units = math.ceil(numel / align) if numel else 0
+    per, extra = divmod(units, world)
+    bounds = [0]
+    for r in range(world):
+        bounds.append(min(numel, bounds[-1] + (per + (1 if r < extra else 0)) * align))
+    return bounds
+
+
+def _auto_chunks(numel: int, codec: Codec, mode: str) -> int:
+    wire = 4 * numel if mode == "exact" else codec.wire_bytes(numel)  # exact: the fp32 values
+    if wire < MIN_PIPELINE_BYTES:
+        return 1
+    return int(min(MAX_AUTO_CHUNKS, max(2, round(wire / CHUNK_TARGET_BYTES))))
+
+
+def sends_raw(codec: Codec, dtype: torch.dtype, mode: str) -> bool:
+    """The payload of ``codec`` is the input's own bytes (fp32 codec on fp32 data, ...)."""
+    return mode == "ordered" and codec.dtype == dtype
+
+
+def default_chunks(numel: int, codec: Codec, world: int, mode: str, dtype: torch.dtype,
+                   kind: str = "all_reduce") -> int:
+    """The chunk count a collective picks for a shard of ``numel`` values."""
+    # A reduce-scatter of raw payloads sends the caller's tensor itself (no staging copy), which
+    # needs one chunk: a chunk's pieces for all destinations must be one contiguous range. On a
+    # slow link more chunks win: pass chunks= or codec="auto" there.
+    if kind == "reduce_scatter" and sends_raw(codec, dtype, mode):
+        return 1
+    return _auto_chunks(numel, codec, mode)
+
+
+@dataclasses.dataclass
+class Plan:
+    world: int
+    rank: int
+    bounds: List[int]          # shard boundaries (world + 1)
+    chunk_bounds: List[List[int]]  # per shard, chunk boundaries relative to the shard start
+
+    def piece(self, shard: int, chunk: int) -> Tuple[int, int]:
+        base = self.bounds[shard]
+        cb = self.chunk_bounds[shard]
+        return base + cb[chunk], base + cb[chunk + 1]
+
+
+def plan(bounds: List[int], chunks: int, align: int, rank: int) -> Plan:
+    world = len(bounds) - 1
+    cbs = [shard_bounds(bounds[d + 1] - bounds[d], chunks, align) for d in range(world)]
+    return Plan(world, rank, bounds, cbs)
+
+
+def zero_copy(codec: Codec, dtype: torch.dtype, p: Plan, chunks: int, residual) -> bool:
+    """Send and receive without staging: one chunk, raw payload, no error feedback (a residual
+    would change what is sent), and every piece a whole payload (16-byte multiple), so the
+    received rows are valid payload rows for the fused decode-sum."""
+    if chunks != 1 or residual is not None or not sends_raw(codec, dtype, "ordered"):
+        return False
+    return all((p.bounds[d + 1] - p.bounds[d]) * dtype.itemsize % 16 == 0 for d in range(p.world))
+
+
+class BufferPool:
+    """Staging buffers reused across calls of one group. Fresh large allocations are page-faulted
+    on first touch, which on CPU costs as much as the copy itself; collectives of a group run one
+    at a time on its worker thread, so a buffer taken by a call is free again when the call ends.
+    CUDA: the call's kernels may still be queued then, but every call of the group runs on the
+    same side stream (after waiting for its NCCL work), so a later user of the buffer is ordered
+    after them (see flatcomm/comm/streams.py)."""
+
+    MAX_BYTES = 1 << 31
+
+    def __init__(self):
+        self.free: dict = {}
+        self.bytes = 0
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (numel, dtype, str(device))
+        stack = self.free.get(key)
+        if stack:
+            t = stack.pop()
+            self.bytes -= t.numel() * t.element_size()
+            return t
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, t: torch.Tensor) -> None:
+        size = t.numel() * t.element_size()
+        if self.bytes + size > self.MAX_BYTES:
+            self.free.clear()
+            self.bytes = 0
+        self.free.setdefault((t.numel(), t.dtype, str(t.device)), []).append(t)
+        self.bytes += size
+
+
+_pools: dict = {}
+
+
+def forget_pool(group) -> None:
+    """Drop the staging buffers of ``group`` (the tuner's timing runs leave large ones behind)."""
+    _pools.pop(id(group) if group is not None else None, None)
+
+
+class Pipeline:
+    """Runs one collective chunk by chunk: while chunk j is exchanged, j-1 is decoded."""
+
+    def __init__(self, group, stats: Optional[CommStats], fields: Sequence[Tuple[str, int]],
+                 device: torch.device, validate: bool = True):
+        self.group = group
+        self.stats = stats if stats is not None else CommStats()
+        self.pool = _pools.setdefault(id(group) if group is not None else None, BufferPool())
+        self.taken: List[torch.Tensor] = []
+        self.header: Optional[header.CallHeader] = None
+        if groups.exchanges(group):
+            where = header.header_device(group, device, validate)
+            if where is not None:
+                self.header = header.CallHeader(group, fields, where)
+
+    def checked(self) -> None:
+        """Wait for the call's header exchange and check it: before any payload byte is sent."""
+        if self.header is not None:
+            h, self.header = self.header, None
+            self.timed("exchange_s", h.finish)
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        t = self.pool.take(numel, dtype, device)
+        self.taken.append(t)
+        return t
+
+    def release(self) -> None:
+        """Return this call's buffers to the pool (the call's collectives have all completed)."""
+        self.checked()  # a call that exchanged nothing (zero values) still checks its header
+        for t in self.taken:
+            self.pool.give(t)
+        self.taken = []
+
+    def timed(self, field: str, fn: Callable[[], object]):
+        t0 = time.perf_counter()
+        out = fn()
+        setattr(self.stats, field, getattr(self.stats, field) + time.perf_counter() - t0)
+        return out
+
+    def wait(self, work) -> None:
+        if work is not None:
+            self.timed("exchange_s", work.wait)
+
+    def all_to_all(self, send: torch.Tensor, send_sizes: List[int], recv_row: int, world: int):
+        self.checked()
+        recv = self.empty(world * recv_row, send.dtype, send.device)
+        self.stats.wire_bytes += (send.numel() - send_sizes[dist.get_rank(self.group)]) * send.element_size()
+        if not groups.exchanges(self.group):
+            recv.copy_(send)
+            return None, recv
+        work = dist.all_to_all_single(recv, send, [recv_row] * world, send_sizes, group=self.group,
+                                      async_op=True)
+        return work, recv
+
+    def all_gather(self, send: torch.Tensor, world: int):
+        self.checked()
+        recv = self.empty(world * send.numel(), send.dtype, send.device)
+        self.stats.wire_bytes += send.numel() * send.element_size() * (world - 1)
+        if not groups.exchanges(self.group):
+            recv.copy_(send)
+            return None, recv
+        return header.all_gather_single(recv, send, group=self.group, async_op=True), recv
+
+    def run(self, chunks: int, send: Callable, reduce: Callable, finish: Optional[Callable]) -> None:
+        """send(j) -> state; reduce(j, state) -> state2; finish(j, state2). Stages overlap.
+
+        CUDA: send(j + 1) enqueues the exchange of chunk j + 1 on NCCL's stream before reduce(j)
+        makes the side stream wait for exchange j and enqueues its decode, so the GPU runs the
+        exchange of j + 1 (NCCL stream) while it decodes j (side stream), with no host wait."""
+        sent = {0: send(0)} if chunks else {}
+        reduced = {}
+        for j in range(chunks):
+            if j + 1 < chunks:
+                sent[j + 1] = send(j + 1)
+            reduced[j] = reduce(j, sent.pop(j))
+            if finish is not None and j >= 1:
+                finish(j - 1, reduced.pop(j - 1))
+        if finish is not None and chunks:
+            finish(chunks - 1, reduced.pop(chunks - 1))
+
+    def encode_pieces(self, src: torch.Tensor, p: Plan, j: int, codec: Codec,
+                      residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, List[int]]:
+        """Chunk j of every destination's shard of ``src``, encoded into one send buffer."""
+        if residual is not None:  # encoding updates the residual: never for a call that then fails its check
+            self.checked()
+        sizes = [codec.wire_bytes(b - a) for a, b in (p.piece(d, j) for d in range(p.world))]
+        buf = self.empty(sum(sizes), torch.uint8, src.device)
+
+        def enc():
+            off = 0
+            for d in range(p.world):
+                a, b = p.piece(d, j)
+                r = residual[a:b] if residual is not None else None
+                encode(src[a:b], codec, residual=r, out=buf[off:off + sizes[d]])
+                off += sizes[d]
+
+        self.timed("encode_s", enc)
+        return buf, sizes
+
+    def decode_sum_to(self, recv: torch.Tensor, world: int, codec: Codec, n: int, scale: float,
+                      dst: torch.Tensor) -> None:
+        """The received rows decoded and summed in source-rank order into ``dst`` (any dtype)."""
+        def dec():
+            if dst.dtype == torch.float32:
+                decode_sum(recv.view(world, -1), codec, n, scale=scale, out=dst)
+            else:
+                dst.copy_(decode_sum(recv.view(world, -1), codec, n, scale=scale))
+
+        self.timed("decode_s", dec)

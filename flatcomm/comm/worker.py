@@ -1,0 +1,192 @@
+"""The worker threads that run flatcomm's collectives, and the :class:`Handle` of an async call.
+
+One worker thread per key (a process group, or a topology's pair of groups) runs every collective
+of that key, synchronous ones included, in submission order, so every rank issues its collectives
+(header exchange and chunk exchanges) in the same order: a check issued from the caller's thread
+while an earlier asynchronous collective is still exchanging chunks on the worker could pair with a
+different collective on a peer (gloo matches collectives by issue order) and hang. Nothing blocks
+inside a future callback.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import threading
+from typing import Callable, List, Optional, Sequence, Union
+
+import torch
+
+from . import groups, streams as _streams
+
+__all__ = ["Handle", "call", "is_on", "key_of", "run", "submit"]
+
+_executors: dict = {}
+_lock = threading.Lock()
+_current = groups.on_worker  # .key: the key of the worker thread we are on, if any
+
+
+def key_of(group):
+    """The worker key of a process group (None: the default group)."""
+    return id(group) if group is not None else None
+
+
+def is_on(key) -> bool:
+    """Whether the calling thread is the worker of ``key``."""
+    return getattr(_current, "key", object()) == key
+
+
+def _mark(key) -> None:
+    _current.key = key
+    _current.active = True
+
+
+def _executor(key) -> concurrent.futures.ThreadPoolExecutor:
+    with _lock:
+        ex = _executors.get(key)
+        if ex is None:
+            ex = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="flatcomm", initializer=_mark, initargs=(key,))
+            _executors[key] = ex
+        return ex
+
+
+def _on_side(fn: Callable[[], None], streams: Optional[_streams.CallStreams],
+             keep: Sequence[Optional[torch.Tensor]] = ()) -> Callable[[], None]:
+    """fn, run on the side stream when ``streams`` (CUDA) is given."""
+    if streams is None:
+        return fn
+
+    def on_side():
+        with streams.side(keep):
+            fn()
+
+    return on_side
+
+
+def submit(key, device: torch.device, fn: Callable[[], None]) -> "concurrent.futures.Future":
+    """Queue ``fn`` (no collective) on the worker of ``key``, on the side stream for CUDA tensors
+    (the DDP hook's norms, which read the bucket before the all-reduce rewrites it)."""
+    return _executor(key).submit(_on_side(fn, _streams.for_call(key, device)))
+
+
+def call(key, fn: Callable[[], object]) -> object:
+    """Run ``fn`` on the worker of ``key`` and return its result (inline when already there)."""
+    if is_on(key):
+        return fn()
+    return _executor(key).submit(fn).result()
+
+
+def run(key, fn: Callable[[], None], value: torch.Tensor, async_op: bool,
+        keep: Sequence[Optional[torch.Tensor]] = (), what: str = "collective", group=None) -> Optional["Handle"]:
+    """Run a collective's body on the worker of ``key``. ``keep``: the caller's tensors it uses
+    (CUDA: protected from reuse by the caching allocator while the side stream runs). Called from
+    that worker itself (a collective built on others), the body runs inline, in order."""
+    grad = torch.is_grad_enabled()  # grad mode is thread-local: keep the caller's
+    streams = _streams.for_call(key, value.device)  # None unless CUDA
+    inner = _on_side(fn, streams, keep)
+
+    def body():
+        with torch.set_grad_enabled(grad):
+            inner()
+
+    if is_on(key):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            body()
+            future.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - surfaces on wait(), or below when synchronous
+            if not async_op:
+                raise
+            future.set_exception(e)
+    else:
+        future = _executor(key).submit(body)
+        if not async_op:
+            future.result()
+    if not async_op:
+        if streams is not None:  # the work is enqueued: order the caller's stream after it
+            streams.join_current()
+        return None
+    return Handle(future, value, streams, what, group)
+
+
+class Handle:
+    """Result of ``async_op=True``: ``wait()`` blocks (and re-raises errors), ``get_future()``
+    gives a ``torch.futures.Future`` completed with the output tensor (CUDA-aware for CUDA
+    tensors: see :mod:`flatcomm.comm.streams`). ``decision``: what ``codec="auto"`` chose (a
+    :class:`flatcomm.autotune.Decision`), else None."""
+
+    decision = None
+
+    def __init__(self, future: "concurrent.futures.Future", value: torch.Tensor,
+                 streams: Optional[_streams.CallStreams] = None, what: str = "collective", group=None):
+        self._cf = future
+        self._what = what  # for the timeout message
+        self._group = group
+        self._value = value
+        self._streams = streams  # CUDA only: the future is CUDA-aware
+        self._torch_future: torch.futures.Future = (
+            torch.futures.Future() if streams is None else streams.future())
+        future.add_done_callback(self._complete)
+
+    def _complete(self, cf: "concurrent.futures.Future") -> None:
+        exc = cf.exception()
+        if exc is not None:
+            self._torch_future.set_exception(exc)
+        elif self._streams is None:
+            self._torch_future.set_result(self._value)
+        else:
+            try:
+                self._streams.complete(self._torch_future, self._value)
+            except BaseException as e:  # noqa: BLE001 - never leave the future pending
+                self._torch_future.set_exception(e)
+
+    def wait(self, timeout: Union[None, float, datetime.timedelta] = None) -> torch.Tensor:
+        """Block until the collective is enqueued (CPU: done); with CUDA tensors the current
+        stream is then made to wait for it, like ``Work.wait()`` of NCCL. Re-raises the
+        collective's error. ``timeout``: seconds or a ``timedelta`` (as ``Work.wait`` takes;
+        ``timedelta(0)``, Work's default, and None mean no limit): raise ``TimeoutError`` naming
+        the collective if it has not finished by then (it stays in flight: wait again; the group's
+        own timeout fails it if a peer never joins). Returns the output tensor (``Work.wait``
+        returns True; the tensor is more useful and is truthy for the common ``if h.wait()``
+        only when non-empty, so test :meth:`is_success` instead)."""
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds() or None
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ValueError(f"flatcomm: Handle.wait timeout must be seconds > 0, a timedelta or None, "
+                             f"got {timeout!r}")
+        try:
+            self._cf.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if self._cf.done():  # the collective itself raised a TimeoutError: keep it
+                raise
+            t = groups.group_timeout(self._group)
+            raise TimeoutError(
+                f"flatcomm: {self._what} did not finish within {timeout} s (still in flight; "
+                f"the group's own timeout{f' of {t}' if t is not None else ''} fails it if a peer never joins)"
+            ) from None
+        if self._streams is not None:
+            self._streams.join_current()
+        return self._value
+
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (successfully or not), without blocking."""
+        return self._cf.done() and (self._streams is None or self._streams.finished())
+
+    def is_success(self) -> bool:
+        """Whether the collective has finished without an error (False while in flight), as
+        ``Work.is_success``."""
+        return self.is_completed() and self._cf.exception() is None
+
+    def exception(self) -> Optional[BaseException]:
+        """The error the collective raised, or None (also while it is still in flight), as
+        ``Work.exception``."""
+        return self._cf.exception() if self._cf.done() else None
+
+    def result(self) -> List[torch.Tensor]:
+        """The output tensors, as ``Work.result``: ``[output]`` (the tensor written in place).
+        Blocks until the collective finishes and re-raises its error."""
+        return [self.wait()]
+
+    def get_future(self) -> torch.futures.Future:
+        return self._torch_future

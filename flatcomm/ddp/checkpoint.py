@@ -1,0 +1,216 @@
+"""Checkpoints of the DDP hook's :class:`flatcomm.ddp.State`: save, reshard, load, all checked.
+
+Two forms (``STATE_DICT_VERSION`` 2). ``per_rank`` (:func:`state_dict`, no communication): this
+rank's client and server residual per parameter name, the bucket layout (the first step after a
+load replays it, so the run continues bit for bit), the ``auto`` decisions, the step count and the
+GradScaler scale last seen. ``total`` (:func:`resharded_state_dict`, a collective, or
+:func:`reshard` of every rank's per-rank dict): per parameter the total ``T`` that the next step
+adds to the averaged gradient, loadable at any world size (see :mod:`flatcomm.ddp`). Every load
+checks keys, shapes, dtype, finiteness, codec and world size, naming the parameter. Plain tensors,
+strings and numbers (``torch.load(weights_only=True)``).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .._training import checks as check
+from .. import collectives as C
+
+__all__ = ["STATE_DICT_VERSION", "load_state_dict", "reshard", "resharded_state_dict", "state_dict"]
+
+STATE_DICT_VERSION = 2
+
+
+def _params(state) -> Dict[str, torch.nn.Parameter]:
+    if state.model is None:
+        state.name_map()  # raises with the how-to
+    mod = getattr(state.model, "module", state.model)
+    return dict(mod.named_parameters())
+
+
+def _world_rank(state) -> Tuple[int, int]:
+    g = state.group if state.group is not None else state.ddp_group()
+    return dist.get_world_size(g), dist.get_rank(g)
+
+
+def _meta(state) -> dict:
+    return {"codec": "auto" if state.auto else state.codec.name, "block_size": state.codec.block_size,
+            "mode": state.mode, "error_feedback": state.error_feedback, "step": state.step,
+            "tiered": state.tiered(),
+            "scale_seen": state.scale_seen}
+
+
+def state_dict(state) -> dict:
+    """:meth:`flatcomm.ddp.State.state_dict`."""
+    state.wait()
+    world, rank = _world_rank(state)
+    client: Dict[str, torch.Tensor] = {}
+    server: Dict[str, torch.Tensor] = {}
+    buckets: List[List[str]] = []
+    decisions: List[list] = []
+    if state.model is not None:
+        names = state.name_map()
+        for n, p in _params(state).items():
+            c, s = state.residuals.of(n, p)
+            client[n] = c.reshape(p.shape).cpu().clone()
+            server[n] = s.reshape(p.shape).cpu().clone()
+        buckets = state.residuals.bucket_names(names)
+        decisions = [[[names[pid] for pid in key], d.codec, d.chunks] for key, d in state.decisions.items()
+                     if all(pid in names for pid in key)]
+    out = {"version": STATE_DICT_VERSION, "form": "per_rank", **_meta(state), "world_size": world,
+           "rank": rank, "buckets": buckets, "decisions": decisions, "client": client, "server": server}
+    if state.accordion is not None and state.model is not None:  # its intervals (the same on every rank)
+        out["accordion"] = state.accordion.state_dict(state.name_map())
+    return out
+
+
+def resharded_state_dict(state) -> dict:
+    """:meth:`flatcomm.ddp.State.resharded_state_dict` (a collective)."""
+    state.wait()
+    world, _ = _world_rank(state)
+    residual: Dict[str, torch.Tensor] = {}
+    if state.model is not None:
+        params = _params(state)
+        parts = []
+        for n, p in params.items():
+            c, s = state.residuals.of(n, p)
+            # what this rank adds to T (see ddp_tiers for the hierarchical form)
+            parts.append((c + s) * (1.0 / world) if state.tiered() else c * (1.0 / world) + s)
+        flat = torch.cat(parts) if parts else torch.zeros(0)
+        if flat.numel():
+            C.all_reduce(flat, codec="fp32", op="sum", mode="ordered", group=state.ensure_group())
+        for (n, p), t in zip(params.items(), torch.split(flat, [p.numel() for p in params.values()])):
+            residual[n] = t.reshape(p.shape).cpu().clone()
+    return {"version": STATE_DICT_VERSION, "form": "total", **_meta(state), "world_size": world,
+            "residual": residual}
+
+
+def load_state_dict(state, sd, *, allow_codec_change: bool = False) -> None:
+    """:meth:`flatcomm.ddp.State.load_state_dict`."""
+    if isinstance(sd, (list, tuple)):
+        sd = reshard(sd)
+    version = check.field(sd, "version", int)
+    if version != STATE_DICT_VERSION:
+        raise ValueError(f"flatcomm: DDP state version {version} is not supported (this flatcomm "
+                         f"reads version {STATE_DICT_VERSION})")
+    form = check.field(sd, "form", str)
+    if form not in ("per_rank", "total"):
+        raise ValueError(f"flatcomm: unknown DDP state form {form!r} (per_rank or total)")
+    state.wait()
+    changed = _check_codec(state, sd, allow_codec_change)
+    params = _params(state)
+    world, rank = _world_rank(state)
+    if form == "per_rank":
+        sw, sr = check.field(sd, "world_size", int), check.field(sd, "rank", int)
+        if sw != world:
+            raise ValueError(
+                f"flatcomm: this DDP state was saved by rank {sr} of {sw} ranks and this run has {world}: "
+                f"a per-rank state_dict() loads only at the world size it was saved at. To change the "
+                f"world size, pass the list of every rank's state_dict() to load_state_dict (or save "
+                f"state.resharded_state_dict(), a collective, instead)")
+        if sr != rank:
+            raise ValueError(f"flatcomm: this DDP state is rank {sr}'s and this is rank {rank}: each rank "
+                             f"loads the state_dict() its own rank saved")
+        client = _checked(state, sd, "client", params)
+        server = _checked(state, sd, "server", params)
+    else:
+        # every rank's client = T / (scale * W): the next step adds scale * sum_r client_r = T
+        client = {n: t / (_scale_for(world) * world)
+                  for n, t in _checked(state, sd, "residual", params).items()}
+        server = {}
+    _restore(state, params, client, server, sd.get("buckets", []) if form == "per_rank" else [], world,
+             sd.get("tiered", False))
+    if state.auto and not changed and form == "per_rank":
+        _restore_decisions(state, params, check.field(sd, "decisions", list))
+    state.step = check.field(sd, "step", int)
+    if state.accordion is not None and sd.get("accordion") is not None:
+        state.accordion.load_state_dict(sd["accordion"], params)
+    scale_seen = sd.get("scale_seen")
+    state.scale_seen = float(scale_seen) if scale_seen is not None else None
+
+
+def _scale_for(world: int) -> float:
+    return 1.0 / world  # the hook averages
+
+
+def _check_codec(state, sd: dict, allow: bool) -> bool:
+    saved = (check.field(sd, "codec", str), check.field(sd, "block_size", int), check.field(sd, "mode", str))
+    mine = ("auto" if state.auto else state.codec.name, state.codec.block_size, state.mode)
+    if saved == mine:
+        return False
+    if not allow:
+        raise ValueError(f"flatcomm: the DDP state was saved with codec={saved[0]!r}, block_size={saved[1]}, "
+                         f"mode={saved[2]!r}; this State has codec={mine[0]!r}, block_size={mine[1]}, "
+                         f"mode={mine[2]!r}. Create the State with the saved settings, or pass "
+                         f"allow_codec_change=True to send the saved residuals with the new codec")
+    return True
+
+
+def _checked(state, sd: dict, field: str, params) -> Dict[str, torch.Tensor]:
+    """sd[field] checked against the model; an empty dict (saved without error feedback) is zeros."""
+    d = check.field(sd, field, dict)
+    if not d:
+        return {}
+    check.keys(d, params, f"{field} residuals")
+    out = {n: check.residual(n, d[n], params[n].shape, f"{field} residual") for n in params}
+    held = [n for n, t in out.items() if t.any()]
+    if held and not (state.error_feedback or (state.codec.lossless and state.mode == "ordered")):
+        raise ValueError(f"flatcomm: the checkpoint holds residuals (e.g. for {held[0]!r}) but this State "
+                         f"cannot send them (codec={state.codec.name!r}, error_feedback={state.error_feedback}, "
+                         f"mode={state.mode!r}); they would be dropped. Use error feedback or an ordered "
+                         f"fp32 State, or zero them yourself to discard them on purpose")
+    return out
+
+
+def _restore(state, params, client, server, buckets, world: int, tiered: bool = False) -> None:
+    saved = state.residuals.restore(params, client, server, buckets, world, tiered)
+    state.replay = saved or None
+    state.replay_tiered = bool(tiered)
+
+
+def _restore_decisions(state, params, saved: list) -> None:
+    from ..autotune import Decision
+
+    state.decisions = {}
+    for names, codec, chunks in saved:
+        key = tuple(id(params[n]) for n in names if n in params)
+        state.decisions[key] = Decision(str(codec), int(chunks), "restored from a checkpoint", {})
+
+
+def reshard(states) -> dict:
+    """Every rank's :meth:`State.state_dict` (one save, any order) combined into the
+    world-size-independent form of :meth:`State.resharded_state_dict`, with the same bits, without
+    communication: ``T = sum over ranks r, in rank order, of client_r / W + server_r``."""
+    states = list(states)
+    if not states or not all(isinstance(s, dict) and s.get("form") == "per_rank" for s in states):
+        raise ValueError("flatcomm: reshard takes the list of every rank's state_dict() (per-rank form)")
+    world = len(states)
+    by_rank = {check.field(s, "rank", int): s for s in states}
+    if sorted(by_rank) != list(range(world)) or any(s.get("world_size") != world for s in states):
+        raise ValueError(f"flatcomm: reshard needs the state_dict() of every rank of one save: got ranks "
+                         f"{sorted(s.get('rank') for s in states)} of world sizes "
+                         f"{sorted({s.get('world_size') for s in states})}")
+    meta = ("codec", "block_size", "mode", "step")
+    for s in states:
+        if any(s.get(k) != states[0].get(k) for k in meta):
+            raise ValueError(f"flatcomm: reshard: the ranks' states disagree on {meta} (not one save)")
+    first = by_rank[0]
+    names = list(first["client"])
+    residual = {}
+    for n in names:
+        acc = None
+        for r in range(world):
+            s = by_rank[r]
+            if n not in s["client"] or n not in s["server"]:
+                raise KeyError(f"flatcomm: reshard: rank {r}'s state has no residual for {n!r}")
+            shape = getattr(first["client"][n], "shape", ())
+            c = check.residual(n, s["client"][n], shape, f"rank {r} client residual")
+            srv = check.residual(n, s["server"][n], c.shape, f"rank {r} server residual")
+            v = (c + srv) * (1.0 / world) if first.get("tiered") else c * (1.0 / world) + srv
+            acc = v if acc is None else acc + v
+        residual[n] = acc
+    out = {k: first[k] for k in ("version", "codec", "block_size", "mode", "error_feedback", "step", "scale_seen")}
+    return {**out, "form": "total", "world_size": world, "residual": residual}

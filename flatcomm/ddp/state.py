@@ -1,0 +1,294 @@
+"""The DDP comm hook's state (:class:`State`), the hook itself and :func:`register`
+(see :mod:`flatcomm.ddp`)."""
+from __future__ import annotations
+
+import inspect
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .._training import options as _options
+from .. import collectives as C
+from . import accordion as _accordion
+from .._training import adapt as _adapt
+from . import checkpoint as _ckpt
+from . import traffic as _comm
+from . import stats as _stats
+from ..ops.codecs import Codec
+from .residuals import Residuals
+
+__all__ = ["CODEC_DEFAULTS", "State", "hook", "register"]
+
+# What register(ddp, "sign") uses unless block_size= / start_step= say otherwise. Sign sends every
+# value of a block at the block's mean magnitude: with 256-value blocks Adam's second moment grew
+# 1.8x (median, 4x at p90) and the residual reached 6x the gradient early in training; smaller
+# blocks and lossless first steps keep both close (tools/bench/adam_probe.py, convergence.py).
+CODEC_DEFAULTS = {"sign": {"block_size": 64, "start_step": 20}}
+
+
+class State:
+    """State of the flatcomm DDP comm hook (see the module docstring).
+
+    codec: ``fp32`` (lossless, ordered sum), ``bf16``/``fp16``, ``int8``, ``int4``, ``sign``, ``topk``
+    or a :class:`flatcomm.Codec`; ``block_size`` / ``ratio`` override its parameters.
+    error_feedback: keep client/server residuals for lossy codecs.
+    mode: ``ordered`` or ``exact`` (fp32 only, rank-count independent bits); None (default): not
+        asked, i.e. ``ordered``, and ``codec="auto"`` may use the backend's all-reduce (see register).
+    group: process group for flatcomm's traffic (default: a dedicated copy of DDP's group).
+    chunks: pipeline chunks per all-reduce (default: automatic).
+    model: the DDP model (or its module), for parameter names in checkpoints; :func:`register` sets it.
+    grad_scaler: a GradScaler whose scale changes rescale the residuals.
+    track_norms: compute the residual/gradient norms for :meth:`stats` (two dot products over the
+        bucket before sending and one norm of each residual after).
+    history: how many steps :meth:`stats` keeps.
+    topology: a :class:`flatcomm.Topology`, ``"flat"``, or None (default: from torchrun's
+        ``LOCAL_WORLD_SIZE``, flat when unset; built at the first hook call). Hierarchical: see
+        :mod:`flatcomm.ddp.tiers` for where the residuals live.
+    codec="auto": a :class:`flatcomm.autotune.Tuner` (``tuner=``, default error budget int8) picks the
+        codec of each bucket at its first hook call; ``decisions`` / ``stats()["decisions"]`` say what
+        and why. With a hierarchical topology the inter-node codec (or the backend's all-reduce) is
+        chosen by the two-level cost model (:mod:`flatcomm.autotune.tiers`; the node tier stays
+        fp32). A parameter that moves (bucket rebuild) from a lossy bucket into one where fp32 was
+        chosen brings its residual along: it is added once to that bucket's lossless all-reduce.
+    start_step: steps (hook rounds, counted like ``state_dict()["step"]``) sent in lossless fp32 before
+        the codec starts (like PowerSGD's ``start_powerSGD_iter``): early gradients are large and
+        change fast, and an adaptive optimizer's variance estimate forms from them. Residuals start
+        at zero when the codec does; a checkpoint's step count carries the warm-up across restarts.
+        Default 0, except for ``codec="sign"`` given by name: see ``CODEC_DEFAULTS`` (block_size too).
+    keep_fp32: parameters always sent in lossless fp32 (no residual): a predicate ``f(name, param)``,
+        a list of fnmatch name patterns, or ``"small"`` (biases, norms, embeddings; see
+        :mod:`flatcomm._training.adapt`). A DDP bucket that mixes both is sent as two all-reduces, one
+        per kind, each over a copy of its parameters' ranges (the kept part first-class fp32).
+    backoff: ``codec="auto"`` only: a :class:`flatcomm.ddp.Backoff` (default ``Backoff()``,
+        every 50 steps; ``False`` turns it off) that moves a bucket to a more precise codec when the
+        error measured in training exceeds the budget; ``adaptations`` / ``stats()`` say when and why.
+    accordion: adaptive switching (:mod:`flatcomm.ddp.accordion`): a precise codec (``"int8"``, or an
+        :class:`~flatcomm.ddp.accordion.Accordion`; ``True``: its defaults) in intervals where the
+        gradient norm changes fast, this State's codec otherwise. Not with ``codec="auto"``.
+    """
+
+    def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: Optional[str] = None,
+                 group=None, chunks: Optional[int] = None, block_size: Optional[int] = None,
+                 ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None,
+                 grad_scaler=None, track_norms: bool = True, history: int = 100, tuner=None,
+                 topology=None, start_step: Optional[int] = None, keep_fp32: Any = None,
+                 backoff: Any = None, accordion: Any = None):
+        o = _options.resolve(codec, error_feedback=error_feedback, mode=mode, block_size=block_size,
+                             ratio=ratio, tuner=tuner, start_step=start_step, keep_fp32=keep_fp32,
+                             backoff=backoff, defaults=CODEC_DEFAULTS)
+        # codec="auto": flatcomm.autotune picks a codec per bucket key at its first hook call (the same
+        # on every rank); self.decisions[key] holds the Decision (codec, chunks, reason, predicted_s).
+        # mode None: the caller did not ask for determinism (see register()): auto may use the backend.
+        self.auto, self.backend_allowed, self.block_size = o.auto, o.open, o.block_size
+        self.codec: Codec = o.codec
+        self.mode = o.mode
+        self.error_feedback = o.error_feedback
+        self.start_step = o.start_step
+        self.backoff = o.backoff
+        self.accordion = _accordion.policy(accordion)
+        if self.accordion is not None and o.auto:
+            raise ValueError("flatcomm: accordion= picks between two fixed codecs; it does not combine with codec='auto'")
+        if o.auto:
+            self.tuner = o.tuner
+        self.decisions: Dict[Tuple[int, ...], Any] = {}
+        self.keep_fn = o.keep_fn
+        self.kept: Dict[int, bool] = {}  # id(p) -> keep_fp32(name, p), asked once per parameter
+        self.monitor = _adapt.Monitor(self.backoff or _adapt.Backoff(every=0))
+        self.adaptations: List[dict] = self.monitor.adaptations  # the moves, with their numbers
+        self.key_where: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # auto key -> (DDP bucket index, numel)
+        self.chunks = chunks
+        self.group = group
+        self.topology_arg = topology
+        self.topology = None  # resolved at the first hook call (creating groups is collective)
+        self.model = model
+        self.grad_scaler = grad_scaler
+        self.track_norms = track_norms
+        self.history = history
+        self.residuals = Residuals(track_norms)  # error feedback, per bucket, owned by parameters
+        # After a same-world-size load: the saved buffer keys, replayed by the first step (_launch).
+        self.replay: Optional[List[Tuple[int, ...]]] = None
+        self.replay_tiered = False  # whether the replayed buffers were saved by a hierarchical State
+        self._names: Optional[Dict[int, str]] = None
+        self.seen_layouts: set = set()
+        self._inflight = 0
+        self._cond = threading.Condition()
+        self.step = 0
+        self.new_step = True
+        self.scale_seen: Optional[float] = None
+        self.recorder = _stats.Recorder(history, track_norms)
+
+    def wait(self) -> None:
+        """Block until every all-reduce launched by the hook (and its statistics) has finished."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._inflight == 0)
+
+    # ---- statistics ------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Per step and per bucket, on this rank (plain dicts; the last ``history`` steps).
+
+        Per bucket: ``wire_bytes`` (this rank put on the wire), ``fp32_bytes`` (a plain fp32 ring
+        all-reduce: 2(W-1)/W * 4 * numel), seconds in ``encode_s`` / ``exchange_s`` (waiting for
+        the network) / ``decode_s`` and ``comm_s`` (launch to result). With ``track_norms``:
+        ``input_norm`` = ||g + client_old|| (what this rank meant to send), ``client_residual_norm``
+        and ``server_residual_norm`` after the step, and ``rel_error`` = ||client_new|| /
+        ||g + client_old||: the relative error of this rank's encoding this step (error feedback
+        sends it later; 0 for fp32, NaN for a lossy codec without error feedback where it is not
+        measured). Per step: the sums, ``compression`` = fp32_bytes / wire_bytes, and ``rel_error``
+        = sqrt(sum ||client_new||^2 / sum ||g + client_old||^2) over the buckets.
+        """
+        self.wait()
+        out = self.recorder.steps()
+        return {"codec": "auto" if self.auto else self.codec.name, "block_size": self.codec.block_size,
+                "mode": self.mode, "error_feedback": self.error_feedback,
+                # codec="auto": per bucket, what the tuner chose and why
+                "decisions": [{"codec": d.codec, "chunks": d.chunks, "reason": d.reason,
+                               "predicted_s": dict(d.predicted_s),
+                               **self.monitor.measured_fields(k)} for k, d in self.decisions.items()],
+                # codec="auto" with backoff: each move to a more precise codec, with its numbers
+                "adaptations": [dict(a) for a in self.adaptations],
+                "world_size": dist.get_world_size(self.group) if self.group is not None else None,
+                "topology": self.topology.describe() if self.topology is not None else None,
+                "steps": out}
+
+    # ---- checkpoints (flatcomm.ddp.checkpoint) --------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """This rank's state: its own client and server residuals per parameter name, as they are.
+
+        No communication: call it on any rank(s), e.g. every rank saving its own file (like torch's
+        DCP does), and :meth:`load_state_dict` it on the same rank at the same world size to continue
+        bit for bit. To change the world size, load the list of every rank's dicts (or
+        :func:`reshard` it), or save :meth:`resharded_state_dict` (a collective) instead. Plain
+        tensors, strings and numbers (``torch.load(weights_only=True)``).
+        """
+        return _ckpt.state_dict(self)
+
+    def resharded_state_dict(self) -> dict:
+        """The world-size-independent form: per parameter, the total ``T`` that the next step adds
+        to the averaged gradient (see the module docs). A collective on flatcomm's group: call it
+        on every rank at the same point; every rank gets the same dict, loadable at any world size
+        (not bit for bit: the residuals are re-spread over the new ranks)."""
+        return _ckpt.resharded_state_dict(self)
+
+    def load_state_dict(self, sd, *, allow_codec_change: bool = False) -> None:
+        """Restore a state saved by :meth:`state_dict` (this rank's own, same world size: the run
+        continues bit for bit), by :meth:`resharded_state_dict`, or a list of every rank's
+        :meth:`state_dict` (any world size). Every entry is checked (keys, shapes, dtype,
+        finiteness, codec, world size, rank); errors name the parameter. Residuals saved with
+        another codec, block size or mode load only with ``allow_codec_change=True`` (the next steps
+        send them with this State's codec). No communication.
+        """
+        _ckpt.load_state_dict(self, sd, allow_codec_change=allow_codec_change)
+
+    def total_residual(self) -> Dict[str, torch.Tensor]:
+        """``T`` per parameter name (a collective, like :meth:`resharded_state_dict`)."""
+        return self.resharded_state_dict()["residual"]
+
+    # ---- internals: groups, names, residual helpers, the hook's entry ----------------------------
+
+    def ddp_group(self):
+        pg = getattr(self.model, "process_group", None)
+        return pg if pg is not None else dist.group.WORLD
+
+    def ensure_group(self):
+        # flatcomm's private copy of DDP's group (or of group=), with that group's timeout; cached.
+        self.group = C.private_group(self.group if self.group is not None else self.ddp_group())
+        return self.group
+
+    def _scale(self) -> float:
+        return 1.0 / dist.get_world_size(self.group)
+
+    def name_map(self) -> Dict[int, str]:
+        if self._names is None:
+            if self.model is None:
+                raise RuntimeError("flatcomm: State has no model; use flatcomm.ddp.register(ddp_model, ...) "
+                                   "or State(..., model=ddp_model) to name parameters in checkpoints")
+            mod = getattr(self.model, "module", self.model)
+            self._names = {id(p): n for n, p in mod.named_parameters()}
+        return self._names
+
+    # ---- residual buffers keyed by parameters ------------------------------------------------------
+
+    def name_of(self, pid) -> Optional[str]:
+        return self.name_map().get(pid)
+
+    def where_kw(self) -> dict:
+        return {"scale": self._scale(), "tiered": self.tiered(), "name_of": self.name_of}
+
+    def rescale_for_scaler(self) -> None:
+        s = float(self.grad_scaler.get_scale())
+        old = self.scale_seen
+        self.scale_seen = s
+        if old is None or s == old or s == 0.0:
+            return
+        self.residuals.rescale(s / old)
+
+    # ---- the hook --------------------------------------------------------------------------------
+
+    def tiered(self) -> bool:
+        return self.topology is not None and not self.topology.flat
+
+    def _launch(self, bucket) -> torch.futures.Future:
+        return _comm.launch(self, bucket)
+
+    def started(self) -> None:
+        """One more all-reduce in flight (:meth:`wait` waits for it; :meth:`finished` ends it)."""
+        with self._cond:
+            self._inflight += 1
+
+    def finished(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
+
+
+def hook(state: State, bucket: "dist.GradBucket") -> torch.futures.Future:
+    """DDP comm hook: flatcomm all-reduce (average) of the bucket; the future holds the buffer."""
+    return state._launch(bucket)
+
+
+# Real objects, not the strings `from __future__ import annotations` leaves: DDP compares them.
+hook.__annotations__ = {"state": State, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+
+
+def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: Any = "int8", **options: Any) -> State:
+    """Create a :class:`State` that knows ``ddp_model`` and register :func:`hook` on it.
+
+    ``codec``: ``"int8"`` (default), ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"int4"``, ``"sign"``,
+    ``"topk"``, ``"auto"`` or a :class:`flatcomm.Codec`. The default is int8 with error feedback
+    because a DDP hook exists to cut gradient traffic (4x less than fp32, the same final loss in the
+    demo), while the collectives and ``flatcomm.fsdp.apply`` default to lossless fp32 like the
+    ``torch.distributed`` calls they stand in for. Which codec for which optimizer: ``sign`` is for
+    SGD / momentum; Adam users take int8 or int4 here, or :class:`flatcomm.optim.OnebitAdam`
+    (``docs/ddp.md`` has the measured table).
+    ``options``: any keyword of :class:`State` (``error_feedback``, ``mode``, ``group``, ``chunks``,
+    ``block_size``, ``ratio``, ``grad_scaler``, ``track_norms``, ``history``, ``tuner``,
+    ``topology``, ``start_step``, ``keep_fp32``, ``backoff``, ``accordion``). ``mode`` None (the
+    default) means the caller did not ask for determinism: fixed codecs run ``"ordered"``
+    (flatcomm's sums are the same bits every run anyway), and ``codec="auto"`` may also hand a
+    bucket to the backend's own all-reduce (torch's default hook) where that is predicted fastest;
+    ``"ordered"`` or ``"exact"`` (fp32 only) asks for determinism: auto then chooses among
+    flatcomm's own collectives only.
+
+    Returns the :class:`State` (for ``state_dict()``, ``stats()``, ``decisions``).
+    """
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"flatcomm.ddp.register needs a DistributedDataParallel model, got "
+                        f"{type(ddp_model).__name__}: wrap it first (DistributedDataParallel(model)), or for "
+                        f"FSDP use flatcomm.fsdp.apply")
+    if "model" in options:
+        raise TypeError("flatcomm.ddp.register takes the model as its first argument, not model=")
+    state = State(codec, model=ddp_model, **options)
+    ddp_model.register_comm_hook(state, hook)
+    return state
+
+
+# register() takes State's options, listed once (State.__init__); its signature, as help() and
+# editors show it, is State's with the DDP model first.
+register.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("ddp_model", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    + [p for n, p in inspect.signature(State).parameters.items() if n != "model"],
+    return_annotation=State)

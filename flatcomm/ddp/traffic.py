@@ -1,0 +1,277 @@
+"""The DDP hook's communication: one bucket in, one future out (see :mod:`flatcomm.ddp`).
+
+:func:`launch` is what :func:`flatcomm.ddp.hook` runs for each bucket: it resolves the group and
+topology at the first call, runs the per-step work at a step's first bucket (GradScaler rescale,
+the ``auto`` backoff check), splits the bucket where it must (the first step after a load replays
+the saved buckets; ``keep_fp32`` parameters go in their own lossless all-reduce), picks each
+part's codec (fixed, ``auto``'s decision, lossless during ``start_step``) and its residual buffer,
+and submits the all-reduce. flatcomm runs every collective of a group on that group's worker
+thread in submission order, so all ranks issue them in the same order; nothing blocks inside a
+future callback (the statistics callback only reads norms).
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import collectives as C
+from ..comm import worker
+from . import tiers as _tiers
+from ..autotune import BACKEND as _BACKEND
+from ..ops.codecs import Codec, resolve
+from .residuals import bucket_layout
+
+__all__ = ["launch"]
+
+# all_reduce(validate=False) skips only a call header that costs a host sync (NCCL-only group).
+_HAS_VALIDATE = "validate" in inspect.signature(C.all_reduce).parameters
+
+
+def launch(state, bucket) -> torch.futures.Future:
+    """The hook's work for one bucket of a :class:`flatcomm.ddp.State`; the future holds the
+    bucket buffer, averaged in place."""
+    group = state.ensure_group()
+    if state.topology is None:
+        state.topology = _tiers.resolve_topology(state.topology_arg, group)
+        if state.replay is not None and state.replay_tiered != state.tiered():
+            raise ValueError(
+                "flatcomm: this rank's state_dict() was saved with a "
+                f"{'hierarchical' if state.replay_tiered else 'flat'} topology and this State is "
+                f"{'hierarchical' if state.tiered() else 'flat'}: the residuals live in other places. "
+                "Load the list of every rank's state_dict() (or a resharded_state_dict()) instead")
+    if state.new_step:
+        state.new_step = False
+        if state.grad_scaler is not None and state.error_feedback:
+            state.rescale_for_scaler()
+        if state.backoff is not None and state.monitor.due(state.step):
+            _check_errors(state, group, bucket.buffer().device)
+    step, index = state.step, bucket.index()
+    params = list(bucket.parameters())
+    key = tuple(id(p) for p in params)
+    known = state.residuals.bufs.get(key)
+    layout = known.layout if known is not None and not state.replay else bucket_layout(bucket)
+    tensor = bucket.buffer()
+    parts = _replay_parts(state, params, layout) if state.replay else None
+    if state.keep_fn is not None:
+        parts = _split_kept(state, parts if parts is not None else [(key, params, None)])
+    if bucket.is_last():
+        state.step += 1
+        state.new_step = True
+        state.replay = None  # only the first step after a load can have DDP's initial layout
+    if parts is None:
+        return _reduce(state, group, tensor, key, params, layout, step, index, f"bucket{index}")
+    if len(parts) == 1 and parts[0][0] == key:  # the whole bucket is one kind: no copy
+        return _reduce(state, group, tensor, key, params, layout, step, index, f"bucket{index}", parts[0][2])
+    # The first step after a same-world-size load: DDP's first iteration puts every parameter in
+    # one bucket, the saved buffers are its rebuilt buckets. Reduce each saved bucket's values as
+    # they were laid out then (a copy), so the codec's blocks and shards, hence the bits, are
+    # those of an uninterrupted run; then copy the results back into DDP's buffer.
+    flat = tensor.view(-1)
+    offs = {pid: (off, ln) for pid, off, ln in layout}
+    futs, temps = [], []
+    for j, (key, ps, force) in enumerate(parts):
+        tmp = torch.cat([flat[offs[id(p)][0]:offs[id(p)][0] + p.numel()] for p in ps])
+        lay, o = [], 0
+        for p in ps:
+            lay.append((id(p), o, p.numel()))
+            o += p.numel()
+        futs.append(_reduce(state, group, tmp, key, ps, lay, step, index, f"bucket{index}.{j}", force))
+        temps.append((tmp, ps))
+
+    def scatter(fut: torch.futures.Future) -> torch.Tensor:
+        for f in fut.value():
+            f.value()  # re-raise a failed part
+        for tmp, ps in temps:
+            o = 0
+            for p in ps:
+                a = offs[id(p)][0]
+                flat[a:a + p.numel()].copy_(tmp[o:o + p.numel()])
+                o += p.numel()
+        return tensor
+
+    return torch.futures.collect_all(futs).then(scatter)
+
+
+def _is_kept(state, p) -> bool:
+    k = state.kept.get(id(p))
+    if k is None:
+        name = state.name_map().get(id(p), "")
+        k = state.kept[id(p)] = bool(state.keep_fn(name, p))
+    return k
+
+
+def _split_kept(state, parts):
+    """Each part split into its codec parameters and its keep_fp32 ones (forced lossless fp32),
+    in that order on every rank (DDP's bucket order is the same everywhere)."""
+    out = []
+    for key, ps, force in parts:
+        kept = [p for p in ps if _is_kept(state, p)]
+        if not kept:
+            out.append((key, ps, force))
+            continue
+        rest = [p for p in ps if not _is_kept(state, p)]
+        if rest:
+            out.append((tuple(id(p) for p in rest), rest, force))
+        out.append((tuple(id(p) for p in kept), kept, resolve("fp32")))
+    return out
+
+
+def _replay_parts(state, params, layout) -> Optional[List[Tuple[Tuple[int, ...], list, Any]]]:
+    """The saved buckets wholly inside this bucket (in saved parameter order), plus one part for
+    the remaining parameters; None when the bucket is itself a saved one or holds none."""
+    key = tuple(id(p) for p in params)
+    bufs = state.residuals.bufs
+    if key in bufs:
+        return None
+    by_id = {id(p): p for p in params}
+    parts, used = [], set()
+    for skey in state.replay:
+        if skey in bufs and all(pid in by_id for pid in skey):
+            parts.append((skey, [by_id[pid] for pid in skey], None))
+            used.update(skey)
+    if not parts:
+        return None
+    rest = [p for p in params if id(p) not in used]
+    if rest:
+        parts.append((tuple(id(p) for p in rest), rest, None))
+    return parts
+
+
+def _reduce(state, group, tensor: torch.Tensor, key: Tuple[int, ...], params, layout, step: int,
+            index: int, tuner_key: str, force: Optional[Codec] = None) -> torch.futures.Future:
+    """One flatcomm all-reduce of a bucket's values (``layout``: (id(p), offset, numel));
+    ``force``: the codec of keep_fp32 parameters, whatever the State's codec."""
+    codec, chunks = state.codec, state.chunks
+    if force is not None:
+        codec = force
+    elif state.auto:
+        d = state.decisions.get(key)
+        if d is None:  # pure given the (MAX-agreed) costs: every rank picks the same
+            # A hierarchical topology: the tuner picks the inter-node codec (or the backend) by
+            # the two-level model; the State's residual layout is tiered, so the path stays.
+            tiers = dict(topology=state.topology, paths=("hierarchical",)) if state.tiered() else {}
+            d = state.decisions[key] = state.tuner.choose(tensor.numel(), key=tuner_key, group=group,
+                                                          device=tensor.device, deterministic=not state.backend_allowed,
+                                                          **tiers)
+        state.key_where[key] = (index, tensor.numel())
+        if d.codec == _BACKEND and not (state.error_feedback and state.residuals.carries(params, state.name_of)):
+            return _backend(state, tensor, step, index)
+        # (a bucket still carrying residuals from a lossy one sends them once through fp32)
+        codec = resolve("fp32" if d.codec == _BACKEND else d.codec, state.block_size)
+        chunks = chunks or d.chunks
+    if step < state.start_step:  # warm-up: lossless; a residual loaded from a checkpoint is flushed
+        codec = resolve("fp32")
+    elif state.accordion is not None and force is None:
+        codec = state.accordion.choose(key, step, codec)
+    res = None
+    where = (key, layout, tensor.numel(), tensor.device)
+    if state.error_feedback and not codec.lossless:
+        res = state.residuals.buffer_for(*where, **state.where_kw())
+    elif codec.lossless and state.mode == "ordered" and state.residuals.carries(params, state.name_of):
+        res = state.residuals.flush_into_lossless(*where, **state.where_kw())
+    if state.tiered():
+        _tiers.add_carry(tensor, res)
+    kwargs: Dict[str, Any] = {}
+    if _HAS_VALIDATE:  # the consistency round trip only for a bucket layout not seen before
+        kwargs["validate"] = key not in state.seen_layouts
+    state.seen_layouts.add(key)
+    t0 = time.perf_counter()
+    v_sq: List[float] = []
+    g_sq: List[float] = []
+    if state.track_norms:
+        # ||g + client_old||^2 = g.g + 2 g.r + r.r (r.r kept from the last step): two read passes,
+        # queued on the group's worker thread just before the all-reduce, off the backward thread.
+        # The norms stay 0-dim tensors (float64 sums of the fp32 dots, as Python floats would
+        # be) until stats() reads them: on CUDA no host sync per bucket.
+        def pre():
+            flat = tensor.reshape(-1).float()
+            g = v = flat.dot(flat).double()
+            if res is not None:
+                v = v + 2.0 * flat.dot(res.ef.client).double() + res.client_sq
+            v_sq.append(v)
+            g_sq.append(g)
+
+        if state.tiered():
+            _tiers.submit(state.topology, pre, tensor)  # CUDA: on the two-level side stream, in order
+        else:
+            worker.submit(worker.key_of(group), tensor.device, pre)  # CUDA: on the all-reduce's side stream, in order
+    cs = C.CommStats()
+    state.started()
+    try:
+        if state.tiered():
+            h = _tiers.all_reduce(tensor, state.topology, codec, state.mode, res, chunks, cs, kwargs)
+        else:
+            h = C.all_reduce(tensor, codec=codec, op="avg", mode=state.mode, group=group, async_op=True,
+                             residual=res.ef if res is not None else None, chunks=chunks, stats=cs,
+                             **kwargs)
+    except BaseException:
+        state.finished()
+        raise
+    fut = h.get_future()
+
+    def record(f: torch.futures.Future) -> None:
+        try:
+            f.value()  # raises if the collective failed: DDP sees that error, no record
+            state.recorder.bucket(step, index, tensor.numel(), dist.get_world_size(group), codec, cs,
+                                   time.perf_counter() - t0, res, v_sq[0] if v_sq else None)
+            if state.backoff is not None and force is None and res is not None and v_sq:
+                state.monitor.accumulate(key, res.client_sq, v_sq[0], g_sq[0])
+        except BaseException:  # noqa: BLE001 - statistics never break training
+            pass
+        finally:
+            state.finished()
+
+    fut.add_done_callback(record)  # runs on the worker thread; does not block
+    if state.accordion is not None and force is None:
+        fut = state.accordion.watch(key, step, fut)  # DDP waits for it: decisions before the next step
+    return fut
+
+# ---- codec="auto": the measured error against the budget -------------------------------------
+
+
+def _check_errors(state, group, device) -> None:
+    """Every ``backoff.every`` steps, at the first bucket of a step (the same point on every
+    rank): the measured errors against the budget (:class:`flatcomm._training.adapt.Monitor`).
+    Buckets in ``decisions`` order, which is the same on every rank."""
+    from ..autotune import PRECISION
+
+    state.wait()
+    keys = [k for k, d in state.decisions.items() if d.codec in PRECISION[1:]]
+
+    def where(k) -> dict:
+        index, numel = state.key_where.get(k, (None, None))
+        return {"bucket": index, "numel": numel}
+
+    state.monitor.check(state.decisions, keys, state.tuner.error_budget, state.step,
+                         lambda t: C.all_reduce(t, codec="fp32", op="sum", mode="ordered", group=group),
+                         device, where)
+    state.monitor.clear()  # (the windows of buckets not checked, e.g. fp32 ones, start over too)
+
+
+def _backend(state, tensor: torch.Tensor, step: int, index: int) -> torch.futures.Future:
+    """codec="auto" chose the backend's own all-reduce: exactly torch's default hook (divide,
+    ``dist.all_reduce`` on DDP's group, its future), plus a statistics record."""
+    pg = state.ddp_group()
+    world = dist.get_world_size(pg)
+    t0 = time.perf_counter()
+    state.started()
+    try:
+        tensor.div_(world)
+        fut = dist.all_reduce(tensor, group=pg, async_op=True).get_future()
+    except BaseException:
+        state.finished()
+        raise
+
+    def done(f: torch.futures.Future) -> torch.Tensor:
+        try:
+            out = f.value()[0]
+            state.recorder.backend(step, index, tensor.numel(), world, _BACKEND, time.perf_counter() - t0)
+            return out
+        finally:
+            state.finished()
+
+    return fut.then(done)

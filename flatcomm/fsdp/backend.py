@@ -1,0 +1,447 @@
+"""The machinery flatcomm's FSDP backends share (FSDP2: :mod:`flatcomm.fsdp`, FSDP1:
+:mod:`flatcomm.fsdp.fsdp1`): :class:`Stats`, the residual storage keyed by parameter name
+(``_Residuals``, on :class:`flatcomm._training.residual_store.Store`), the reduce call with its op scaling, and
+``Backend``: codec choice (``auto``), warm-up, ``keep_fp32``, backoff and ``state_dict``. The
+semantics are described in :mod:`flatcomm.fsdp`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .._training import options as _options
+from .._training import checks as check
+from .. import collectives as C
+from .._training import adapt as _adapt
+from . import adapt as _fadapt
+from .._training.residual_store import Store
+from ..autotune import PRECISION
+from ..ops.codecs import Codec, resolve
+
+__all__ = ["Backend", "Done", "Pieces", "Stats", "group_sig", "reduce", "wire_codec"]
+
+Pieces = List[Tuple[str, int]]  # (name, values per rank) in the input's row layout
+_RANK_KEY = re.compile(r"rank(\d+)\.")
+_STEP_KEY = "__step__"  # per-rank warm-up step count in state_dict() (with start_step only)
+_DECISIONS_KEY = "__decisions__"  # per-rank codec="auto" decisions in state_dict() (fsdp_adapt.encode)
+
+
+@dataclasses.dataclass
+class Stats(C.CommStats):
+    """:class:`~flatcomm.collectives.CommStats` plus, with ``codec="auto"``, what was chosen per
+    collective size: ``decisions[(kind, numel)]`` is a :class:`flatcomm.autotune.Decision`
+    (codec, chunks, reason, predicted seconds per codec)."""
+
+    decisions: Dict[Tuple[str, int], Any] = dataclasses.field(default_factory=dict)
+
+    def add(self, other: C.CommStats) -> None:
+        for f in dataclasses.fields(C.CommStats):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        self.decisions.update(getattr(other, "decisions", {}))
+
+
+# ---- residual storage, keyed by parameter name --------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Group:
+    """One parameter group's residuals: ``buf[r]`` is this rank's residual of rank r's chunk."""
+    buf: torch.Tensor  # [world, values per rank of the group]
+    layout: List[Tuple[Any, int, int]]  # (name, offset, values per rank)
+
+
+class _Residuals:
+    """Flat fp32 residual buffers, one per distinct parameter group (a :class:`flatcomm._training.residual_store.Store`
+    keyed by parameter name), addressable per parameter, plus the model's sizes when known."""
+
+    def __init__(self) -> None:
+        self._store: Store[_Group] = Store()
+        self.templates: Dict[str, int] = {}  # name -> padded unsharded numel (known in advance)
+
+    def view(self, name: str) -> Optional[torch.Tensor]:
+        """This rank's residual of ``name`` as a [world, c] view (None if never seen)."""
+        loc = self._store.locate(name)
+        if loc is None:
+            return None
+        group, off, c = loc
+        return group.buf[:, off:off + c]
+
+    def holds(self, pieces: Pieces) -> bool:
+        """Whether any of these parameters has a residual (placed or loaded)."""
+        names = [n for n, _ in pieces]
+        return self._store.holds(names, names)
+
+    def get(self, pieces: Pieces, world: int, device: torch.device) -> torch.Tensor:
+        key = tuple(n for n, _ in pieces)
+        total = sum(c for _, c in pieces)
+        hit = self._store.get(key)
+        if hit is not None and hit.buf.shape == (world, total) and hit.buf.device == device:
+            return hit.buf.view(-1)
+        buf = torch.zeros(world, total, dtype=torch.float32, device=device)
+        layout, off = [], 0
+        for name, c in pieces:
+            layout.append((name, off, c))
+            off += c
+
+        def move(old: _Group, ooff: int, oc: int, off: int, c: int) -> None:
+            if oc == c and old.buf.shape[0] == world:  # else another world size: nothing carries over
+                buf[:, off:off + c].copy_(old.buf[:, ooff:ooff + oc])
+
+        def load(src: torch.Tensor, name: str, off: int, c: int) -> None:
+            if src.numel() != world * c:
+                raise ValueError(
+                    f"flatcomm: loaded residual for {name!r} has {src.numel()} values but this "
+                    f"run needs {world} x {c} (residuals load at the world size they were saved at)")
+            buf[:, off:off + c].copy_(src.view(world, c))
+
+        self._store.place(key, _Group(buf, layout), move, load, name_of=str)
+        return buf.view(-1)
+
+    def names(self) -> List[str]:
+        return sorted({str(n) for n in self._store.ids()} | set(self._store.pending) | set(self.templates))
+
+    def state_dict(self, prefix: str) -> Dict[str, torch.Tensor]:
+        out = {}
+        for name in self.names():
+            v = self.view(name)
+            if v is not None:
+                t = v.reshape(-1).clone()
+            elif name in self._store.pending:
+                t = self._store.pending[name].clone()
+            else:
+                t = torch.zeros(self.templates[name], dtype=torch.float32)
+            out[prefix + name] = t
+        return out
+
+    def load_state_dict(self, sd: Dict[str, torch.Tensor], prefix: str) -> None:
+        loaded = {}
+        for k, v in sd.items():
+            if not k.startswith(prefix):
+                continue
+            name = k[len(prefix):]
+            n = self.templates.get(name)
+            shape = (n,) if n is not None else tuple(getattr(v, "shape", ()))
+            if n is not None and isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() != n:
+                raise ValueError(f"flatcomm: loaded residual for {name!r} has {v.numel()} values, "
+                                 f"this model needs {n} (same world size required)")
+            loaded[name] = check.residual(name, v, shape).reshape(-1).clone()
+        if self.templates:  # the model is known: every parameter must come back
+            check.keys([n for n in loaded if n in self.templates], self.templates, f"{prefix[:-1]} residuals")
+        self._store.clear(loaded)
+
+
+def _op_scale(op: Any, world: int) -> Tuple[str, Optional[float]]:
+    """(flatcomm op, extra factor to apply after a sum) for the op FSDP passes."""
+    if isinstance(op, str):
+        return op.lower(), None
+    factor = getattr(op, "factor", None)
+    if op == dist.ReduceOp.PREMUL_SUM:
+        if factor is None:
+            raise ValueError("flatcomm: PREMUL_SUM without a factor")
+        f = float(factor if not isinstance(factor, torch.Tensor) else factor.item())
+        return "sum", f
+    if op == dist.ReduceOp.AVG:
+        return "avg", None
+    if op == dist.ReduceOp.SUM:
+        return "sum", None
+    raise ValueError(f"flatcomm: unsupported reduce op {op!r} (AVG, SUM or PREMUL_SUM)")
+
+
+def group_sig(group) -> Tuple[int, ...]:
+    """The same value on every rank for the same group (unlike ``id(group)``)."""
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def wire_codec(codec: Codec, dtype: torch.dtype) -> Codec:
+    """The lossless codec sends bf16/fp16 inputs in their own dtype (exact, half the bytes)."""
+    if codec.lossless and dtype == torch.bfloat16:
+        return resolve("bf16")
+    if codec.lossless and dtype == torch.float16:
+        return resolve("fp16")
+    return codec
+
+
+class Done:
+    """A completed :class:`flatcomm.collectives.Handle` (a call that had to run synchronously)."""
+
+    def __init__(self, value: torch.Tensor):
+        self._value = value
+
+    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+        return self._value
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._value)
+        return fut
+
+
+class _ScaledHandle:
+    """A :class:`flatcomm.collectives.Handle` whose result is multiplied by a factor on completion."""
+
+    def __init__(self, handle: C.Handle, finish, value: torch.Tensor):
+        self._h, self._finish, self._value, self._done = handle, finish, value, False
+
+    def _run_finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self._finish()
+
+    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+        self._h.wait(timeout)
+        self._run_finish()
+        return self._value
+
+    def is_completed(self) -> bool:
+        return self._h.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        def cb(fut):
+            fut.value()
+            self._run_finish()
+            return self._value
+
+        return self._h.get_future().then(cb)
+
+
+def reduce(output: torch.Tensor, input: torch.Tensor, *, codec: Codec, op: Any, mode: str,
+            group, async_op: bool, residual: Optional[torch.Tensor], chunks: Optional[int],
+            stats: C.CommStats, first_call: Callable[..., bool]):
+    world = dist.get_world_size(group)
+    fop, factor = _op_scale(op, world)
+    wc = wire_codec(codec, input.dtype)
+    # PREMUL_SUM's factor is applied locally: the collective itself is a sum either way.
+    validate = first_call("rs", group_sig(group), input.numel(), input.dtype, output.dtype, wc.name, fop)
+    kw = dict(codec=wc, mode=mode, group=group, residual=residual, chunks=chunks, stats=stats,
+              validate=validate)
+    if factor is None:
+        return C.reduce_scatter(output, input, op=fop, async_op=async_op, **kw)
+    # PREMUL_SUM: fp32 sum, one fp32 multiply, then the output dtype (see the module docstring).
+    tmp = output if output.dtype == torch.float32 else torch.empty(
+        output.shape, dtype=torch.float32, device=output.device)
+
+    def finish():
+        if tmp is output:
+            output.mul_(factor)
+        else:
+            output.copy_(tmp.mul_(factor))
+
+    h = C.reduce_scatter(tmp, input, op="sum", async_op=async_op, **kw)
+    if h is None:
+        finish()
+        return None
+    return _ScaledHandle(h, finish, output)
+
+
+class Backend:
+    def __init__(self, codec: Any, *, error_feedback: bool, mode: str, chunks: Optional[int],
+                 block_size: Optional[int], ratio: Optional[float], tuner=None, start_step: int = 0,
+                 keep_fp32: Any = None, backoff: Any = None):
+        o = _options.resolve(codec, error_feedback=error_feedback, mode=mode, block_size=block_size,
+                             ratio=ratio, tuner=tuner, start_step=start_step, keep_fp32=keep_fp32,
+                             backoff=backoff)
+        # Warm-up: the first start_step reductions of each parameter group / unit are lossless fp32
+        # (FSDP has no step counter we can see: a group reduces once per backward). Counted from the
+        # step a checkpoint saved ("rank{r}.__step__").
+        self.start_step = o.start_step
+        self._calls: Dict[Any, int] = {}
+        self._step_base = 0
+        # codec="auto": the tuner picks per collective size (the same on every rank); self.codec is
+        # then only the lossless placeholder and stats.decisions says what was chosen and why.
+        self._auto = o.auto
+        if o.auto:
+            self.tuner = o.tuner
+        self._block_size = o.block_size
+        self.codec: Codec = o.codec
+        self.mode = o.mode
+        self.error_feedback = o.error_feedback
+        self._keep_fn = o.keep_fn  # keep_fp32 as a predicate f(name, param), or None
+        self._kept: Dict[str, bool] = {}  # name -> keep_fp32(name, param), asked once
+        self._params: Dict[str, torch.Tensor] = {}  # name -> parameter, for keep_fp32
+        # codec="auto": (kind, numel) -> Decision, the tuner's or a backoff's (mirrored in stats)
+        self._decided: Dict[Tuple[str, int], Any] = {}
+        self._decisions_loaded = False  # restored from a checkpoint: saved again (see _decisions_entry)
+        self.backoff = o.backoff
+        self._monitor = _adapt.Monitor(o.backoff or _adapt.Backoff(every=0))
+        self.adaptations: List[dict] = self._monitor.adaptations  # the backoff's moves, with numbers
+        self._reductions: Dict[Tuple[str, int], int] = {}  # auto key -> reductions so far (backoff)
+        self.chunks = chunks
+        self.stats = Stats()
+        self._res = _Residuals()
+        self._validated: set = set()
+
+    def _first_call(self, *signature) -> bool:
+        """True the first time a call signature is seen: only then does the collective run its
+        cross-rank consistency check (a round trip, and a host sync on CUDA). FSDP issues the same
+        sequence of collectives on every rank, so a signature checked once stays consistent. The
+        signature must be equal across ranks for equal calls (no object ids or addresses): every
+        rank must make the same choice, or the check's all-gather pairs with a payload exchange."""
+        if signature in self._validated:
+            return False
+        self._validated.add(signature)
+        return True
+
+    def _codec_for(self, numel: int, group, device: torch.device, kind: str) -> Codec:
+        """The codec of one collective: fixed, or the tuner's choice for this size (as moved by
+        the backoff, which checks the measured error here every ``backoff.every`` reductions)."""
+        if not self._auto:
+            return self.codec
+        key = (kind, numel)
+        d = self._decided.get(key)
+        if d is None:
+            d = self._decided[key] = self.tuner.choose(numel, group=group, device=device, kind=kind)
+        elif self.backoff is not None:
+            n = self._reductions.get(key, 0)
+            if self._monitor.due(n) and d.codec in PRECISION[1:]:
+                self._monitor.check(self._decided, [key], self.tuner.error_budget, n,
+                                    lambda t: C.all_reduce(t, codec="fp32", op="sum", mode="ordered", group=group),
+                                    device, lambda k: {"kind": k[0], "numel": k[1]}, "reductions of this size")
+                d = self._decided[key]
+        self._reductions[key] = self._reductions.get(key, 0) + 1
+        if not isinstance(self.stats, Stats):  # someone swapped in a plain CommStats
+            self.stats = Stats(**dataclasses.asdict(self.stats))
+        self.stats.decisions[key] = d
+        return resolve(d.codec, self._block_size)
+
+    def _measured(self, codec: Codec, numel: int, kind: str, x: torch.Tensor, residual: Optional[torch.Tensor]):
+        """With a backoff: ``done(handle)`` adds this reduction's error sums to the key's window
+        (``||residual after||^2``, ``||x + residual before||^2``, ``||x||^2``); else None."""
+        if self.backoff is None or residual is None or codec.lossless:
+            return None
+        flat = x.reshape(-1).float()
+        g = flat.dot(flat).double()
+        v = g + 2.0 * flat.dot(residual).double() + residual.dot(residual).double()
+        key = (kind, numel)
+
+        def done(handle) -> None:
+            def add(_=None) -> None:
+                self._monitor.accumulate(key, residual.dot(residual).double(), v, g)
+
+            if handle is None:
+                add()
+            else:  # asynchronous: once the collective has written the new residual
+                handle.get_future().add_done_callback(add)
+
+        return done
+
+    def _send(self, output: torch.Tensor, input: torch.Tensor, pieces: Pieces, codec: Codec, op: Any,
+              group, async_op: bool, world: int, key_numel: int):
+        """One reduce-scatter of ``pieces`` with their residuals (``key_numel``: the auto key's size)."""
+        residual = None
+        if self.error_feedback and (not codec.lossless or self._res.holds(pieces)):
+            residual = self._res.get(pieces, world, input.device)
+        measured = self._measured(codec, key_numel, "reduce_scatter", input, residual)
+        h = reduce(output, input, codec=codec, op=op, mode=self.mode, group=group, async_op=async_op,
+                    residual=residual, chunks=self.chunks, stats=self.stats, first_call=self._first_call)
+        if measured is not None:
+            measured(h)
+        return h
+
+    def _is_kept(self, name: str) -> bool:
+        k = self._kept.get(name)
+        if k is None:
+            p = self._params.get(name)
+            # (a parameter flatcomm cannot name, e.g. a size-keyed group, is sent with the codec)
+            k = self._kept[name] = p is not None and self._keep_fn is not None and bool(self._keep_fn(name, p))
+        return k
+
+    def _warming(self, key: Any) -> bool:
+        """Count one reduction of ``key``; True while it is still in the warm-up."""
+        n = self._calls.get(key, 0)
+        self._calls[key] = n + 1
+        return self._step_base + n < self.start_step
+
+    def _step_entry(self) -> Dict[str, torch.Tensor]:
+        if not self.start_step:
+            return {}
+        steps = self._step_base + max(self._calls.values(), default=0)
+        return {f"{self._prefix()}{_STEP_KEY}": torch.tensor(steps, dtype=torch.int64)}
+
+    def _take_step(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The dict without this rank's step entry; restores the warm-up count from it."""
+        k = f"{self._prefix()}{_STEP_KEY}"
+        if k not in state_dict:
+            return state_dict
+        v = state_dict[k]
+        if not isinstance(v, torch.Tensor) or v.numel() != 1 or v.is_floating_point() or int(v) < 0:
+            raise ValueError(f"flatcomm: checkpoint entry {k!r} must be one integer >= 0, got {v!r}")
+        self._step_base, self._calls = int(v), {}
+        return {kk: vv for kk, vv in state_dict.items() if not kk.endswith("." + _STEP_KEY)}
+
+    @property
+    def decisions(self) -> Dict[Tuple[str, int], Any]:
+        """codec="auto": ``(kind, numel) -> Decision`` made so far (also in ``stats.decisions``)."""
+        return self._decided
+
+    def _decisions_entry(self) -> Dict[str, torch.Tensor]:
+        # Only once the backoff has moved a size (what the tuner chose it chooses again; a move is
+        # learned from training), so a state_dict() otherwise holds residuals only, as before.
+        if not (self._auto and self._decided and (self.adaptations or self._decisions_loaded)):
+            return {}
+        return {f"{self._prefix()}{_DECISIONS_KEY}": _fadapt.encode(self._decided)}
+
+    def _take_decisions(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The dict without this rank's decisions entry; restores ``auto``'s decisions from it."""
+        k = f"{self._prefix()}{_DECISIONS_KEY}"
+        if k not in state_dict:
+            return state_dict
+        saved = _fadapt.decode(state_dict[k], k)
+        if self._auto:
+            self._decided, self._decisions_loaded = saved, True
+            if isinstance(self.stats, Stats):
+                self.stats.decisions.update(saved)
+        return {kk: vv for kk, vv in state_dict.items() if not kk.endswith("." + _DECISIONS_KEY)}
+
+    def _prefix(self) -> str:
+        return f"rank{dist.get_rank()}." if dist.is_initialized() else "rank0."
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """This rank's residuals, ``{"rank{r}.{name}": fp32 tensor}`` (plain tensors: DCP, torch.save).
+
+        Not a collective. Empty without error feedback."""
+        if not self.error_feedback:
+            return {**self._step_entry(), **self._decisions_entry()}
+        return {**self._res.state_dict(self._prefix()), **self._step_entry(), **self._decisions_entry()}
+
+    def load_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        """Restore residuals saved by :meth:`state_dict` at the same world size (keys of other
+        ranks are ignored, so one merged dict can be given to every rank). Checked: float32,
+        finite, sizes, every known parameter present, no rank beyond this world size; a State
+        without error feedback refuses nonzero residuals (they would be dropped)."""
+        self._check_ranks(state_dict)
+        state_dict = self._take_decisions(self._take_step(state_dict))
+        if self.error_feedback:
+            self._res.load_state_dict(state_dict, self._prefix())
+        else:
+            self._refuse_residuals(state_dict)
+
+    def _check_ranks(self, state_dict) -> None:
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"flatcomm: a flatcomm FSDP state dict is a dict, got {type(state_dict).__name__}")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        ranks = {int(m.group(1)) for m in map(_RANK_KEY.match, state_dict) if m}
+        if ranks and max(ranks) >= world:
+            raise ValueError(f"flatcomm: the checkpoint holds residuals of rank {max(ranks)} and this run has "
+                             f"{world} ranks: FSDP residuals load only at the world size they were saved at "
+                             f"(another world size changes every shard). Leave flatcomm's state out of the "
+                             f"load to restart error feedback from zero")
+
+    def _refuse_residuals(self, state_dict) -> None:
+        p = self._prefix()
+        held = [k for k, v in state_dict.items() if k.startswith(p) and isinstance(v, torch.Tensor) and v.any()]
+        if held:
+            raise ValueError(f"flatcomm: the checkpoint holds residuals (e.g. {held[0]!r}) but this backend has no "
+                             f"error feedback (codec={self.codec.name!r}): they would be dropped. Use the "
+                             f"saved codec, or leave flatcomm's state out of the load")
+
+    def residual(self, name: str) -> Optional[torch.Tensor]:
+        """This rank's residual of one parameter / unit (flat, padded numel), or None."""
+        v = self._res.view(name)
+        return None if v is None else v.reshape(-1)

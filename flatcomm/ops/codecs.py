@@ -1,0 +1,233 @@
+"""Gradient codecs: encode with fused error feedback, decode, and fused decode-and-sum.
+
+Codecs: ``fp32``, ``bf16``, ``fp16`` (casts), ``int8``, ``int4`` (symmetric, one fp32 scale per
+block), ``sign`` (1 bit per value, scale = mean |v| of the block) and ``topk`` (the ``ratio`` share of
+largest magnitudes, sent as uint32 index + fp32 value). An encoded payload is one contiguous uint8
+tensor (scales and indices inline), so a single collective moves it; its size is ``wire_bytes``.
+
+Non-finite values: if ``v = x + residual`` holds an inf or NaN in a block, every value of that block
+decodes to NaN (an AMP GradScaler downstream sees the overflow) and the block's residual keeps its
+previous value. Cast codecs and topk apply the rule per element (fp16 also overflows to inf above
+65504, bf16 near the fp32 maximum).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal, Optional, Union, overload
+
+import torch
+
+from .native import extension, ops
+
+__all__ = [
+    "BLOCKWISE", "CODECS", "Codec", "CodecLike", "DEFAULT_BLOCK_SIZE", "DEFAULT_TOPK_RATIO", "MAX_NUMEL",
+    "PRECISION", "decode", "decode_sum", "encode", "resolve", "wire_bytes"
+]
+
+# The codec list, in the order of the C++ codec ids (csrc/ops_common.h parse_codec; cupy_backend's
+# CODEC_IDS mirror them below this layer): everything above imports it from here.
+CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk")
+BLOCKWISE = ("int8", "int4", "sign")  # one scale per block of values
+# The codecs the auto-tuner and the backoffs choose from, most precise first.
+PRECISION = ("fp32", "bf16", "int8", "int4", "sign")
+_CAST_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Shards of a non-blockwise codec start on multiples of this many values (16-byte payload pieces).
+_CAST_ALIGN = 32
+
+# 256 values per scale: wire overhead 1.6% for int8 (4 B per 256 B), and fast on CPU (the block and
+# its codes stay in L1). `python -m flatcomm.tools.bench.kernels --block-sizes` shows the trade-off measured.
+DEFAULT_BLOCK_SIZE = 256
+DEFAULT_TOPK_RATIO = 0.01
+# Largest numel (csrc/core/codec.h kMaxNumel): every payload size below it fits in int64.
+MAX_NUMEL = 1 << 56
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """A codec with its parameters. ``block_size`` is used by int8/int4/sign, ``ratio`` by topk."""
+
+    name: str
+    block_size: int = DEFAULT_BLOCK_SIZE
+    ratio: float = DEFAULT_TOPK_RATIO
+
+    def __post_init__(self) -> None:
+        if self.name not in CODECS:
+            raise ValueError(f"flatcomm: unknown codec {self.name!r}; expected one of {', '.join(CODECS)}")
+        if self.name in BLOCKWISE and not (32 <= self.block_size <= 4096 and self.block_size % 32 == 0):
+            raise ValueError(
+                f"flatcomm: block_size must be a multiple of 32 in [32, 4096], got {self.block_size}"
+            )
+        if self.name == "topk" and not (0.0 < self.ratio <= 1.0):
+            raise ValueError(f"flatcomm: topk ratio must be in (0, 1], got {self.ratio}")
+
+    @property
+    def lossless(self) -> bool:
+        return self.name == "fp32"
+
+    @property
+    def blockwise(self) -> bool:
+        """One scale per ``block_size`` values (int8, int4, sign)."""
+        return self.name in BLOCKWISE
+
+    @property
+    def dtype(self) -> Optional[torch.dtype]:
+        """The dtype a cast codec sends (its payload is the values themselves), else None."""
+        return _CAST_DTYPES.get(self.name)
+
+    @property
+    def align(self) -> int:
+        """Shards and chunks start on multiples of this many values, so blocks line up with the
+        whole tensor."""
+        return self.block_size if self.blockwise else _CAST_ALIGN
+
+    @property
+    def precision(self) -> Optional[int]:
+        """Rank in :data:`PRECISION` (0: most precise), None for codecs outside it (fp16, topk)."""
+        return PRECISION.index(self.name) if self.name in PRECISION else None
+
+    @property
+    def reencodes_fused(self) -> bool:
+        """A sum can be re-encoded in the fused decode-sum pass; topk re-selects on the whole
+        reduced shard instead."""
+        return self.name != "topk"
+
+    def k(self, numel: int) -> int:
+        """Values kept by topk for ``numel`` inputs (0 for other codecs)."""
+        if self.name != "topk" or numel == 0:
+            return 0
+        return min(numel, max(1, math.ceil(self.ratio * numel)))
+
+    def wire_bytes(self, numel: int) -> int:
+        # The C++ side checks the same bound; this one also covers numels beyond int64.
+        if not 0 <= numel <= MAX_NUMEL:
+            raise ValueError(f"flatcomm: numel must be in [0, 2^56], got {numel}")
+        return extension.wire_bytes(self.name, numel, self.block_size, self.k(numel))
+
+
+CodecLike = Union[str, Codec]
+
+
+def resolve(codec: CodecLike, block_size: Optional[int] = None, ratio: Optional[float] = None) -> Codec:
+    """A :class:`Codec` from a name or a Codec, with ``block_size`` / ``ratio`` overriding."""
+    if isinstance(codec, Codec):
+        base = codec
+    elif isinstance(codec, str):
+        base = Codec(codec)
+    else:
+        raise TypeError(f"flatcomm: codec must be a name or a Codec, got {type(codec).__name__}")
+    if block_size is None and ratio is None:
+        return base
+    return dataclasses.replace(
+        base,
+        block_size=base.block_size if block_size is None else int(block_size),
+        ratio=base.ratio if ratio is None else float(ratio),
+    )
+
+
+def wire_bytes(codec: CodecLike, numel: int, *, block_size: Optional[int] = None,
+               ratio: Optional[float] = None) -> int:
+    """Bytes of the payload that ``encode`` produces for ``numel`` values (a multiple of 16)."""
+    return resolve(codec, block_size, ratio).wire_bytes(numel)
+
+
+def encode(
+    x: torch.Tensor,
+    codec: CodecLike,
+    *,
+    residual: Optional[torch.Tensor] = None,
+    block_size: Optional[int] = None,
+    ratio: Optional[float] = None,
+    stochastic: bool = False,
+    seed: int = 0,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Encode ``x`` (fp32/bf16/fp16, contiguous, any shape) into one uint8 payload.
+
+    With ``residual`` (fp32, same numel) this is error feedback fused in one pass: it encodes
+    ``v = x + residual`` and leaves ``residual = v - decode(payload)`` in place.
+    ``stochastic`` (int8, int4, bf16) rounds up or down at random with a counter-based generator
+    keyed by ``(seed, element index)``: the same bits for any thread count or device.
+    With ``out`` (uint8, ``wire_bytes`` long) the payload is written there and returned.
+    """
+    c = resolve(codec, block_size, ratio)
+    k = c.k(x.numel())
+    if out is None:
+        return ops.encode(x, c.name, c.block_size, k, residual, stochastic, int(seed))
+    ops.encode_into(x, c.name, c.block_size, k, residual, stochastic, int(seed), out)
+    return out
+
+
+def decode(
+    payload: torch.Tensor,
+    codec: CodecLike,
+    numel: int,
+    *,
+    block_size: Optional[int] = None,
+    ratio: Optional[float] = None,
+    dtype: torch.dtype = torch.float32,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Decode a payload back to ``numel`` values of ``dtype`` (a 1-D tensor).
+
+    With ``out`` (contiguous, ``numel`` values, fp32/bf16/fp16) the values are written there.
+    """
+    c = resolve(codec, block_size, ratio)
+    if out is None:
+        return ops.decode(payload, c.name, numel, c.block_size, c.k(numel), dtype)
+    ops.decode_into(payload, c.name, numel, c.block_size, c.k(numel), out)
+    return out
+
+
+@overload
+def decode_sum(payloads: torch.Tensor, codec: CodecLike, numel: int, *, block_size: Optional[int] = ...,
+               ratio: Optional[float] = ..., scale: float = ..., reencode: None = ...,
+               residual: Optional[torch.Tensor] = ..., reencode_block_size: Optional[int] = ...,
+               stochastic: bool = ..., seed: int = ..., out: Optional[torch.Tensor] = ...) -> torch.Tensor: ...
+@overload
+def decode_sum(payloads: torch.Tensor, codec: CodecLike, numel: int, *, block_size: Optional[int] = ...,
+               ratio: Optional[float] = ..., scale: float = ..., reencode: CodecLike,
+               residual: Optional[torch.Tensor] = ..., reencode_block_size: Optional[int] = ...,
+               stochastic: bool = ..., seed: int = ..., out: Optional[torch.Tensor] = ...) -> torch.Tensor: ...
+
+
+def decode_sum(
+    payloads: torch.Tensor,
+    codec: CodecLike,
+    numel: int,
+    *,
+    block_size: Optional[int] = None,
+    ratio: Optional[float] = None,
+    scale: float = 1.0,
+    reencode: Optional[CodecLike] = None,
+    residual: Optional[torch.Tensor] = None,
+    reencode_block_size: Optional[int] = None,
+    stochastic: bool = False,
+    seed: int = 0,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Decode ``payloads`` ([W, nbytes], one row per source rank) and sum them in fp32.
+
+    The sum runs in ascending row order for every element (``((d0 + d1) + d2) + ...``), then is
+    multiplied once by ``scale``; the result is the same bits for any thread count. Without
+    ``reencode`` it returns the fp32 sum ([numel]). With ``reencode`` (any codec but topk) the sum
+    is encoded again in the same pass, with error feedback into ``residual`` if given (the second
+    stage of an all-reduce), and the new payload is returned. ``out`` receives the result
+    (fp32 sum, or payload) instead of a new tensor.
+    """
+    c = resolve(codec, block_size, ratio)
+    k = c.k(numel)
+    if reencode is None:
+        if residual is not None:
+            raise ValueError("flatcomm: decode_sum got a residual but no reencode codec")
+        if out is None:
+            return ops.decode_sum(payloads, c.name, numel, c.block_size, k, float(scale))
+        ops.decode_sum_into(payloads, c.name, numel, c.block_size, k, float(scale), out)
+        return out
+    second = resolve(reencode, reencode_block_size)
+    args = (payloads, c.name, numel, c.block_size, k, float(scale), second.name,
+            second.block_size, residual, stochastic, int(seed))
+    if out is None:
+        return ops.decode_sum_encode(*args)
+    ops.decode_sum_encode_into(*args, out)
+    return out

@@ -1,0 +1,115 @@
+"""Loads the native extension and registers the fake (meta) kernels of every flatcomm op.
+
+The ops themselves are defined in C++ (csrc/registration.cpp); the fake kernels here only compute
+output shapes and dtypes, so that torch.compile and torch.library.opcheck can trace through them.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["extension", "ops"]
+
+try:
+    from .. import _C  # noqa: F401  (registers torch.ops.flatcomm.*)
+except ImportError as exc:  # pragma: no cover - exercised only on broken installs
+    raise ImportError(
+        "flatcomm's native extension flatcomm._C could not be imported "
+        f"({exc}). Build it first: `make build` (or `pip install --no-build-isolation -e .`), "
+        "with the same torch version it will run against."
+    ) from exc
+
+extension = _C  # the compiled module: wire_bytes, constants, build_info, ...
+ops = torch.ops.flatcomm
+
+
+def _same_device(ref: torch.Tensor, *named) -> None:
+    """The device check of the C++ ops (ops_common.h check_same_device), in the fake kernels too.
+
+    A mix such as a CPU input with a meta residual dispatches to these fake kernels (the meta key
+    wins), which would otherwise return an uninitialised result or leave ``out`` untouched.
+    """
+    for what, t in named:
+        if t is not None and t.device != ref.device:
+            raise RuntimeError(f"flatcomm: {what} is on {t.device} but the input is on {ref.device}")
+
+
+@torch.library.register_fake("flatcomm::encode")
+def _encode_fake(x, codec, block_size, k, residual, stochastic, seed):
+    _same_device(x, ("residual", residual))
+    return x.new_empty((_C.wire_bytes(codec, x.numel(), block_size, k),), dtype=torch.uint8)
+
+
+@torch.library.register_fake("flatcomm::decode")
+def _decode_fake(payload, codec, numel, block_size, k, dtype):
+    _C.wire_bytes(codec, numel, block_size, k)  # the real op's argument checks
+    return payload.new_empty((numel,), dtype=dtype)
+
+
+@torch.library.register_fake("flatcomm::decode_sum")
+def _decode_sum_fake(payloads, codec, numel, block_size, k, scale):
+    _C.wire_bytes(codec, numel, block_size, k)  # the real op's argument checks
+    return payloads.new_empty((numel,), dtype=torch.float32)
+
+
+@torch.library.register_fake("flatcomm::decode_sum_encode")
+def _decode_sum_encode_fake(
+    payloads, codec, numel, block_size, k, scale, out_codec, out_block_size, residual, stochastic, seed
+):
+    _same_device(payloads, ("residual", residual))
+    nbytes = _C.wire_bytes(out_codec, numel, out_block_size, 0)
+    return payloads.new_empty((nbytes,), dtype=torch.uint8)
+
+
+@torch.library.register_fake("flatcomm::encode_into")
+def _encode_into_fake(x, codec, block_size, k, residual, stochastic, seed, payload):
+    _same_device(x, ("residual", residual), ("payload", payload))
+    return None
+
+
+@torch.library.register_fake("flatcomm::decode_into")
+def _decode_into_fake(payload, codec, numel, block_size, k, out):
+    _same_device(payload, ("out", out))
+    return None
+
+
+@torch.library.register_fake("flatcomm::decode_sum_into")
+def _decode_sum_into_fake(payloads, codec, numel, block_size, k, scale, out):
+    _same_device(payloads, ("out", out))
+    return None
+
+
+@torch.library.register_fake("flatcomm::decode_sum_encode_into")
+def _decode_sum_encode_into_fake(
+    payloads, codec, numel, block_size, k, scale, out_codec, out_block_size, residual, stochastic,
+    seed, payload,
+):
+    _same_device(payloads, ("residual", residual), ("payload", payload))
+    return None
+
+
+@torch.library.register_fake("flatcomm::ordered_sum")
+def _ordered_sum_fake(x):
+    return x.new_empty((x.shape[-1],), dtype=torch.float32)
+
+
+@torch.library.register_fake("flatcomm::exact_exponents")
+def _exact_exponents_fake(x, block_size):
+    n = x.shape[-1]
+    return x.new_empty(((n + block_size - 1) // block_size,), dtype=torch.int32)
+
+
+@torch.library.register_fake("flatcomm::to_exact")
+def _to_exact_fake(x, exponents, block_size, headroom):
+    _same_device(x, ("exponents", exponents))
+    return x.new_empty((x.numel(),), dtype=torch.int64)
+
+
+@torch.library.register_fake("flatcomm::from_exact")
+def _from_exact_fake(acc, exponents, block_size, headroom):
+    _same_device(acc, ("exponents", exponents))
+    return acc.new_empty((acc.numel(),), dtype=torch.float32)
+
+
+@torch.library.register_fake("flatcomm::exact_sum")
+def _exact_sum_fake(x, block_size, headroom):
+    return x.new_empty((x.shape[-1],), dtype=torch.float32)
