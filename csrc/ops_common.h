@@ -13,16 +13,26 @@
 namespace flatcomm {
 namespace ops {
 
-// The codec names users pass, in id order (core::Codec).
-constexpr const char* kCodecNames[] = {"fp32", "bf16", "fp16", "int8", "int4", "sign", "topk"};
-constexpr int32_t kNumCodecs = sizeof(kCodecNames) / sizeof(kCodecNames[0]);
-static_assert(kNumCodecs == core::kCodecTopK + 1, "a name for every codec id");
+// The names of the codecs c for which pred(c) holds, in id order: "a, b and c" (or "a, b, c").
+template <class Pred>
+std::string codec_names(Pred pred, const char* last_sep) {
+  std::string out;
+  int32_t left = 0;
+  for (int32_t c = 0; c < core::kNumCodecs; ++c) left += pred(c) ? 1 : 0;
+  for (int32_t c = 0; c < core::kNumCodecs; ++c) {
+    if (!pred(c)) continue;
+    out += core::kCodecNames[c];
+    --left;
+    if (left > 0) out += left == 1 ? last_sep : ", ";
+  }
+  return out;
+}
 
 inline int32_t parse_codec(const std::string& name) {
-  for (int32_t i = 0; i < kNumCodecs; ++i)
-    if (name == kCodecNames[i]) return i;
-  TORCH_CHECK(false, "flatcomm: unknown codec '", name,
-              "'; expected one of fp32, bf16, fp16, int8, int4, sign, topk");
+  for (int32_t i = 0; i < core::kNumCodecs; ++i)
+    if (name == core::kCodecNames[i]) return i;
+  TORCH_CHECK(false, "flatcomm: unknown codec '", name, "'; expected one of ",
+              codec_names([](int32_t) { return true; }, ", "));
 }
 
 // The second-stage codec of decode_sum_encode: anything that encodes block by block.
@@ -110,9 +120,8 @@ inline void check_residual(const at::Tensor& x, const c10::optional<at::Tensor>&
 }
 
 inline void check_stochastic(int32_t codec, bool stochastic) {
-  TORCH_CHECK(!stochastic || codec == core::kCodecInt8 || codec == core::kCodecInt4 ||
-                  codec == core::kCodecBF16,
-              "flatcomm: stochastic rounding is available for int8, int4 and bf16 only");
+  TORCH_CHECK(!stochastic || core::has_stochastic(codec), "flatcomm: stochastic rounding is available for ",
+              codec_names(core::has_stochastic, " and "), " only");
 }
 
 inline void check_payload(const at::Tensor& p, int64_t rows_dim, int64_t expected_bytes,

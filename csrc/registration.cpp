@@ -111,13 +111,15 @@ pybind11::dict topk_scratch_layout(int64_t n) {
 
 pybind11::dict constants() {
   pybind11::dict d;
-  pybind11::list names, blockwise;
-  for (int32_t c = 0; c < flatcomm::ops::kNumCodecs; ++c) {
-    names.append(flatcomm::ops::kCodecNames[c]);
+  pybind11::list names, blockwise, stochastic;
+  for (int32_t c = 0; c < core::kNumCodecs; ++c) {
+    names.append(core::kCodecNames[c]);
     if (core::is_blockwise(c)) blockwise.append(c);
+    if (core::has_stochastic(c)) stochastic.append(c);
   }
   d["codec_names"] = names;  // index = codec id
   d["blockwise_codecs"] = blockwise;
+  d["stochastic_codecs"] = stochastic;
   d["dtype_f32"] = static_cast<int>(core::kF32);
   d["dtype_bf16"] = static_cast<int>(core::kBF16);
   d["dtype_f16"] = static_cast<int>(core::kF16);

@@ -110,6 +110,7 @@ INT8, INT4, SIGN, TOPK = (CODEC_IDS[c] for c in ("int8", "int4", "sign", "topk")
 DTYPES = (F32, BF16, F16)
 NON_TOPK = tuple(c for c in CODEC_IDS.values() if c != TOPK)
 BLOCKWISE = tuple(_K["blockwise_codecs"])
+STOCHASTIC = tuple(_K["stochastic_codecs"])
 MIN_BLOCK, MAX_BLOCK, MAX_TOPK_NUMEL = _K["min_block"], _K["max_block"], _K["max_topk_numel"]
 K_THREADS, K_WARPS, K_SCAN_THREADS = _K["threads"], _K["warps"], _K["scan_threads"]
 K_CAST_TILE, K_TOPK_TILE, K_MAX_GRID = _K["cast_tile"], _K["topk_tile"], _K["max_grid"]
@@ -277,7 +278,7 @@ class Launches:
 
     def _run_encode(self, c: int, src_name: str, src: np.ndarray, e: dict, vec: bool) -> None:
         co = layout(c, e["n"], e["block"], 0)[1]
-        stochastic = bool(e["stochastic"]) and c in (INT8, INT4, BF16)
+        stochastic = bool(e["stochastic"]) and c in STOCHASTIC
         vec = vec and al16(e["payload"]) and (e["residual"] == 0 or al16(e["residual"]))
         if is_blockwise(c):
             block, wpg = e["block"], min(e["block"] // 32, K_WARPS)
@@ -499,8 +500,9 @@ def check_residual(x: torch.Tensor, r: Optional[torch.Tensor]) -> None:
 
 
 def check_stochastic(c: int, stochastic: bool) -> None:
-    _check(not stochastic or c in (INT8, INT4, BF16),
-           "flatcomm: stochastic rounding is available for int8, int4 and bf16 only")
+    names = [_K["codec_names"][i] for i in STOCHASTIC]
+    _check(not stochastic or c in STOCHASTIC, "flatcomm: stochastic rounding is available for ",
+           ", ".join(names[:-1]) + " and " + names[-1], " only")
 
 
 def check_payload(p: torch.Tensor, rows_dim: int, expected: int, codec: str, n: int) -> None:
