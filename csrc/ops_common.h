@@ -136,6 +136,32 @@ inline void check_payload(const at::Tensor& p, int64_t rows_dim, int64_t expecte
               codec, "' with numel ", n, " needs ", expected_bytes);
 }
 
+// decode_rows: the codec id and the bytes of each row. Every codec whose payload size follows from
+// its numel, so not topk (whose size depends on k).
+struct RowsLayout {
+  int32_t codec;
+  int64_t row_bytes;
+};
+
+inline RowsLayout decode_rows_layout(const std::string& name, int64_t row_numel, int64_t block) {
+  const int32_t codec = parse_codec(name);
+  TORCH_CHECK(codec != core::kCodecTopK, "flatcomm: decode_rows does not take topk payloads (their size "
+              "depends on k); decode each row with decode");
+  TORCH_CHECK(row_numel >= 1 && row_numel <= core::kMaxNumel, "flatcomm: row_numel must be in [1, 2^56], got ",
+              row_numel);
+  return RowsLayout{codec, wire_bytes(codec, row_numel, block, 0)};
+}
+
+// decode_rows: `rows` rows of row_numel values fill out (out_numel values), the last one perhaps
+// cut short, i.e. ceil(out_numel / row_numel) == rows (no product that could overflow).
+inline void check_rows_cover(int64_t rows, int64_t row_numel, int64_t out_numel) {
+  TORCH_CHECK(rows >= 1, "flatcomm: decode_rows needs at least one row in payloads, got 0");
+  const int64_t needed = core::ceil_div(out_numel, row_numel);
+  TORCH_CHECK(needed == rows, "flatcomm: out has ", out_numel, " elements, which is ", needed,
+              " rows of row_numel ", row_numel, ", but payloads has ", rows, " rows (out must hold more than ",
+              "(rows - 1) * row_numel and at most rows * row_numel elements)");
+}
+
 // A caller-provided output: right device, dtype and size, contiguous.
 inline void check_out(const at::Tensor& ref, const at::Tensor& out, int64_t numel,
                       const char* what) {

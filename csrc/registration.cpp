@@ -27,6 +27,9 @@ TORCH_LIBRARY(flatcomm, m) {
         "bool stochastic, int seed, Tensor(b!) payload) -> ()");
   m.def("decode_into(Tensor payload, str codec, int numel, int block_size, int k, Tensor(a!) out) "
         "-> ()");
+  // Row r of payloads (a [rows, bytes] stack of whole payloads of row_numel values, e.g. gathered
+  // shards) decoded into out[r * row_numel, ...) in out's dtype, cut at out's end; not topk.
+  m.def("decode_rows_into(Tensor payloads, str codec, int row_numel, int block_size, Tensor(a!) out) -> ()");
   m.def("decode_sum_into(Tensor payloads, str codec, int numel, int block_size, int k, float scale, "
         "Tensor(a!) out) -> ()");
   m.def("decode_sum_encode_into(Tensor payloads, str codec, int numel, int block_size, int k, "
@@ -161,6 +164,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wire_layout", &wire_layout,
         "core::layout of a payload (codec id): nblocks, codes_offset, total, and where its data ends "
         "(head_end, data_end; the rest is padding). ValueError for arguments no launch accepts.");
+  m.def(
+      "decode_rows_layout",
+      [](const std::string& codec, int64_t row_numel, int64_t block) {
+        const flatcomm::ops::RowsLayout l = flatcomm::ops::decode_rows_layout(codec, row_numel, block);
+        return std::make_pair(l.codec, l.row_bytes);
+      },
+      "decode_rows' codec id and bytes per row, with the op's errors (topk, row_numel, block_size).");
+  m.def("check_rows_cover", &flatcomm::ops::check_rows_cover,
+        "decode_rows' check that the rows fill out exactly (the last one perhaps cut short).");
   m.def(
       "parse_codec", [](const std::string& name) { return flatcomm::ops::parse_codec(name); },
       "The id of a codec name, with the ops' error for an unknown one.");

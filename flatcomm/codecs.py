@@ -22,7 +22,7 @@ from ._ops import ops
 
 __all__ = [
     "BLOCKWISE", "CODECS", "Codec", "CodecLike", "DEFAULT_BLOCK_SIZE", "DEFAULT_TOPK_RATIO", "MAX_NUMEL",
-    "decode", "decode_sum", "encode", "resolve", "wire_bytes"
+    "decode", "decode_rows", "decode_sum", "encode", "resolve", "wire_bytes"
 ]
 
 # The codec list, in the order of the C++ codec ids (csrc/ops_common.h parse_codec; cupy_backend's
@@ -146,6 +146,22 @@ def decode(
     if out is None:
         return ops.decode(payload, c.name, numel, c.block_size, c.k(numel), dtype)
     ops.decode_into(payload, c.name, numel, c.block_size, c.k(numel), out)
+    return out
+
+
+def decode_rows(payloads: torch.Tensor, codec: CodecLike, row_numel: int, out: torch.Tensor, *,
+                block_size: Optional[int] = None) -> torch.Tensor:
+    """Decode a stack of payloads into consecutive stretches of ``out``, in one pass; returns ``out``.
+
+    ``payloads`` is ``[R, wire_bytes(codec, row_numel)]`` uint8, each row a whole payload with its own
+    block scales (the all-gathered shards of a weight, say). Row r fills
+    ``out.view(-1)[r * row_numel : (r + 1) * row_numel]``, cut at the end of ``out``, whose numel must
+    be in ``((R - 1) * row_numel, R * row_numel]``: values past it (the padding of the last shard) are
+    not written. ``out`` is contiguous fp32, bf16 or fp16; its values are those of ``decode`` of each
+    row in fp32, rounded to its dtype (nearest even). Any codec but topk.
+    """
+    c = resolve(codec, block_size)
+    ops.decode_rows_into(payloads, c.name, int(row_numel), c.block_size, out)
     return out
 
 

@@ -133,12 +133,13 @@ def k_t(name: str, *targs: int) -> str:
 
 
 def kernel_names() -> List[str]:
-    """Every kernel instance the launches below use (the 108 of kernels.cu)."""
+    """Every kernel instance the launches below use (the 126 of kernels.cu)."""
     names = []
     for c in NON_TOPK:
         names += [k_encode(c, dt) for dt in DTYPES]
         names += [k_encode_sum(c, sc) for sc in CODEC_IDS.values()]
         names += [k_t("decode_kernel", c, dt) for dt in DTYPES]
+        names += [k_t("decode_rows_kernel", c, dt) for dt in DTYPES]
         names.append(k_t("decode_sum_kernel", c))
     for dt in DTYPES:
         names += [k_t(k, dt) for k in ("topk_decode_kernel", "topk_fill_kernel", "ordered_sum_kernel",
@@ -159,7 +160,7 @@ def module_of(name: str) -> str:
         return "topk_encode"
     if fam == "encode_kernel":
         return f"{'reencode' if 'SumSource' in name else 'encode'}_{first}"
-    if fam in ("decode_kernel", "decode_sum_kernel", "topk_decode_kernel"):
+    if fam in ("decode_kernel", "decode_rows_kernel", "decode_sum_kernel", "topk_decode_kernel"):
         return f"decode_{'topk' if fam == 'topk_decode_kernel' else first}"
     return f"sums_{first if first is not None else 'fixed'}"
 
@@ -347,6 +348,19 @@ class Launches:
             vec = al16(d["payload"]) and al16(d["out"])
             self.run(k_t("decode_kernel", c, d["out_dtype"]), grid_for(n, 4 * K_THREADS), K_THREADS, 0,
                      (U64(d["payload"]), I64(co), I64(d["block"]), I64(n), U64(d["out"]), np.bool_(vec)))
+
+    def decode_rows(self, d: dict) -> None:
+        """d: the fields of DecodeRowsArgs."""
+        c, m, n = d["codec"], d["row_numel"], d["n"]
+        self._check(d["out_dtype"] in DTYPES and c in NON_TOPK and self._valid_block(c, d["block"]) and m >= 1
+                    and d["rows"] >= 1 and n >= 1 and ceil_div(n, m) == d["rows"], "decode_rows")
+        co = layout(c, m, d["block"], 0)[1]
+        vec = (al16(d["payloads"]) and d["row_stride"] % 16 == 0 and al16(d["out"])
+               and (m * self._esize(d["out_dtype"])) % 16 == 0)
+        I64, U64 = np.int64, np.uint64
+        self.run(k_t("decode_rows_kernel", c, d["out_dtype"]), grid_for(d["rows"] * ceil_div(m, 4), K_THREADS),
+                 K_THREADS, 0, (U64(d["payloads"]), I64(d["row_stride"]), I64(d["rows"]), I64(m), I64(n), I64(co),
+                                I64(d["block"]), U64(d["out"]), np.bool_(vec)))
 
     def _check_sum(self, a: dict, what: str) -> None:
         c = a["codec"]
@@ -562,7 +576,7 @@ class _Guard:
 
 
 class Ops:
-    """The 13 flatcomm ops over a Launches; the same checks, allocations and argument structs as
+    """The 14 flatcomm ops over a Launches; the same checks, allocations and argument structs as
     OpsImpl<B> in csrc/ops_impl.h."""
 
     def __init__(self, launches: Launches) -> None:
@@ -614,6 +628,18 @@ class Ops:
             check_out(payload, out, numel, "out")
             self.k.decode(dict(payload=_ptr(payload), n=numel, codec=c, block=block_size, k=k, out=_ptr(out),
                                out_dtype=odt))
+
+    def decode_rows_into(self, payloads, codec, row_numel, block_size, out) -> None:
+        with _Guard(payloads):
+            c, row_bytes = _C.decode_rows_layout(codec, row_numel, block_size)
+            odt = dtype_code(out.dtype, "out")
+            check_payload(payloads, 2, row_bytes, codec, row_numel)
+            check_same_device(payloads, out, "out")
+            check_contiguous(out, "out")
+            _C.check_rows_cover(payloads.shape[0], row_numel, out.numel())
+            self.k.decode_rows(dict(payloads=_ptr(payloads), row_stride=row_bytes, rows=payloads.shape[0],
+                                    row_numel=row_numel, codec=c, block=block_size, out=_ptr(out), out_dtype=odt,
+                                    n=out.numel()))
 
     def decode(self, payload, codec, numel, block_size, k, dtype) -> torch.Tensor:
         with _Guard(payload):
@@ -745,7 +771,7 @@ class Ops:
             return out
 
 
-OP_NAMES = ("encode", "encode_into", "decode", "decode_into", "decode_sum", "decode_sum_into",
+OP_NAMES = ("encode", "encode_into", "decode", "decode_into", "decode_rows_into", "decode_sum", "decode_sum_into",
             "decode_sum_encode", "decode_sum_encode_into", "ordered_sum", "exact_exponents", "to_exact",
             "from_exact", "exact_sum")
 

@@ -459,6 +459,17 @@ def decode(payload: torch.Tensor, codec: str, n: int, *, block_size: int = 256, 
     return store_as(decode_f32(payload, codec, n, block_size=block_size, ratio=ratio), dtype)
 
 
+def decode_rows(payloads: torch.Tensor, codec: str, row_numel: int, numel: int, *, block_size: int = 256,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``flatcomm.decode_rows`` (bit-exact): the fp32 decode of each row ([R, nbytes]) one after the
+    other, cut to ``numel`` values (in ((R - 1) * row_numel, R * row_numel]), then an RNE store to ``dtype``."""
+    rows = payloads.shape[0]
+    if codec == "topk" or not (rows >= 1 and (rows - 1) * row_numel < numel <= rows * row_numel):
+        raise ValueError(f"reference: decode_rows of {rows} {codec} rows of {row_numel} into {numel} values")
+    v = torch.cat([decode_f32(payloads[r], codec, row_numel, block_size=block_size) for r in range(rows)])
+    return store_as(v[:numel], dtype)
+
+
 def decode_sum(
     payloads: torch.Tensor,
     codec: str,
@@ -680,7 +691,8 @@ def ef_identity_error(x: torch.Tensor, r_old: torch.Tensor, decoded: torch.Tenso
 
 
 __all__ = [
-    "CODECS", "abs_bits", "block_scales", "decode", "decode_f32", "decode_sum", "dequant_error_bound",
+    "CODECS", "abs_bits", "block_scales", "decode", "decode_f32", "decode_rows", "decode_sum",
+    "dequant_error_bound",
     "ef_identity_error", "encode", "exact_exponents", "exact_sum", "exact_sum_exact",
     "exponent_of_abs_bits", "f32_bits", "f32_from_bits", "from_exact", "from_fixed", "layout",
     "ordered_sum", "random_u32", "random_unit", "round_to_f32", "seed_key", "splitmix64_int",

@@ -333,6 +333,23 @@ static void decode_impl(const DecodeArgs& a, int64_t i0, int64_t i1) {
   by_dtype(a.out_dtype, [&](auto dt) { decode_to<decltype(dt)::value>(a, i0, i1); });
 }
 
+// Units [u0, u1) of decode_rows (kernels.h): each row's stretch of units is one decode of that row.
+static void decode_rows_impl(const DecodeRowsArgs& a, int64_t u0, int64_t u1) {
+  const int64_t unit = decode_rows_unit(a), per_row = ceil_div(a.row_numel, unit);
+  const int64_t esize = dtype_bytes(a.out_dtype);
+  for (int64_t u = u0; u < u1;) {
+    const int64_t r = u / per_row, row_end = min_(u1, (r + 1) * per_row);
+    const int64_t len = min_(a.row_numel, a.n - r * a.row_numel);  // the last row may be cut short
+    const int64_t j0 = (u - r * per_row) * unit, j1 = min_(len, (row_end - r * per_row) * unit);
+    if (j0 < j1) {
+      const DecodeArgs d{a.payloads + r * a.row_stride, a.row_numel, a.codec, a.block, 0,
+                         static_cast<uint8_t*>(a.out) + r * a.row_numel * esize, a.out_dtype};
+      decode_impl(d, j0, j1);
+    }
+    u = row_end;
+  }
+}
+
 // Sum of the decoded rows over [i0, i1) into out (fp32), in ascending row order, then scaled.
 static void decode_sum_tile(const DecodeSumArgs& a, int64_t i0, int64_t i1, float* out) {
   for (int64_t r = 0; r < a.rows; ++r) {
@@ -471,7 +488,7 @@ static void exact_sum_impl(const ExactArgs& a, int64_t i0, int64_t i1) {
 }
 
 static constexpr KernelTable kTable = {
-    FC_ISA_NAME,        encode_impl,       encode_topk_impl,     decode_impl,
+    FC_ISA_NAME,        encode_impl,       encode_topk_impl,     decode_impl,          decode_rows_impl,
     decode_sum_impl,    decode_sum_encode_impl, ordered_sum_impl, exact_exponents_impl,
     to_fixed_impl,      from_fixed_impl,   exact_sum_impl,
 };

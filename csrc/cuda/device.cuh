@@ -224,6 +224,27 @@ decode_kernel(const uint8_t* p, int64_t codes_offset, int64_t block, int64_t n, 
   }
 }
 
+// Row r of `rows` payloads (row_stride bytes apart, row_numel values each) into out elements
+// [r * row_numel, ...), n in all: the last row may be cut short. Chunks of 4 lie in one row (chunk
+// c: row c / per_row); with vec every row of out starts 16-byte aligned (the launch checks).
+template <int C, int ODT>
+__global__ void __launch_bounds__(kThreads)
+decode_rows_kernel(const uint8_t* payloads, int64_t row_stride, int64_t rows, int64_t row_numel, int64_t n,
+                   int64_t codes_offset, int64_t block, void* out, bool vec) {
+  const int64_t per_row = ceil_div(row_numel, 4);
+  const int64_t chunks = rows * per_row;
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = c / per_row, i = 4 * (c - r * per_row);
+    const int64_t len = min64(row_numel, n - r * row_numel);
+    if (i >= len) continue;  // past the end of a cut last row
+    const int cnt = static_cast<int>(min64(4, len - i));
+    float d[4];
+    decode4<C>(payloads + r * row_stride, codes_offset, block, i, cnt, vec, d);
+    store4<ODT>(static_cast<char*>(out) + r * row_numel * dtype_bytes(ODT), i, cnt, vec, d);
+  }
+}
+
 template <int C>
 __global__ void __launch_bounds__(kThreads)
 decode_sum_kernel(DecodeSumArgs a, int64_t codes_offset, bool vec) {

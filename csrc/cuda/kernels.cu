@@ -138,6 +138,30 @@ cudaError_t decode(const DecodeArgs& a, cudaStream_t s) {
   });
 }
 
+cudaError_t decode_rows(const DecodeRowsArgs& a, cudaStream_t s) {
+  if (!valid_dtype(a.out_dtype) || !valid_codec_id(a.codec) || a.codec == kCodecTopK ||
+      !valid_block(a.codec, a.block) || a.row_numel < 1 || !valid_numel(a.row_numel) || a.rows < 1 ||
+      a.n < 1 || !valid_numel(a.n) || ceil_div(a.n, a.row_numel) != a.rows)
+    return cudaErrorInvalidValue;
+  const int64_t co = layout(a.codec, a.row_numel, a.block, 0).codes_offset;
+  const bool vec = al16(a.payloads) && a.row_stride % 16 == 0 && al16(a.out) &&
+                   (a.row_numel * dtype_bytes(a.out_dtype)) % 16 == 0;
+  const unsigned grid = grid_for(a.rows * ceil_div(a.row_numel, 4), kThreads);
+  return by_dtype(a.out_dtype, [&](auto odt) {
+    constexpr int ODT = decltype(odt)::value;
+    return by_codec(a.codec, [&](auto c) -> cudaError_t {
+      constexpr int C = decltype(c)::value;
+      if constexpr (C == kCodecTopK) {
+        return cudaErrorInvalidValue;  // rejected above
+      } else {
+        decode_rows_kernel<C, ODT><<<grid, kThreads, 0, s>>>(a.payloads, a.row_stride, a.rows, a.row_numel, a.n,
+                                                            co, a.block, a.out, vec);
+        return cudaGetLastError();
+      }
+    });
+  });
+}
+
 bool rows_aligned(const DecodeSumArgs& a) { return al16(a.payloads) && a.row_stride % 16 == 0; }
 
 cudaError_t decode_sum(const DecodeSumArgs& a, cudaStream_t s) {
@@ -244,6 +268,7 @@ int launch_encode_topk(const EncodeArgs& a, cudaStream_t s) {
   return static_cast<int>(a.codec == kCodecTopK ? encode_topk(a, s) : cudaErrorInvalidValue);
 }
 int launch_decode(const DecodeArgs& a, cudaStream_t s) { return static_cast<int>(decode(a, s)); }
+int launch_decode_rows(const DecodeRowsArgs& a, cudaStream_t s) { return static_cast<int>(decode_rows(a, s)); }
 int launch_decode_sum(const DecodeSumArgs& a, cudaStream_t s) {
   return static_cast<int>(decode_sum(a, s));
 }
