@@ -13,16 +13,26 @@
 namespace flatcomm {
 namespace ops {
 
-// The codec names users pass, in id order (core::Codec).
-constexpr const char* kCodecNames[] = {"fp32", "bf16", "fp16", "int8", "int4", "sign", "topk"};
-constexpr int32_t kNumCodecs = sizeof(kCodecNames) / sizeof(kCodecNames[0]);
-static_assert(kNumCodecs == core::kCodecTopK + 1, "a name for every codec id");
+// The names of the codecs c for which pred(c) holds, in id order: "a, b and c" (or "a, b, c").
+template <class Pred>
+std::string codec_names(Pred pred, const char* last_sep) {
+  std::string out;
+  int32_t left = 0;
+  for (int32_t c = 0; c < core::kNumCodecs; ++c) left += pred(c) ? 1 : 0;
+  for (int32_t c = 0; c < core::kNumCodecs; ++c) {
+    if (!pred(c)) continue;
+    out += core::kCodecNames[c];
+    --left;
+    if (left > 0) out += left == 1 ? last_sep : ", ";
+  }
+  return out;
+}
 
 inline int32_t parse_codec(const std::string& name) {
-  for (int32_t i = 0; i < kNumCodecs; ++i)
-    if (name == kCodecNames[i]) return i;
-  TORCH_CHECK(false, "flatcomm: unknown codec '", name,
-              "'; expected one of fp32, bf16, fp16, int8, int4, sign, topk");
+  for (int32_t i = 0; i < core::kNumCodecs; ++i)
+    if (name == core::kCodecNames[i]) return i;
+  TORCH_CHECK(false, "flatcomm: unknown codec '", name, "'; expected one of ",
+              codec_names([](int32_t) { return true; }, ", "));
 }
 
 // The second-stage codec of decode_sum_encode: anything that encodes block by block.
@@ -110,9 +120,8 @@ inline void check_residual(const at::Tensor& x, const c10::optional<at::Tensor>&
 }
 
 inline void check_stochastic(int32_t codec, bool stochastic) {
-  TORCH_CHECK(!stochastic || codec == core::kCodecInt8 || codec == core::kCodecInt4 ||
-                  codec == core::kCodecBF16,
-              "flatcomm: stochastic rounding is available for int8, int4 and bf16 only");
+  TORCH_CHECK(!stochastic || core::has_stochastic(codec), "flatcomm: stochastic rounding is available for ",
+              codec_names(core::has_stochastic, " and "), " only");
 }
 
 inline void check_payload(const at::Tensor& p, int64_t rows_dim, int64_t expected_bytes,
@@ -125,6 +134,32 @@ inline void check_payload(const at::Tensor& p, int64_t rows_dim, int64_t expecte
   const int64_t got = p.size(p.dim() - 1);
   TORCH_CHECK(got == expected_bytes, "flatcomm: payload has ", got, " bytes per row but codec '",
               codec, "' with numel ", n, " needs ", expected_bytes);
+}
+
+// decode_rows: the codec id and the bytes of each row. Every codec whose payload size follows from
+// its numel, so not topk (whose size depends on k).
+struct RowsLayout {
+  int32_t codec;
+  int64_t row_bytes;
+};
+
+inline RowsLayout decode_rows_layout(const std::string& name, int64_t row_numel, int64_t block) {
+  const int32_t codec = parse_codec(name);
+  TORCH_CHECK(codec != core::kCodecTopK, "flatcomm: decode_rows does not take topk payloads (their size "
+              "depends on k); decode each row with decode");
+  TORCH_CHECK(row_numel >= 1 && row_numel <= core::kMaxNumel, "flatcomm: row_numel must be in [1, 2^56], got ",
+              row_numel);
+  return RowsLayout{codec, wire_bytes(codec, row_numel, block, 0)};
+}
+
+// decode_rows: `rows` rows of row_numel values fill out (out_numel values), the last one perhaps
+// cut short, i.e. ceil(out_numel / row_numel) == rows (no product that could overflow).
+inline void check_rows_cover(int64_t rows, int64_t row_numel, int64_t out_numel) {
+  TORCH_CHECK(rows >= 1, "flatcomm: decode_rows needs at least one row in payloads, got 0");
+  const int64_t needed = core::ceil_div(out_numel, row_numel);
+  TORCH_CHECK(needed == rows, "flatcomm: out has ", out_numel, " elements, which is ", needed,
+              " rows of row_numel ", row_numel, ", but payloads has ", rows, " rows (out must hold more than ",
+              "(rows - 1) * row_numel and at most rows * row_numel elements)");
 }
 
 // A caller-provided output: right device, dtype and size, contiguous.

@@ -5,7 +5,7 @@
 //     static constexpr bool kHostMemory;  // tensors are host memory: payloads can be validated
 //     static int64_t topk_scratch_bytes(int64_t n);
 //     static void encode(const EncodeArgs&), encode_topk(const EncodeArgs&),
-//         decode(const DecodeArgs&), decode_sum(const DecodeSumArgs&),
+//         decode(const DecodeArgs&), decode_rows(const DecodeRowsArgs&), decode_sum(const DecodeSumArgs&),
 //         decode_sum_encode(const DecodeSumArgs&, const EncodeArgs&),
 //         ordered_sum(const OrderedSumArgs&), exact_exponents(const ExactArgs&),
 //         to_fixed(const ExactArgs&, const at::Tensor& like),  // raises on overflow
@@ -106,6 +106,23 @@ struct OpsImpl {
     at::Tensor out = at::empty({n}, payload.options().dtype(dtype));
     decode_into(payload, codec_name, n, block, k, out);
     return out;
+  }
+
+  // Row r of payloads ([rows, row_bytes], each row a whole payload) into out[r * row_numel, ...), cut at
+  // out's end: one pass, no fp32 copy, for an all-gather of shards decoded into the full tensor.
+  static void decode_rows_into(const at::Tensor& payloads, c10::string_view codec_name, int64_t row_numel,
+                               int64_t block, at::Tensor& out) {
+    typename B::Guard guard(payloads);
+    const std::string name(codec_name);
+    const RowsLayout L = decode_rows_layout(name, row_numel, block);
+    const int32_t out_dt = dtype_code(out.scalar_type(), "out");
+    check_payload(payloads, 2, L.row_bytes, name, row_numel);
+    check_same_device(payloads, out, "out");
+    check_contiguous(out, "out");
+    check_rows_cover(payloads.size(0), row_numel, out.numel());
+    DecodeRowsArgs a{payloads.data_ptr<uint8_t>(), L.row_bytes, payloads.size(0), row_numel, L.codec, block,
+                     out.data_ptr(), out_dt, out.numel()};
+    B::decode_rows(a);
   }
 
   static DecodeSumArgs decode_sum_args(const at::Tensor& payloads, int32_t codec, int64_t n,
@@ -294,6 +311,7 @@ struct OpsImpl {
     m.impl("encode_into", &Impl::encode_into);                               \
     m.impl("decode", &Impl::decode);                                         \
     m.impl("decode_into", &Impl::decode_into);                               \
+    m.impl("decode_rows_into", &Impl::decode_rows_into);                     \
     m.impl("decode_sum", &Impl::decode_sum);                                 \
     m.impl("decode_sum_into", &Impl::decode_sum_into);                       \
     m.impl("decode_sum_encode", &Impl::decode_sum_encode);                   \

@@ -27,6 +27,9 @@ TORCH_LIBRARY(flatcomm, m) {
         "bool stochastic, int seed, Tensor(b!) payload) -> ()");
   m.def("decode_into(Tensor payload, str codec, int numel, int block_size, int k, Tensor(a!) out) "
         "-> ()");
+  // Row r of payloads (a [rows, bytes] stack of whole payloads of row_numel values, e.g. gathered
+  // shards) decoded into out[r * row_numel, ...) in out's dtype, cut at out's end; not topk.
+  m.def("decode_rows_into(Tensor payloads, str codec, int row_numel, int block_size, Tensor(a!) out) -> ()");
   m.def("decode_sum_into(Tensor payloads, str codec, int numel, int block_size, int k, float scale, "
         "Tensor(a!) out) -> ()");
   m.def("decode_sum_encode_into(Tensor payloads, str codec, int numel, int block_size, int k, "
@@ -111,13 +114,15 @@ pybind11::dict topk_scratch_layout(int64_t n) {
 
 pybind11::dict constants() {
   pybind11::dict d;
-  pybind11::list names, blockwise;
-  for (int32_t c = 0; c < flatcomm::ops::kNumCodecs; ++c) {
-    names.append(flatcomm::ops::kCodecNames[c]);
+  pybind11::list names, blockwise, stochastic;
+  for (int32_t c = 0; c < core::kNumCodecs; ++c) {
+    names.append(core::kCodecNames[c]);
     if (core::is_blockwise(c)) blockwise.append(c);
+    if (core::has_stochastic(c)) stochastic.append(c);
   }
   d["codec_names"] = names;  // index = codec id
   d["blockwise_codecs"] = blockwise;
+  d["stochastic_codecs"] = stochastic;
   d["dtype_f32"] = static_cast<int>(core::kF32);
   d["dtype_bf16"] = static_cast<int>(core::kBF16);
   d["dtype_f16"] = static_cast<int>(core::kF16);
@@ -159,6 +164,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wire_layout", &wire_layout,
         "core::layout of a payload (codec id): nblocks, codes_offset, total, and where its data ends "
         "(head_end, data_end; the rest is padding). ValueError for arguments no launch accepts.");
+  m.def(
+      "decode_rows_layout",
+      [](const std::string& codec, int64_t row_numel, int64_t block) {
+        const flatcomm::ops::RowsLayout l = flatcomm::ops::decode_rows_layout(codec, row_numel, block);
+        return std::make_pair(l.codec, l.row_bytes);
+      },
+      "decode_rows' codec id and bytes per row, with the op's errors (topk, row_numel, block_size).");
+  m.def("check_rows_cover", &flatcomm::ops::check_rows_cover,
+        "decode_rows' check that the rows fill out exactly (the last one perhaps cut short).");
   m.def(
       "parse_codec", [](const std::string& name) { return flatcomm::ops::parse_codec(name); },
       "The id of a codec name, with the ops' error for an unknown one.");

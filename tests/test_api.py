@@ -138,3 +138,15 @@ def test_one_codec_list():
     assert tuple(cpp) == CODECS
     assert sorted(cupy_backend.CODEC_IDS, key=cupy_backend.CODEC_IDS.get) == list(CODECS)
     assert reference.CODECS == CODECS  # the oracle keeps its own copy on purpose: checked here
+
+
+def test_codec_properties_agree():
+    """The C++ codec table (csrc/core/dispatch.h, through _C.constants()) classifies each codec as
+    the Python lists and the independent reference do."""
+    from flatcomm import _C, reference
+    from flatcomm.ops.codecs import BLOCKWISE, CODECS
+
+    k = _C.constants()
+    assert tuple(k["codec_names"]) == CODECS
+    assert tuple(CODECS[c] for c in k["blockwise_codecs"]) == BLOCKWISE == reference.BLOCKWISE
+    assert sorted(CODECS[c] for c in k["stochastic_codecs"]) == sorted(reference.STOCHASTIC)

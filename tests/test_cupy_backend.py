@@ -56,7 +56,7 @@ def payloads(codec, n, rows=0, block=256):
 
 
 def record_all_launches():
-    """Every op over every codec / dtype, recorded: covers all 108 kernel instances."""
+    """Every op over every codec / dtype, recorded: covers all 126 kernel instances."""
     o, rec = make()
     n = 5000
     for dt in DTYPES:
@@ -66,6 +66,8 @@ def record_all_launches():
             k = k_of(c, n)
             o.encode(x, c, 256, k, r, c in ("int8", "int4", "bf16"), 7)
             o.decode_into(payloads(c, n), c, n, 256, k, torch.empty(n, dtype=dt))
+            if c != "topk":
+                o.decode_rows_into(payloads(c, n, rows=3), c, n, 256, torch.empty(3 * n - 7, dtype=dt))
         X = x.reshape(2, -1).contiguous()
         o.ordered_sum(X)
         E = o.exact_exponents(X, 64)
@@ -175,6 +177,22 @@ def test_decode_and_sum_shapes():
     assert n3 == cb.k_t("topk_decode_kernel", cb.F32) and g3 == 3 and a3[2] == 2
 
 
+@pytest.mark.parametrize("m,dtype,vec", [(1024, torch.float32, True), (1000, torch.bfloat16, True),
+                                         (1004, torch.bfloat16, False), (97, torch.float32, False)])
+def test_decode_rows_shape(m, dtype, vec):
+    """kernels.cu decode_rows: one launch, 4-element chunks per row, vector access only when every
+    output row starts 16-byte aligned."""
+    o, rec = make()
+    P = payloads("int8", m, rows=5, block=32)
+    out = torch.empty(5 * m - 3, dtype=dtype)
+    o.decode_rows_into(P, "int8", m, 32, out)
+    (name, grid, threads, smem, a), = rec.launches
+    assert name == cb.k_t("decode_rows_kernel", cb.INT8, cb.ops._DT_CODE[dtype]) and (threads, smem) == (256, 0)
+    assert grid == -(-5 * (-(-m // 4)) // 256)
+    assert [int(v) for v in a[:7]] == [P.data_ptr(), P.shape[1], 5, m, 5 * m - 3, cb.layout(cb.INT8, m, 32, 0)[1], 32]
+    assert int(a[7]) == out.data_ptr() and bool(a[8]) == vec
+
+
 def test_exact_shapes():
     o, rec = make()
     X = torch.randn(3, 1000)
@@ -252,6 +270,17 @@ def _bad_cases():
         ("decode", (p8, "int8", 10, 32, 0, torch.float32)),
         ("decode_into", (p8, "int8", 100, 32, 0, torch.empty(99))),
         ("decode_into", (p8, "int8", 100, 32, 0, torch.empty(200)[::2])),
+        ("decode_rows_into", (P, "topk", 100, 32, torch.empty(200))),
+        ("decode_rows_into", (P, "int8", 0, 32, torch.empty(200))),
+        ("decode_rows_into", (P, "int8", 100, 48, torch.empty(200))),
+        ("decode_rows_into", (P, "int4", 100, 32, torch.empty(200))),
+        ("decode_rows_into", (p8, "int8", 100, 32, torch.empty(100))),
+        ("decode_rows_into", (P[:0], "int8", 100, 32, torch.empty(100))),
+        ("decode_rows_into", (P, "int8", 100, 32, torch.empty(100))),
+        ("decode_rows_into", (P, "int8", 100, 32, torch.empty(201))),
+        ("decode_rows_into", (P, "int8", 100, 32, torch.empty(200).double())),
+        ("decode_rows_into", (P, "int8", 100, 32, torch.empty(400)[::2])),
+        ("decode_rows_into", (P.t().contiguous().t(), "int8", 100, 32, torch.empty(200))),
         ("decode_sum", (p8, "int8", 100, 32, 0, 1.0)),
         ("decode_sum", (P, "fp32", 100, 32, 0, 1.0)),
         ("decode_sum_into", (P, "int8", 100, 32, 0, 1.0, torch.empty(100).half())),

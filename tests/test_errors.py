@@ -102,11 +102,11 @@ def test_block_size_ignored_by_non_blockwise():
 
 @pytest.mark.parametrize("codec", ["sign", "fp16", "fp32", "topk"])
 def test_stochastic_unsupported(codec):
-    with pytest.raises(RuntimeError, match="stochastic rounding is available for int8, int4 and bf16 only"):
+    with pytest.raises(RuntimeError, match="stochastic rounding is available for bf16, int8 and int4 only"):
         flatcomm.encode(torch.randn(100), codec, stochastic=True)
     P = torch.stack([flatcomm.encode(torch.randn(100), "int8")])
     if codec != "topk":
-        with pytest.raises(RuntimeError, match="stochastic rounding is available for int8, int4 and bf16 only"):
+        with pytest.raises(RuntimeError, match="stochastic rounding is available for bf16, int8 and int4 only"):
             flatcomm.decode_sum(P, "int8", 100, reencode=codec, stochastic=True)
 
 

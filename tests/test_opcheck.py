@@ -91,3 +91,12 @@ def test_opcheck_into_variants(codec):
     out = torch.empty(flatcomm.wire_bytes("int8", n, block_size=32), dtype=torch.uint8)
     torch.library.opcheck(ops.decode_sum_encode_into,
                           (P, codec, n, b, k, 0.5, "int8", 32, torch.zeros(n), False, 0, out))
+
+
+@pytest.mark.parametrize("codec", [c for c in R.CODECS if c != "topk"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_opcheck_decode_rows_into(codec, out_dtype):
+    m, b, rows = 100, 32, 3
+    P = torch.stack([flatcomm.encode(_x(m, seed=s), codec, block_size=b) for s in range(rows)])
+    torch.library.opcheck(ops.decode_rows_into, (P, codec, m, b, torch.empty(rows * m - 7, dtype=out_dtype)))
+    torch.library.opcheck(ops.decode_rows_into, (P[:1], codec, m, b, torch.empty(1, dtype=out_dtype)))

@@ -1,4 +1,5 @@
-// Codec ids, the payload layout and the per-element / per-block math of every codec.
+// The payload layout and the per-element / per-block math of every codec (the codec list, ids and
+// properties: dispatch.h).
 //
 // Payload layout (one contiguous byte buffer, total size a multiple of 16):
 //   cast codecs (fp32, bf16, fp16):  values, element i at byte i * esize
@@ -15,22 +16,14 @@
 // residual keeps its previous (finite) contents. Cast codecs and topk apply the same rule per
 // element: an element whose encoded value is not finite keeps its previous residual.
 #pragma once
-#include "common.h"
+#include "dispatch.h"
 
 namespace flatcomm {
 namespace core {
 
-enum Codec : int32_t { kCodecF32 = 0, kCodecBF16 = 1, kCodecF16 = 2, kCodecInt8 = 3,
-                       kCodecInt4 = 4, kCodecSign = 5, kCodecTopK = 6 };
-
 constexpr int64_t kMinBlock = 32;
 constexpr int64_t kMaxBlock = 4096;
 constexpr int64_t kAlign = 16;
-
-FC_HD bool is_blockwise(int32_t c) { return c == kCodecInt8 || c == kCodecInt4 || c == kCodecSign; }
-FC_HD bool is_cast(int32_t c) { return c == kCodecF32 || c == kCodecBF16 || c == kCodecF16; }
-FC_HD int64_t cast_bytes(int32_t c) { return c == kCodecF32 ? 4 : 2; }
-FC_HD int32_t code_bits(int32_t c) { return c == kCodecInt8 ? 8 : c == kCodecInt4 ? 4 : 1; }
 
 // The largest numel any op accepts: far beyond any tensor that fits in memory, and small enough
 // that every size derived from it (n * 4 bytes, n * 8 code bits, their sums and roundings) fits in
@@ -38,8 +31,6 @@ FC_HD int32_t code_bits(int32_t c) { return c == kCodecInt8 ? 8 : c == kCodecInt
 // is used (a peer's numel is untrusted input too).
 constexpr int64_t kMaxNumel = int64_t(1) << 56;
 constexpr int64_t kMaxTopkNumel = (int64_t(1) << 32) - 1;  // indices are uint32
-
-FC_HD bool valid_codec_id(int32_t c) { return c >= kCodecF32 && c <= kCodecTopK; }
 
 // Whether (codec, n, block, k) describe a payload: block a multiple of 32 in [kMinBlock, kMaxBlock]
 // for blockwise codecs, 1 <= k <= n < 2^32 for topk (k = 0 when n = 0), 0 <= n <= kMaxNumel.
@@ -114,7 +105,8 @@ FC_HD int64_t topk_first_bad(const uint32_t* idx, int64_t k, int64_t n) {
 
 // ---- blockwise integer codecs (int8, int4) -------------------------------------------------------
 
-FC_HD float int_qmax(int32_t c) { return c == kCodecInt8 ? 127.0f : 7.0f; }
+// The largest code of a scaled integer codec: 2^(bits - 1) - 1 (127 for int8, 7 for int4).
+FC_HD constexpr float int_qmax(int32_t c) { return static_cast<float>((1 << (code_bits(c) - 1)) - 1); }
 
 // Everything the element loop needs for one block, derived from the block's max |v| bits.
 struct BlockParams {

@@ -140,25 +140,5 @@ FC_HD uint16_t f32_to_f16(float f) {
   return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
-// Element loads/stores for the three floating dtypes the kernels accept.
-enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
-
-template <int DT> struct Elem;
-template <> struct Elem<kF32> {
-  using T = float;
-  FC_HD float load(T v) { return v; }
-  FC_HD T store(float v) { return v; }
-};
-template <> struct Elem<kBF16> {
-  using T = uint16_t;
-  FC_HD float load(T v) { return bf16_to_f32(v); }
-  FC_HD T store(float v) { return f32_to_bf16(v); }
-};
-template <> struct Elem<kF16> {
-  using T = uint16_t;
-  FC_HD float load(T v) { return f16_to_f32(v); }
-  FC_HD T store(float v) { return f32_to_f16(v); }
-};
-
 }  // namespace core
 }  // namespace flatcomm

@@ -35,6 +35,22 @@ struct DecodeArgs {
   int32_t out_dtype;
 };
 
+// Decode `rows` payloads (row r at payloads + r * row_stride bytes, each a whole payload of
+// row_numel values) into consecutive stretches of one output: row r fills out elements
+// [r * row_numel, min((r + 1) * row_numel, n)). n is in ((rows - 1) * row_numel, rows * row_numel]:
+// the last row may be cut short (FSDP pads the last shard), and nothing past n is written.
+struct DecodeRowsArgs {
+  const uint8_t* payloads;
+  int64_t row_stride;
+  int64_t rows;
+  int64_t row_numel;
+  int32_t codec;       // not topk: every row's size must follow from row_numel
+  int64_t block;
+  void* out;           // n values of out_dtype
+  int32_t out_dtype;
+  int64_t n;
+};
+
 // Decode `rows` payloads (row r at payloads + r * row_stride) and sum them in ascending row order.
 struct DecodeSumArgs {
   const uint8_t* payloads;

@@ -11,6 +11,7 @@
 #pragma once
 #include <stdint.h>
 
+#include "../core/dispatch.h"
 #include "../core/kernel_args.h"
 
 namespace flatcomm {
@@ -18,11 +19,22 @@ namespace cpu {
 
 constexpr int64_t kTile = 2048;  // elements per cache tile for casts, sums and exact ops
 
+// decode_rows works in units: unit u is the stretch [t * U, (t + 1) * U) of row u / per_row, with
+// t = u % per_row, per_row = ceil(row_numel / U), U whole codec blocks (cast codecs: kTile values),
+// cut at the row's end and at n. So a unit never spans two rows or shares a codec block.
+inline int64_t decode_rows_unit(const DecodeRowsArgs& a) {
+  return core::is_blockwise(a.codec) ? a.block : kTile;
+}
+inline int64_t decode_rows_units(const DecodeRowsArgs& a) {
+  return a.rows * core::ceil_div(a.row_numel, decode_rows_unit(a));
+}
+
 struct KernelTable {
   const char* isa;
   void (*encode)(const EncodeArgs&, int64_t i0, int64_t i1);       // not topk
   void (*encode_topk)(const EncodeArgs&);                          // whole tensor
   void (*decode)(const DecodeArgs&, int64_t i0, int64_t i1);
+  void (*decode_rows)(const DecodeRowsArgs&, int64_t u0, int64_t u1);  // units [u0, u1), see above
   void (*decode_sum)(const DecodeSumArgs&, int64_t i0, int64_t i1);
   // decode_sum, then encode the sum with `enc` (its x is ignored); i0 multiple of enc.block
   void (*decode_sum_encode)(const DecodeSumArgs&, const EncodeArgs& enc, int64_t i0, int64_t i1);

@@ -35,13 +35,14 @@ alignas(32) static constexpr SignMaskTable kSignMasks = make_sign_masks();
 template <int C, bool ACC>
 static void decode_range(const uint8_t* payload, int64_t n, int64_t block, int64_t k, int64_t i0,
                          int64_t i1, float* out) {
+  static_assert(!is_blockwise(C) || C == kCodecInt8 || C == kCodecInt4 || C == kCodecSign,
+                "a blockwise codec without its branch below");
   const Layout L = layout(C, n, block, k);
-  if (C == kCodecF32 || C == kCodecBF16 || C == kCodecF16) {
+  if constexpr (is_cast(C)) {
+    using E = Elem<cast_dtype(C)>;
+    const auto* values = reinterpret_cast<const typename E::T*>(payload);
     for (int64_t i = i0; i < i1; ++i) {
-      float d;
-      if (C == kCodecF32) d = reinterpret_cast<const float*>(payload)[i];
-      else if (C == kCodecBF16) d = bf16_to_f32(reinterpret_cast<const uint16_t*>(payload)[i]);
-      else d = f16_to_f32(reinterpret_cast<const uint16_t*>(payload)[i]);
+      const float d = E::load(values[i]);
       if (ACC) out[i - i0] += d; else out[i - i0] = d;
     }
     return;
@@ -127,15 +128,7 @@ static void decode_range(const uint8_t* payload, int64_t n, int64_t block, int64
 template <bool ACC>
 static void decode_range_any(int32_t codec, const uint8_t* p, int64_t n, int64_t block, int64_t k,
                              int64_t i0, int64_t i1, float* out) {
-  switch (codec) {
-    case kCodecF32: return decode_range<kCodecF32, ACC>(p, n, block, k, i0, i1, out);
-    case kCodecBF16: return decode_range<kCodecBF16, ACC>(p, n, block, k, i0, i1, out);
-    case kCodecF16: return decode_range<kCodecF16, ACC>(p, n, block, k, i0, i1, out);
-    case kCodecInt8: return decode_range<kCodecInt8, ACC>(p, n, block, k, i0, i1, out);
-    case kCodecInt4: return decode_range<kCodecInt4, ACC>(p, n, block, k, i0, i1, out);
-    case kCodecSign: return decode_range<kCodecSign, ACC>(p, n, block, k, i0, i1, out);
-    case kCodecTopK: return decode_range<kCodecTopK, ACC>(p, n, block, k, i0, i1, out);
-  }
+  by_codec(codec, [&](auto c) { decode_range<decltype(c)::value, ACC>(p, n, block, k, i0, i1, out); });
 }
 
 // ---- encoding one block (or cast tile) --------------------------------------------------------
@@ -145,6 +138,8 @@ static void decode_range_any(int32_t codec, const uint8_t* p, int64_t n, int64_t
 template <int DT, int C, bool HAS_R, bool STOCH>
 static void encode_block(const typename Elem<DT>::T* xb, float* rb, int64_t i0, int64_t len,
                          const EncodeArgs& a, const Layout& L, uint64_t key) {
+  static_assert(!is_blockwise(C) || C == kCodecInt8 || C == kCodecInt4 || C == kCodecSign,
+                "a blockwise codec without its branch below");
   float v[kMaxBlock > kTile ? kMaxBlock : kTile];
   uint32_t m = 0;
   for (int64_t j = 0; j < len; ++j) {
@@ -153,20 +148,15 @@ static void encode_block(const typename Elem<DT>::T* xb, float* rb, int64_t i0, 
     v[j] = t;
     m = umax(m, abs_bits(t));
   }
-  if (C == kCodecF32 || C == kCodecBF16 || C == kCodecF16) {
+  if constexpr (is_cast(C)) {
+    using E = Elem<cast_dtype(C)>;
+    auto* values = reinterpret_cast<typename E::T*>(a.payload);
     for (int64_t j = 0; j < len; ++j) {
-      float d;
-      if (C == kCodecF32) {
-        reinterpret_cast<float*>(a.payload)[i0 + j] = d = v[j];
-      } else if (C == kCodecBF16) {
-        uint16_t h = STOCH ? f32_to_bf16_stochastic(v[j], random_u32(key, i0 + j)) : f32_to_bf16(v[j]);
-        reinterpret_cast<uint16_t*>(a.payload)[i0 + j] = h;
-        d = bf16_to_f32(h);
-      } else {
-        uint16_t h = f32_to_f16(v[j]);
-        reinterpret_cast<uint16_t*>(a.payload)[i0 + j] = h;
-        d = f16_to_f32(h);
-      }
+      typename E::T h;
+      if constexpr (STOCH) h = E::store_stochastic(v[j], random_u32(key, i0 + j));
+      else h = E::store(v[j]);
+      values[i0 + j] = h;
+      const float d = E::load(h);
       if (HAS_R) rb[j] = ef_residual(v[j], d, rb[j], bits_finite(abs_bits(d)));
     }
     return;
@@ -174,7 +164,7 @@ static void encode_block(const typename Elem<DT>::T* xb, float* rb, int64_t i0, 
   const int64_t b = i0 / a.block;
   float* scales = reinterpret_cast<float*>(a.payload);
   uint8_t* codes = a.payload + L.codes_offset;
-  if (C == kCodecInt8 || C == kCodecInt4) {
+  if (codec_kind(C) == CodecKind::kScaledInt) {
     const float qmax = int_qmax(C);
     const BlockParams p = int_block_params(m, qmax);
     scales[b] = p.scale;
@@ -244,8 +234,7 @@ static void encode_range_t(const EncodeArgs& a, int64_t i0, int64_t i1, int64_t 
 template <int DT, int C>
 static void encode_range_c(const EncodeArgs& a, int64_t i0, int64_t i1, int64_t origin) {
   const bool r = a.residual != nullptr;
-  // Stochastic rounding exists for int8, int4 and bf16 (checked by the caller).
-  constexpr bool kCanStoch = C == kCodecInt8 || C == kCodecInt4 || C == kCodecBF16;
+  constexpr bool kCanStoch = has_stochastic(C);  // a.stochastic for other codecs: checked by the caller
   if (kCanStoch && a.stochastic) {
     if (r) encode_range_t<DT, C, true, kCanStoch>(a, i0, i1, origin);
     else encode_range_t<DT, C, false, kCanStoch>(a, i0, i1, origin);
@@ -255,24 +244,16 @@ static void encode_range_c(const EncodeArgs& a, int64_t i0, int64_t i1, int64_t 
   }
 }
 
+// Every codec but topk, which selects over the whole tensor (encode_topk_impl).
 template <int DT>
 static void encode_range_d(const EncodeArgs& a, int64_t i0, int64_t i1, int64_t origin) {
-  switch (a.codec) {
-    case kCodecF32: return encode_range_c<DT, kCodecF32>(a, i0, i1, origin);
-    case kCodecBF16: return encode_range_c<DT, kCodecBF16>(a, i0, i1, origin);
-    case kCodecF16: return encode_range_c<DT, kCodecF16>(a, i0, i1, origin);
-    case kCodecInt8: return encode_range_c<DT, kCodecInt8>(a, i0, i1, origin);
-    case kCodecInt4: return encode_range_c<DT, kCodecInt4>(a, i0, i1, origin);
-    case kCodecSign: return encode_range_c<DT, kCodecSign>(a, i0, i1, origin);
-  }
+  by_codec(a.codec, [&](auto c) {
+    if constexpr (decltype(c)::value != kCodecTopK) encode_range_c<DT, decltype(c)::value>(a, i0, i1, origin);
+  });
 }
 
 static void encode_impl(const EncodeArgs& a, int64_t i0, int64_t i1) {
-  switch (a.x_dtype) {
-    case kF32: return encode_range_d<kF32>(a, i0, i1, 0);
-    case kBF16: return encode_range_d<kBF16>(a, i0, i1, 0);
-    case kF16: return encode_range_d<kF16>(a, i0, i1, 0);
-  }
+  by_dtype(a.x_dtype, [&](auto dt) { encode_range_d<decltype(dt)::value>(a, i0, i1, 0); });
 }
 
 // ---- topk: exact selection by radix select on |v| bits, ties to the lower index ---------------
@@ -290,9 +271,7 @@ static void encode_topk_impl(const EncodeArgs& a) {
   const int64_t n = a.n, k = a.k;
   if (n == 0) return;
   float* v = a.scratch;
-  if (a.x_dtype == kF32) topk_fill<kF32>(a, v);
-  else if (a.x_dtype == kBF16) topk_fill<kBF16>(a, v);
-  else topk_fill<kF16>(a, v);
+  by_dtype(a.x_dtype, [&](auto dt) { topk_fill<decltype(dt)::value>(a, v); });
   // Find the k-th largest |v| bit pattern, 31 bits in three digit passes (11, 11, 9 bits).
   static const int kShift[3] = {20, 9, 0};
   static const uint32_t kDigits[3] = {2048, 2048, 512};
@@ -334,25 +313,40 @@ static void encode_topk_impl(const EncodeArgs& a) {
 
 // ---- decode / decode_sum / fused re-encode ----------------------------------------------------
 
+// fp32 output is decoded in place; other dtypes through an fp32 tile.
 template <int DT>
 static void decode_to(const DecodeArgs& a, int64_t i0, int64_t i1) {
-  auto* out = static_cast<typename Elem<DT>::T*>(a.out);
-  float tile[kTile];
-  for (int64_t i = i0; i < i1; i += kTile) {
-    const int64_t e = min_(i1, i + kTile);
-    decode_range_any<false>(a.codec, a.payload, a.n, a.block, a.k, i, e, tile);
-    for (int64_t j = 0; j < e - i; ++j) out[i + j] = Elem<DT>::store(tile[j]);
+  if constexpr (DT == kF32) {
+    decode_range_any<false>(a.codec, a.payload, a.n, a.block, a.k, i0, i1, static_cast<float*>(a.out) + i0);
+  } else {
+    auto* out = static_cast<typename Elem<DT>::T*>(a.out);
+    float tile[kTile];
+    for (int64_t i = i0; i < i1; i += kTile) {
+      const int64_t e = min_(i1, i + kTile);
+      decode_range_any<false>(a.codec, a.payload, a.n, a.block, a.k, i, e, tile);
+      for (int64_t j = 0; j < e - i; ++j) out[i + j] = Elem<DT>::store(tile[j]);
+    }
   }
 }
 
 static void decode_impl(const DecodeArgs& a, int64_t i0, int64_t i1) {
-  if (a.out_dtype == kF32) {
-    decode_range_any<false>(a.codec, a.payload, a.n, a.block, a.k, i0, i1,
-                            static_cast<float*>(a.out) + i0);
-  } else if (a.out_dtype == kBF16) {
-    decode_to<kBF16>(a, i0, i1);
-  } else {
-    decode_to<kF16>(a, i0, i1);
+  by_dtype(a.out_dtype, [&](auto dt) { decode_to<decltype(dt)::value>(a, i0, i1); });
+}
+
+// Units [u0, u1) of decode_rows (kernels.h): each row's stretch of units is one decode of that row.
+static void decode_rows_impl(const DecodeRowsArgs& a, int64_t u0, int64_t u1) {
+  const int64_t unit = decode_rows_unit(a), per_row = ceil_div(a.row_numel, unit);
+  const int64_t esize = dtype_bytes(a.out_dtype);
+  for (int64_t u = u0; u < u1;) {
+    const int64_t r = u / per_row, row_end = min_(u1, (r + 1) * per_row);
+    const int64_t len = min_(a.row_numel, a.n - r * a.row_numel);  // the last row may be cut short
+    const int64_t j0 = (u - r * per_row) * unit, j1 = min_(len, (row_end - r * per_row) * unit);
+    if (j0 < j1) {
+      const DecodeArgs d{a.payloads + r * a.row_stride, a.row_numel, a.codec, a.block, 0,
+                         static_cast<uint8_t*>(a.out) + r * a.row_numel * esize, a.out_dtype};
+      decode_impl(d, j0, j1);
+    }
+    u = row_end;
   }
 }
 
@@ -404,9 +398,7 @@ static void ordered_sum_t(const OrderedSumArgs& a, int64_t i0, int64_t i1) {
 }
 
 static void ordered_sum_impl(const OrderedSumArgs& a, int64_t i0, int64_t i1) {
-  if (a.dtype == kF32) ordered_sum_t<kF32>(a, i0, i1);
-  else if (a.dtype == kBF16) ordered_sum_t<kBF16>(a, i0, i1);
-  else ordered_sum_t<kF16>(a, i0, i1);
+  by_dtype(a.dtype, [&](auto dt) { ordered_sum_t<decltype(dt)::value>(a, i0, i1); });
 }
 
 // Per-block exponent, the max over all rows (i0 a multiple of the block size).
@@ -423,9 +415,7 @@ static void exact_exponents_t(const ExactArgs& a, int64_t i0, int64_t i1) {
 }
 
 static void exact_exponents_impl(const ExactArgs& a, int64_t i0, int64_t i1) {
-  if (a.dtype == kF32) exact_exponents_t<kF32>(a, i0, i1);
-  else if (a.dtype == kBF16) exact_exponents_t<kBF16>(a, i0, i1);
-  else exact_exponents_t<kF16>(a, i0, i1);
+  by_dtype(a.dtype, [&](auto dt) { exact_exponents_t<decltype(dt)::value>(a, i0, i1); });
 }
 
 template <int DT>
@@ -450,9 +440,7 @@ static int64_t to_fixed_t(const ExactArgs& a, int64_t i0, int64_t i1) {
 }
 
 static int64_t to_fixed_impl(const ExactArgs& a, int64_t i0, int64_t i1) {
-  if (a.dtype == kF32) return to_fixed_t<kF32>(a, i0, i1);
-  if (a.dtype == kBF16) return to_fixed_t<kBF16>(a, i0, i1);
-  return to_fixed_t<kF16>(a, i0, i1);
+  return by_dtype(a.dtype, [&](auto dt) { return to_fixed_t<decltype(dt)::value>(a, i0, i1); });
 }
 
 // Decodes one block's integers into out (from_fixed with the block's constants hoisted).
@@ -496,13 +484,11 @@ static void exact_sum_t(const ExactArgs& a, int64_t i0, int64_t i1) {
 }
 
 static void exact_sum_impl(const ExactArgs& a, int64_t i0, int64_t i1) {
-  if (a.dtype == kF32) exact_sum_t<kF32>(a, i0, i1);
-  else if (a.dtype == kBF16) exact_sum_t<kBF16>(a, i0, i1);
-  else exact_sum_t<kF16>(a, i0, i1);
+  by_dtype(a.dtype, [&](auto dt) { exact_sum_t<decltype(dt)::value>(a, i0, i1); });
 }
 
 static constexpr KernelTable kTable = {
-    FC_ISA_NAME,        encode_impl,       encode_topk_impl,     decode_impl,
+    FC_ISA_NAME,        encode_impl,       encode_topk_impl,     decode_impl,          decode_rows_impl,
     decode_sum_impl,    decode_sum_encode_impl, ordered_sum_impl, exact_exponents_impl,
     to_fixed_impl,      from_fixed_impl,   exact_sum_impl,
 };

@@ -45,6 +45,12 @@ struct CpuBackend {
   static void decode(const DecodeArgs& a) {
     parallel_ranges(a.n, unit_of(a.codec, a.block), [&](int64_t i0, int64_t i1) { K().decode(a, i0, i1); });
   }
+  // Whole units of one row each (kernels.h): any thread count gives the same bytes.
+  static void decode_rows(const DecodeRowsArgs& a) {
+    const int64_t grain = std::max<int64_t>(1, kGrainElems / cpu::decode_rows_unit(a));
+    at::parallel_for(0, cpu::decode_rows_units(a), grain,
+                     [&](int64_t u0, int64_t u1) { K().decode_rows(a, u0, u1); });
+  }
   // Tiles of the output, each fed by all rows: a rank-order sum per element, any thread count.
   static void decode_sum(const DecodeSumArgs& a) {
     parallel_ranges(a.n, cpu::kTile, [&](int64_t i0, int64_t i1) { K().decode_sum(a, i0, i1); });

@@ -137,12 +137,9 @@ __device__ __forceinline__ void put4(float* v, int j, int cnt, const float f[4])
 // Element i of one payload (any codec but topk), exactly as kernels_impl.h decode_range.
 template <int C>
 __device__ __forceinline__ float decode1(const uint8_t* p, int64_t codes_offset, int64_t block, int64_t i) {
-  if constexpr (C == kCodecF32) {
-    return reinterpret_cast<const float*>(p)[i];
-  } else if constexpr (C == kCodecBF16) {
-    return bf16_to_f32(reinterpret_cast<const uint16_t*>(p)[i]);
-  } else if constexpr (C == kCodecF16) {
-    return f16_to_f32(reinterpret_cast<const uint16_t*>(p)[i]);
+  if constexpr (is_cast(C)) {
+    using E = Elem<cast_dtype(C)>;
+    return E::load(reinterpret_cast<const typename E::T*>(p)[i]);
   } else {
     const float s = reinterpret_cast<const float*>(p)[i / block];
     const uint8_t* codes = p + codes_offset;
@@ -168,13 +165,8 @@ __device__ __forceinline__ void decode4(const uint8_t* p, int64_t codes_offset, 
     for (int e = 0; e < 4; ++e) d[e] = e < cnt ? decode1<C>(p, codes_offset, block, i + e) : 0.0f;
     return;
   }
-  if constexpr (C == kCodecF32) {
-    ld4f(reinterpret_cast<const float*>(p), i, 4, true, d);
-  } else if constexpr (C == kCodecBF16 || C == kCodecF16) {
-    uint16_t h[4];
-    ld4h(reinterpret_cast<const uint16_t*>(p), i, 4, true, h);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) d[e] = C == kCodecBF16 ? bf16_to_f32(h[e]) : f16_to_f32(h[e]);
+  if constexpr (is_cast(C)) {
+    load4<cast_dtype(C)>(p, i, 4, true, d);
   } else {
     const float s = reinterpret_cast<const float*>(p)[i / block];
     const uint8_t* codes = p + codes_offset;  // codes_offset % 16 == 0
@@ -229,6 +221,27 @@ decode_kernel(const uint8_t* p, int64_t codes_offset, int64_t block, int64_t n, 
     float d[4];
     decode4<C>(p, codes_offset, block, i, cnt, vec, d);
     store4<ODT>(out, i, cnt, vec, d);
+  }
+}
+
+// Row r of `rows` payloads (row_stride bytes apart, row_numel values each) into out elements
+// [r * row_numel, ...), n in all: the last row may be cut short. Chunks of 4 lie in one row (chunk
+// c: row c / per_row); with vec every row of out starts 16-byte aligned (the launch checks).
+template <int C, int ODT>
+__global__ void __launch_bounds__(kThreads)
+decode_rows_kernel(const uint8_t* payloads, int64_t row_stride, int64_t rows, int64_t row_numel, int64_t n,
+                   int64_t codes_offset, int64_t block, void* out, bool vec) {
+  const int64_t per_row = ceil_div(row_numel, 4);
+  const int64_t chunks = rows * per_row;
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = c / per_row, i = 4 * (c - r * per_row);
+    const int64_t len = min64(row_numel, n - r * row_numel);
+    if (i >= len) continue;  // past the end of a cut last row
+    const int cnt = static_cast<int>(min64(4, len - i));
+    float d[4];
+    decode4<C>(payloads + r * row_stride, codes_offset, block, i, cnt, vec, d);
+    store4<ODT>(static_cast<char*>(out) + r * row_numel * dtype_bytes(ODT), i, cnt, vec, d);
   }
 }
 
@@ -332,7 +345,7 @@ struct EncodeParams {
   uint64_t key;           // seed_key(seed)
   int warps_per_group;    // W
   int groups;             // codec blocks per CTA step, 8 / W
-  bool stochastic;        // only set for int8, int4, bf16
+  bool stochastic;        // only set for codecs with has_stochastic
   bool vec;               // x / payload rows, residual and payload are 16-byte aligned
 };
 
@@ -381,7 +394,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p, Src sr
   __shared__ float group_sum[kWarps];
   __shared__ int64_t ranges[3 * kWarps];  // per group: topk window and bad flag (topk_accumulate)
 
-  constexpr bool kBlockwise = C == kCodecInt8 || C == kCodecInt4 || C == kCodecSign;
+  constexpr bool kBlockwise = is_blockwise(C);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int W = p.warps_per_group;
   const int nt = 32 * W;  // threads per group
@@ -449,7 +462,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p, Src sr
     }
 
     if (active) {  // group-uniform
-      if constexpr (C == kCodecInt8 || C == kCodecInt4) {
+      if constexpr (codec_kind(C) == CodecKind::kScaledInt) {
         const float qmax = int_qmax(C);
         const BlockParams bp = int_block_params(m, qmax);
         if (t == 0) scales[b] = bp.scale;
@@ -473,6 +486,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p, Src sr
               for (int e = 0; e < cnt; ++e) c[e] = static_cast<uint8_t>(static_cast<int32_t>(q[e]));
             }
           } else {
+            static_assert(C == kCodecInt4, "a scaled integer codec without its packing here");
             uint8_t* c = codes + (i0 + j) / 2;  // 2-byte aligned
             if (p.vec && cnt == 4) {
               *reinterpret_cast<uint16_t*>(c) = static_cast<uint16_t>(
@@ -520,7 +534,8 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p, Src sr
           const int cnt = mini(4, len - j);
           float f[4], d[4], r[4];
           get4(v, j, cnt, f);
-          if constexpr (C == kCodecF32) {
+          using E = Elem<cast_dtype(C)>;
+          if constexpr (cast_dtype(C) == kF32) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) d[e] = f[e];
             st4f(reinterpret_cast<float*>(p.payload), i0 + j, cnt, p.vec, d);
@@ -528,14 +543,12 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p, Src sr
             uint16_t h[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              if constexpr (C == kCodecBF16) {
-                h[e] = p.stochastic ? f32_to_bf16_stochastic(f[e], random_u32(p.key, i0 + j + e))
-                                    : f32_to_bf16(f[e]);
-                d[e] = bf16_to_f32(h[e]);
+              if constexpr (has_stochastic(C)) {
+                h[e] = p.stochastic ? E::store_stochastic(f[e], random_u32(p.key, i0 + j + e)) : E::store(f[e]);
               } else {
-                h[e] = f32_to_f16(f[e]);
-                d[e] = f16_to_f32(h[e]);
+                h[e] = E::store(f[e]);
               }
+              d[e] = E::load(h[e]);
             }
             st4h(reinterpret_cast<uint16_t*>(p.payload), i0 + j, cnt, p.vec, h);
           }
@@ -790,7 +803,7 @@ topk_write_kernel(const float* v, int64_t n, const TopkState* st, const unsigned
 template <int DT>
 __global__ void __launch_bounds__(kThreads) ordered_sum_kernel(OrderedSumArgs a, bool vec) {
   const int64_t chunks = ceil_div(a.n, 4);
-  const int64_t esize = DT == kF32 ? 4 : 2;
+  const int64_t esize = dtype_bytes(DT);
   const char* x = static_cast<const char*>(a.x);
   for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
        c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -810,7 +823,7 @@ __global__ void __launch_bounds__(kThreads) ordered_sum_kernel(OrderedSumArgs a,
 // Max |x| bits over all rows of codec block b (one warp).
 template <int DT>
 __device__ __forceinline__ uint32_t block_max_bits(const ExactArgs& a, int64_t i0, int len, int lane, bool vec) {
-  const int64_t esize = DT == kF32 ? 4 : 2;
+  const int64_t esize = dtype_bytes(DT);
   const char* x = static_cast<const char*>(a.x);
   uint32_t m = 0;
   for (int64_t r = 0; r < a.rows; ++r)
@@ -841,7 +854,7 @@ __global__ void __launch_bounds__(kThreads) exact_exponents_kernel(ExactArgs a, 
 template <int DT>
 __global__ void __launch_bounds__(kThreads) exact_sum_kernel(ExactArgs a, bool vec) {
   const int lane = threadIdx.x % 32;
-  const int64_t esize = DT == kF32 ? 4 : 2;
+  const int64_t esize = dtype_bytes(DT);
   const char* x = static_cast<const char*>(a.x);
   const int64_t nblk = ceil_div(a.n, a.block);
   for (int64_t b = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; b < nblk;

@@ -10,8 +10,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <type_traits>
-
 #include "device.cuh"
 #include "kernels.cuh"
 
@@ -31,42 +29,12 @@ unsigned grid_for(int64_t items, int64_t per_cta) {
   return static_cast<unsigned>(g < 1 ? 1 : g > kMaxGrid ? kMaxGrid : g);
 }
 
-int64_t dtype_size(int32_t dt) { return dt == kF32 ? 4 : 2; }
-bool valid_dtype(int32_t dt) { return dt == kF32 || dt == kBF16 || dt == kF16; }
-bool valid_codec(int32_t c) { return c >= kCodecF32 && c <= kCodecTopK; }
 bool valid_block(int32_t codec, int64_t block) {
   return !is_blockwise(codec) || (block >= kMinBlock && block <= kMaxBlock && block % 32 == 0);
 }
 bool valid_topk(int64_t n, int64_t k) { return k >= 0 && k <= n && n <= kMaxTopkNumel; }
 // Sizes beyond kMaxNumel would overflow layout() (the ops reject them first; so does every launch).
 bool valid_numel(int64_t n) { return n <= kMaxNumel; }
-
-template <int V>
-using IC = std::integral_constant<int, V>;
-
-template <class F>
-cudaError_t by_dtype(int32_t dt, F&& f) {
-  switch (dt) {
-    case kF32: return f(IC<kF32>());
-    case kBF16: return f(IC<kBF16>());
-    case kF16: return f(IC<kF16>());
-  }
-  return cudaErrorInvalidValue;
-}
-
-template <class F>
-cudaError_t by_codec(int32_t c, F&& f) {
-  switch (c) {
-    case kCodecF32: return f(IC<kCodecF32>());
-    case kCodecBF16: return f(IC<kCodecBF16>());
-    case kCodecF16: return f(IC<kCodecF16>());
-    case kCodecInt8: return f(IC<kCodecInt8>());
-    case kCodecInt4: return f(IC<kCodecInt4>());
-    case kCodecSign: return f(IC<kCodecSign>());
-    case kCodecTopK: return f(IC<kCodecTopK>());
-  }
-  return cudaErrorInvalidValue;
-}
 
 template <int C, class Src>
 cudaError_t run_encode(const EncodeArgs& a, const Src& src, bool vec, cudaStream_t s) {
@@ -76,7 +44,7 @@ cudaError_t run_encode(const EncodeArgs& a, const Src& src, bool vec, cudaStream
   p.n = a.n;
   p.codes_offset = layout(C, a.n, a.block, a.k).codes_offset;
   p.key = seed_key(a.seed);
-  p.stochastic = a.stochastic && (C == kCodecInt8 || C == kCodecInt4 || C == kCodecBF16);
+  p.stochastic = a.stochastic && has_stochastic(C);
   p.vec = vec && al16(a.payload) && (a.residual == nullptr || al16(a.residual));
   if (is_blockwise(C)) {
     p.block = a.block;
@@ -130,7 +98,7 @@ cudaError_t encode_topk(const EncodeArgs& a, cudaStream_t s) {
 
 cudaError_t encode(const EncodeArgs& a, cudaStream_t s) {
   if (a.codec == kCodecTopK) return encode_topk(a, s);
-  if (!valid_dtype(a.x_dtype) || !valid_codec(a.codec) || !valid_block(a.codec, a.block) || !valid_numel(a.n))
+  if (!valid_dtype(a.x_dtype) || !valid_codec_id(a.codec) || !valid_block(a.codec, a.block) || !valid_numel(a.n))
     return cudaErrorInvalidValue;
   if (a.n <= 0) return cudaSuccess;
   const bool vec = al16(a.x);
@@ -148,7 +116,7 @@ cudaError_t encode(const EncodeArgs& a, cudaStream_t s) {
 
 cudaError_t decode(const DecodeArgs& a, cudaStream_t s) {
   if (!valid_numel(a.n)) return cudaErrorInvalidValue;
-  if (!valid_dtype(a.out_dtype) || !valid_codec(a.codec) || !valid_block(a.codec, a.block))
+  if (!valid_dtype(a.out_dtype) || !valid_codec_id(a.codec) || !valid_block(a.codec, a.block))
     return cudaErrorInvalidValue;
   if (a.codec == kCodecTopK && !valid_topk(a.n, a.k)) return cudaErrorInvalidValue;
   if (a.n <= 0) return cudaSuccess;
@@ -170,11 +138,35 @@ cudaError_t decode(const DecodeArgs& a, cudaStream_t s) {
   });
 }
 
+cudaError_t decode_rows(const DecodeRowsArgs& a, cudaStream_t s) {
+  if (!valid_dtype(a.out_dtype) || !valid_codec_id(a.codec) || a.codec == kCodecTopK ||
+      !valid_block(a.codec, a.block) || a.row_numel < 1 || !valid_numel(a.row_numel) || a.rows < 1 ||
+      a.n < 1 || !valid_numel(a.n) || ceil_div(a.n, a.row_numel) != a.rows)
+    return cudaErrorInvalidValue;
+  const int64_t co = layout(a.codec, a.row_numel, a.block, 0).codes_offset;
+  const bool vec = al16(a.payloads) && a.row_stride % 16 == 0 && al16(a.out) &&
+                   (a.row_numel * dtype_bytes(a.out_dtype)) % 16 == 0;
+  const unsigned grid = grid_for(a.rows * ceil_div(a.row_numel, 4), kThreads);
+  return by_dtype(a.out_dtype, [&](auto odt) {
+    constexpr int ODT = decltype(odt)::value;
+    return by_codec(a.codec, [&](auto c) -> cudaError_t {
+      constexpr int C = decltype(c)::value;
+      if constexpr (C == kCodecTopK) {
+        return cudaErrorInvalidValue;  // rejected above
+      } else {
+        decode_rows_kernel<C, ODT><<<grid, kThreads, 0, s>>>(a.payloads, a.row_stride, a.rows, a.row_numel, a.n,
+                                                            co, a.block, a.out, vec);
+        return cudaGetLastError();
+      }
+    });
+  });
+}
+
 bool rows_aligned(const DecodeSumArgs& a) { return al16(a.payloads) && a.row_stride % 16 == 0; }
 
 cudaError_t decode_sum(const DecodeSumArgs& a, cudaStream_t s) {
   if (!valid_numel(a.n)) return cudaErrorInvalidValue;
-  if (!valid_codec(a.codec) || !valid_block(a.codec, a.block) || a.rows < 0) return cudaErrorInvalidValue;
+  if (!valid_codec_id(a.codec) || !valid_block(a.codec, a.block) || a.rows < 0) return cudaErrorInvalidValue;
   if (a.codec == kCodecTopK && !valid_topk(a.n, a.k)) return cudaErrorInvalidValue;
   if (a.n <= 0) return cudaSuccess;
   const int64_t co = layout(a.codec, a.n, a.block, a.k).codes_offset;
@@ -193,9 +185,9 @@ cudaError_t decode_sum(const DecodeSumArgs& a, cudaStream_t s) {
 
 cudaError_t decode_sum_encode(const DecodeSumArgs& a, const EncodeArgs& enc, cudaStream_t s) {
   if (!valid_numel(a.n)) return cudaErrorInvalidValue;
-  if (!valid_codec(a.codec) || !valid_block(a.codec, a.block) || a.rows < 0) return cudaErrorInvalidValue;
+  if (!valid_codec_id(a.codec) || !valid_block(a.codec, a.block) || a.rows < 0) return cudaErrorInvalidValue;
   if (a.codec == kCodecTopK && !valid_topk(a.n, a.k)) return cudaErrorInvalidValue;
-  if (!valid_codec(enc.codec) || enc.codec == kCodecTopK || !valid_block(enc.codec, enc.block) || enc.n != a.n)
+  if (!valid_codec_id(enc.codec) || enc.codec == kCodecTopK || !valid_block(enc.codec, enc.block) || enc.n != a.n)
     return cudaErrorInvalidValue;
   if (a.n <= 0) return cudaSuccess;
   const int64_t co = layout(a.codec, a.n, a.block, a.k).codes_offset;
@@ -216,7 +208,7 @@ cudaError_t decode_sum_encode(const DecodeSumArgs& a, const EncodeArgs& enc, cud
 cudaError_t ordered_sum(const OrderedSumArgs& a, cudaStream_t s) {
   if (!valid_dtype(a.dtype) || a.rows < 0) return cudaErrorInvalidValue;
   if (a.n <= 0) return cudaSuccess;
-  const bool vec = al16(a.x) && (a.row_stride * dtype_size(a.dtype)) % 16 == 0 && al16(a.out);
+  const bool vec = al16(a.x) && (a.row_stride * dtype_bytes(a.dtype)) % 16 == 0 && al16(a.out);
   return by_dtype(a.dtype, [&](auto dt) {
     ordered_sum_kernel<decltype(dt)::value><<<grid_for(a.n, 4 * kThreads), kThreads, 0, s>>>(a, vec);
     return cudaGetLastError();
@@ -225,7 +217,7 @@ cudaError_t ordered_sum(const OrderedSumArgs& a, cudaStream_t s) {
 
 // Blocked x reads: the rows and the block starts must keep 16-byte alignment.
 bool exact_x_aligned(const ExactArgs& a) {
-  return al16(a.x) && (a.row_stride * dtype_size(a.dtype)) % 16 == 0 && a.block % 4 == 0;
+  return al16(a.x) && (a.row_stride * dtype_bytes(a.dtype)) % 16 == 0 && a.block % 4 == 0;
 }
 
 cudaError_t exact_exponents(const ExactArgs& a, cudaStream_t s) {
@@ -276,6 +268,7 @@ int launch_encode_topk(const EncodeArgs& a, cudaStream_t s) {
   return static_cast<int>(a.codec == kCodecTopK ? encode_topk(a, s) : cudaErrorInvalidValue);
 }
 int launch_decode(const DecodeArgs& a, cudaStream_t s) { return static_cast<int>(decode(a, s)); }
+int launch_decode_rows(const DecodeRowsArgs& a, cudaStream_t s) { return static_cast<int>(decode_rows(a, s)); }
 int launch_decode_sum(const DecodeSumArgs& a, cudaStream_t s) {
   return static_cast<int>(decode_sum(a, s));
 }

@@ -68,6 +68,9 @@ int launch_encode(const EncodeArgs& a, cudaStream_t s);
 int launch_encode_topk(const EncodeArgs& a, cudaStream_t s);
 // Decode one payload into out (out_dtype f32, bf16 or f16).
 int launch_decode(const DecodeArgs& a, cudaStream_t s);
+// Row r of a.payloads into a.out elements [r * row_numel, min((r + 1) * row_numel, n)), one launch for
+// all rows (out_dtype f32, bf16 or f16; not topk). Needs 1 <= row_numel, ceil(n / row_numel) == rows.
+int launch_decode_rows(const DecodeRowsArgs& a, cudaStream_t s);
 // Sum of the decoded rows in ascending row order, times scale, into out (fp32).
 int launch_decode_sum(const DecodeSumArgs& a, cudaStream_t s);
 // decode_sum, then encode the sum with `enc` (enc.x is ignored, a.out is not written);

@@ -30,6 +30,9 @@ struct CudaBackend {
     check_launch(gpu::launch_encode_topk(a, stream()), "encode (topk)");
   }
   static void decode(const DecodeArgs& a) { check_launch(gpu::launch_decode(a, stream()), "decode"); }
+  static void decode_rows(const DecodeRowsArgs& a) {
+    check_launch(gpu::launch_decode_rows(a, stream()), "decode_rows");
+  }
   static void decode_sum(const DecodeSumArgs& a) {
     check_launch(gpu::launch_decode_sum(a, stream()), "decode_sum");
   }

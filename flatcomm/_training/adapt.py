@@ -27,13 +27,10 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import torch
 
 from ..autotune import Decision
-from ..ops.codecs import PRECISION
+from ..ops.codecs import NOMINAL_REL_ERROR, PRECISION
 
 __all__ = ["Backoff", "Monitor", "small", "keep_predicate", "NOMINAL_REL_ERROR"]
 
-# ||x - decode(encode(x))|| / ||x|| for Gaussian x with flatcomm's default blocks (absmax scaling:
-# int8 step max/127, int4 max/7, sign at the block's mean magnitude: sqrt(1 - 2/pi)).
-NOMINAL_REL_ERROR = {"fp32": 0.0, "bf16": 0.0023, "int8": 0.0065, "int4": 0.12, "sign": 0.60}
 
 
 def small(name: str, p: torch.Tensor) -> bool:

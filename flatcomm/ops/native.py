@@ -72,6 +72,17 @@ def _decode_into_fake(payload, codec, numel, block_size, k, out):
     return None
 
 
+@torch.library.register_fake("flatcomm::decode_rows_into")
+def _decode_rows_into_fake(payloads, codec, row_numel, block_size, out):
+    _same_device(payloads, ("out", out))
+    _, row_bytes = _C.decode_rows_layout(codec, row_numel, block_size)  # the real op's checks
+    if payloads.dim() != 2 or payloads.shape[1] != row_bytes:
+        raise RuntimeError(f"flatcomm: payloads must be [rows, {row_bytes}] for codec '{codec}' with row_numel "
+                           f"{row_numel}, got shape {list(payloads.shape)}")
+    _C.check_rows_cover(payloads.shape[0], row_numel, out.numel())
+    return None
+
+
 @torch.library.register_fake("flatcomm::decode_sum_into")
 def _decode_sum_into_fake(payloads, codec, numel, block_size, k, scale, out):
     _same_device(payloads, ("out", out))

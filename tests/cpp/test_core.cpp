@@ -133,15 +133,15 @@ static void test_fixed_in_block() {
 // The same bytes and residuals from every instruction set this CPU supports.
 static void test_isa_agreement() {
   const char* isas[] = {"baseline", "avx2", "avx512"};
-  const int32_t codecs[] = {kCodecF32, kCodecBF16, kCodecF16, kCodecInt8, kCodecInt4, kCodecSign};
   const int64_t n = 10007, block = 256;
   std::vector<float> x = random_values(n, 3.0f);
   x[5] = 0.0f;
   x[300] = std::numeric_limits<float>::infinity();  // block 1 is non-finite
   for (int64_t i = 512; i < 768; ++i) x[i] = 0.0f;  // block 2 is all zero
-  for (int32_t codec : codecs) {
+  for (int32_t codec = 0; codec < kNumCodecs; ++codec) {
+    if (codec == kCodecTopK) continue;  // not encoded block by block
     for (int stoch = 0; stoch < 2; ++stoch) {
-      if (stoch && !(codec == kCodecInt8 || codec == kCodecInt4 || codec == kCodecBF16)) continue;
+      if (stoch && !has_stochastic(codec)) continue;
       std::vector<uint8_t> ref_payload;
       std::vector<float> ref_res;
       const std::vector<float> res_old = random_values(n, 0.01f);
@@ -223,6 +223,29 @@ static void test_random_counter() {
   CHECK(std::fabs(mean - 0.5) < 0.005, "uniform mean %g", mean);
 }
 
+// by_codec / by_dtype reach the template of each id and nothing for other ids; the properties the
+// layouts are computed from are those of the payload format (core/codec.h).
+static void test_dispatch() {
+  for (int32_t c = -1; c <= kNumCodecs; ++c) {
+    const int got = by_codec(c, [](auto t) { return decltype(t)::value + 100; });
+    CHECK(got == (valid_codec_id(c) ? c + 100 : 0), "by_codec(%d) reached %d", c, got);
+  }
+  for (int32_t dt = -1; dt <= kNumDTypes; ++dt) {
+    const int64_t got = by_dtype(dt, [](auto t) { return static_cast<int64_t>(sizeof(typename Elem<decltype(t)::value>::T)); });
+    CHECK(got == dtype_bytes(dt) && (got != 0) == valid_dtype(dt), "by_dtype(%d) gave %lld bytes", dt, (long long)got);
+  }
+  CHECK(cast_bytes(kCodecF32) == 4 && cast_bytes(kCodecBF16) == 2 && cast_bytes(kCodecF16) == 2, "cast widths");
+  CHECK(code_bits(kCodecInt8) == 8 && code_bits(kCodecInt4) == 4 && code_bits(kCodecSign) == 1, "code widths");
+  CHECK(int_qmax(kCodecInt8) == 127.0f && int_qmax(kCodecInt4) == 7.0f, "qmax");
+  int blockwise = 0, cast = 0;
+  for (int32_t c = 0; c < kNumCodecs; ++c) {
+    blockwise += is_blockwise(c);
+    cast += is_cast(c);
+    CHECK(!is_cast(c) || valid_dtype(cast_dtype(c)), "cast codec %s stores no dtype", kCodecNames[c]);
+  }
+  CHECK(blockwise == 3 && cast == 3 && !valid_codec_id(kNumCodecs) && !valid_codec_id(-1), "codec kinds");
+}
+
 int main() {
   const char* s = std::getenv("FLATCOMM_TEST_SEED");
   uint64_t seed = s ? std::strtoull(s, nullptr, 10) : std::random_device{}();
@@ -235,6 +258,7 @@ int main() {
   test_isa_agreement();
   test_decode_sum_order();
   test_random_counter();
+  test_dispatch();
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

@@ -115,7 +115,7 @@ static Out floats(std::vector<uint8_t> b, int32_t dt = kF32) { return Out{b, {Se
 // (indices, codes, block scales) is compared byte for byte.
 static Out payload_out(std::vector<uint8_t> b, int32_t codec, int64_t n, int64_t block, int64_t k) {
   const Layout L = layout(codec, n, block, k);
-  if (is_cast(codec)) return floats(b, codec == kCodecF32 ? kF32 : codec == kCodecBF16 ? kBF16 : kF16);
+  if (is_cast(codec)) return floats(b, cast_dtype(codec));
   if (codec == kCodecTopK)
     return Out{b, {Seg{0, static_cast<size_t>(L.codes_offset), kRaw},
                    Seg{static_cast<size_t>(L.codes_offset), b.size() - static_cast<size_t>(L.codes_offset), kF32}}};
@@ -252,6 +252,28 @@ static std::vector<uint8_t> payload_rows(int32_t codec, int64_t n, int64_t block
     if (!p.empty()) std::memcpy(all.data() + r * stride, p.data(), p.size());  // topk k = 0: empty
   }
   return all;
+}
+
+// Rows of payloads into one output, the last row cut short; the poisoned output extends past n, so a
+// write beyond it shows (the CPU writes nothing there). Row sizes that keep every output row 16-byte
+// aligned (the vector path) and odd ones.
+static void test_decode_rows(int32_t codec, int32_t odt, int64_t m, int64_t rows, bool misalign) {
+  const int64_t block = pick_block(codec);
+  const int64_t stride = layout(codec, m, block, 0).total;
+  const std::vector<uint8_t> rows0 = payload_rows(codec, m, block, 0, rows, stride);
+  const int64_t n = (rows - 1) * m + 1 + static_cast<int64_t>(rng() % m);
+  const std::string what = describe("decode_rows", codec, odt, n, block, 0,
+                                    " rows=" + std::to_string(rows) + " row_numel=" + std::to_string(m) +
+                                        (misalign ? " misaligned" : ""));
+  compare(what, [&](bool gpu, uint8_t poison) {
+    Buf payloads(rows0.size()), out((n + 9) * esize(odt), misalign ? esize(odt) : 0);
+    payloads.set(rows0);
+    out.fill(poison);
+    DecodeRowsArgs a{payloads.p(), stride, rows, m, codec, block, out.p(), odt, n};
+    if (gpu) expect_ok(gpu::launch_decode_rows(a, nullptr), what);
+    else K().decode_rows(a, 0, cpu::decode_rows_units(a));
+    return Outputs{floats(out.data(), odt)};
+  });
 }
 
 static void test_decode_sum(int32_t codec, int64_t n, int64_t rows, bool odd_stride) {
@@ -410,6 +432,10 @@ static void test_rejections() {
     DecodeSumArgs a{payload.data(), 16, 1, n, kCodecInt8, 256, 0, 1.0f, x.data()};
     return gpu::launch_decode_sum(a, nullptr);
   };
+  auto drows = [&](int32_t codec, int64_t rows, int64_t m, int64_t n, int32_t dt) {
+    DecodeRowsArgs a{payload.data(), 64, rows, m, codec, 32, x.data(), dt, n};
+    return gpu::launch_decode_rows(a, nullptr);
+  };
   const struct {
     const char* what;
     int err;
@@ -423,6 +449,14 @@ static void test_rejections() {
       {"topk k > n", enc(kCodecTopK, 0, kF32, x.data(), 65)},
       {"decode numel 2^62 + 4 (wire size overflows)", dec((int64_t{1} << 62) + 4)},
       {"decode_sum numel 2^57", dsum(int64_t{1} << 57)},
+      {"decode_rows topk", drows(kCodecTopK, 2, 10, 20, kF32)},
+      {"decode_rows codec 9", drows(9, 2, 10, 20, kF32)},
+      {"decode_rows out dtype 5", drows(kCodecInt8, 2, 10, 20, 5)},
+      {"decode_rows 0 rows", drows(kCodecInt8, 0, 10, 0, kF32)},
+      {"decode_rows row_numel 0", drows(kCodecInt8, 2, 0, 1, kF32)},
+      {"decode_rows out shorter than the rows", drows(kCodecInt8, 3, 10, 20, kF32)},
+      {"decode_rows out longer than the rows", drows(kCodecInt8, 2, 10, 21, kF32)},
+      {"decode_rows row_numel 2^57", drows(kCodecInt8, 1, int64_t{1} << 57, 5, kF32)},
   };
   for (const auto& c : cases)
     if (c.err != cudaErrorInvalidValue) fail(std::string("rejection: ") + c.what + " returned " + std::to_string(c.err));
@@ -459,7 +493,7 @@ static void test_invalid_topk() {
       idx[k - 1] = 0xffffffffu;
       bad_elem = n - 1;
     }
-    for (int out_dt = kF32; out_dt <= kF16; ++out_dt) {
+    for (int out_dt = 0; out_dt < kNumDTypes; ++out_dt) {
       Buf out(n * esize(out_dt));
       DecodeArgs a{p.data(), n, kCodecTopK, 0, k, out.p(), out_dt};
       expect_ok(gpu::launch_decode(a, nullptr), "decode of an invalid topk row");
@@ -496,21 +530,25 @@ int main(int argc, char** argv) {
   test_rejections();
   test_invalid_topk();
   for (int round = 0; round < rounds; ++round) {
-    for (int32_t codec = kCodecF32; codec <= kCodecTopK; ++codec) {
-      for (int32_t dt = kF32; dt <= kF16; ++dt) {
+    for (int32_t codec = 0; codec < kNumCodecs; ++codec) {
+      for (int32_t dt = 0; dt < kNumDTypes; ++dt) {
         for (bool large : {false, true}) {
-          const bool stoch = (codec == kCodecInt8 || codec == kCodecInt4 || codec == kCodecBF16) && rng() % 2;
+          const bool stoch = has_stochastic(codec) && rng() % 2;
           test_encode(codec, dt, pick_size(large), rng() % 2, stoch, rng() % 3 == 0);
         }
         test_decode(codec, dt, pick_size(rng() % 2), rng() % 3 == 0);
+        if (codec != kCodecTopK) {
+          static const int64_t kRowSizes[] = {1, 3, 33, 96, 97, 256, 1000, 1031};
+          test_decode_rows(codec, dt, kRowSizes[rng() % 8], 1 + static_cast<int64_t>(rng() % 4), rng() % 3 == 0);
+        }
       }
       for (int64_t rows : {1, 3})
         test_decode_sum(codec, pick_size(rows == 1), rows, rng() % 2);
       test_decode_sum(codec, pick_size(false), rng() % 2 ? 0 : 6, false);
-      for (int32_t enc = kCodecF32; enc < kCodecTopK; ++enc)
-        test_decode_sum_encode(codec, enc, pick_size(rng() % 4 == 0), 1 + rng() % 3, rng() % 2);
+      for (int32_t enc = 0; enc < kNumCodecs; ++enc)
+        if (enc != kCodecTopK) test_decode_sum_encode(codec, enc, pick_size(rng() % 4 == 0), 1 + rng() % 3, rng() % 2);
     }
-    for (int32_t dt = kF32; dt <= kF16; ++dt) {
+    for (int32_t dt = 0; dt < kNumDTypes; ++dt) {
       test_ordered_sum(dt, pick_size(true), 1 + rng() % 4, rng() % 2 ? 0 : 1 + rng() % 5, rng() % 3 == 0);
       test_ordered_sum(dt, pick_size(false), 1 + rng() % 4, rng() % 2 ? 0 : 4, false);
       static const int64_t blocks[] = {1, 3, 32, 100, 256, 4096};

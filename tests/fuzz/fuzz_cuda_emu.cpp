@@ -1,6 +1,6 @@
 // Fuzz target: the same inputs through the real CUDA kernels (csrc/cuda/kernels.cu + device.cuh)
-// on the CPU emulator (tests/cuda_emu): decode, decode_sum, decode_sum with reencode, from_exact and
-// to_exact. Any byte string must stay inside the buffers; where the ops accept the input the
+// on the CPU emulator (tests/cuda_emu): decode, decode_rows, decode_sum, decode_sum with reencode,
+// from_exact and to_exact. Any byte string must stay inside the buffers; where the ops accept the input the
 // result must equal the CPU kernels' (any NaN equals any NaN); an invalid topk row, which only the
 // CPU ops can reject, must give NaN in the tile(s) where it breaks (csrc/cuda/README.md).
 #include "fuzz_harness.h"
@@ -41,6 +41,32 @@ void decode_case(const Args& a, int64_t n) {
   d.out = cpu_out.p();
   cpu::kernels().decode(d, 0, n);
   for (int64_t i = 0; i < n; ++i) FUZZ_CHECK(same_float(gpu.f()[i], cpu_out.f()[i]), i, f2u(gpu.f()[i]));
+}
+
+// Rows of row numel m into an output that ends exactly at its last value (the last row cut short).
+void decode_rows_case(const Args& a, int64_t m) {
+  if (a.codec == kCodecTopK) return;
+  const int64_t rows = a.rows > 0 ? a.rows : 1;
+  const int64_t n = (rows - 1) * m + 1 + static_cast<int64_t>(a.seed % static_cast<uint64_t>(m));
+  const Layout L = layout(a.codec, m, a.block, 0);
+  Buf payloads = payload_rows(a, L.total, rows);
+  const int64_t es = dtype_bytes(a.dtype);
+  Buf gpu(static_cast<size_t>(n * es)), cpu_out(static_cast<size_t>(n * es));
+  DecodeRowsArgs d{payloads.p(), L.total, rows, m, a.codec, a.block, gpu.p(), a.dtype, n};
+  FUZZ_CHECK(gpu::launch_decode_rows(d, nullptr) == 0, n);
+  d.out = cpu_out.p();
+  cpu::kernels().decode_rows(d, 0, cpu::decode_rows_units(d));
+  for (int64_t i = 0; i < n; ++i) {
+    if (es == 4) {
+      FUZZ_CHECK(same_float(gpu.f()[i], cpu_out.f()[i]), i, f2u(gpu.f()[i]));
+    } else {
+      uint16_t x, y;
+      memcpy(&x, gpu.p() + 2 * i, 2);
+      memcpy(&y, cpu_out.p() + 2 * i, 2);
+      const uint16_t inf = a.dtype == kBF16 ? 0x7f80 : 0x7c00;
+      FUZZ_CHECK(x == y || ((x & 0x7fff) > inf && (y & 0x7fff) > inf), i, x);
+    }
+  }
 }
 
 void decode_sum_case(const Args& a, int64_t n) {
@@ -132,11 +158,12 @@ void exact_case(const Args& a, int64_t n) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const Args a = parse(data, size);
-  const int op = static_cast<int>((a.seed >> 58) % 4);
+  const int op = static_cast<int>((a.seed >> 58) % 5);
   if (a.small && a.n > 0 && a.n <= kMaxEmuNumel && op == 3) exact_case(a, a.n);
   if (op == 3 || !decodable(a) || a.n > kMaxEmuNumel) return 0;
   if (op == 0) decode_case(a, a.n);
   else if (op == 1) decode_sum_case(a, a.n);
-  else decode_sum_encode_case(a, a.n);
+  else if (op == 2) decode_sum_encode_case(a, a.n);
+  else decode_rows_case(a, a.n);
   return 0;
 }

@@ -70,8 +70,8 @@ inline Args parse(const uint8_t* data, size_t size) {
   const uint8_t isa = r.get<uint8_t>();
   static const char* kIsas[] = {"baseline", "avx2", "avx512"};
   cpu::select_kernels(kIsas[isa % 3]);  // unsupported: the previous table stays
-  a.codec = r.get<uint8_t>() % 8;      // 7 is no codec: must be rejected
-  a.dtype = r.get<uint8_t>() % 3;
+  a.codec = r.get<uint8_t>() % (kNumCodecs + 1);  // kNumCodecs is no codec: must be rejected
+  a.dtype = r.get<uint8_t>() % kNumDTypes;
   const uint8_t mode = r.get<uint8_t>();
   const uint64_t raw_n = r.get<uint64_t>();
   a.small = mode % 8 != 0;
@@ -84,11 +84,12 @@ inline Args parse(const uint8_t* data, size_t size) {
   a.k = (mode & 0x40) ? static_cast<int64_t>(raw_k) : (a.n > 0 ? 1 + static_cast<int64_t>(raw_k % a.n) : 0);
   a.rows = r.get<uint8_t>() % (kMaxRows + 1);
   a.scale = r.get<float>();
-  a.out_codec = r.get<uint8_t>() % 6;  // re-encode: any codec but topk
+  a.out_codec = r.get<uint8_t>() % (kNumCodecs - 1);  // re-encode: any codec but topk
+  if (a.out_codec >= kCodecTopK) ++a.out_codec;
   a.out_block = (r.get<uint16_t>() % 128 + 1) * 32;
   const uint8_t flags = r.get<uint8_t>();
   a.residual = flags & 1;
-  a.stochastic = (flags & 2) && (a.out_codec == kCodecInt8 || a.out_codec == kCodecInt4 || a.out_codec == kCodecBF16);
+  a.stochastic = (flags & 2) && has_stochastic(a.out_codec);
   a.seed = r.get<uint64_t>();
   a.rest.assign(r.p, r.p + r.left);
   return a;

@@ -109,7 +109,7 @@ void mutate_topk(std::mt19937_64& rng, std::vector<uint8_t>& p, int64_t n, int64
 
 std::vector<uint8_t> structured_input(std::mt19937_64& rng) {
   Writer w;
-  const int32_t codec = static_cast<int32_t>(rng() % 7);
+  const int32_t codec = static_cast<int32_t>(rng() % kNumCodecs);
   const bool huge = rng() % 16 == 0;
   // Mostly small sizes (speed), sometimes several 2048-element topk tiles and their edges.
   static const int64_t kSizes[] = {1, 2, 3, 31, 32, 33, 63, 64, 65, 100, 255, 256, 257, 300};

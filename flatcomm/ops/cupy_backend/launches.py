@@ -10,9 +10,9 @@ except ImportError:  # cupy needs numpy: without it only the registration runs
     np = None  # type: ignore[assignment]
 
 from .kernels import (
-    BF16, CODEC_IDS, DECODE_SUM_ARGS, DTYPES, ENCODE_PARAMS, EXACT_ARGS, F32, INT4, INT8,
+    CODEC_IDS, DECODE_SUM_ARGS, DTYPES, ENCODE_PARAMS, EXACT_ARGS, F32,
     K_CAST_TILE, K_SCAN_THREADS, K_THREADS, K_TOPK_BINS, K_TOPK_CHUNK, K_TOPK_TILE, K_WARPS,
-    MAX_BLOCK, MAX_TOPK_NUMEL, MIN_BLOCK, NON_TOPK, ORDERED_SUM_ARGS, SUM_SOURCE, TOPK, X_SOURCE,
+    MAX_BLOCK, MAX_TOPK_NUMEL, MIN_BLOCK, NON_TOPK, ORDERED_SUM_ARGS, STOCHASTIC, SUM_SOURCE, TOPK, X_SOURCE,
     al16, ceil_div, grid_for, is_blockwise, k_encode, k_encode_sum, k_t, layout, pack, seed_key,
     topk_scratch_layout,
 )
@@ -54,7 +54,7 @@ class Launches:
 
     def _run_encode(self, c: int, src_name: str, src: np.ndarray, e: dict, vec: bool) -> None:
         co = layout(c, e["n"], e["block"], 0)[1]
-        stochastic = bool(e["stochastic"]) and c in (INT8, INT4, BF16)
+        stochastic = bool(e["stochastic"]) and c in STOCHASTIC
         vec = vec and al16(e["payload"]) and (e["residual"] == 0 or al16(e["residual"]))
         if is_blockwise(c):
             block, wpg = e["block"], min(e["block"] // 32, K_WARPS)
@@ -123,6 +123,19 @@ class Launches:
             vec = al16(d["payload"]) and al16(d["out"])
             self.run(k_t("decode_kernel", c, d["out_dtype"]), grid_for(n, 4 * K_THREADS), K_THREADS, 0,
                      (U64(d["payload"]), I64(co), I64(d["block"]), I64(n), U64(d["out"]), np.bool_(vec)))
+
+    def decode_rows(self, d: dict) -> None:
+        """d: the fields of DecodeRowsArgs."""
+        c, m, n = d["codec"], d["row_numel"], d["n"]
+        self._check(d["out_dtype"] in DTYPES and c in NON_TOPK and self._valid_block(c, d["block"]) and m >= 1
+                    and d["rows"] >= 1 and n >= 1 and ceil_div(n, m) == d["rows"], "decode_rows")
+        co = layout(c, m, d["block"], 0)[1]
+        vec = (al16(d["payloads"]) and d["row_stride"] % 16 == 0 and al16(d["out"])
+               and (m * self._esize(d["out_dtype"])) % 16 == 0)
+        I64, U64 = np.int64, np.uint64
+        self.run(k_t("decode_rows_kernel", c, d["out_dtype"]), grid_for(d["rows"] * ceil_div(m, 4), K_THREADS),
+                 K_THREADS, 0, (U64(d["payloads"]), I64(d["row_stride"]), I64(d["rows"]), I64(m), I64(n), I64(co),
+                                I64(d["block"]), U64(d["out"]), np.bool_(vec)))
 
     def _check_sum(self, a: dict, what: str) -> None:
         c = a["codec"]

@@ -12,7 +12,7 @@ except ImportError:  # cupy needs numpy: without it only the registration runs
     np = None  # type: ignore[assignment]
 
 from ..native import extension as _C
-from .kernels import BF16, F16, F32, INT4, INT8, MAX_BLOCK, TOPK, _MASK64, ceil_div, topk_scratch_layout
+from .kernels import BF16, F16, F32, MAX_BLOCK, STOCHASTIC, TOPK, _K, _MASK64, ceil_div, topk_scratch_layout
 from .launches import Launches
 
 __all__ = [
@@ -86,8 +86,9 @@ def check_residual(x: torch.Tensor, r: Optional[torch.Tensor]) -> None:
 
 
 def check_stochastic(c: int, stochastic: bool) -> None:
-    _check(not stochastic or c in (INT8, INT4, BF16),
-           "flatcomm: stochastic rounding is available for int8, int4 and bf16 only")
+    names = [_K["codec_names"][i] for i in STOCHASTIC]
+    _check(not stochastic or c in STOCHASTIC, "flatcomm: stochastic rounding is available for ",
+           ", ".join(names[:-1]) + " and " + names[-1], " only")
 
 
 def check_payload(p: torch.Tensor, rows_dim: int, expected: int, codec: str, n: int) -> None:
@@ -147,7 +148,7 @@ class _Guard:
 
 
 class Ops:
-    """The 13 flatcomm ops over a Launches; the same checks, allocations and argument structs as
+    """The 14 flatcomm ops over a Launches; the same checks, allocations and argument structs as
     OpsImpl<B> in csrc/ops_impl.h."""
 
     def __init__(self, launches: Launches) -> None:
@@ -199,6 +200,18 @@ class Ops:
             check_out(payload, out, numel, "out")
             self.k.decode(dict(payload=_ptr(payload), n=numel, codec=c, block=block_size, k=k, out=_ptr(out),
                                out_dtype=odt))
+
+    def decode_rows_into(self, payloads, codec, row_numel, block_size, out) -> None:
+        with _Guard(payloads):
+            c, row_bytes = _C.decode_rows_layout(codec, row_numel, block_size)
+            odt = dtype_code(out.dtype, "out")
+            check_payload(payloads, 2, row_bytes, codec, row_numel)
+            check_same_device(payloads, out, "out")
+            check_contiguous(out, "out")
+            _C.check_rows_cover(payloads.shape[0], row_numel, out.numel())
+            self.k.decode_rows(dict(payloads=_ptr(payloads), row_stride=row_bytes, rows=payloads.shape[0],
+                                    row_numel=row_numel, codec=c, block=block_size, out=_ptr(out), out_dtype=odt,
+                                    n=out.numel()))
 
     def decode(self, payload, codec, numel, block_size, k, dtype) -> torch.Tensor:
         with _Guard(payload):
@@ -330,6 +343,6 @@ class Ops:
             return out
 
 
-OP_NAMES = ("encode", "encode_into", "decode", "decode_into", "decode_sum", "decode_sum_into",
+OP_NAMES = ("encode", "encode_into", "decode", "decode_into", "decode_rows_into", "decode_sum", "decode_sum_into",
             "decode_sum_encode", "decode_sum_encode_into", "ordered_sum", "exact_exponents", "to_exact",
             "from_exact", "exact_sum")

@@ -9,7 +9,7 @@ from .bits import *  # noqa: F401,F403
 from .bits import _M64, _assemble, _blocked, _fmax, _fmin, _full, _u8, _zeros_u8
 
 __all__ = [
-    "encode", "topk_entries", "block_scales", "decode_f32", "decode", "decode_sum"
+    "encode", "topk_entries", "block_scales", "decode_f32", "decode", "decode_rows", "decode_sum"
 ]
 
 
@@ -168,6 +168,17 @@ def decode(payload: torch.Tensor, codec: str, n: int, *, block_size: int = 256, 
            dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``flatcomm.decode`` (bit-exact): fp32 decode, then an RNE store to ``dtype``."""
     return store_as(decode_f32(payload, codec, n, block_size=block_size, ratio=ratio), dtype)
+
+
+def decode_rows(payloads: torch.Tensor, codec: str, row_numel: int, numel: int, *, block_size: int = 256,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``flatcomm.decode_rows`` (bit-exact): the fp32 decode of each row ([R, nbytes]) one after the
+    other, cut to ``numel`` values (in ((R - 1) * row_numel, R * row_numel]), then an RNE store to ``dtype``."""
+    rows = payloads.shape[0]
+    if codec == "topk" or not (rows >= 1 and (rows - 1) * row_numel < numel <= rows * row_numel):
+        raise ValueError(f"reference: decode_rows of {rows} {codec} rows of {row_numel} into {numel} values")
+    v = torch.cat([decode_f32(payloads[r], codec, row_numel, block_size=block_size) for r in range(rows)])
+    return store_as(v[:numel], dtype)
 
 
 def decode_sum(
