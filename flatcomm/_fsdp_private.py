@@ -153,3 +153,33 @@ def check() -> List[str]:
     fields = set(getattr(FlatParameter, "__annotations__", {})) | _names_used(FlatParameter)
     problems += [f"FSDP1 FlatParameter no longer has {a}" for a in _FLAT_PARAM_FIELDS if a not in fields]
     return problems
+
+
+# ---- FSDP2 weight all-gathers (flatcomm.fsdp_weights) ----------------------------------------------
+
+
+def fsdp2_weight_problem(module: torch.nn.Module) -> Optional[str]:
+    """FSDP2: why ``module``'s weight gathers cannot be quantized (None: they can). The hooks are
+    picked up by FSDP's lazy init and its gather buffers are sized on the first gather; CPU
+    offload moves the local tensor (a plain copy) before the hook would run."""
+    state = module._get_fsdp_state()  # type: ignore[attr-defined,operator]
+    groups = list(state._fsdp_param_groups)
+    if len(groups) > 1:
+        return "several parameter groups (shard_placement_fn meshes): one all-gather comm per module"
+    for fp in (fp for pg in groups for fp in pg.fsdp_params):
+        if hasattr(fp, "_unsharded_param") or getattr(fp, "all_gather_outputs", None):
+            return "it has gathered its parameters already: call flatcomm.fsdp.apply before the first forward"
+        if getattr(fp, "offload_to_cpu", False):
+            return "CPU offload (OffloadPolicy) is not supported with quantized weights"
+    return None
+
+
+def fsdp2_post_forward_group(module: torch.nn.Module) -> Optional[Tuple[Any, int]]:
+    """FSDP2: (process group, k) of ``fully_shard(reshard_after_forward=k)`` (k smaller than the
+    shard group), or None: the ``k``-rank group the backward all-gather would run in."""
+    state = module._get_fsdp_state()  # type: ignore[attr-defined,operator]
+    for pg in state._fsdp_param_groups:
+        post, mesh = pg.post_forward_mesh_info, pg.mesh_info
+        if post is not None and post is not mesh and post.shard_mesh_size < mesh.shard_mesh_size:
+            return post.shard_process_group, int(post.shard_mesh_size)
+    return None
