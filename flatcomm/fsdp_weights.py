@@ -24,31 +24,41 @@ all pieces have one size and the unsharded parameter is their concatenation cut 
 weights are the other user). :func:`apply` runs after ``fully_shard`` and before the first forward:
 it replaces the local tensor of each sharded DTensor parameter by a :class:`QuantizedWeight` that
 *shares its storage* (``Tensor._make_subclass``, as ``nn.Parameter`` does), so FSDP's padded buffer,
-the optimizer's in-place updates and ``load_state_dict`` all keep writing the same memory, and FSDP's
-lazy init picks the hooks up ("allow monkey patch after init"). Wrapping after ``fully_shard``
-keeps ``apply`` a single call after sharding (as for gradients) and keeps FSDP's own padding.
+the optimizer's in-place updates and ``load_state_dict`` all keep writing the same memory, and has
+FSDP look for the hooks again (what its lazy init does: "allow monkey patch after init"). Wrapping
+after ``fully_shard`` keeps ``apply`` one call after sharding, as for gradients, and leaves FSDP's
+padding and sharding untouched (torchao wraps before ``fully_shard`` and must then make ``new_zeros``,
+``narrow`` and ``copy_`` return its subclass so that it survives sharding). Shared storage also
+passes FSDP's check that the local tensor is still its padded buffer, which a wrapper subclass
+without storage cannot.
 ``QuantizedWeight`` turns ``__torch_function__`` off, so every op on it returns a plain tensor:
 optimizer states, ``detach()`` (hence ``model.state_dict()``) and DCP see ordinary full-precision
 DTensors; DCP and ``load_state_dict`` write the masters in place. A ``load_state_dict(assign=True)``
-that swaps the parameters is wrapped again by a post-load hook.
+that swaps the parameters is wrapped again by a post-load hook; ``model.to(...)`` and the like after
+``apply`` are not (FSDP's gather buffers are sized for the payload: the next gather fails).
 
 The pre-hook takes FSDP's one-argument form ``(mesh)`` (torchao's too): the five-argument form
 requires every all-gather input of a dim-0-padded rank to have the padded shard's *shape*, which a
 byte payload cannot have.
 
 **Node-local resharding (hpZ).** ``fully_shard(reshard_after_forward=k)`` reshards to ``k`` ranks after
-forward so that the backward all-gather stays within a group of ``k`` (the node). FSDP2 does not
-support that for all-gather extensions (it keeps a slice of the gathered bytes as if they were the
-parameter, then raises ``NotImplementedError``), so for a module holding quantized weights
+forward so that the backward all-gather stays within a group of ``k`` (the node). FSDP2 (torch
+2.13) does not support that for all-gather extensions: it keeps a slice of the gathered uint8 bytes
+as the resharded parameter (which fails: a uint8 parameter cannot require grad) and has no
+pre-all-gather path from that state (``NotImplementedError``). So for a module holding quantized weights
 :func:`apply` reads the ``k`` and its group from FSDP, sets the module to ``reshard_after_forward=True``
 and installs :class:`WeightAllGather`: the forward gather keeps rows ``[j*R/k, (j+1)*R/k)`` of the
 gathered payloads (``j``: this rank in its ``k``-group, ``R``: the shard ranks), and the backward
 gather is an all-gather of those rows within the ``k``-group: the bytes the forward gather
-produced, so forward and backward use the same weights bit for bit (DeepSpeed's hpZ diverged when
-they did not, #4886/#6926). The kept rows cost ``1/k`` of the module's payload, as FSDP's own
+produced, so forward and backward use the same weights bit for bit, and training is bitwise that of
+``reshard_after_forward=True`` (users of DeepSpeed's hpZ report losses that differ from plain
+ZeRO-3: #4851, #4886, #6926, #7164; the tests here hold them equal). The kept rows cost ``1/k`` of the module's payload, as FSDP's own
 resharded copy does (int8: half of a bf16 copy). They are dropped once used, and not used when any
-of the module's parameters changed since (their version counters), e.g. after an optimizer step
-before a recompute: the backward gather then runs over all ``R`` ranks, re-encoding the masters.
+of the module's parameters changed since (their version counters), e.g. a write between forward and
+backward: the backward gather then runs over all ``R`` ranks, re-encoding the masters. That choice is
+each rank's own, from counters that move together on every rank (optimizer steps, loads); writing
+the weights of some ranks only between a forward and its backward would split the ranks between the
+two gathers. ``rs.weights.comms[name].gathers`` counts which way each gather went.
 
 **Bytes.** Every FSDP module gets a :class:`WeightAllGather` (``set_custom_all_gather``), which adds
 the bytes this rank sends (its input times the peers: ``nccl-tests``' all-gather volume) to
@@ -64,10 +74,10 @@ its values); the cast codecs carry them per element (``fp16`` also turns values 
 inf). A payload from another rank is decoded by the bounds-checked flatcomm decoders: any bytes
 give some values, never an out-of-bounds access.
 
-**Limits (raise at apply).** Parameters sharded on another dimension than 0, DTensor parameters
-(tensor parallel), CPU offload, a module that has already gathered (apply before the first
-forward), a module with several parameter groups. ``keep_fp32`` parameters, non-float ones and
-those without a public layout are gathered by FSDP itself, exactly.
+**Limits (raise at apply).** Parameters sharded on another dimension than 0 (``shard_placement_fn``),
+DTensor parameters (tensor parallel), CPU offload, a module that has already gathered (apply before
+the first forward), a module with several parameter groups, ``weights=`` twice. ``keep_fp32``
+parameters, non-float and empty ones are gathered by FSDP itself, exactly.
 """
 from __future__ import annotations
 
@@ -392,11 +402,14 @@ def apply(model: torch.nn.Module, owner: Any, weights: Any, *, keep_fp32: Any = 
             raise ValueError(f"flatcomm: weights=: module {name or '<root>'}: {why}")
         for p in _managed(m):
             n = names.get(id(p))
+            if isinstance(getattr(p, "_local_tensor", None), QuantizedWeight):
+                raise ValueError(f"flatcomm: weights=: parameter {n!r} is quantized already (apply weights= once)")
             if n is not None and not (keep is not None and keep(n, p)):
                 _spec_for(n, p, codec)
     out = Weights(codec, [], [], {}, {})
     for name, m in mods:
         entries, kept = _wrap_module(m, names, codec, keep)
+        _private.fsdp2_init_extensions(m)  # what FSDP's lazy init does: not only the first forward's
         out.quantized += [e[2].name for e in entries]
         out.kept += kept
         node = _private.fsdp2_post_forward_group(m) if entries else None

@@ -403,9 +403,17 @@ def _sec_dcp(rank, world, tmpdir, reshard):
     load(c, opt_c, f"{tmpdir}/p{world}")
     c_equal_a = _same(_params(c), saved_a)
     step(c, opt_c, 2)
+
+    d = _model(seed=3, reshard=reshard)  # load_state_dict(assign=True) puts new parameters in
+    rs_d = _apply(d, "int8")
+    d.load_state_dict({k: v.detach().clone() for k, v in c.state_dict().items()}, assign=True)
+    with torch.no_grad():
+        same_loss = _loss(d, rank, 3).item() == _loss(c, rank, 3).item()
     return {"plain_types": plain_types, "b_equal_a": b_equal_a, "c_equal_a": c_equal_a,
             "next_step_bitwise": _same(_params(c), _params(a)),
-            "local_type": type(c.blocks[0].up.weight._local_tensor).__name__}
+            "local_type": type(c.blocks[0].up.weight._local_tensor).__name__,
+            "assign_wrapped": all(type(p._local_tensor).__name__ == "QuantizedWeight" for p in d.parameters()),
+            "assign_same_loss": same_loss, "assign_gathers": _gathers(rs_d)["forward"]}
 
 
 def _sec_ac(rank, world, reshard):
@@ -436,6 +444,13 @@ def _sec_errors(rank, world):
             out[repr(bad)] = "no error"
         except (ValueError, TypeError) as e:
             out[repr(bad)] = f"{type(e).__name__}: {e}"
+    m = _model()
+    fsdp.apply(m, "int8", weights="int8")
+    try:
+        fsdp.apply(m, "int8", weights="int4")
+        out["twice"] = "no error"
+    except ValueError as e:
+        out["twice"] = str(e)
     m = _model()
     _loss(m, rank, 0).backward()
     try:
@@ -604,6 +619,7 @@ def test_dcp_round_trip_quantized_plain_quantized(world, request):
         assert d["b_equal_a"] and d["c_equal_a"], d
         assert d["next_step_bitwise"], d
         assert d["local_type"] == "QuantizedWeight", d
+        assert d["assign_wrapped"] and d["assign_same_loss"] and d["assign_gathers"] > 0, d
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -626,6 +642,7 @@ def test_bad_arguments_raise_clearly(ranks2):
         assert e["'nope'"].startswith("ValueError") and "unknown codec" in e["'nope'"], e
         assert e["3"].startswith("TypeError"), e
         assert "before the first forward" in e["late"], e
+        assert "quantized already" in e["twice"], e
         assert "disagree" in e["disagree"], e
 
 
