@@ -54,6 +54,7 @@ class _Net(nn.Module):
         self.head = nn.Linear(d, vocab)
 
     def forward(self, tok, feat):
+        feat = feat.to(self.embed.weight.dtype)
         h = self.embed(tok) + self.side2(torch.relu(self.side(feat))).unsqueeze(1)
         h = h + self.tiny(feat[:, :3]).unsqueeze(1)
         for b in self.blocks:
@@ -80,9 +81,9 @@ def _wrap(model, *, mp=None, reshard=True, mesh=None, ac=""):
     return model
 
 
-def _model(seed=0, ac_mode="", **kw):
+def _model(seed=0, ac_mode="", dtype=torch.float32, **kw):
     torch.manual_seed(seed)
-    return _wrap(_Net(ac="reentrant" if ac_mode == "reentrant" else ""), ac=ac_mode, **kw)
+    return _wrap(_Net(ac="reentrant" if ac_mode == "reentrant" else "").to(dtype), ac=ac_mode, **kw)
 
 
 def _batch(rank: int, step: int, vocab: int = 32):
@@ -233,16 +234,17 @@ def _sec_reference(rank, world):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     out = {}
-    cases = (("int8", None, None), ("int4", None, None),
-             ("int8", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), None),
-             ("int8", MixedPrecisionPolicy(param_dtype=torch.float16), ["*.bias", "embed.*", "blocks.*.norm.*"]))
-    for codec, mp, keep in cases:
-        model = _model(mp=mp)
+    f32, bf16 = torch.float32, torch.bfloat16
+    cases = (("int8", f32, None, None), ("int4", f32, None, None), ("int8", bf16, None, None),  # masters' dtype
+             ("int8", f32, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32), None),
+             ("int8", f32, MixedPrecisionPolicy(param_dtype=torch.float16), ["*.bias", "embed.*", "blocks.*.norm.*"]))
+    for codec, master_dtype, mp, keep in cases:
+        model = _model(mp=mp, dtype=master_dtype)
         rs = _apply(model, codec, keep_fp32=keep)
         seen = _capture(model)
         log = _record(model, rs)
         _loss(model, rank, 0).backward()
-        dtype = mp.param_dtype if mp is not None else torch.float32
+        dtype = mp.param_dtype if mp is not None else master_dtype
         bad = []
         for n, p in model.named_parameters():
             n = _clean(n)
@@ -260,7 +262,7 @@ def _sec_reference(rank, world):
                 fwd[name] = data
             elif not torch.equal(fwd[name], data):
                 same_fwd_bwd = False
-        tag = f"{codec}_{'none' if mp is None else str(dtype).split('.')[1]}_{'keep' if keep else 'all'}"
+        tag = f"{codec}_{str(master_dtype)[6:]}_{'none' if mp is None else str(dtype)[6:]}_{'keep' if keep else 'all'}"
         out[tag] = {"bad": bad, "fwd_bwd_same": same_fwd_bwd, "n_bwd": sum(1 for x in log if x[1]),
                     "kept": sorted(rs.weights.kept), "quantized": sorted(rs.weights.quantized),
                     "all": sorted(_clean(n) for n, _ in model.named_parameters())}
@@ -268,7 +270,8 @@ def _sec_reference(rank, world):
 
 
 def _sec_train(rank, world, steps):
-    """int8 / int4 weights (with int8 gradients) train like FSDP2's own gathers; clipping works."""
+    """int8 / int4 weights (and int8 gradients) train like plain FSDP2; gradient clipping works;
+    optimizer states and state_dict() are plain."""
     out = {}
     ref, _ = _train(_model(), steps, rank, clip=1.0)
     out["ref"] = ref
@@ -284,7 +287,7 @@ def _sec_train(rank, world, steps):
     return out
 
 
-def _group_bytes(model, rs, dtype_of) -> Dict[str, int]:
+def _group_bytes(model, rs) -> Dict[str, int]:
     """What each FSDP module's gather sends from this rank (the input), from the public layout."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -301,7 +304,7 @@ def _group_bytes(model, rs, dtype_of) -> Dict[str, int]:
             if names[id(p)] in rs.weights.quantized:
                 total += rs.weights.codec.wire_bytes(c)
             else:
-                total += c * dtype_of(p).itemsize
+                total += c * p.dtype.itemsize
         out[mname] = total
     return out
 
@@ -316,7 +319,7 @@ def _sec_stats(rank, world):
     model = _model()
     rs = _apply(model, "int8", codec="int8", keep_fp32=["*.bias"])
     _train(model, steps, rank)
-    per = _group_bytes(model, rs, lambda p: p.dtype)
+    per = _group_bytes(model, rs)
     want = sum(per.values()) * (world - 1) * steps
     k = rs.stats.bytes_by_kind
     quantized_all = sorted(rs.weights.quantized) == sorted(
