@@ -37,7 +37,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["check", "fsdp1_flat_param", "fsdp1_param_ranges", "fsdp1_unit", "fsdp2_param_groups",
-           "fsdp2_init_extensions", "fsdp2_post_forward_group", "fsdp2_weight_problem", "param_piece",
+           "fsdp2_init_extensions", "fsdp2_post_forward_group", "fsdp2_state", "fsdp2_weight_problem", "param_piece",
            "reduce_call_params"]
 _FLAT_PARAM_FIELDS = ("_numels_with_padding", "_is_padding_mask", "_fqns", "_shapes", "_params")
 
@@ -200,6 +200,11 @@ def fsdp2_weight_problem(module: torch.nn.Module) -> Optional[str]:
         if getattr(fp, "is_dtensor", False):
             return "DTensor parameters (tensor parallel) are not supported with quantized weights"
     return None
+
+
+def fsdp2_state(module: torch.nn.Module) -> Any:
+    """FSDP2: the module's FSDP state (shared by the modules of one ``fully_shard([a, b])``)."""
+    return module._get_fsdp_state()  # type: ignore[attr-defined,operator]
 
 
 def fsdp2_init_extensions(module: torch.nn.Module) -> None:

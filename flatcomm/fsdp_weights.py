@@ -206,6 +206,7 @@ class WeightAllGather:
                  node: Optional[Tuple[Any, int]] = None):
         self.owner = owner  # has .stats (a flatcomm.fsdp.Stats)
         self.params = list(params)  # the module's sharded parameters (version counters)
+        self.specs: List[_Spec] = []  # of its quantized parameters
         self.fingerprint = fingerprint  # the same on every rank for the same options
         self.node = node
         self._kept: Optional[Tuple[torch.Tensor, Tuple[int, ...], Tuple[Any, ...]]] = None
@@ -354,12 +355,18 @@ def _rewrap_hook(module: torch.nn.Module, entries: List[_Entry], comm: WeightAll
     (FSDP's own post-load hook, registered before, has re-padded them by then)."""
     from torch.distributed.tensor import DTensor
 
+    old = _managed(module)
+
     def hook(mod, incompatible_keys) -> None:
+        nonlocal old
         for sub, attr, spec in entries:
             p = sub._parameters.get(attr)
             if isinstance(p, DTensor) and not isinstance(p._local_tensor, QuantizedWeight):
                 p._local_tensor = QuantizedWeight(p._local_tensor, spec)  # type: ignore[attr-defined]
-        comm.params = _managed(module)
+        new = _managed(module)
+        gone = {id(p) for p in old}
+        comm.params = [p for p in comm.params if id(p) not in gone] + new
+        old = new
 
     return hook
 
@@ -407,17 +414,26 @@ def apply(model: torch.nn.Module, owner: Any, weights: Any, *, keep_fp32: Any = 
             if n is not None and not (keep is not None and keep(n, p)):
                 _spec_for(n, p, codec)
     out = Weights(codec, [], [], {}, {})
+    comms: Dict[int, WeightAllGather] = {}  # one per FSDP state (fully_shard([a, b]) shares one)
     for name, m in mods:
         entries, kept = _wrap_module(m, names, codec, keep)
         _private.fsdp2_init_extensions(m)  # what FSDP's lazy init does: not only the first forward's
         out.quantized += [e[2].name for e in entries]
         out.kept += kept
+        state = id(_private.fsdp2_state(m))
+        comm = comms.get(state)
+        if comm is None:
+            comm = comms[state] = WeightAllGather(owner, [], 0, None)
+            m.set_custom_all_gather(comm)  # type: ignore[arg-type]
+        comm.params += _managed(m)
+        comm.specs += [e[2] for e in entries]
+        comm.fingerprint = _fingerprint(comm.specs)
         node = _private.fsdp2_post_forward_group(m) if entries else None
-        if node is not None:
+        if node is not None:  # (None once set below: the second module of a shared state keeps it)
             m.set_reshard_after_forward(True, recurse=False)  # FSDP's own would reshard the payload
-            out.hpz[name] = node[1]
-        comm = WeightAllGather(owner, _managed(m), _fingerprint([e[2] for e in entries]), node)
-        m.set_custom_all_gather(comm)  # type: ignore[arg-type]
+            comm.node = node
+        if comm.node is not None:
+            out.hpz[name] = comm.node[1]
         out.comms[name] = comm
         m.register_load_state_dict_post_hook(_rewrap_hook(m, entries, comm))
     return out

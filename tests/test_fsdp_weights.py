@@ -62,7 +62,7 @@ class _Net(nn.Module):
         return self.head(h)
 
 
-def _wrap(model, *, mp=None, reshard=True, mesh=None, ac=""):
+def _wrap(model, *, mp=None, reshard=True, mesh=None, ac="", grouped=False):
     from torch.distributed.fsdp import fully_shard
 
     kw = {"reshard_after_forward": reshard}
@@ -76,7 +76,10 @@ def _wrap(model, *, mp=None, reshard=True, mesh=None, ac=""):
         model.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in model.blocks)
     for b in model.blocks:
         fully_shard(b, **kw)
-    fully_shard(model.side, **kw)  # a leaf FSDP module: 13 rows over 2 or 4 ranks
+    if grouped:  # one FSDP state for two modules
+        fully_shard([model.side, model.tiny], **kw)
+    else:
+        fully_shard(model.side, **kw)  # a leaf FSDP module: 13 rows over 2 or 4 ranks
     fully_shard(model, **kw)
     return model
 
@@ -202,7 +205,7 @@ def _record(model, rs):
 
 def _gathers(rs) -> Dict[str, int]:
     total: Dict[str, int] = {}
-    for comm in rs.weights.comms.values():
+    for comm in {id(c): c for c in rs.weights.comms.values()}.values():  # fully_shard([a, b]): one comm
         for k, v in comm.gathers.items():
             total[k] = total.get(k, 0) + v
     return total
@@ -313,10 +316,10 @@ def _sec_stats(rank, world):
     """bytes_by_kind: forward/backward weight bytes as the layout predicts (every odd-size parameter
     quantized, no silent fallback: DeepSpeed #5056), gradients as without weights=, sum wire_bytes."""
     steps = 2
-    plain = _model()
+    plain = _model(grouped=True)
     rs0 = _apply(plain, None, codec="int8", keep_fp32=["*.bias"])  # gradients: the same split
     _train(plain, steps, rank)
-    model = _model()
+    model = _model(grouped=True)
     rs = _apply(model, "int8", codec="int8", keep_fp32=["*.bias"])
     _train(model, steps, rank)
     per = _group_bytes(model, rs)
@@ -476,12 +479,12 @@ def _sec_hpz(rank, world):
     gathers run in the node group with the bytes predicted (DeepSpeed #4851: hpZ must not change
     the loss)."""
     out = {}
-    plain2, _ = _train(_model(reshard=2), 3, rank)
-    plain_true, _ = _train(_model(reshard=True), 3, rank)
+    plain2, _ = _train(_model(reshard=2, grouped=True), 3, rank)
+    plain_true, _ = _train(_model(reshard=True, grouped=True), 3, rank)
     out["plain_2_eq_true"] = plain2 == plain_true
     runs = {}
     for reshard in (True, False, 2):
-        m = _model(reshard=reshard)
+        m = _model(reshard=reshard, grouped=True)
         rs = _apply(m, "int8", codec="int8")
         losses, _ = _train(m, 3, rank)
         runs[str(reshard)] = {"losses": losses, "params": _params(m), "by_kind": dict(rs.stats.bytes_by_kind),
@@ -660,7 +663,8 @@ def test_hpz_reshard_int_in_node_group(ranks4):
         assert runs["False"]["by_kind"]["weights_backward"] == 0, runs
         assert runs["True"]["by_kind"]["weights_backward"] == fwd, runs  # every module reshards
         two = runs["2"]
-        assert set(two["hpz"]) == {"blocks.0", "blocks.1", "side", ""} and set(two["hpz"].values()) == {2}, two
+        assert set(two["hpz"]) == {"blocks.0", "blocks.1", "side", "tiny", ""}, two  # side+tiny: one state
+        assert set(two["hpz"].values()) == {2}, two
         g = two["gathers"]
         assert g["backward_node"] == g["forward"] > 0 and g["backward_full"] == 0, g
         assert runs["True"]["gathers"]["backward_full"] == g["forward"], runs
