@@ -37,8 +37,9 @@ class Stats(C.CommStats):
     (codec, chunks, reason, predicted seconds per codec)."""
 
     decisions: Dict[Tuple[str, int], Any] = dataclasses.field(default_factory=dict)
-    # Quantized weight all-gathers (weights=, flatcomm.fsdp_weights): the bytes this rank sent in
-    # forward and in backward, also counted in wire_bytes and calls.
+    # Weight all-gathers, counted with apply(weights=...) only (flatcomm.fsdp_weights; FSDP's own
+    # gather is not seen): the bytes this rank sent in forward and in backward, also in wire_bytes
+    # and calls.
     weights_forward_bytes: int = 0
     weights_backward_bytes: int = 0
 

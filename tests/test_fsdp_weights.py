@@ -241,6 +241,8 @@ def _sec_reference(rank, world):
     cases = (("int8", f32, None, None), ("int4", f32, None, None), ("int8", bf16, None, None),  # masters' dtype
              ("int8", f32, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32), None),
              ("int8", f32, MixedPrecisionPolicy(param_dtype=torch.float16), ["*.bias", "embed.*", "blocks.*.norm.*"]))
+    if world > 2:  # the padding differs; the dtypes and codecs are the 2-rank run's
+        cases = cases[::3]
     for codec, master_dtype, mp, keep in cases:
         model = _model(mp=mp, dtype=master_dtype)
         rs = _apply(model, codec, keep_fp32=keep)
@@ -526,14 +528,14 @@ def _sec_hsdp(rank, world):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     out = {}
-    ref, _ = _train(_model(mesh=mesh), 6, rank)
+    ref, _ = _train(_model(mesh=mesh), 4, rank)
     m = _model(mesh=mesh)
     rs = _apply(m, "int8")
-    out["native"], _ = _train(m, 6, rank)
+    out["native"], _ = _train(m, 4, rank)
     out["native_q"] = len(rs.weights.quantized)
     h = _model(mesh=mesh["shard"])
     hs = fsdp_hybrid.apply(h, mesh, "int8", weights="int8")
-    out["hybrid"], _ = _train(h, 6, rank)
+    out["hybrid"], _ = _train(h, 4, rank)
     out["hybrid_q"] = len(hs.rs.weights.quantized)
     out["hybrid_fwd"] = hs.rs.stats.weights_forward_bytes
     out["ref"] = ref
