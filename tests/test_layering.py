@@ -32,7 +32,7 @@ FLOORS: List[Tuple[str, List[str]]] = [
                   "flatcomm._training.options"]),
     ("integrations", ["flatcomm.ddp.accordion", "flatcomm.ddp.stats", "flatcomm.ddp.tiers", "flatcomm.ddp.residuals",
                       "flatcomm.ddp.checkpoint", "flatcomm.ddp.traffic", "flatcomm.ddp.state",
-                      "flatcomm.fsdp.frames", "flatcomm.fsdp.adapt", "flatcomm.fsdp.backend",
+                      "flatcomm.fsdp.frames", "flatcomm.fsdp.adapt", "flatcomm.fsdp.backend", "flatcomm.fsdp.weights",
                       "flatcomm.fsdp.fsdp1", "flatcomm.fsdp.fsdp2", "flatcomm.fsdp.hybrid",
                       "flatcomm.optim", "flatcomm.reproducible", "flatcomm.stats"]),
 ]

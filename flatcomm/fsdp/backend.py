@@ -37,10 +37,25 @@ class Stats(C.CommStats):
     (codec, chunks, reason, predicted seconds per codec)."""
 
     decisions: Dict[Tuple[str, int], Any] = dataclasses.field(default_factory=dict)
+    # Weight all-gathers, counted with apply(weights=...) only (flatcomm.fsdp.weights; FSDP's own
+    # gather is not seen): the bytes this rank sent in forward and in backward, also in wire_bytes
+    # and calls.
+    weights_forward_bytes: int = 0
+    weights_backward_bytes: int = 0
+
+    @property
+    def bytes_by_kind(self) -> Dict[str, int]:
+        """``wire_bytes`` split by collective: weight all-gathers in forward / in backward, and
+        the gradient reduce-scatters."""
+        w = self.weights_forward_bytes + self.weights_backward_bytes
+        return {"weights_forward": self.weights_forward_bytes, "weights_backward": self.weights_backward_bytes,
+                "gradients": self.wire_bytes - w}
 
     def add(self, other: C.CommStats) -> None:
         for f in dataclasses.fields(C.CommStats):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for k in ("weights_forward_bytes", "weights_backward_bytes"):
+            setattr(self, k, getattr(self, k) + getattr(other, k, 0))
         self.decisions.update(getattr(other, "decisions", {}))
 
 
