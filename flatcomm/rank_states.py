@@ -122,7 +122,8 @@ def _exchange(status: int, payload: bytes, group, world: int, rank: int, dst: Op
     mine = torch.zeros(width, dtype=torch.uint8, device=dev)
     if payload:
         mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
-    if dst is None:
+    failed = [r for r in range(world) if int(heads[r, 0]) != _OK]
+    if dst is None or failed:  # (every rank sees the same heads: a failure's reason goes to all)
         every = torch.empty(world * width, dtype=torch.uint8, device=dev)
         _all_gather_single(every, mine, group=group)
     else:
@@ -133,7 +134,6 @@ def _exchange(status: int, payload: bytes, group, world: int, rank: int, dst: Op
         every = torch.cat(every_list) if every_list else torch.empty(0, dtype=torch.uint8)
     raw = every.cpu().view(world, width) if width else torch.empty(world, 0, dtype=torch.uint8)
     parts = [bytes(raw[r, :lengths[r]].numpy().tobytes()) for r in range(world)]
-    failed = [r for r in range(world) if int(heads[r, 0]) != _OK]
     if failed and status == _OK:
         reasons = "; ".join(f"rank {r}: {parts[r].decode(errors='replace')}" for r in failed)
         raise RuntimeError(f"flatcomm.rank_states: the state_dict() of rank(s) {failed} failed ({reasons})")

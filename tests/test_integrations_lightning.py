@@ -84,6 +84,49 @@ def _run(rank, world, tmp):
     return out
 
 
+def _run_resharded(rank, world, path):
+    """One rank resumes the 2-rank checkpoint: flatcomm's state arrives resharded."""
+    os.environ.update(LOCAL_RANK="0", RANK="0", NODE_RANK="0", WORLD_SIZE="1")
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import flatcomm.ddp
+    from flatcomm.integrations.lightning import FlatcommCallback
+
+    class Probe(pl.Callback):  # runs after FlatcommCallback's on_fit_start (callbacks run in order)
+        def on_fit_start(self, trainer, pl_module):
+            self.loaded = flatcomm_cb.state.state_dict()
+
+    flatcomm_cb, probe = FlatcommCallback("int8"), Probe()
+    ckpt = torch.load(path, weights_only=True)
+    total = flatcomm.ddp.reshard(ckpt["callbacks"]["flatcomm"]["gathered"]["ranks"])
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=DDPStrategy(process_group_backend="gloo"),
+                         max_steps=STEPS, callbacks=[flatcomm_cb, probe], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(_net_for_reshard(), ckpt_path=path)
+    return probe.loaded, total, trainer.global_step
+
+
+def _net_for_reshard():
+    import lightning.pytorch as pl
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.Tanh(), torch.nn.Linear(33, 1))
+
+        def training_step(self, batch, _):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=3e-2)
+
+        def train_dataloader(self):
+            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :1]), batch_size=8)
+    return Net()
+
+
 def test_lightning_ddp(tmp_path):
     r0, r1 = spawn.run(2, _run, str(tmp_path), timeout_s=120)
     for r in (r0, r1):
@@ -100,6 +143,12 @@ def test_lightning_ddp(tmp_path):
     assert last < 0.5 * first and abs(last - sum(plain[-4:])) < 0.05 * last, (losses, plain)
     assert torch.equal(r0["int8"], r1["int8"])  # every rank holds the same weights
     assert r0["saved_ranks"] == 2
+    # the 2-rank checkpoint on 1 rank: the residual total, resharded (one rank: client = T, server = 0)
+    (loaded, total, step), = spawn.run(1, _run_resharded, str(tmp_path / "a" / f"step={SAVE_AT}.ckpt"), timeout_s=90)
+    assert loaded["world_size"] == 1 and step == STEPS
+    assert any(bool(t.any()) for t in total["residual"].values())
+    for n, t in total["residual"].items():
+        assert torch.equal(loaded["client"][n], t) and not loaded["server"][n].any(), n
 
 
 def _run_fsdp2(rank, world, tmp):

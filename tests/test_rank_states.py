@@ -111,6 +111,8 @@ def _w_ddp_fsdp(rank, world, tmp):
     broken = Broken("int8") if rank == 1 else state
     with pytest.raises(RuntimeError, match="disk on fire" if rank == 1 else r"rank\(s\) \[1\] failed.*disk on fire"):
         rank_states.gathered_state_dict(broken)
+    with pytest.raises(RuntimeError, match="disk on fire"):  # with dst too: rank 0 is told as well
+        rank_states.gathered_state_dict(broken, dst=1)
     # ... and the group still works for the next gather
     assert _same(rank_states.gathered_state_dict(state)["ranks"][rank], own)
 
