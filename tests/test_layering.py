@@ -65,7 +65,12 @@ def test_importing_the_library_never_imports_the_tools():
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}:\n"
-        "    importlib.import_module(m)\n"
+        "    try:\n"
+        "        importlib.import_module(m)\n"
+        "    except ModuleNotFoundError as e:  # a framework adapter without its framework installed\n"
+        "        if not (m.startswith('flatcomm.integrations.') and e.name.split('.')[0] in\n"
+        "                ('lightning', 'accelerate', 'transformers')):\n"
+        "            raise\n"
         "    tools = sorted(k for k in sys.modules if k == 'flatcomm.tools' or k.startswith('flatcomm.tools.'))\n"
         "    assert not tools, f'importing {m} imported {tools}'\n"
         "print('ok', len(sys.modules))\n"
