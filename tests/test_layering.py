@@ -35,6 +35,9 @@ FLOORS: List[Tuple[str, List[str]]] = [
                       "flatcomm.fsdp.frames", "flatcomm.fsdp.adapt", "flatcomm.fsdp.backend", "flatcomm.fsdp.weights",
                       "flatcomm.fsdp.fsdp1", "flatcomm.fsdp.fsdp2", "flatcomm.fsdp.hybrid",
                       "flatcomm.optim", "flatcomm.reproducible", "flatcomm.stats"]),
+    ("checkpoints", ["flatcomm.rank_states"]),
+    ("adapters", ["flatcomm.integrations._common", "flatcomm.integrations.lightning",
+                  "flatcomm.integrations.accelerate", "flatcomm.integrations.transformers"]),
 ]
 # Outside the floors: the package facade (imports anything), the entry modules of `python -m
 # flatcomm.bench|tune|demo` (import their tool only when run), the tools.

@@ -121,14 +121,21 @@ def load_state_dict(state, sd, *, allow_codec_change: bool = False) -> None:
         client = {n: t / (_scale_for(world) * world)
                   for n, t in _checked(state, sd, "residual", params).items()}
         server = {}
+    # Everything is read and checked before the state changes: a load that raises changes nothing.
+    step = check.field(sd, "step", int)
+    scale_seen = sd.get("scale_seen")
+    if scale_seen is not None and (isinstance(scale_seen, bool) or not isinstance(scale_seen, (int, float))):
+        raise TypeError(f"flatcomm: checkpoint field 'scale_seen' is a {type(scale_seen).__name__}")
+    decisions = None
+    if state.auto and not changed and form == "per_rank":
+        decisions = _decisions(params, check.field(sd, "decisions", list))
+    if state.accordion is not None and sd.get("accordion") is not None:
+        state.accordion.load_state_dict(sd["accordion"], params)  # checks all, then replaces its tracks
     _restore(state, params, client, server, sd.get("buckets", []) if form == "per_rank" else [], world,
              sd.get("tiered", False))
-    if state.auto and not changed and form == "per_rank":
-        _restore_decisions(state, params, check.field(sd, "decisions", list))
-    state.step = check.field(sd, "step", int)
-    if state.accordion is not None and sd.get("accordion") is not None:
-        state.accordion.load_state_dict(sd["accordion"], params)
-    scale_seen = sd.get("scale_seen")
+    if decisions is not None:
+        state.decisions = decisions
+    state.step = step
     state.scale_seen = float(scale_seen) if scale_seen is not None else None
 
 
@@ -171,13 +178,17 @@ def _restore(state, params, client, server, buckets, world: int, tiered: bool = 
     state.replay_tiered = bool(tiered)
 
 
-def _restore_decisions(state, params, saved: list) -> None:
+def _decisions(params, saved: list) -> dict:
     from ..autotune import Decision
 
-    state.decisions = {}
-    for names, codec, chunks in saved:
+    out = {}
+    for entry in saved:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[0], (list, tuple))):
+            raise ValueError(f"flatcomm: checkpoint 'decisions' entry {entry!r} is not [names, codec, chunks]")
+        names, codec, chunks = entry
         key = tuple(id(params[n]) for n in names if n in params)
-        state.decisions[key] = Decision(str(codec), int(chunks), "restored from a checkpoint", {})
+        out[key] = Decision(str(codec), int(chunks), "restored from a checkpoint", {})
+    return out
 
 
 def reshard(states) -> dict:
