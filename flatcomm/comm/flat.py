@@ -63,13 +63,12 @@ def all_reduce(tensor: torch.Tensor, *, codec: CodecLike = "fp32", op: OpLike = 
     flat, c, n = a.src, a.codec, a.src.numel()
 
     def body():
-        pipe = Pipeline(group, stats, a.fields, flat.device, validate)
-        pipe.stats.calls += 1
-        if mode == "exact":
-            exact.all_reduce(pipe, flat, a.plan, a.chunks, a.scale, a.exact_block, a.headroom)
-        else:
-            _ordered_all_reduce(pipe, flat, a.plan, a.chunks, c, a.scale, residual)
-        pipe.release()
+        with Pipeline(group, stats, a.fields, flat.device, validate) as pipe:
+            pipe.stats.calls += 1
+            if mode == "exact":
+                exact.all_reduce(pipe, flat, a.plan, a.chunks, a.scale, a.exact_block, a.headroom)
+            else:
+                _ordered_all_reduce(pipe, flat, a.plan, a.chunks, c, a.scale, residual)
 
     keep = (flat,) if residual is None else (flat, residual.client, residual.server)
     return worker.run(worker.key_of(group), body, tensor, async_op, keep, f"all_reduce of {n} values ({c.name})",
@@ -92,13 +91,12 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, codec: CodecLik
     src, out, c, r = a.src, a.out, a.codec, a.residual
 
     def body():
-        pipe = Pipeline(group, stats, a.fields, src.device, validate)
-        pipe.stats.calls += 1
-        if mode == "exact":
-            exact.reduce_scatter(pipe, src, out, a.plan, a.chunks, a.scale, a.exact_block, a.headroom)
-        else:
-            _ordered_reduce_scatter(pipe, src, out, a.plan, a.chunks, c, a.scale, r)
-        pipe.release()
+        with Pipeline(group, stats, a.fields, src.device, validate) as pipe:
+            pipe.stats.calls += 1
+            if mode == "exact":
+                exact.reduce_scatter(pipe, src, out, a.plan, a.chunks, a.scale, a.exact_block, a.headroom)
+            else:
+                _ordered_reduce_scatter(pipe, src, out, a.plan, a.chunks, c, a.scale, r)
 
     return worker.run(worker.key_of(group), body, output, async_op, (src, out, r),
                       f"reduce_scatter of {src.numel()} values ({c.name})", group)
@@ -117,22 +115,21 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, codec: CodecLike = 
     n = src.numel()
 
     def body():
-        pipe = Pipeline(group, stats, a.fields, src.device, validate)
-        pipe.stats.calls += 1
-        payload = pipe.empty(c.wire_bytes(n), torch.uint8, src.device)
-        if r is not None:  # encoding updates the residual: never for a call that then fails its check
-            pipe.checked()
-        pipe.timed("encode_s", lambda: encode(src, c, residual=r, out=payload))
-        work, recv = pipe.all_gather(payload, world)
-        pipe.wait(work)
-        rows = recv.view(world, -1)
+        with Pipeline(group, stats, a.fields, src.device, validate) as pipe:
+            pipe.stats.calls += 1
+            payload = pipe.empty(c.wire_bytes(n), torch.uint8, src.device)
+            if r is not None:  # encoding updates the residual: never for a call that then fails its check
+                pipe.checked()
+            pipe.timed("encode_s", lambda: encode(src, c, residual=r, out=payload))
+            work, recv = pipe.all_gather(payload, world)
+            pipe.wait(work)
+            rows = recv.view(world, -1)
 
-        def dec():
-            for d in range(world):
-                decode(rows[d], c, n, out=out[d * n:(d + 1) * n])
+            def dec():
+                for d in range(world):
+                    decode(rows[d], c, n, out=out[d * n:(d + 1) * n])
 
-        pipe.timed("decode_s", dec)
-        pipe.release()
+            pipe.timed("decode_s", dec)
 
     return worker.run(worker.key_of(group), body, output, async_op, (src, out, r),
                       f"all_gather of {n} values ({c.name})", group)
@@ -185,7 +182,7 @@ def _ordered_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, chunks: int
         # residual (the next step adds scale * client), which this encode sends and zeroes.
         residual.client.add_(residual.server, alpha=1.0 / scale)
         residual.server.zero_()
-    if zero_copy(c, flat.dtype, p, chunks, client):
+    if zero_copy(c, flat.dtype, p, chunks, client, gathers=True):
         _raw_all_reduce(pipe, flat, p, c, scale)
         return
 
@@ -242,10 +239,12 @@ def _raw_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale
     send_buf = pipe.empty(width, flat.dtype, flat.device)  # padding past this shard is never read
     _raw_reduce(pipe, flat, p, c, scale, send_buf[:sizes[me]])
     # The all-to-all has completed, so flat may be overwritten: gather straight into it, in pieces
-    # (gloo's all-gather slows down 2-3x once one call moves more than ~32 MB).
+    # (gloo's all-gather slows down 2-3x once one call moves more than ~32 MB). zero_copy keeps it
+    # to one piece, and one gather even of nothing: the staged path of a peer holding a residual
+    # makes exactly that exchange.
     pipe.stats.wire_bytes += width * flat.element_size() * (world - 1)
     step = max(1, pipeline.GATHER_PIECE_BYTES // (world * flat.element_size()))
-    for off in range(0, width, step):
+    for off in range(0, max(width, 1), step):
         m = min(step, width - off)
         outs, tails = [], []
         for d in range(world):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import header, worker
-from .pipeline import CommStats
+from .pipeline import CommStats, drain
 from .topology import Topology
 
 __all__ = ["Job", "after", "gather", "mark", "queued", "reduce", "timed"]
@@ -79,8 +79,14 @@ def after(event: Optional["torch.cuda.Event"]) -> None:
 
 def _exchange(ops: List[dist.P2POp]) -> None:
     works = dist.batch_isend_irecv(ops) if ops else []
-    for w in works:
-        w.wait()
+    for i, w in enumerate(works):
+        try:
+            w.wait()
+        except BaseException:
+            # A peer died or timed out: wait for the other transfers too (they fail or finish
+            # within the timeout), so that none is pending when the group is torn down.
+            drain(works[i + 1:])
+            raise
 
 
 def gather(topo: Topology, out: torch.Tensor, shard: torch.Tensor) -> None:

@@ -172,9 +172,26 @@ def all_reduce(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List
 
     spread: List[_node.Job] = []
     reduced = [_node.queued(tiers.intra, topo.intra_group, dev, functools.partial(node_reduce, j)) for j in range(k)]
-    _node.queued(None, topo.inter_group, dev, across).wait()  # its pipeline counts its own time
-    for job in spread:
-        job.wait()
+    try:
+        _node.queued(None, topo.inter_group, dev, across).wait()  # its pipeline counts its own time
+        for job in spread:
+            job.wait()
+    except BaseException:
+        _settle(reduced + spread)
+        raise
+
+
+def _settle(pending) -> None:
+    """After a failure, wait for every job and handle of the call (ignoring their errors): the
+    call raises only once none of its transfers is still queued or in flight on a worker."""
+    for item in pending:
+        h = item[1] if isinstance(item, tuple) else item
+        if h is None:
+            continue
+        try:
+            h.wait()
+        except Exception:  # noqa: BLE001 - the call's own error is the one to raise
+            pass
 
 
 def _timed_into(st: CommStats, field: str, fn: Callable[[], None]) -> None:
@@ -197,47 +214,51 @@ def staged(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List[int
     rs: List[Any] = []
     ar: List[Any] = []
     ag: List[Any] = []
-    for j in range(k):  # the intra client residual is laid out segment by segment (G x width each)
-        a, b = seg[j], seg[j + 1]
-        piece = src if k == 1 else empty(g * (b - a), src.dtype).view(g, b - a).copy_(rows[:, a:b]).view(-1)
-        res = intra_fb.client[g * a:g * b] if intra_fb is not None else None
-        rs.append(one_hop.reduce_scatter(shard[a:b], piece, codec=ci, op="sum", group=topo.intra_group,
-                                         validate=validate, residual=res, stats=tiers.intra, async_op=True))
-    for j in range(k):
-        rs[j].wait()
-        a, b = seg[j], min(seg[j + 1], real)
-        if b > a:
-            fb = ErrorFeedback(inter_fb.client[a:b], inter_fb.server[a:b]) if inter_fb is not None else None
-            c = codec(b - a, topo.inter_group, shard.device, "all_reduce")
-            ar.append(one_hop.all_reduce(shard[a:b], codec=c, op="sum", group=topo.inter_group, residual=fb,
-                                         validate=validate, stats=tiers.inter, async_op=True))
-        else:
-            ar.append(None)
-    whole = k == 1 and src is flat
-    for j in range(k):
-        if ar[j] is not None:
-            ar[j].wait()
-        a, b = seg[j], seg[j + 1]
-        if scale != 1.0:
-            shard[a:b].mul_(scale)
-        out = flat if whole else empty(g * (b - a), flat.dtype)
-        if ci.lossless and flat.dtype == torch.float32:
-            tiers.intra.wire_bytes += (g - 1) * (b - a) * 4
-            ag.append((out, _node.queued(tiers.intra, topo.intra_group, flat.device,
-                                         functools.partial(_node.gather, topo, out, shard[a:b]))))
-            continue
-        res = intra_fb.server[a:b] if intra_fb is not None else None
-        ag.append((out, one_hop.all_gather(out, shard[a:b], codec=ci, group=topo.intra_group, validate=validate,
-                                           residual=res, stats=tiers.intra, async_op=True)))
-    for j, (out, h) in enumerate(ag):
-        h.wait()  # a Handle or a node Job
-        if whole:
-            continue
-        a, b = seg[j], seg[j + 1]
-        if src is flat:
-            rows[:, a:b].copy_(out.view(g, b - a))
-        else:  # padded: write back the part that holds data
-            for lr in range(g):
-                lo, hi = lr * m + a, min(lr * m + b, n)
-                if hi > lo:
-                    flat[lo:hi].copy_(out[lr * (b - a):lr * (b - a) + hi - lo])
+    try:  # every handle of the call settles before it raises (see _settle)
+        for j in range(k):  # the intra client residual is laid out segment by segment (G x width each)
+            a, b = seg[j], seg[j + 1]
+            piece = src if k == 1 else empty(g * (b - a), src.dtype).view(g, b - a).copy_(rows[:, a:b]).view(-1)
+            res = intra_fb.client[g * a:g * b] if intra_fb is not None else None
+            rs.append(one_hop.reduce_scatter(shard[a:b], piece, codec=ci, op="sum", group=topo.intra_group,
+                                             validate=validate, residual=res, stats=tiers.intra, async_op=True))
+        for j in range(k):
+            rs[j].wait()
+            a, b = seg[j], min(seg[j + 1], real)
+            if b > a:
+                fb = ErrorFeedback(inter_fb.client[a:b], inter_fb.server[a:b]) if inter_fb is not None else None
+                c = codec(b - a, topo.inter_group, shard.device, "all_reduce")
+                ar.append(one_hop.all_reduce(shard[a:b], codec=c, op="sum", group=topo.inter_group, residual=fb,
+                                             validate=validate, stats=tiers.inter, async_op=True))
+            else:
+                ar.append(None)
+        whole = k == 1 and src is flat
+        for j in range(k):
+            if ar[j] is not None:
+                ar[j].wait()
+            a, b = seg[j], seg[j + 1]
+            if scale != 1.0:
+                shard[a:b].mul_(scale)
+            out = flat if whole else empty(g * (b - a), flat.dtype)
+            if ci.lossless and flat.dtype == torch.float32:
+                tiers.intra.wire_bytes += (g - 1) * (b - a) * 4
+                ag.append((out, _node.queued(tiers.intra, topo.intra_group, flat.device,
+                                             functools.partial(_node.gather, topo, out, shard[a:b]))))
+                continue
+            res = intra_fb.server[a:b] if intra_fb is not None else None
+            ag.append((out, one_hop.all_gather(out, shard[a:b], codec=ci, group=topo.intra_group, validate=validate,
+                                               residual=res, stats=tiers.intra, async_op=True)))
+        for j, (out, h) in enumerate(ag):
+            h.wait()  # a Handle or a node Job
+            if whole:
+                continue
+            a, b = seg[j], seg[j + 1]
+            if src is flat:
+                rows[:, a:b].copy_(out.view(g, b - a))
+            else:  # padded: write back the part that holds data
+                for lr in range(g):
+                    lo, hi = lr * m + a, min(lr * m + b, n)
+                    if hi > lo:
+                        flat[lo:hi].copy_(out[lr * (b - a):lr * (b - a) + hi - lo])
+    except BaseException:
+        _settle(rs + ar + ag)
+        raise

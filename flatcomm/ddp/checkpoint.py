@@ -158,7 +158,7 @@ def _read(state, sd, allow_codec_change: bool) -> _Loaded:
                   for n, t in _checked(state, sd, "residual", params).items()}
         server = {}
         saved_decisions = []
-    decisions = _decisions(params, saved_decisions)  # checked whether or not this State uses them
+    decisions: Optional[dict] = _decisions(params, saved_decisions)  # checked whether or not this State uses them
     if not (state.auto and not changed and form == "per_rank"):
         decisions = None
     return _Loaded(params, client, server, buckets, world, tiered, _count(sd, "step"),
