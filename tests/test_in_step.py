@@ -176,11 +176,25 @@ def _chunk_exchanges(rank: int, world: int) -> int:
     return count[0]
 
 
+def _zero_values(topo) -> List[str]:
+    """Two-level calls of no values on every rank (a zero-segment pipeline used to wait forever)."""
+    done = []
+    for codec, intra in (("int8", "fp32"), ("fp32", "fp32"), ("topk", "fp32"), ("int8", "bf16")):
+        x = torch.zeros(0)
+        C.all_reduce(x, codec=codec, intra_codec=intra, topology=topo, residual=C.ErrorFeedback.zeros(0))
+        C.reduce_scatter(torch.zeros(0), torch.zeros(0), codec=codec, intra_codec=intra, topology=topo)
+        C.all_gather(torch.zeros(0), torch.zeros(0), codec=codec, intra_codec=intra, topology=topo)
+        done.append(codec)
+    C.all_reduce(torch.zeros(0), mode="exact", topology=topo)
+    return done
+
+
 def _rank_main(rank: int, world: int) -> dict:
     topo = Topology(local_size=2) if world == 4 else None
     res = {"flat": _run_cases(rank, world, FLAT, None)}
     if topo is not None:
         res["two_level"] = _run_cases(rank, world, TWO_LEVEL, topo)
+        res["zero values"] = _zero_values(topo)
     try:
         res["chunk exchanges"] = _chunk_exchanges(rank, world)
     except Exception:  # noqa: BLE001 - a broken group from an earlier case
@@ -244,6 +258,10 @@ def test_chunks_capped(world: int) -> None:
     """A chunks count far above the data makes no empty exchanges (1000 int8 values: 4 blocks)."""
     counts = [r["chunk exchanges"] for r in _results(world)]
     assert all(0 < c <= 4 for c in counts), counts
+
+
+def test_two_level_zero_values() -> None:
+    assert all(r["zero values"] == ["int8", "fp32", "topk", "int8"] for r in _results(4))
 
 
 # ---- a header that rounds would let a peer crash us -------------------------------------------------

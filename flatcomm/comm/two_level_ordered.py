@@ -66,6 +66,8 @@ def all_reduce(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List
     ``seg``: segment boundaries within the shard; ``empty(numel, dtype)``: pooled staging."""
     g, n, nodes, me, dev = topo.local_size, flat.numel(), topo.nodes, topo.local_rank, flat.device
     k = len(seg) - 1
+    if k == 0:  # no values (every rank agreed on numel 0 in the call's header): nothing to exchange
+        return
     rows = _padded_src(flat, g, m, empty).view(g, m)
     shard = empty(m, torch.float32)
     real = [max(0, min(m, n - lr * m)) for lr in range(g)]  # each local rank's data in its shard

@@ -180,7 +180,8 @@ def _call(s: Dict[str, Any], rank: int, world: int, topo) -> Optional[torch.Tens
     return out if isinstance(out, torch.Tensor) else None
 
 
-def _fuzz_rank(rank: int, world: int, calls: int, seed: int, pg_timeout: float) -> List[tuple]:
+def _fuzz_rank(rank: int, world: int, calls: int, seed: int, pg_timeout: float, progress: bool = False,
+               trace: str = "") -> List[tuple]:
     from flatcomm import Topology
     from flatcomm import collectives as C
 
@@ -195,6 +196,9 @@ def _fuzz_rank(rank: int, world: int, calls: int, seed: int, pg_timeout: float) 
             key, value = PERTURB[name](s, rng)
             if rank == p:
                 s = dict(s, **{key: value})
+        if trace:  # which call each rank is in, for a run that hangs
+            with open(os.path.join(trace, f"rank{rank}.txt"), "a") as f:
+                f.write(f"{i} {name} on {p}: {s}\n")
         t0 = time.monotonic()
         result: Tuple[str, ...]
         try:
@@ -211,6 +215,8 @@ def _fuzz_rank(rank: int, world: int, calls: int, seed: int, pg_timeout: float) 
             nxt = False
             result = result + (f"next call: {e!r}"[:300],)
         out.append((i, name, p, s["kind"], s["two_level"], result[0], result[1], took, nxt))
+        if progress and rank == 0 and (i + 1) % 100 == 0:
+            print(f"world {world}: {i + 1}/{calls} calls", file=sys.stderr, flush=True)
     return out
 
 
@@ -223,7 +229,8 @@ def _digest(y: Optional[torch.Tensor], kind: str) -> str:
     return f"{y.numel()} values, crc {zlib.crc32(y.detach().clone(memory_format=torch.contiguous_format).view(torch.uint8).numpy().tobytes()):08x}"
 
 
-def fuzz(calls: int = 2000, worlds=(2, 4), seed: int = 0, pg_timeout: float = 30.0) -> dict:
+def fuzz(calls: int = 2000, worlds=(2, 4), seed: int = 0, pg_timeout: float = 30.0, progress: bool = False,
+         trace: str = "") -> dict:
     """Run the fuzz (``calls`` split over ``worlds``); a summary dict with the failures."""
     from flatcomm.tools import spawn
 
@@ -234,7 +241,7 @@ def fuzz(calls: int = 2000, worlds=(2, 4), seed: int = 0, pg_timeout: float = 30
     t0 = time.monotonic()
     for world in worlds:
         try:
-            ranks = spawn.run(world, _fuzz_rank, per_world, seed, pg_timeout, timeout_s=pg_timeout,
+            ranks = spawn.run(world, _fuzz_rank, per_world, seed, pg_timeout, progress, trace, timeout_s=pg_timeout,
                               run_s=60 + per_world * 2.0)
         except Exception as e:  # noqa: BLE001 - a rank died (signal) or hung: the run failed
             failures.append(f"world {world}: the run failed: {str(e)[-1500:]}")
@@ -373,13 +380,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     f.add_argument("--calls", type=int, default=2000)
     f.add_argument("--worlds", default="2,4")
     f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--trace", default="", help="a folder: each rank appends the call it is in to rank<r>.txt")
     k = sub.add_parser("kills", help="SIGKILL a peer mid two-level call")
     k.add_argument("--count", type=int, default=200)
     k.add_argument("--timeout", type=float, default=5.0, help="process-group timeout, seconds")
     k.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     if a.cmd == "fuzz":
-        res = fuzz(a.calls, tuple(int(w) for w in a.worlds.split(",")), a.seed)
+        res = fuzz(a.calls, tuple(int(w) for w in a.worlds.split(",")), a.seed, progress=True, trace=a.trace)
     else:
         res = kills(a.count, a.timeout, a.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
     shown = dict(res, failures=len(res["failures"]))
