@@ -31,6 +31,10 @@ class Job:
         self.future: Optional["concurrent.futures.Future"] = None
         self.done: Optional["torch.cuda.Event"] = None  # CUDA: recorded after the job's kernels
 
+    def cancel(self) -> bool:
+        """Drop the job if its worker has not started it (after a failure of the call)."""
+        return self.future is not None and self.future.cancel()
+
     def wait(self) -> None:
         """Block until the job has run (re-raising its error); with CUDA tensors the current stream
         is then made to wait for its kernels, which ran on the worker's side stream."""

@@ -103,11 +103,9 @@ def all_reduce(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List
     def across() -> None:
         """The inter tier of every segment, pipelined like a chunked all-reduce: segment j+1's
         payloads go out while j is re-encoded and its result gathered."""
-        try:
-            node_agrees.result()
-        except Exception as e:  # tell the other nodes' ranks, which would wait for this one's payloads
-            header.fail_in_step(topo.inter_group, 3, e)
-            raise
+        # The node agreed before anything moves (an argument error anywhere was already every
+        # rank's error, in the call's header among all ranks); a failure here is a broken node.
+        node_agrees.result()
         pipe = Pipeline(topo.inter_group, tiers.inter,
                         header.signature(3, real[me], codec, "ordered", 1.0, torch.float32, k, _NO_EXACT), dev,
                         validate)
@@ -184,12 +182,15 @@ def all_reduce(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List
 
 
 def _settle(pending) -> None:
-    """After a failure, wait for every job and handle of the call (ignoring their errors): the
-    call raises only once none of its transfers is still queued or in flight on a worker."""
-    for item in pending:
-        h = item[1] if isinstance(item, tuple) else item
-        if h is None:
-            continue
+    """After a failure: cancel the call's jobs and handles that have not started (each would start
+    exchanges that wait a whole timeout for peers that gave up too), then wait for the others,
+    ignoring their errors. The call raises only once none of its transfers is in flight, within
+    about one timeout of the failure."""
+    items = [item[1] if isinstance(item, tuple) else item for item in pending]
+    items = [h for h in items if h is not None]
+    for h in items:
+        h.cancel()
+    for h in items:
         try:
             h.wait()
         except Exception:  # noqa: BLE001 - the call's own error is the one to raise

@@ -131,7 +131,9 @@ def _read(state, sd, allow_codec_change: bool) -> _Loaded:
     if form not in ("per_rank", "total"):
         raise ValueError(f"flatcomm: unknown DDP state form {form!r} (per_rank or total)")
     changed = _check_codec(state, sd, allow_codec_change)
-    _flag(sd, "error_feedback")
+    # A per-rank dict always has these; the total form may be written by hand, without them.
+    if form == "per_rank" or "error_feedback" in sd:
+        _flag(sd, "error_feedback")
     params = _params(state)
     world, rank = _world_rank(state)
     buckets: List[List[str]] = []
