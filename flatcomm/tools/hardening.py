@@ -281,22 +281,33 @@ def _kill_rank(rank: int, world: int, init: str, pg_timeout: float, calls: int) 
     n = 1 << 16
     ef = C.ErrorFeedback.zeros(flatcomm.hierarchical.shard_numel(n, topo, "int8"))
     x = torch.randn(n)
+
+    def call(i: int) -> None:
+        v = i % 3
+        if v == 0:
+            C.all_reduce(x, codec="int8", topology=topo, residual=ef, chunks=2)
+        elif v == 1:
+            C.all_reduce(x, codec="fp32", topology=topo)
+        else:
+            h = C.all_reduce(x, codec="int8", intra_codec="bf16", topology=topo, async_op=True)
+            assert h is not None
+            h.wait()
+        x.mul_(0.5).add_(1.0)
+
+    # Each kind of call once before the kills: the first call on a group makes gloo connect it,
+    # and a peer killed then leaves the others in gloo's connect timeout (5 x the group's), not
+    # in a flatcomm call.
+    for i in range(3):
+        call(i)
     print("ready", flush=True)
     status = "finished"
+    i = 0
     try:
-        for i in range(calls):
-            v = i % 3
-            if v == 0:
-                C.all_reduce(x, codec="int8", topology=topo, residual=ef, chunks=2)
-            elif v == 1:
-                C.all_reduce(x, codec="fp32", topology=topo)
-            else:
-                h = C.all_reduce(x, codec="int8", intra_codec="bf16", topology=topo, async_op=True)
-                assert h is not None
-                h.wait()
-            x.mul_(0.5).add_(1.0)
+        for i in range(3, calls):
+            call(i)
     except Exception as e:  # noqa: BLE001 - expected once the peer dies
-        status = f"raised {type(e).__name__} at {time.time():.3f}"
+        why = " ".join(str(e).split())[:300]
+        status = f"raised {type(e).__name__} at {time.time():.3f} after call {i}: {why}"
     print(status, flush=True)
     dist.destroy_process_group()
     print("exited", flush=True)
@@ -349,7 +360,8 @@ def kills(count: int = 200, pg_timeout: float = 5.0, seed: int = 0, log=None) ->
                         t = float(out.split(" at ")[1].split()[0])
                         raise_s.append(t - killed_at)
                         if t - killed_at > pg_timeout + 2.0:
-                            why.append(f"raised {t - killed_at:.1f} s after the kill (timeout {pg_timeout} s)")
+                            said = out[out.index("raised"):].splitlines()[0]
+                            why.append(f"raised {t - killed_at:.1f} s after the kill (timeout {pg_timeout} s): {said}")
                     if why:
                         failures.append(f"trial {trial}: rank {r} (victim {victim}): " + "; ".join(why))
             finally:
@@ -358,7 +370,8 @@ def kills(count: int = 200, pg_timeout: float = 5.0, seed: int = 0, log=None) ->
                         p.kill()
                         p.wait()
         if log is not None:
-            log(f"trial {trial + 1}/{count}: {len(failures)} failures so far")
+            log(f"trial {trial + 1}/{count}: {len(failures)} failures so far"
+                + (f" (last: {failures[-1][:400]})" if failures else ""))
     raise_s.sort()
     return {"kills": count, "survivors": 3 * count, "failures": failures,
             "raise s median": round(raise_s[len(raise_s) // 2], 2) if raise_s else None,
