@@ -274,7 +274,7 @@ def _raw_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale
     send_buf = pipe.empty(width, flat.dtype, flat.device)  # padding past this shard is never read
     _raw_reduce(pipe, flat, p, c, scale, send_buf[:sizes[me]])
     # The all-to-all has completed, so flat may be overwritten: gather straight into it, in pieces
-    # (gloo's all-gather slows down 2-3x once one call moves more than ~32 MB).
+    # (gloo's all-gather slows down on large single calls: docs/benchmarks.md, Collectives).
     pipe.stats.wire_bytes += width * flat.element_size() * (world - 1)
     step = max(1, pipeline.GATHER_PIECE_BYTES // (world * flat.element_size()))
     for off in range(0, width, step):

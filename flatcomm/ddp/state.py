@@ -22,9 +22,9 @@ from .residuals import Residuals
 __all__ = ["CODEC_DEFAULTS", "State", "hook", "register"]
 
 # What register(ddp, "sign") uses unless block_size= / start_step= say otherwise. Sign sends every
-# value of a block at the block's mean magnitude: with 256-value blocks Adam's second moment grew
-# 1.8x (median, 4x at p90) and the residual reached 6x the gradient early in training; smaller
-# blocks and lossless first steps keep both close (tools/bench/adam_probe.py, convergence.py).
+# value of a block at the block's mean magnitude, which inflates Adam's second moment and, early in
+# training, the residual; smaller blocks and lossless first steps keep both close (measured by
+# tools/bench/adam_probe.py and convergence.py: docs/benchmarks.md, "Why sign lost under Adam").
 CODEC_DEFAULTS = {"sign": {"block_size": 64, "start_step": 20}}
 
 
