@@ -19,6 +19,9 @@ $(DEPS): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q setuptools wheel ninja pytest pytest-benchmark hypothesis numpy matplotlib mypy
+	# the frameworks of flatcomm.integrations (the `integrations` extra), keeping the installed torch
+	$(PY) -m pip install -q $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['integrations']))") \
+		"torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	touch $@
 
 venv: $(DEPS)

@@ -10,6 +10,7 @@ The package is built in layers, each importing only those below it (``docs/archi
 * :mod:`flatcomm.collectives`: the public collectives, re-exported here;
 * the integrations: :mod:`flatcomm.ddp`, :mod:`flatcomm.fsdp`, :mod:`flatcomm.optim`,
   :mod:`flatcomm.reproducible`, :mod:`flatcomm.stats` (imported on first use);
+* :mod:`flatcomm.rank_states`: every rank's state in one dict, for frameworks that save from rank 0;
 * :mod:`flatcomm.integrations`: adapters for Lightning, Accelerate and transformers (never imported
   by the library); :mod:`flatcomm.tools`: benchmarks, tuner and demo.
 """
@@ -21,6 +22,7 @@ from .ops import (
     CODECS,
     Codec,
     decode,
+    decode_rows,
     decode_sum,
     encode,
     exact_exponents,
@@ -60,7 +62,7 @@ def build_info() -> dict:
 
 
 _SUBMODULES = ("ddp", "fsdp", "fsdp_hybrid", "hierarchical", "reproducible", "reference", "optim", "stats",
-               "autotune", "integrations")
+               "autotune", "rank_states", "integrations")
 
 
 def __getattr__(name: str):
@@ -86,6 +88,7 @@ __all__ = [
     "build_info",
     "cuda_path",
     "decode",
+    "decode_rows",
     "decode_sum",
     "encode",
     "exact_exponents",

@@ -26,15 +26,19 @@ FLOORS: List[Tuple[str, List[str]]] = [
               "flatcomm.comm.args", "flatcomm.comm.pipeline", "flatcomm.comm.exact", "flatcomm.comm.flat",
               "flatcomm.comm.topology", "flatcomm.comm.node", "flatcomm.comm.two_level_ordered",
               "flatcomm.comm.two_level"]),
-    ("autotune", ["flatcomm.autotune.costmodel", "flatcomm.autotune.tiers", "flatcomm.autotune.tuner"]),
+    ("autotune", ["flatcomm.autotune.costmodel", "flatcomm.autotune.tiers", "flatcomm.autotune.costs",
+                  "flatcomm.autotune.profiles", "flatcomm.autotune.race", "flatcomm.autotune.tuner"]),
     ("facade", ["flatcomm.collectives", "flatcomm.hierarchical"]),
     ("training", ["flatcomm._training.checks", "flatcomm._training.residual_store", "flatcomm._training.adapt",
                   "flatcomm._training.options"]),
     ("integrations", ["flatcomm.ddp.accordion", "flatcomm.ddp.stats", "flatcomm.ddp.tiers", "flatcomm.ddp.residuals",
                       "flatcomm.ddp.checkpoint", "flatcomm.ddp.traffic", "flatcomm.ddp.state",
-                      "flatcomm.fsdp.frames", "flatcomm.fsdp.adapt", "flatcomm.fsdp.backend",
+                      "flatcomm.fsdp.frames", "flatcomm.fsdp.adapt", "flatcomm.fsdp.backend", "flatcomm.fsdp.weights",
                       "flatcomm.fsdp.fsdp1", "flatcomm.fsdp.fsdp2", "flatcomm.fsdp.hybrid",
                       "flatcomm.optim", "flatcomm.reproducible", "flatcomm.stats"]),
+    ("checkpoints", ["flatcomm.rank_states"]),
+    ("adapters", ["flatcomm.integrations._common", "flatcomm.integrations.lightning",
+                  "flatcomm.integrations.accelerate", "flatcomm.integrations.transformers"]),
 ]
 # Outside the floors: the package facade (imports anything), the entry modules of `python -m
 # flatcomm.bench|tune|demo` (import their tool only when run), the tools.

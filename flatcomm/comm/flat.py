@@ -41,7 +41,7 @@ from . import args, exact, groups, header, worker
 from .args import ErrorFeedback, OpLike
 from . import pipeline
 from .pipeline import CommStats, Pipeline, Plan, default_chunks, plan, shard_bounds, zero_copy
-from ..ops.codecs import Codec, CodecLike, decode, decode_sum, encode, resolve
+from ..ops.codecs import Codec, CodecLike, decode, encode, reencode_sum, resolve
 from ..ops.sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM
 
 __all__ = ["all_gather", "all_reduce", "reduce_scatter"]
@@ -238,14 +238,7 @@ def _ordered_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, chunks: int
         nbytes = c.wire_bytes(b - a)
         r = server[a:b] if server is not None else None
 
-        def dec():
-            if c.reencodes_fused:
-                decode_sum(rows, c, b - a, scale=scale, reencode=c, residual=r, out=send_buf[:nbytes])
-            else:  # topk re-selects on the whole reduced shard
-                total = decode_sum(rows, c, b - a, scale=scale)
-                encode(total, c, residual=r, out=send_buf[:nbytes])
-
-        pipe.timed("decode_s", dec)
+        pipe.timed("decode_s", lambda: reencode_sum(rows, c, b - a, scale=scale, residual=r, out=send_buf[:nbytes]))
         return pipe.all_gather(send_buf, world)
 
     def finish(j, state):

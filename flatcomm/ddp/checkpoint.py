@@ -46,6 +46,12 @@ def _meta(state) -> dict:
 def state_dict(state) -> dict:
     """:meth:`flatcomm.ddp.State.state_dict`."""
     state.wait()
+    if state.model is None and (state.residuals.bufs or state.decisions):
+        raise ValueError(
+            "flatcomm: this State holds error-feedback residuals or auto decisions of its DDP buckets but "
+            "knows no model to name their parameters, so state_dict() cannot save them (they would be "
+            "lost on restart). Give it the model: state.attach(ddp_model) (before or after training "
+            "started), State(codec, model=ddp_model), or flatcomm.ddp.register(ddp_model, codec)")
     world, rank = _world_rank(state)
     client: Dict[str, torch.Tensor] = {}
     server: Dict[str, torch.Tensor] = {}
@@ -116,20 +122,44 @@ def load_state_dict(state, sd, *, allow_codec_change: bool = False) -> None:
                              f"loads the state_dict() its own rank saved")
         client = _checked(state, sd, "client", params)
         server = _checked(state, sd, "server", params)
+        if not client:
+            _refuse_missing_residuals(state, sd)
     else:
         # every rank's client = T / (scale * W): the next step adds scale * sum_r client_r = T
         client = {n: t / (_scale_for(world) * world)
                   for n, t in _checked(state, sd, "residual", params).items()}
         server = {}
+    # Everything is read and checked before the state changes: a load that raises changes nothing.
+    step = check.field(sd, "step", int)
+    scale_seen = sd.get("scale_seen")
+    if scale_seen is not None and (isinstance(scale_seen, bool) or not isinstance(scale_seen, (int, float))):
+        raise TypeError(f"flatcomm: checkpoint field 'scale_seen' is a {type(scale_seen).__name__}")
+    decisions = None
+    if state.auto and not changed and form == "per_rank":
+        decisions = _decisions(params, check.field(sd, "decisions", list))
+    if state.accordion is not None and sd.get("accordion") is not None:
+        state.accordion.load_state_dict(sd["accordion"], params)  # checks all, then replaces its tracks
     _restore(state, params, client, server, sd.get("buckets", []) if form == "per_rank" else [], world,
              sd.get("tiered", False))
-    if state.auto and not changed and form == "per_rank":
-        _restore_decisions(state, params, check.field(sd, "decisions", list))
-    state.step = check.field(sd, "step", int)
-    if state.accordion is not None and sd.get("accordion") is not None:
-        state.accordion.load_state_dict(sd["accordion"], params)
-    scale_seen = sd.get("scale_seen")
+    if decisions is not None:
+        state.decisions = decisions
+    state.step = step
     state.scale_seen = float(scale_seen) if scale_seen is not None else None
+
+
+def _refuse_missing_residuals(state, sd: dict) -> None:
+    """A per-rank dict without residuals: fine from a State that had none, refused where residuals
+    must have existed (or exist here), since loading it would drop them silently."""
+    held = any(b.ef.client.any() or b.ef.server.any() for b in state.residuals.bufs.values())
+    saved_lossy = (sd.get("error_feedback") is True and sd.get("codec") not in ("fp32", "auto")
+                   and isinstance(sd.get("step"), int) and sd["step"] > state.start_step)
+    if held or saved_lossy:
+        why = ("this State holds residuals that loading it would wipe" if held else
+               f"it was saved after {sd['step']} steps of {sd['codec']} with error feedback, by a State "
+               f"without a model (earlier flatcomm versions saved nothing then)")
+        raise ValueError(f"flatcomm: this DDP state_dict() has no residuals but {why}. Load a checkpoint "
+                         f"saved with the residuals (State(..., model=ddp_model) or state.attach(ddp_model) "
+                         f"before saving), or start error feedback over with a new State on purpose")
 
 
 def _scale_for(world: int) -> float:
@@ -171,13 +201,17 @@ def _restore(state, params, client, server, buckets, world: int, tiered: bool = 
     state.replay_tiered = bool(tiered)
 
 
-def _restore_decisions(state, params, saved: list) -> None:
+def _decisions(params, saved: list) -> dict:
     from ..autotune import Decision
 
-    state.decisions = {}
-    for names, codec, chunks in saved:
+    out = {}
+    for entry in saved:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[0], (list, tuple))):
+            raise ValueError(f"flatcomm: checkpoint 'decisions' entry {entry!r} is not [names, codec, chunks]")
+        names, codec, chunks = entry
         key = tuple(id(params[n]) for n in names if n in params)
-        state.decisions[key] = Decision(str(codec), int(chunks), "restored from a checkpoint", {})
+        out[key] = Decision(str(codec), int(chunks), "restored from a checkpoint", {})
+    return out
 
 
 def reshard(states) -> dict:

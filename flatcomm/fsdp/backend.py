@@ -37,10 +37,25 @@ class Stats(C.CommStats):
     (codec, chunks, reason, predicted seconds per codec)."""
 
     decisions: Dict[Tuple[str, int], Any] = dataclasses.field(default_factory=dict)
+    # Weight all-gathers, counted with apply(weights=...) only (flatcomm.fsdp.weights; FSDP's own
+    # gather is not seen): the bytes this rank sent in forward and in backward, also in wire_bytes
+    # and calls.
+    weights_forward_bytes: int = 0
+    weights_backward_bytes: int = 0
+
+    @property
+    def bytes_by_kind(self) -> Dict[str, int]:
+        """``wire_bytes`` split by collective: weight all-gathers in forward / in backward, and
+        the gradient reduce-scatters."""
+        w = self.weights_forward_bytes + self.weights_backward_bytes
+        return {"weights_forward": self.weights_forward_bytes, "weights_backward": self.weights_backward_bytes,
+                "gradients": self.wire_bytes - w}
 
     def add(self, other: C.CommStats) -> None:
         for f in dataclasses.fields(C.CommStats):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for k in ("weights_forward_bytes", "weights_backward_bytes"):
+            setattr(self, k, getattr(self, k) + getattr(other, k, 0))
         self.decisions.update(getattr(other, "decisions", {}))
 
 
@@ -364,16 +379,19 @@ class Backend:
         steps = self._step_base + max(self._calls.values(), default=0)
         return {f"{self._prefix()}{_STEP_KEY}": torch.tensor(steps, dtype=torch.int64)}
 
-    def _take_step(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """The dict without this rank's step entry; restores the warm-up count from it."""
+    def _take_step(self, state_dict: Dict[str, torch.Tensor]) -> Tuple[Callable[[], None], Dict[str, torch.Tensor]]:
+        """(restore the warm-up count from this rank's step entry, the dict without step entries)."""
         k = f"{self._prefix()}{_STEP_KEY}"
         if k not in state_dict:
-            return state_dict
+            return (lambda: None), state_dict
         v = state_dict[k]
         if not isinstance(v, torch.Tensor) or v.numel() != 1 or v.is_floating_point() or int(v) < 0:
             raise ValueError(f"flatcomm: checkpoint entry {k!r} must be one integer >= 0, got {v!r}")
-        self._step_base, self._calls = int(v), {}
-        return {kk: vv for kk, vv in state_dict.items() if not kk.endswith("." + _STEP_KEY)}
+        steps = int(v)
+
+        def apply() -> None:
+            self._step_base, self._calls = steps, {}
+        return apply, {kk: vv for kk, vv in state_dict.items() if not kk.endswith("." + _STEP_KEY)}
 
     @property
     def decisions(self) -> Dict[Tuple[str, int], Any]:
@@ -387,17 +405,19 @@ class Backend:
             return {}
         return {f"{self._prefix()}{_DECISIONS_KEY}": _fadapt.encode(self._decided)}
 
-    def _take_decisions(self, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """The dict without this rank's decisions entry; restores ``auto``'s decisions from it."""
+    def _take_decisions(self, state_dict: Dict[str, torch.Tensor]) -> Tuple[Callable[[], None], Dict[str, torch.Tensor]]:
+        """(restore ``auto``'s decisions from this rank's entry, the dict without decisions entries)."""
         k = f"{self._prefix()}{_DECISIONS_KEY}"
         if k not in state_dict:
-            return state_dict
+            return (lambda: None), state_dict
         saved = _fadapt.decode(state_dict[k], k)
-        if self._auto:
-            self._decided, self._decisions_loaded = saved, True
-            if isinstance(self.stats, Stats):
-                self.stats.decisions.update(saved)
-        return {kk: vv for kk, vv in state_dict.items() if not kk.endswith("." + _DECISIONS_KEY)}
+
+        def apply() -> None:
+            if self._auto:
+                self._decided, self._decisions_loaded = saved, True
+                if isinstance(self.stats, Stats):
+                    self.stats.decisions.update(saved)
+        return apply, {kk: vv for kk, vv in state_dict.items() if not kk.endswith("." + _DECISIONS_KEY)}
 
     def _prefix(self) -> str:
         return f"rank{dist.get_rank()}." if dist.is_initialized() else "rank0."
@@ -416,11 +436,16 @@ class Backend:
         finite, sizes, every known parameter present, no rank beyond this world size; a State
         without error feedback refuses nonzero residuals (they would be dropped)."""
         self._check_ranks(state_dict)
-        state_dict = self._take_decisions(self._take_step(state_dict))
+        # The step and decisions entries are read first and applied only once the residuals
+        # loaded (their load checks everything before it changes them): a failed load changes nothing.
+        apply_step, rest = self._take_step(state_dict)
+        apply_decisions, rest = self._take_decisions(rest)
         if self.error_feedback:
-            self._res.load_state_dict(state_dict, self._prefix())
+            self._res.load_state_dict(rest, self._prefix())
         else:
-            self._refuse_residuals(state_dict)
+            self._refuse_residuals(rest)
+        apply_step()
+        apply_decisions()
 
     def _check_ranks(self, state_dict) -> None:
         if not isinstance(state_dict, dict):

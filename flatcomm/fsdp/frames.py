@@ -16,6 +16,13 @@ public information (the sharded parameters are DTensors whose placements give th
   (:func:`fsdp1_param_ranges`: ``_numels_with_padding``, ``_is_padding_mask``, ``_fqns``,
   ``_shapes`` and, with ``use_orig_params``, ``_params``).
 * Tests compare the public layout with FSDP's own (:func:`fsdp2_param_groups`).
+* FSDP2 quantized weights (:mod:`flatcomm.fsdp_weights`): whether a module can still take
+  all-gather hooks (:func:`fsdp2_weight_problem`: ``FSDPParam._unsharded_param``,
+  ``all_gather_outputs``, ``offload_to_cpu``, ``is_dtensor``); the hooks themselves are FSDP's
+  public extension, looked for by ``FSDPParam._init_extensions`` at init and lazy init, which
+  :func:`fsdp2_init_extensions` calls once more after wrapping; and the
+  ``k``-rank group of ``reshard_after_forward=k`` (:func:`fsdp2_post_forward_group`:
+  ``post_forward_mesh_info`` / ``mesh_info`` with ``shard_mesh_size``, ``shard_process_group``).
 
 :func:`check` lists what the installed torch no longer has; ``tests/test_fsdp_private.py`` runs it
 and fails loudly, where flatcomm itself would quietly key residuals by size instead.
@@ -29,7 +36,8 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["check", "fsdp1_flat_param", "fsdp1_param_ranges", "fsdp1_unit", "fsdp2_param_groups", "param_piece",
+__all__ = ["check", "fsdp1_flat_param", "fsdp1_param_ranges", "fsdp1_unit", "fsdp2_param_groups",
+           "fsdp2_init_extensions", "fsdp2_post_forward_group", "fsdp2_state", "fsdp2_weight_problem", "param_piece",
            "reduce_call_params"]
 _FLAT_PARAM_FIELDS = ("_numels_with_padding", "_is_padding_mask", "_fqns", "_shapes", "_params")
 
@@ -135,6 +143,7 @@ def check() -> List[str]:
                  if a not in fields]
     if "_fsdp_param_groups" not in _names_used(FSDPState):
         problems.append("FSDPState has no _fsdp_param_groups")
+    problems += _check_weights(FSDPParam)
     try:
         from torch.distributed.fsdp import _runtime_utils as rt
         from torch.distributed.fsdp._flat_param import FlatParamHandle
@@ -153,3 +162,65 @@ def check() -> List[str]:
     fields = set(getattr(FlatParameter, "__annotations__", {})) | _names_used(FlatParameter)
     problems += [f"FSDP1 FlatParameter no longer has {a}" for a in _FLAT_PARAM_FIELDS if a not in fields]
     return problems
+
+
+# ---- FSDP2 weight all-gathers (flatcomm.fsdp_weights) ----------------------------------------------
+
+
+def _check_weights(fsdp_param_cls: type) -> List[str]:
+    """What :func:`fsdp2_weight_problem` and :func:`fsdp2_post_forward_group` read that torch lacks."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    problems = [f"FSDPParam no longer has {a}" for a in ("_unsharded_param", "all_gather_outputs", "offload_to_cpu",
+                                                          "is_dtensor", "_init_extensions")
+                if a not in _names_used(fsdp_param_cls) and not hasattr(fsdp_param_cls, a)]
+    group_names = _names_used(FSDPParamGroup)
+    problems += [f"FSDPParamGroup no longer uses {a}" for a in ("post_forward_mesh_info", "mesh_info", "_init_extensions")
+                 if a not in group_names]
+    mesh_names = _names_used(FSDPMeshInfo)
+    problems += [f"FSDPMeshInfo no longer sets {a}" for a in ("shard_mesh_size", "shard_process_group")
+                 if a not in mesh_names]
+    return problems
+
+
+def fsdp2_weight_problem(module: torch.nn.Module) -> Optional[str]:
+    """FSDP2: why ``module``'s weight gathers cannot be quantized (None: they can). The hooks are
+    picked up by FSDP's lazy init and its gather buffers are sized on the first gather; CPU
+    offload moves the local tensor (a plain copy) before the hook would run."""
+    state = module._get_fsdp_state()  # type: ignore[attr-defined,operator]
+    groups = list(state._fsdp_param_groups)
+    if len(groups) > 1:
+        return "several parameter groups (shard_placement_fn meshes): one all-gather comm per module"
+    for fp in (fp for pg in groups for fp in pg.fsdp_params):
+        if hasattr(fp, "_unsharded_param") or getattr(fp, "all_gather_outputs", None):
+            return "it has gathered its parameters already: call flatcomm.fsdp.apply before the first forward"
+        if getattr(fp, "offload_to_cpu", False):
+            return "CPU offload (OffloadPolicy) is not supported with quantized weights"
+        if getattr(fp, "is_dtensor", False):
+            return "DTensor parameters (tensor parallel) are not supported with quantized weights"
+    return None
+
+
+def fsdp2_state(module: torch.nn.Module) -> Any:
+    """FSDP2: the module's FSDP state (shared by the modules of one ``fully_shard([a, b])``)."""
+    return module._get_fsdp_state()  # type: ignore[attr-defined,operator]
+
+
+def fsdp2_init_extensions(module: torch.nn.Module) -> None:
+    """FSDP2: look for all-gather hooks on the local tensors again, as FSDP's lazy init does."""
+    state = module._get_fsdp_state()  # type: ignore[attr-defined,operator]
+    for pg in state._fsdp_param_groups:
+        for fp in pg.fsdp_params:
+            fp._init_extensions()
+
+
+def fsdp2_post_forward_group(module: torch.nn.Module) -> Optional[Tuple[Any, int]]:
+    """FSDP2: (process group, k) of ``fully_shard(reshard_after_forward=k)`` (k smaller than the
+    shard group), or None: the ``k``-rank group the backward all-gather would run in."""
+    state = module._get_fsdp_state()  # type: ignore[attr-defined,operator]
+    for pg in state._fsdp_param_groups:
+        post, mesh = pg.post_forward_mesh_info, pg.mesh_info
+        if post is not None and post is not mesh and post.shard_mesh_size < mesh.shard_mesh_size:
+            return post.shard_process_group, int(post.shard_mesh_size)
+    return None

@@ -111,9 +111,12 @@ class FSDP1State(Backend):
 
     def load_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
         self._check_ranks(state_dict)
-        state_dict = self._take_decisions(self._take_step(state_dict))
+        apply_step, state_dict = self._take_step(state_dict)
+        apply_decisions, state_dict = self._take_decisions(state_dict)
         if not self.error_feedback:
             self._refuse_residuals(state_dict)
+            apply_step()
+            apply_decisions()
             return
         p = self._prefix()
         ef = {}
@@ -126,8 +129,10 @@ class FSDP1State(Backend):
                 ef[name] = C.ErrorFeedback(c.clone(), check.residual(name, sv, c.shape, "server residual").clone())
             elif not (k.startswith(p) and k.endswith(".server")):
                 rest[k] = v
+        self._res.load_state_dict(rest, p)  # checks everything before it changes anything
         self._ef = ef
-        self._res.load_state_dict(rest, p)
+        apply_step()
+        apply_decisions()
 
 
 def fsdp1_hook(state: FSDP1State, grad: torch.Tensor, output: Optional[torch.Tensor] = None) -> None:

@@ -52,6 +52,7 @@ class ReduceScatter(Backend):
         self._names: Dict[int, str] = {}  # id(sharded parameter) -> name (from for_module's model)
         # How each call found its parameters (see _pieces): "module", "fsdp_frame" or "size".
         self.layout_sources: Dict[str, int] = {"module": 0, "fsdp_frame": 0, "size": 0}
+        self.weights: Any = None  # apply(weights=...): a flatcomm.fsdp.weights.Weights
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(tuple(size), dtype=dtype, device=device)
@@ -196,7 +197,7 @@ def _module_layout(module: Any, names: Dict[int, str]) -> List[Tuple[str, int, i
 def apply(model: torch.nn.Module, codec: Any = "fp32", *, error_feedback: bool = True,
           mode: str = "ordered", chunks: Optional[int] = None, block_size: Optional[int] = None,
           ratio: Optional[float] = None, tuner=None, start_step: int = 0, keep_fp32: Any = None,
-          backoff: Any = None) -> ReduceScatter:
+          backoff: Any = None, weights: Any = None) -> ReduceScatter:
     """Set one flatcomm :class:`ReduceScatter` on every ``FSDPModule`` in ``model`` and return it.
 
     One instance serves all modules (residuals are keyed by parameter name, not by module), so
@@ -204,12 +205,23 @@ def apply(model: torch.nn.Module, codec: Any = "fp32", *, error_feedback: bool =
     FSDP's parameter names are relative to. ``codec`` defaults to lossless fp32 (FSDP's own
     reduce, same bits every run); ``"int8"`` is what :func:`flatcomm.ddp.register` defaults to.
     Each module gets ``rs.for_module(module, model)`` (see :class:`ModuleReduceScatter`).
+
+    ``weights``: also quantize the weight all-gathers (ZeRO++ qwZ) with this codec (``"int8"``,
+    ``"int4"``, ``"bf16"``, ``"fp16"``, ``"fp32"`` or a :class:`flatcomm.Codec`; default None: FSDP's
+    own); ``keep_fp32`` parameters are gathered exactly. Call it after ``fully_shard`` and before
+    the first forward; with ``fully_shard(reshard_after_forward=k)`` the backward gather stays in
+    groups of ``k`` ranks (hpZ). ``rs.weights`` says what was done, ``rs.stats.bytes_by_kind``
+    where the bytes go. See :mod:`flatcomm.fsdp.weights`.
     """
     from torch.distributed.fsdp import FSDPModule
 
     rs = ReduceScatter(codec, error_feedback=error_feedback, mode=mode, chunks=chunks,
                        block_size=block_size, ratio=ratio, tuner=tuner, start_step=start_step,
                        keep_fp32=keep_fp32, backoff=backoff)
+    if weights is not None:  # first: it checks every module before it changes any
+        from . import weights as fsdp_weights
+
+        rs.weights = fsdp_weights.apply(model, rs, weights, keep_fp32=keep_fp32)
     found = False
     for m in model.modules():
         if isinstance(m, FSDPModule):

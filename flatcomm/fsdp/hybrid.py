@@ -128,9 +128,12 @@ class HSDP:
 
 def apply(model: torch.nn.Module, mesh, codec: Any = "int8", *, intra_codec: Any = "fp32",
           error_feedback: bool = True, chunks: Optional[int] = None, block_size: Optional[int] = None,
-          replicate_dim: Any = "replicate", shard_dim: Any = "shard") -> HSDP:
+          replicate_dim: Any = "replicate", shard_dim: Any = "shard", weights: Any = None,
+          keep_fp32: Any = None) -> HSDP:
     """Node reduce-scatter with ``intra_codec`` and cross-node all-reduce with ``codec`` on every
-    ``FSDPModule`` of ``model`` (sharded over ``mesh[shard_dim]``; see the module docstring)."""
+    ``FSDPModule`` of ``model`` (sharded over ``mesh[shard_dim]``; see the module docstring).
+    ``weights`` / ``keep_fp32``: quantized weight all-gathers (inside the node), as in
+    :func:`flatcomm.fsdp.apply`."""
     from torch.distributed.fsdp import FSDPModule
 
     topo = Topology.from_mesh(mesh, inter_dim=replicate_dim, intra_dim=shard_dim)
@@ -152,7 +155,7 @@ def apply(model: torch.nn.Module, mesh, codec: Any = "int8", *, intra_codec: Any
                 raise ValueError(f"flatcomm: module {name or '<root>'} is sharded over "
                                  f"{lay[1]} ranks, not the mesh's {topo.local_size} "
                                  f"(its {shard_dim!r} dimension)")
-    rs = F.apply(model, intra_codec, error_feedback=error_feedback)
+    rs = F.apply(model, intra_codec, error_feedback=error_feedback, weights=weights, keep_fp32=keep_fp32)
     # One node: nothing to replicate. One rank per node: the replicate group is the topology's.
     group = topo.inter_group if not topo.flat else topo.group
     cross = CrossNode(group, codec, error_feedback=error_feedback, chunks=chunks, block_size=block_size)

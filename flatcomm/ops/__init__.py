@@ -17,6 +17,7 @@ from .codecs import (
     Codec,
     CodecLike,
     decode,
+    decode_rows,
     decode_sum,
     encode,
     resolve,
@@ -35,6 +36,6 @@ from .sums import (
 
 __all__ = [
     "BLOCKWISE", "CODECS", "DEFAULT_BLOCK_SIZE", "DEFAULT_EXACT_BLOCK", "DEFAULT_HEADROOM", "DEFAULT_TOPK_RATIO",
-    "MAX_NUMEL", "PRECISION", "Codec", "CodecLike", "decode", "decode_sum", "encode", "exact_exponents",
+    "MAX_NUMEL", "PRECISION", "Codec", "CodecLike", "decode", "decode_rows", "decode_sum", "encode", "exact_exponents",
     "exact_sum", "extension", "from_exact", "ops", "ordered_sum", "resolve", "to_exact", "wire_bytes",
 ]

@@ -1,0 +1,61 @@
+"""Hugging Face Accelerate: flatcomm on the model ``accelerator.prepare`` returned.
+
+::
+
+    from flatcomm.integrations.accelerate import register
+
+    accelerator = Accelerator(cpu=True)                 # torchrun --nproc-per-node 2 ...
+    model, opt = accelerator.prepare(model, opt)        # a DistributedDataParallel
+    state = register(accelerator, model, "int8")        # flatcomm.ddp.State
+    ...
+    accelerator.save_state("ckpt")                      # every rank's flatcomm state included
+    accelerator.load_state("ckpt")                      # each rank gets its own part back
+
+Accelerate's ``DistributedDataParallelKwargs(comm_hook=)`` takes only its own enum of torch hooks,
+so :func:`register` calls :func:`flatcomm.ddp.register` on the prepared model itself (or
+:func:`flatcomm.fsdp.apply` on a ``fully_shard``-ed one). ``register_for_checkpointing`` saves a
+custom object's ``state_dict()`` from the main process only; the object registered here returns
+every rank's state (:func:`flatcomm.rank_states.gathered_state_dict`: ``save_state`` calls it on every
+rank) and loads this rank's part (same world size: bit for bit; DDP at another world size: resharded).
+Register flatcomm before ``load_state``, and in the same order among the other registered objects
+as in the run that saved (Accelerate matches custom objects by position).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import accelerate  # noqa: F401  (this adapter needs Accelerate; fail here with its ImportError)
+import torch
+
+from .. import rank_states
+from . import _common
+
+__all__ = ["RankStates", "register"]
+
+
+class RankStates:
+    """A flatcomm state as an Accelerate checkpointing object: ``state_dict()`` is a collective
+    that gathers every rank's state; ``load_state_dict()`` loads this rank's part."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def state_dict(self) -> Dict[str, Any]:
+        return rank_states.gathered_state_dict(self.state) or {}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        rank_states.load_gathered_state_dict(self.state, state_dict)
+
+
+def register(accelerator: Any, model: torch.nn.Module, codec: Any = "int8", **options: Any) -> Any:
+    """Run ``model``'s gradient traffic through flatcomm and checkpoint it with ``accelerator``.
+
+    model: what ``accelerator.prepare`` returned (a ``DistributedDataParallel``; or a model with
+        ``fully_shard``-ed modules for FSDP2).
+    codec, options: as :func:`flatcomm.ddp.register` (DDP) or :func:`flatcomm.fsdp.apply` (FSDP2).
+
+    Returns the :class:`flatcomm.ddp.State` / :class:`flatcomm.fsdp.ReduceScatter`.
+    """
+    state = _common.register(model, codec, options)
+    accelerator.register_for_checkpointing(RankStates(state))
+    return state

@@ -1,0 +1,207 @@
+"""Every rank's flatcomm state in one object, for frameworks that save custom state from rank 0 only.
+
+flatcomm's checkpoint state is per rank: the DDP hook's error-feedback residuals
+(:meth:`flatcomm.ddp.State.state_dict`) and the FSDP backends' (:meth:`flatcomm.fsdp.ReduceScatter.state_dict`)
+differ on every rank. Lightning (callback state), Accelerate (``register_for_checkpointing``) and the
+Hugging Face Trainer write custom state from rank 0 only, so saving ``state.state_dict()`` there
+keeps rank 0's residuals and loses the others'. Here that is solved once::
+
+    gathered = flatcomm.rank_states.gathered_state_dict(state)   # a collective: every rank calls it
+    ...                                                           # rank 0 saves `gathered`
+    flatcomm.rank_states.load_gathered_state_dict(state, gathered)  # every rank, after loading the file
+
+``gathered`` is a plain dict (tensors, strings, numbers, lists: ``torch.save`` / ``torch.load(
+weights_only=True)``) holding every rank's own state dict. The loader gives each rank its own part
+(same world size: the run continues bit for bit) or, for the DDP hook at another world size, all of
+them (:func:`flatcomm.ddp.reshard`: the residual total is kept). FSDP residuals are per shard and
+load only at the world size they were saved at: another world size raises.
+
+**Wire.** Each rank serialises its dict with ``torch.save`` (tensors moved to the CPU) and the bytes
+are all-gathered (gathered to ``dst`` with ``dst=``) in two steps: a status and length per rank, then
+the padded bytes. A rank whose ``state_dict()`` failed sends its error text instead, so every rank
+raises the same error naming it instead of waiting for it. Received bytes are another rank's: they
+are read with ``torch.load(weights_only=True)`` and checked (a dict, from that rank, of that world
+size) before anything is returned. The collectives run on ``group`` (default: the world) with its
+timeout; call both functions at the same point on every rank of it.
+
+**A load that fails changes nothing.** :func:`load_gathered_state_dict` checks the whole container
+(format, version, kind, world size, every rank present and its own) before it calls the state's
+``load_state_dict``, whose own checks (keys, shapes, dtype, finiteness, codec) also all run before it
+changes the state.
+"""
+from __future__ import annotations
+
+import io
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["FORMAT", "VERSION", "check_gathered", "gathered_state_dict", "kind_of", "load_gathered_state_dict"]
+
+FORMAT = "flatcomm.rank_states"
+VERSION = 1
+_OK, _FAILED = 0, 1
+_MAX_BYTES = 1 << 40  # a length beyond this from a peer is garbage, not a state
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def kind_of(state: Any) -> str:
+    """``"ddp"`` for a :class:`flatcomm.ddp.State`, ``"fsdp"`` for the FSDP backends
+    (:class:`flatcomm.fsdp.ReduceScatter`, :class:`flatcomm.fsdp.FSDP1State`)."""
+    from . import ddp, fsdp
+
+    if isinstance(state, ddp.State):
+        return "ddp"
+    if isinstance(state, (fsdp.ReduceScatter, fsdp.FSDP1State)):
+        return "fsdp"
+    raise TypeError(f"flatcomm.rank_states: expected a flatcomm.ddp.State or a flatcomm.fsdp backend, "
+                    f"got {type(state).__name__}")
+
+
+def _to_cpu(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, Mapping):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x
+
+
+def _device(group) -> torch.device:
+    # NCCL moves CUDA tensors only; every other backend here takes CPU tensors.
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def gathered_state_dict(state: Any, group: Optional[dist.ProcessGroup] = None, *,
+                        dst: Optional[int] = None) -> Optional[Dict[str, Any]]:
+    """Every rank's ``state.state_dict()``, in rank order, on every rank (or only on ``dst``, a
+    rank of ``group``; the others get None). A collective on ``group`` (default: the world): call it
+    on every rank at the same point. ``state``: a :class:`flatcomm.ddp.State` or a flatcomm FSDP
+    backend. Returns ``{"format", "version", "kind", "world_size", "ranks": [dict of rank 0, ...]}``.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("flatcomm.rank_states.gathered_state_dict needs an initialised process group")
+    group = group if group is not None else dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if dst is not None and not 0 <= dst < world:
+        raise ValueError(f"flatcomm.rank_states: dst={dst} is not a rank of this group of {world}")
+    try:
+        kind = kind_of(state)
+        buf = io.BytesIO()
+        torch.save({"kind": kind, "rank": rank, "world_size": world, "state": _to_cpu(state.state_dict())}, buf)
+        status, payload = _OK, buf.getvalue()
+    except Exception as e:  # noqa: BLE001 - reported to every rank below, then re-raised here
+        status, payload, error = _FAILED, f"{type(e).__name__}: {e}".encode(), e
+    parts = _exchange(status, payload, group, world, rank, dst)
+    if status == _FAILED:
+        raise error
+    if parts is None:
+        return None
+    ranks = [_decode(r, p, world, kind) for r, p in enumerate(parts)]
+    return {"format": FORMAT, "version": VERSION, "kind": kind, "world_size": world, "ranks": ranks}
+
+
+def _exchange(status: int, payload: bytes, group, world: int, rank: int, dst: Optional[int]) -> Optional[List[bytes]]:
+    """Every rank's (status, bytes) -> the list of bytes (None where this rank is not ``dst``);
+    raises on every receiving rank when a rank failed."""
+    dev = _device(group)
+    head = torch.tensor([status, len(payload)], dtype=torch.int64, device=dev)
+    heads = torch.empty(world * 2, dtype=torch.int64, device=dev)
+    # Every rank needs the lengths (to pad), so the small header is all-gathered even with dst.
+    _all_gather_single(heads, head, group=group)
+    heads = heads.cpu().view(world, 2)
+    lengths = heads[:, 1].tolist()
+    if any(n < 0 or n > _MAX_BYTES for n in lengths):
+        raise ValueError(f"flatcomm.rank_states: a rank announced an impossible state size: {lengths}")
+    width = max(lengths)
+    mine = torch.zeros(width, dtype=torch.uint8, device=dev)
+    if payload:
+        mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
+    failed = [r for r in range(world) if int(heads[r, 0]) != _OK]
+    if dst is None or failed:  # (every rank sees the same heads: a failure's reason goes to all)
+        every = torch.empty(world * width, dtype=torch.uint8, device=dev)
+        _all_gather_single(every, mine, group=group)
+    else:
+        every_list = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(world)] if rank == dst else None
+        dist.gather(mine, every_list, group_dst=dst, group=group)
+        if rank != dst:
+            return None
+        every = torch.cat(every_list) if every_list else torch.empty(0, dtype=torch.uint8)
+    raw = every.cpu().view(world, width) if width else torch.empty(world, 0, dtype=torch.uint8)
+    parts = [bytes(raw[r, :lengths[r]].numpy().tobytes()) for r in range(world)]
+    if failed and status == _OK:
+        reasons = "; ".join(f"rank {r}: {parts[r].decode(errors='replace')}" for r in failed)
+        raise RuntimeError(f"flatcomm.rank_states: the state_dict() of rank(s) {failed} failed ({reasons})")
+    return parts
+
+
+def _decode(r: int, payload: bytes, world: int, kind: str) -> dict:
+    try:
+        obj = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - bytes from another rank: name the rank
+        raise ValueError(f"flatcomm.rank_states: rank {r}'s state could not be read ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("state"), dict):
+        raise ValueError(f"flatcomm.rank_states: rank {r} sent a {type(obj).__name__}, not a state")
+    if (obj.get("rank"), obj.get("world_size"), obj.get("kind")) != (r, world, kind):
+        raise ValueError(f"flatcomm.rank_states: rank {r}'s state says rank {obj.get('rank')!r} of "
+                         f"{obj.get('world_size')!r} ({obj.get('kind')!r}); expected rank {r} of {world} ({kind!r})")
+    return obj["state"]
+
+
+def check_gathered(gathered: Any) -> Dict[str, Any]:
+    """``gathered`` checked to be what :func:`gathered_state_dict` returns (no communication)."""
+    if not isinstance(gathered, Mapping):
+        raise TypeError(f"flatcomm.rank_states: a gathered state is a dict, got {type(gathered).__name__}")
+    if gathered.get("format") != FORMAT:
+        raise ValueError(f"flatcomm.rank_states: not a gathered flatcomm state (format {gathered.get('format')!r}, "
+                         f"expected {FORMAT!r}); was it written by gathered_state_dict()?")
+    if gathered.get("version") != VERSION:
+        raise ValueError(f"flatcomm.rank_states: gathered state version {gathered.get('version')!r} is not "
+                         f"supported (this flatcomm reads version {VERSION})")
+    world, ranks = gathered.get("world_size"), gathered.get("ranks")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"flatcomm.rank_states: gathered state has world_size {world!r}")
+    if not isinstance(ranks, (list, tuple)) or len(ranks) != world or not all(isinstance(s, dict) for s in ranks):
+        raise ValueError(f"flatcomm.rank_states: gathered state of {world} ranks must hold {world} state dicts, "
+                         f"got {type(ranks).__name__} of {len(ranks) if isinstance(ranks, (list, tuple)) else '?'}")
+    if gathered.get("kind") not in ("ddp", "fsdp"):
+        raise ValueError(f"flatcomm.rank_states: gathered state of unknown kind {gathered.get('kind')!r}")
+    return dict(gathered)
+
+
+def load_gathered_state_dict(state: Any, gathered: Any, group: Optional[dist.ProcessGroup] = None, *,
+                             allow_codec_change: bool = False) -> None:
+    """Load this rank's part of ``gathered`` (from :func:`gathered_state_dict`) into ``state``.
+
+    Same world size: this rank's own dict (the run continues bit for bit). Another world size: the
+    DDP hook's state is resharded from every rank's dict (:func:`flatcomm.ddp.reshard`: the total
+    residual is kept, not the bits); FSDP state raises (its residuals are per shard). No
+    communication; ``group`` (default: the world) only gives this rank and the world size. Raises
+    before changing anything when the container or a part does not fit.
+    """
+    g = check_gathered(gathered)
+    kind = kind_of(state)
+    if g["kind"] != kind:
+        raise ValueError(f"flatcomm.rank_states: the gathered state is {g['kind']!r} state and this is a "
+                         f"{kind!r} one ({type(state).__name__})")
+    group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    world = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    ranks = list(g["ranks"])
+    if g["world_size"] == world:
+        part: Any = ranks[rank]
+    elif kind == "ddp":
+        part = ranks  # load_state_dict reshards a list of every rank's dicts
+    else:
+        raise ValueError(f"flatcomm.rank_states: this FSDP state was saved by {g['world_size']} ranks and this run "
+                         f"has {world}: FSDP residuals are per shard and load only at the world size they were "
+                         f"saved at. Leave flatcomm's state out of the load to restart error feedback from zero")
+    kwargs = {"allow_codec_change": allow_codec_change} if kind == "ddp" else {}
+    if kind == "fsdp" and allow_codec_change:
+        raise ValueError("flatcomm.rank_states: allow_codec_change applies to DDP state only")
+    state.load_state_dict(part, **kwargs)

@@ -1,0 +1,99 @@
+"""flatcomm.integrations.accelerate on 2 gloo ranks: Accelerate's MULTI_CPU (DDP) path.
+
+One spawn runs every training run: plain Accelerate, flatcomm fp32 (the same bits), int8 (trains,
+the hook runs), int8 saved with ``save_state`` at step 4 and resumed with ``load_state`` to step 10
+(the same bits as the uninterrupted run), and that resume without flatcomm's saved state (differs).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+
+from flatcomm.tools import spawn  # noqa: E402
+
+STEPS, SAVE_AT = 10, 4
+
+
+def _batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 8, generator=g)
+    return x, x[:, :4].sum(1, keepdim=True) * 0.5
+
+
+def _run(rank, world, tmp):
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")
+    from accelerate import Accelerator
+
+    import flatcomm.ddp
+    from flatcomm.integrations.accelerate import register
+
+    def train(codec=None, save_dir=None, load_dir=None, adapter=True):
+        accelerator = Accelerator(cpu=True)
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.Tanh(), torch.nn.Linear(33, 1))
+        opt = torch.optim.Adam(net.parameters(), lr=3e-2)
+        model, opt = accelerator.prepare(net, opt)
+        assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        state = None
+        if codec is not None:
+            state = register(accelerator, model, codec) if adapter else flatcomm.ddp.register(model, codec)
+        start = 0
+        if load_dir:
+            accelerator.load_state(load_dir)
+            start = SAVE_AT
+        losses = []
+        for step in range(start, STEPS):
+            x, y = _batch(step, rank)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+            if save_dir and step + 1 == SAVE_AT:
+                accelerator.save_state(save_dir)
+        weights = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone()
+        accelerator.free_memory()
+        return weights, losses, state
+
+    out = {}
+    out["plain"], out["plain_losses"], _ = train()
+    out["fp32"], _, _ = train("fp32")
+    saved = os.path.join(tmp, "ckpt")
+    out["int8"], out["int8_losses"], st = train("int8", save_dir=saved)
+    steps = st.stats()["steps"]
+    out["hook_steps"] = len(steps)
+    out["wire"], out["fp32_bytes"] = sum(s["wire_bytes"] for s in steps), sum(s["fp32_bytes"] for s in steps)
+    out["files"] = sorted(os.listdir(saved))
+    out["resumed"], _, st = train("int8", load_dir=saved)
+    out["resumed_hook_steps"] = len(st.stats()["steps"])
+    # the same checkpoint without flatcomm's state: the residuals start from zero
+    dropped = os.path.join(tmp, "dropped")
+    if rank == 0:
+        shutil.copytree(saved, dropped)
+        os.remove(os.path.join(dropped, "custom_checkpoint_0.pkl"))
+    torch.distributed.barrier()
+    out["dropped"], _, _ = train("int8", load_dir=dropped, adapter=False)
+    return out
+
+
+def test_accelerate_ddp(tmp_path):
+    r0, r1 = spawn.run(2, _run, str(tmp_path), timeout_s=120)
+    for r in (r0, r1):
+        assert torch.equal(r["fp32"].view(torch.int32), r["plain"].view(torch.int32)), "fp32 != Accelerate's DDP"
+        assert not torch.equal(r["int8"], r["plain"]), "int8 gave fp32's bits: the hook did not run"
+        assert r["hook_steps"] == STEPS and 0 < r["wire"] < r["fp32_bytes"] / 2
+        assert r["resumed_hook_steps"] == STEPS - SAVE_AT
+        assert torch.equal(r["resumed"].view(torch.int32), r["int8"].view(torch.int32)), "resume != uninterrupted"
+        assert not torch.equal(r["dropped"], r["int8"]), "flatcomm's saved state made no difference"
+    assert "custom_checkpoint_0.pkl" in r0["files"]
+    losses, plain = r0["int8_losses"], r0["plain_losses"]
+    assert len(losses) == STEPS
+    assert sum(losses[-3:]) < 0.5 * sum(losses[:3]), losses
+    assert abs(sum(losses[-3:]) - sum(plain[-3:])) < 0.1 * sum(plain[-3:]), (losses, plain)
+    assert torch.equal(r0["int8"], r1["int8"])
