@@ -24,6 +24,8 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import io
 import multiprocessing
@@ -33,6 +35,7 @@ import shlex
 import sys
 import tempfile
 import traceback
+import types
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -58,6 +61,7 @@ class Block:
     text: str
     ranks: int = 0          # 0: one plain process; N: N gloo ranks
     skip: Optional[str] = None  # the reason, when the block is not run
+    excerpt: Optional[str] = None  # a file whose lines the block quotes in order (that file runs elsewhere)
 
     @property
     def id(self) -> str:
@@ -92,9 +96,44 @@ def parse_blocks(text: str, path: str) -> List[Block]:
                            "(```text for output and listings)")
         body = "\n".join(ln[len(indent):] if ln.startswith(indent) else ln for ln in lines[start:j])
         ranks, skip = _markers(body, f"{path}:{i + 1}") if lang == "python" else (0, None)
-        out.append(Block(path, i + 1, lang, body + "\n", ranks, skip))
+        excerpt = None
+        note = _note_before(lines, i)
+        if note is not None:
+            kind, arg = note
+            if lang != "python":
+                raise DocError(f"{path}:{i + 1}: a docs-test note applies to python blocks only")
+            if kind == "skip":
+                skip = _reason(arg, f"{path}:{i + 1}")
+            else:
+                excerpt = arg
+                if not (ROOT / excerpt).is_file():
+                    raise DocError(f"{path}:{i + 1}: the excerpt's file {excerpt} does not exist")
+        out.append(Block(path, i + 1, lang, body + "\n", ranks, skip, excerpt))
         i = j + 1
     return out
+
+
+NOTE_RE = re.compile(r"^\s*<!--\s*docs-test:\s*(\S+)\s*(.*?)\s*-->\s*$")
+
+
+def _note_before(lines: List[str], i: int) -> Optional[Tuple[str, str]]:
+    """An HTML comment ``<!-- docs-test: skip <reason> -->`` or ``<!-- docs-test: excerpt
+    <file> -->`` on the line before a fence (invisible when rendered)."""
+    if i == 0:
+        return None
+    m = NOTE_RE.match(lines[i - 1])
+    if m is None:
+        return None
+    if m.group(1) not in ("skip", "excerpt"):
+        raise DocError(f"line {i}: unknown docs-test note {m.group(1)!r}: 'skip <reason>' or 'excerpt <file>'")
+    return m.group(1), m.group(2)
+
+
+def _reason(text: str, where: str) -> str:
+    reason = text.strip(" -:—")
+    if len(reason.split()) < 3:
+        raise DocError(f"{where}: '# docs-test: skip' needs a reason (why the block cannot run here)")
+    return reason
 
 
 def _markers(body: str, where: str) -> Tuple[int, Optional[str]]:
@@ -110,10 +149,7 @@ def _markers(body: str, where: str) -> Tuple[int, Optional[str]]:
                 raise DocError(f"{where}: '# ranks: {ranks}': a block without the marker runs in one process")
         m = SKIP_RE.match(ln)
         if m:
-            reason = m.group(1).strip(" -:—")
-            if len(reason.split()) < 3:
-                raise DocError(f"{where}: '# docs-test: skip' needs a reason (why the block cannot run here)")
-            skip = reason
+            skip = _reason(m.group(1), where)
     return ranks, skip
 
 
@@ -158,11 +194,12 @@ def run_block(block: Block) -> Optional[str]:
         torch.use_deterministic_algorithms(deterministic)
 
 
-def run_blocks(rank: int, world: int, blocks: Sequence[Block]) -> Dict[str, Optional[str]]:
-    """Run ``blocks`` in order in a temporary directory; stop at the first failure (with several
-    ranks a later block could pair its collectives with an unfinished one of another rank)."""
+def run_blocks(rank: int, world: int, blocks: Sequence[Block], workdir: str) -> Dict[str, Optional[str]]:
+    """Run ``blocks`` in order in ``workdir`` (one directory for all ranks, as a shared file system
+    would be); stop at the first failure (with several ranks a later block could pair its
+    collectives with an unfinished one of another rank)."""
     results: Dict[str, Optional[str]] = {}
-    with tempfile.TemporaryDirectory() as tmp, _chdir(tmp):
+    with _chdir(workdir):
         for b in blocks:
             err = run_block(b)
             results[b.id] = err
@@ -181,24 +218,25 @@ def _chdir(path: str):
         os.chdir(old)
 
 
-def _one_process(blocks: Sequence[Block]) -> Dict[str, Optional[str]]:
-    return run_blocks(0, 1, blocks)
+def _one_process(blocks: Sequence[Block], workdir: str) -> Dict[str, Optional[str]]:
+    return run_blocks(0, 1, blocks, workdir)
 
 
 @functools.lru_cache(maxsize=None)
 def python_results(ranks: int) -> Dict[str, Optional[str]]:
     """Results of every runnable python block that wants ``ranks`` ranks (0: one process), run once."""
-    blocks = [b for b in _ids(["python"]) if b.ranks == ranks and b.skip is None]
+    blocks = [b for b in _ids(["python"]) if b.ranks == ranks and b.skip is None and b.excerpt is None]
     if not blocks:
         return {}
     try:
-        if ranks == 0:
-            ctx = multiprocessing.get_context("spawn")
-            with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as ex:
-                return ex.submit(_one_process, blocks).result(timeout=300)
-        from flatcomm.tools import spawn
+        with tempfile.TemporaryDirectory() as workdir:
+            if ranks == 0:
+                ctx = multiprocessing.get_context("spawn")
+                with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as ex:
+                    return ex.submit(_one_process, blocks, workdir).result(timeout=300)
+            from flatcomm.tools import spawn
 
-        per_rank = spawn.run(ranks, run_blocks, blocks, timeout_s=BLOCK_TIMEOUT_S)
+            per_rank = spawn.run(ranks, run_blocks, blocks, workdir, timeout_s=BLOCK_TIMEOUT_S)
     except Exception:  # noqa: BLE001 - the run itself broke: every block of it fails with why
         why = traceback.format_exc()
         return {b.id: f"the {ranks or 1}-process run failed:\n{why}" for b in blocks}
@@ -225,8 +263,23 @@ def test_python_block(block: Block):
     compile(block.text, block.id, "exec")  # skipped blocks are still valid Python
     if block.skip is not None:
         pytest.skip(block.skip)
+    if block.excerpt is not None:
+        missing = excerpt_mismatch(block)
+        assert missing is None, f"{block.id}: {missing!r} is not in {block.excerpt} (in this order)"
+        return
     res = python_results(block.ranks)[block.id]
     assert res is None, f"{block.id} failed: {res}"
+
+
+def excerpt_mismatch(block: Block) -> Optional[str]:
+    """The first line of an excerpt block that its file lacks (after the previous one), or None."""
+    lines = [ln.strip() for ln in (ROOT / str(block.excerpt)).read_text().splitlines()]
+    at = 0
+    for ln in (x.strip() for x in block.text.splitlines() if x.strip()):
+        if ln not in lines[at:]:
+            return ln
+        at = lines.index(ln, at) + 1
+    return None
 
 
 # ---- shell blocks ---------------------------------------------------------------------------------
@@ -357,6 +410,46 @@ def _import_safe(path: Path) -> bool:
     return True
 
 
+# Imported by example scripts, slow to import (seconds each) and not needed to parse arguments:
+# while a script's arguments are checked they are empty stand-ins.
+STUBBED = ("lightning", "pytorch_lightning", "accelerate", "transformers", "flatcomm.integrations")
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        if any(fullname == s or fullname.startswith(s + ".") for s in STUBBED):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        mod = types.ModuleType(spec.name)
+        mod.__path__ = []  # a package: its submodules are stand-ins too
+        mod.__getattr__ = lambda name: type(name, (), {"__init__": lambda self, *a, **k: None})  # type: ignore
+        return mod
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _stubbed_frameworks():
+    def ours(name: str) -> bool:
+        return any(name == s or name.startswith(s + ".") for s in STUBBED)
+
+    saved = {k: v for k, v in sys.modules.items() if ours(k)}
+    for k in saved:
+        del sys.modules[k]
+    finder = _StubFinder()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        for k in [k for k in sys.modules if ours(k)]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
 def _script_main(path: Path):
     if not _import_safe(path):
         return None  # e.g. setup.py: it runs on import; only its existence is checked
@@ -394,10 +487,11 @@ def check_script(script: str, args: List[str], what: str) -> Optional[str]:
         return f"{what}: no such file {script}"
     if path.suffix != ".py":
         return None
-    main = _script_main(path)
-    if main is None:
-        return None
-    return _call_main(main, script, args, what)
+    with _stubbed_frameworks():
+        main = _script_main(path)
+        if main is None:
+            return None
+        return _call_main(main, script, args, what)
 
 
 def check_torchrun(args: List[str], what: str) -> Optional[str]:
@@ -531,6 +625,18 @@ def test_checker_catches_broken_blocks():
     assert b.ranks == 2 and b.skip is None
     (b,) = parse_blocks("```python\n# docs-test: skip needs a GPU to run\nx\n```\n", "t.md")
     assert b.skip == "needs a GPU to run"
+    (b,) = parse_blocks("<!-- docs-test: skip a sketch of the caller's loop -->\n```python\nx\n```\n", "t.md")
+    assert b.skip == "a sketch of the caller's loop"
+    for bad in ("<!-- docs-test: skip -->\n```python\nx\n```\n", "<!-- docs-test: run x -->\n```python\nx\n```\n",
+                "<!-- docs-test: excerpt examples/no_such.py -->\n```python\nx\n```\n"):
+        with pytest.raises(DocError):
+            parse_blocks(bad, "t.md")
+    # Excerpts: every line in its file, in order.
+    ex = "examples/restart_train.py"
+    (b,) = parse_blocks(f"<!-- docs-test: excerpt {ex} -->\n```python\nimport argparse\ndef main() -> None:\n```\n", "t.md")
+    assert b.excerpt == ex and excerpt_mismatch(b) is None
+    (b,) = parse_blocks(f"<!-- docs-test: excerpt {ex} -->\n```python\ndef main() -> None:\nimport argparse\n```\n", "t.md")
+    assert excerpt_mismatch(b) == "import argparse"
     # Python: a block that raises, and one that passes.
     assert "ZeroDivisionError" in run_block(Block("t.md", 1, "python", "x = 1 / 0\n"))
     assert run_block(Block("t.md", 1, "python", "import flatcomm\nassert flatcomm.CODECS\n")) is None
@@ -541,6 +647,7 @@ def test_checker_catches_broken_blocks():
     m = merge([a, b2, c], [{a.id: None, b2.id: "boom", }, {a.id: None, b2.id: None, c.id: None}])
     assert m[a.id] is None and "rank 0:\nboom" in m[b2.id] and "not run on rank 0" in m[c.id]
     # Shell: each broken line is reported, and the right ones are not.
+    before = set(sys.modules)
     broken = {
         "make no-such-target": "no target",
         "python -m flatcomm.bench kernels --no-such-flag": "do not parse",
@@ -552,6 +659,7 @@ def test_checker_catches_broken_blocks():
         "torchrun --standalone --nproc-per-node 2 examples/restart_train.py --no-such-flag": "do not parse",
         "python examples/restart_train.py --codec int8": "do not parse",  # --ckpt is required
         "mkae demo": "unknown command",
+        "torchrun --nproc-per-node 2 examples/lightning_ddp.py": "do not parse",  # --out is required
     }
     for line, why in broken.items():
         errs = check_shell(Block("t.md", 1, "bash", line + "\n"))
@@ -565,6 +673,8 @@ def test_checker_catches_broken_blocks():
     assert check_shell(Block("t.md", 1, "bash", good)) == []
     assert commands("A=1 make x && nice -n 10 make y | cat\n") == [["make", "x"], ["make", "y"], ["cat"]]
     assert check_shell(Block("t.md", 1, "bash", "python setup.py -q build_ext --inplace\n")) == []  # not run
+    assert check_shell(Block("t.md", 1, "bash", "torchrun --nproc-per-node 2 examples/lightning_ddp.py --out o\n")) == []
+    assert not any(k.startswith(("lightning", "flatcomm.integrations")) for k in sys.modules if k not in before)
     # Links and anchors.
     assert {"the-collectives-contract", "1-bit-adam-flatcommoptim", "codecauto"} <= anchors(
         "## The collectives' contract\n## 1-bit Adam: `flatcomm.optim`\n## `codec=\"auto\"`\n```text\n# not a heading\n```\n")
