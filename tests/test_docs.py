@@ -445,9 +445,17 @@ def _stubbed_frameworks():
         yield
     finally:
         sys.meta_path.remove(finder)
-        for k in [k for k in sys.modules if ours(k)]:
+        stubs = [k for k in sys.modules if ours(k)]
+        for k in stubs:
             del sys.modules[k]
         sys.modules.update(saved)
+        for k in stubs:  # importing a.b sets attribute b on a: point it back at the real module
+            parent, _, child = k.rpartition(".")
+            if parent in sys.modules and not ours(parent):
+                if k in saved:
+                    setattr(sys.modules[parent], child, saved[k])
+                elif child in vars(sys.modules[parent]):
+                    delattr(sys.modules[parent], child)
 
 
 def _script_main(path: Path):
@@ -675,6 +683,9 @@ def test_checker_catches_broken_blocks():
     assert check_shell(Block("t.md", 1, "bash", "python setup.py -q build_ext --inplace\n")) == []  # not run
     assert check_shell(Block("t.md", 1, "bash", "torchrun --nproc-per-node 2 examples/lightning_ddp.py --out o\n")) == []
     assert not any(k.startswith(("lightning", "flatcomm.integrations")) for k in sys.modules if k not in before)
+    import flatcomm
+
+    assert "integrations" not in vars(flatcomm) or vars(flatcomm)["integrations"] is sys.modules["flatcomm.integrations"]
     # Links and anchors.
     assert {"the-collectives-contract", "1-bit-adam-flatcommoptim", "codecauto"} <= anchors(
         "## The collectives' contract\n## 1-bit Adam: `flatcomm.optim`\n## `codec=\"auto\"`\n```text\n# not a heading\n```\n")
