@@ -7,7 +7,7 @@
     python -m flatcomm.bench ddp         [--ranks N] [--link 1gbit] [--params 25e6] [--hooks ...]
     python -m flatcomm.bench fsdp        [--ranks N] [--link 1gbit] [--codecs default,int8]
     python -m flatcomm.bench fsdp --nodes N --ranks-per-node G --link 1gbit --weights int8,int4 [--param-dtype bf16]
-    python -m flatcomm.bench convergence [--quick] [--workloads lm,cnn,mlp_sgd] [--seeds 3] [--codecs ...]
+    python -m flatcomm.bench convergence [--quick] [--workloads lm,cnn,mlp_sgd,lm_recipe] [--seeds 3] [--codecs ...]
     common: [--json PATH] [--plot PATH.png] [--timeout S]; --version
 
 ``--link`` runs each rank in its own network namespace joined by a rate-limited link
