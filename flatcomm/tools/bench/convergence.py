@@ -36,7 +36,8 @@ baseline (``val / val_base - 1`` per seed, then mean, sample sd, min and max ove
 
 JSON: ``{"command": "convergence", "world", "seeds", "quick", "workloads": {name: {"optimizer",
 "steps", "params", "rows": [{"row", "codec", "options", "val": [per seed], "rel": [per seed],
-"baseline", "rel_mean", "rel_sd", "rel_min", "rel_max", "curves": [[train loss per step] per seed], "residual_norm": [[...]],
+"baseline", "rel_mean", "rel_sd", "rel_min", "rel_max", "curves": [[train loss per step] per seed],
+"residual_norm": [[...]],
 "rel_error": [[...]], "wire_bytes_per_step", "codec_share": {codec: share of bucket-steps},
 FSDP2 rows also "val_gathered": [per seed], "bytes_by_kind": [per seed]}]}}, "seconds"}``.
 """
@@ -448,14 +449,19 @@ def print_table(doc: Dict[str, Any]) -> None:
 
 
 def plot(doc: Dict[str, Any], path: str) -> None:
-    """Training loss per workload: mean over seeds (10-step moving average), band = min..max of seeds."""
+    """Per workload, top: training loss, mean over seeds (10-step moving average), band = min..max of
+    seeds; bottom: held-out loss relative to the row's baseline, mean and min..max of seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(doc["workloads"])
-    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
+    nrows = max(len(w["rows"]) for w in doc["workloads"].values())
+    fig, axes = plt.subplots(2, len(names), figsize=(6 * len(names), 6.5 + 0.25 * nrows), squeeze=False,
+                             gridspec_kw={"height_ratios": [4.5, 2 + 0.25 * nrows]})
+    for ax, wname in zip(axes[1], names):
+        _plot_rel(ax, doc["workloads"][wname], plt)
     for ax, wname in zip(axes[0], names):
         w = doc["workloads"][wname]
         for i, r in enumerate(w["rows"]):
@@ -467,7 +473,7 @@ def plot(doc: Dict[str, Any], path: str) -> None:
             rel = "" if r["rel_mean"] is None else f" ({100 * r['rel_mean']:+.1f}%)"
             line, = ax.plot(range(n), mean, lw=1.3, label=r["row"] + rel, color=plt.cm.tab20(i % 20))
             ax.fill_between(range(n), lo, hi, color=line.get_color(), alpha=0.15, lw=0)
-        ax.set_title(f"{wname} ({w['optimizer']}), {doc['seeds']} seeds")
+        ax.set_title(f"{wname} ({w['optimizer']}), {doc['seeds']} seeds", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (10-step mean)")
         ax.grid(alpha=0.3)
@@ -476,6 +482,20 @@ def plot(doc: Dict[str, Any], path: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _plot_rel(ax, w: Dict[str, Any], plt) -> None:
+    rows = [r for r in w["rows"] if r["rel_mean"] is not None]
+    for i, r in enumerate(rows):
+        mean, lo, hi = (100 * r[k] for k in ("rel_mean", "rel_min", "rel_max"))
+        ax.errorbar([mean], [i], xerr=[[mean - lo], [hi - mean]], fmt="o", capsize=3, color=plt.cm.tab20(i % 20))
+        ax.scatter([100 * x for x in r["rel"]], [i] * len(r["rel"]), s=8, color="k", zorder=3)
+    ax.set_yticks(range(len(rows)), [f"{r['row']} (vs {r['baseline']})" for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    for x, style in ((0.0, "-"), (0.5, ":"), (-0.5, ":")):
+        ax.axvline(x, color="grey", lw=0.8, ls=style)
+    ax.set_xlabel("held-out loss vs baseline, % (mean, min..max and each seed)")
+    ax.grid(axis="x", alpha=0.3)
 
 
 def _smooth(xs: List[float], k: int) -> List[float]:

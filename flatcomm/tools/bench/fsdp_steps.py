@@ -395,7 +395,8 @@ def plot(rows: List[Dict[str, Any]], path: str, title: str) -> bool:
     ys = list(range(len(rows)))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, max(3.0, 0.45 * len(rows) + 1.5)))
     med = [r["step_s"] * 1e3 for r in rows]
-    err = [[m - r["step_s_min"] * 1e3 for m, r in zip(med, rows)], [r["step_s_max"] * 1e3 - m for m, r in zip(med, rows)]]
+    err = [[m - r["step_s_min"] * 1e3 for m, r in zip(med, rows)],
+           [r["step_s_max"] * 1e3 - m for m, r in zip(med, rows)]]
     ax1.barh(ys, med, xerr=err, color="tab:blue", capsize=3)
     ax1.set_yticks(ys, names, fontsize=8)
     ax1.invert_yaxis()
@@ -407,11 +408,13 @@ def plot(rows: List[Dict[str, Any]], path: str, title: str) -> bool:
         ax2.barh(ys, vals, left=left, color=colors[k], label=SHORT[k] + " (counters)")
         left = [a + b for a, b in zip(left, vals)]
     tot = [r.get("bytes_per_param") for r in rows]
-    ax2.scatter([t if t is not None else 0 for t in tot], ys, marker="|", s=200, color="k", label="whole step (counters)")
+    ax2.scatter([t if t is not None else 0 for t in tot], ys, marker="|", s=200, color="k",
+                label="whole step (counters)")
     me = [sum(r["self_bytes_per_param"].values()) if r.get("self_bytes_per_param") else None for r in rows]
     pts = [(v, y) for v, y in zip(me, ys) if v is not None]
     if pts:
-        ax2.scatter([p[0] for p in pts], [p[1] for p in pts], marker="x", color="red", label="flatcomm self-reported (its collectives only)")
+        ax2.scatter([p[0] for p in pts], [p[1] for p in pts], marker="x", color="red",
+                    label="flatcomm's own count (its collectives, to every peer)")
     ax2.set_yticks(ys, [""] * len(ys))
     ax2.invert_yaxis()
     ax2.set_xlabel("bytes that left a node per parameter per step")
