@@ -3,7 +3,7 @@
 Tang et al. 2021 ("1-bit Adam: communication efficient large-scale training with Adam's convergence
 speed"; DeepSpeed's ``OnebitAdam``) observed that Adam's second moment settles after a warm-up, and
 that compressing the *momentum* of a frozen-variance Adam with error feedback converges like Adam,
-while compressing the gradients that feed Adam's variance does not (see README, Convergence).
+while compressing the gradients that feed Adam's variance does not (docs/benchmarks.md, Convergence).
 
 :class:`OnebitAdam` (AdamW's math: decoupled weight decay, bias corrections) runs in two phases:
 

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from flatcomm.tools.bench import convergence as conv
 
@@ -56,3 +57,45 @@ def test_accordion_and_onebit_rows():
     assert conv._applies("sign", conv.MLPSGD(0, 0.1))
     opt, _ = conv.CNN(0, 0.1).make_optimizer(conv.CNN(0, 0.1).model().parameters(), {"warmup_steps": 3})
     assert type(opt).__name__ == "OnebitAdam" and opt.warmup_steps == 3
+
+
+
+def test_lm_recipe_workload():
+    """lm_recipe: 2 micro-batches a step, AdamW (0.9, 0.95), weight decay on the matrices only."""
+    w = conv.LMRecipe(0, 0.02)
+    parts = w.batches(3, 1)
+    assert len(parts) == 2 and parts[0][0].shape == (8, 64) and not torch.equal(parts[0][0], parts[1][0])
+    opt, _ = w.make_optimizer(w.model().parameters())
+    assert opt.defaults["betas"] == (0.9, 0.95)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert all(p.dim() >= 2 for p in opt.param_groups[0]["params"])
+    assert all(p.dim() < 2 for p in opt.param_groups[1]["params"])
+
+
+def test_fsdp_rows(tmp_path):
+    """FSDP2 rows, on mlp_sgd and on lm_recipe (accumulation: DDP's no_sync, FSDP's paused sync;
+    clipping): flatcomm's lossless fp32 trains the bits of its baseline (torch's all-reduce, plain
+    FSDP2's reduce-scatter); quantized weights change them a little, and the held-out loss through
+    the gathered weights differs from the masters' only when the weights are quantized."""
+    path = tmp_path / "conv.json"
+    rows = ["torch", "fp32", "fsdp", "fsdp:grads=fp32", "fsdp:grads=int8,weights=int8"]
+    assert conv.main(["--quick", "--workloads", "mlp_sgd,lm_recipe", "--codecs", ",".join(rows), "--seeds", "1",
+                      "--steps-scale", "0.02", "--json", str(path), "--timeout", "120"]) == 0
+    doc = json.loads(path.read_text())["workloads"]
+    assert doc["lm_recipe"]["steps"] == 5 and doc["mlp_sgd"]["steps"] == 4
+    for wname, w in doc.items():
+        by = {r["row"]: r for r in w["rows"]}
+        assert list(by) == rows and all(len(r["curves"][0]) == w["steps"] for r in w["rows"])
+        assert by["fp32"]["curves"] == by["torch"]["curves"], wname
+        assert by["fsdp"]["baseline"] == "torch" and by["fsdp:grads=fp32"]["baseline"] == "fsdp"
+        assert abs(by["fsdp"]["rel_mean"]) < 1e-3
+        assert by["fsdp:grads=fp32"]["curves"] == by["fsdp"]["curves"] and by["fsdp:grads=fp32"]["rel"] == [0.0]
+        q = by["fsdp:grads=int8,weights=int8"]
+        assert q["curves"] != by["fsdp"]["curves"] and abs(q["rel_mean"]) < 0.05, wname
+        assert q["rel_min"] == q["rel_max"] == q["rel_mean"]
+        assert by["fsdp:grads=fp32"]["val_gathered"] == pytest.approx(by["fsdp:grads=fp32"]["val"], rel=1e-6)
+        assert q["val_gathered"] != q["val"]
+        kinds = q["bytes_by_kind"][0]
+        assert kinds["weights_forward"] > 0 and kinds["weights_backward"] > 0 and kinds["gradients"] > 0
+    with pytest.raises(SystemExit):
+        conv.main(["--quick", "--workloads", "mlp_sgd", "--codecs", "fsdp:weights=sign"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -467,3 +468,14 @@ def test_layout_helpers_reject_what_no_launch_accepts():
     assert cb.seed_key((1 << 64) - 1) == flatcomm._C.seed_key((1 << 64) - 1)
     with pytest.raises(RuntimeError, match=r"headroom must be in \[1, 38\]"):
         cb.precision_of(39)
+
+
+def test_flatcomm_imports_without_numpy():
+    """numpy is optional (the cupy path needs it): an installed flatcomm without it imports and runs."""
+    code = ("import sys; sys.modules['numpy'] = None\n"
+            "import torch, flatcomm\n"
+            "x = torch.randn(1000)\n"
+            "assert flatcomm.decode(flatcomm.encode(x, 'fp32'), 'fp32', 1000).equal(x)\n"
+            "print(flatcomm.cuda_path())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]

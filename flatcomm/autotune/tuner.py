@@ -47,20 +47,20 @@ This package sits above the machinery (:mod:`flatcomm.comm`: it times those coll
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
-import os
 import re
 import threading
 import time
 import zlib
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import tiers as T
+from . import race as R, tiers as T
+from .costs import CostModel, Decision
+from .profiles import ProfileLike, load_profile, save_profile
 from ..comm import flat, pipeline, worker
 from ..comm.args import ErrorFeedback
 from ..comm.groups import private_group
@@ -73,45 +73,9 @@ __all__ = ["BACKEND", "PRECISION", "KINDS", "CostModel", "Decision", "Tuner", "a
 log = logging.getLogger("flatcomm.autotune")
 
 BACKEND = "backend"  # the backend's own fp32 all-reduce (not deterministic by flatcomm's standard)
-PROFILE_VERSION = 1
 KINDS = ("all_reduce", "reduce_scatter")
 NEAR_TIE = 0.05
 BENCH_NUMEL = 1 << 23  # 32 MB: past the caches, so per-value costs are those of large buckets
-
-
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-    """link_Bps: link bandwidth (bytes/s one rank sends); latency_s: per collective call;
-    compute_Bps: codec -> fp32 input bytes/s of this rank's all-reduce pipeline (``inf`` = free);
-    rs_compute_Bps: the same for the reduce-scatter pipeline (default: twice ``compute_Bps``);
-    backend_Bps / backend_latency_s: the backend's own fp32 all-reduce, ``latency + 4 numel / Bps``
-    (None: not measured, never a candidate)."""
-
-    link_Bps: float
-    latency_s: float
-    compute_Bps: Mapping[str, float]
-    rs_compute_Bps: Optional[Mapping[str, float]] = None
-    backend_Bps: Optional[float] = None
-    backend_latency_s: Optional[float] = None
-    # Per-tier link costs (a Topology's, see flatcomm.autotune.tiers): measured with measure(...,
-    # topology=...) and saved in profiles, so hierarchical decisions replay too. None: flat only.
-    nodes: int = 1
-    ranks_per_node: int = 1
-    inter_latency_s: Optional[float] = None
-    inter_Bps: Optional[float] = None  # bytes one node sends per second (its ranks share the link)
-    intra_latency_s: Optional[float] = None
-    intra_Bps: Optional[float] = None  # bytes one rank sends per second inside its node
-    shared_cores: bool = False  # the node's transfers are CPU work on the kernels' cores (CPU hosts)
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    codec: str
-    chunks: int
-    reason: str
-    predicted_s: Dict[str, float]
-    path: str = "flat"  # "flat", "hierarchical" (inter codec = codec), or "backend"
-    intra_codec: str = "fp32"  # hierarchical: the node tier's codec
 
 
 def allowed(error_budget: str) -> Tuple[str, ...]:
@@ -367,68 +331,6 @@ def _fit(b_small: float, t_small: float, b_large: float, t_large: float) -> Tupl
     return max(0.0, min(t_small, t_large - b_large / rate)), rate
 
 
-# ---- profiles: the same decisions every run --------------------------------------------------------
-
-ProfileLike = Union[str, "os.PathLike[str]", Mapping[str, Any], CostModel]
-
-
-def _costs_to_json(costs: CostModel) -> dict:
-    def enc(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return "inf" if v > 0 else "-inf"
-        if isinstance(v, Mapping):
-            return {k: enc(x) for k, x in v.items()}
-        return v
-    return {f.name: enc(getattr(costs, f.name)) for f in dataclasses.fields(CostModel)}
-
-
-def _costs_from_json(d: Mapping[str, Any]) -> CostModel:
-    def dec(v):
-        if isinstance(v, str):
-            return float(v)
-        if isinstance(v, Mapping):
-            return {k: dec(x) for k, x in v.items()}
-        return v
-    names = {f.name for f in dataclasses.fields(CostModel)}
-    unknown = set(d) - names
-    missing = {"link_Bps", "latency_s", "compute_Bps"} - set(d)
-    if unknown or missing:
-        raise ValueError(f"flatcomm: profile costs: unknown fields {sorted(unknown)}, missing {sorted(missing)}")
-    costs = CostModel(**{k: dec(v) for k, v in d.items()})
-    for c in costs.compute_Bps:
-        if c not in PRECISION:
-            raise ValueError(f"flatcomm: profile costs name an unknown codec {c!r}")
-    return costs
-
-
-def save_profile(path: Union[str, "os.PathLike[str]"], costs: CostModel, **meta: Any) -> dict:
-    """Write ``costs`` (and ``meta``: world size, link, ...) as a JSON profile; returns the document."""
-    doc = {"flatcomm_profile": PROFILE_VERSION, "costs": _costs_to_json(costs), **meta}
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(doc, fh, indent=1)
-    os.replace(tmp, path)
-    return doc
-
-
-def load_profile(profile: ProfileLike) -> CostModel:
-    """A :class:`CostModel` from a profile path, its parsed document, or a CostModel itself."""
-    if isinstance(profile, CostModel):
-        return profile
-    if isinstance(profile, Mapping):
-        doc = profile
-    else:
-        try:
-            with open(profile) as fh:
-                doc = json.load(fh)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"flatcomm: cannot read profile {os.fspath(profile)!r}: {e}") from e
-    if doc.get("flatcomm_profile") != PROFILE_VERSION or "costs" not in doc:
-        raise ValueError(f"flatcomm: not a flatcomm profile (version {PROFILE_VERSION}); write one with "
-                         f"`python -m flatcomm.tune --save PATH`")
-    return _costs_from_json(doc["costs"])
-
-
 _RANGE = re.compile(r"^\s*(\d*)\s*-\s*(\d*)\s*$")
 
 
@@ -444,15 +346,21 @@ class Tuner:
     profile: a saved profile (path or document, see :func:`save_profile`) to take ``costs`` from:
         the same decisions on every run.
 
+    race: confirm each decision made from *measured* costs by timing it against the safe choice
+        at its size until they separate (:mod:`flatcomm.autotune.race`); without separation the
+        safe choice is kept. Decisions from ``costs``/``profile`` are never raced.
+    verbose: log each new decision once, on rank 0, at WARNING (shown by default); False: at INFO.
+
     ``decisions`` maps ``(kind, numel)`` to the unpinned :class:`Decision` made for it (decided once,
     agreed across the group, logged once, then reused; without ``costs``/``profile`` the cost model
     is measured once, at the first unpinned choice); ``open_decisions`` holds those made with
-    ``deterministic=False`` (the backend's all-reduce a candidate).
+    ``deterministic=False`` (the backend's all-reduce a candidate). For the same choice on every
+    run, pin it: ``Tuner(profile="profile.json")`` (``python -m flatcomm.tune --save profile.json``).
     """
 
     def __init__(self, error_budget: str = "int8", *, pinned: Optional[Mapping[str, str]] = None,
                  codec: str = "auto", costs: Optional[CostModel] = None, profile: Optional[ProfileLike] = None,
-                 intra_budget: str = "fp32"):
+                 intra_budget: str = "fp32", race: bool = True, verbose: bool = True):
         allowed(error_budget)
         allowed(intra_budget)
         self.intra_budget = intra_budget
@@ -468,6 +376,9 @@ class Tuner:
         for v in self.pinned.values():
             Codec(v)
         self.costs = costs
+        self.race = race
+        self.verbose = verbose
+        self._measured = False  # the costs were measured here (not given): decisions are raced
         # unpinned choices, by (kind, numel) (+ the paths with a topology)
         self.decisions: Dict[Tuple[Any, ...], Decision] = {}
         self.open_decisions: Dict[Tuple[Any, ...], Decision] = {}  # the same with deterministic=False
@@ -506,6 +417,7 @@ class Tuner:
         if d is None:
             if self.costs is None:
                 self.costs = measure(group, device=device, topology=topology if two_level else None)
+                self._measured = True
             if two_level and not T.tiered(self.costs):
                 raise ValueError(f"flatcomm auto: {topology!r} needs per-tier link costs, and this tuner's "
                                  "costs (profile) have none: measure them with the topology (`python -m "
@@ -520,13 +432,44 @@ class Tuner:
                             if self.intra_budget == "fp32" else 1)
             d = decide(self.costs, numel, world, budget, kind, deterministic, paths=paths,
                        intra_budget=self.intra_budget, segments=segments)
+            if self.race and self._measured and world > 1:
+                d = self._raced(d, numel, world, group, device, kind, deterministic)
             _agree(d, group, device)
             if budget == self.error_budget:
                 cache[ck] = d
             if world <= 1 or dist.get_rank(group) == 0:
-                log.info("flatcomm auto: %s: %s (%s, chunks %d)", key or f"numel {numel}", d.reason, d.path,
-                         d.chunks)
+                log.log(logging.WARNING if self.verbose else logging.INFO, "flatcomm auto: %s: %s (%s, chunks %d)",
+                        key or f"numel {numel}", d.reason, d.path, d.chunks)
         return d
+
+    def _raced(self, d: Decision, numel: int, world: int, group, device, kind: str, deterministic: bool) -> Decision:
+        """``d``, or the safe choice where ``d`` did not beat it beyond the spread (module race)."""
+        safe = R.safe_choice(deterministic, kind)
+        if d.path != "flat" or d.codec == safe or (safe == BACKEND and getattr(self.costs, "backend_Bps", None) is None):
+            return d
+        return self._race(d.codec, safe, d, numel, world, group, device, kind)
+
+    def _race(self, candidate: str, safe: str, model: Decision, numel: int, world: int, group, device,
+              kind: str) -> Decision:
+        r = _on_worker(group, lambda: R.race(candidate, safe, numel, group, device, kind))
+        if r.winner == model.codec:
+            return dataclasses.replace(model, reason=f"{model.reason}; {r.describe()}", raced=(candidate, safe))
+        reason = f"{r.describe()} (the model had predicted {model.codec}: {model.reason})"
+        chunks = 1 if r.winner == BACKEND else _chunks(r.winner, numel, world, kind)
+        return Decision(r.winner, chunks, reason, model.predicted_s, raced=(candidate, safe))
+
+    def revisit(self, d: Decision, numel: int, *, group=None, device: Optional[torch.device] = None,
+                kind: str = "all_reduce", key: Optional[str] = None) -> Decision:
+        """Race a raced decision's two candidates again (a collective on ``group``: every rank at
+        the same point) and return the winner's decision, ``d`` itself when it wins again."""
+        if not d.raced:
+            return d
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        new = self._race(d.raced[0], d.raced[1], d, numel, world, group, device, kind)
+        if new.codec != d.codec and (world <= 1 or dist.get_rank(group) == 0):
+            log.log(logging.WARNING if self.verbose else logging.INFO, "flatcomm auto: %s revisited: %s",
+                    key or f"numel {numel}", new.reason)
+        return new
 
 
 def _agree(d: Decision, group, device: Optional[torch.device]) -> None:

@@ -41,7 +41,7 @@ from . import args, exact, groups, worker
 from .args import ErrorFeedback, OpLike
 from . import pipeline
 from .pipeline import CommStats, Pipeline, Plan, zero_copy
-from ..ops.codecs import Codec, CodecLike, decode, decode_sum, encode
+from ..ops.codecs import Codec, CodecLike, decode, encode, reencode_sum
 from ..ops.sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM
 
 __all__ = ["all_gather", "all_reduce", "reduce_scatter"]
@@ -203,14 +203,7 @@ def _ordered_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, chunks: int
         nbytes = c.wire_bytes(b - a)
         r = server[a:b] if server is not None else None
 
-        def dec():
-            if c.reencodes_fused:
-                decode_sum(rows, c, b - a, scale=scale, reencode=c, residual=r, out=send_buf[:nbytes])
-            else:  # topk re-selects on the whole reduced shard
-                total = decode_sum(rows, c, b - a, scale=scale)
-                encode(total, c, residual=r, out=send_buf[:nbytes])
-
-        pipe.timed("decode_s", dec)
+        pipe.timed("decode_s", lambda: reencode_sum(rows, c, b - a, scale=scale, residual=r, out=send_buf[:nbytes]))
         return pipe.all_gather(send_buf, world)
 
     def finish(j, state):
@@ -239,9 +232,9 @@ def _raw_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale
     send_buf = pipe.empty(width, flat.dtype, flat.device)  # padding past this shard is never read
     _raw_reduce(pipe, flat, p, c, scale, send_buf[:sizes[me]])
     # The all-to-all has completed, so flat may be overwritten: gather straight into it, in pieces
-    # (gloo's all-gather slows down 2-3x once one call moves more than ~32 MB). zero_copy keeps it
-    # to one piece, and one gather even of nothing: the staged path of a peer holding a residual
-    # makes exactly that exchange.
+    # (gloo's all-gather slows down on large single calls: docs/benchmarks.md, Collectives).
+    # zero_copy keeps it to one piece, and one gather even of nothing: the staged path of a peer
+    # holding a residual makes exactly that exchange.
     pipe.stats.wire_bytes += width * flat.element_size() * (world - 1)
     step = max(1, pipeline.GATHER_PIECE_BYTES // (world * flat.element_size()))
     for off in range(0, max(width, 1), step):

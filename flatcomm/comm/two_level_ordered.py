@@ -33,7 +33,7 @@ from .args import ErrorFeedback
 from . import pipeline
 from .pipeline import CommStats, Pipeline, Plan, shard_bounds
 from .topology import Topology
-from ..ops.codecs import Codec, decode_sum, encode
+from ..ops.codecs import Codec, decode_sum, reencode_sum
 
 __all__ = ["all_reduce", "forwards_payloads", "staged"]
 
@@ -133,14 +133,8 @@ def all_reduce(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List
             out = pipe.empty(width[j], torch.uint8, dev)  # padding past nbytes is never read
             r = server[a + pa:a + pb] if server is not None else None
 
-            def reencode():
-                got = recv.view(nodes, -1)
-                if codec.reencodes_fused:
-                    decode_sum(got, codec, pb - pa, reencode=codec, residual=r, out=out[:nbytes])
-                else:  # topk re-selects on the whole reduced piece
-                    encode(decode_sum(got, codec, pb - pa), codec, residual=r, out=out[:nbytes])
-
-            pipe.timed("decode_s", reencode)
+            pipe.timed("decode_s", lambda: reencode_sum(recv.view(nodes, -1), codec, pb - pa, residual=r,
+                                                        out=out[:nbytes]))
             per_rank = nodes * width[j]
             tiers.inter.wire_bytes += width[j] * (nodes - 1)
             return header.all_gather_single(payloads[j][me * per_rank:(me + 1) * per_rank], out,

@@ -49,6 +49,12 @@ def _meta(state) -> dict:
 def state_dict(state) -> dict:
     """:meth:`flatcomm.ddp.State.state_dict`."""
     state.wait()
+    if state.model is None and (state.residuals.bufs or state.decisions):
+        raise ValueError(
+            "flatcomm: this State holds error-feedback residuals or auto decisions of its DDP buckets but "
+            "knows no model to name their parameters, so state_dict() cannot save them (they would be "
+            "lost on restart). Give it the model: state.attach(ddp_model) (before or after training "
+            "started), State(codec, model=ddp_model), or flatcomm.ddp.register(ddp_model, codec)")
     world, rank = _world_rank(state)
     client: Dict[str, torch.Tensor] = {}
     server: Dict[str, torch.Tensor] = {}
@@ -151,6 +157,8 @@ def _read(state, sd, allow_codec_change: bool) -> _Loaded:
                              f"loads the state_dict() its own rank saved")
         client = _checked(state, sd, "client", params)
         server = _checked(state, sd, "server", params)
+        if not client:
+            _refuse_missing_residuals(state, sd)
         buckets = _buckets(check.field(sd, "buckets", list), client)
         saved_decisions = check.field(sd, "decisions", list)
     else:
@@ -204,6 +212,21 @@ def _buckets(saved: list, client: Dict[str, torch.Tensor]) -> List[List[str]]:
             placed.add(n)
         out.append(list(names))
     return out
+
+
+def _refuse_missing_residuals(state, sd: dict) -> None:
+    """A per-rank dict without residuals: fine from a State that had none, refused where residuals
+    must have existed (or exist here), since loading it would drop them silently."""
+    held = any(b.ef.client.any() or b.ef.server.any() for b in state.residuals.bufs.values())
+    saved_lossy = (sd.get("error_feedback") is True and sd.get("codec") not in ("fp32", "auto")
+                   and isinstance(sd.get("step"), int) and sd["step"] > state.start_step)
+    if held or saved_lossy:
+        why = ("this State holds residuals that loading it would wipe" if held else
+               f"it was saved after {sd['step']} steps of {sd['codec']} with error feedback, by a State "
+               f"without a model (earlier flatcomm versions saved nothing then)")
+        raise ValueError(f"flatcomm: this DDP state_dict() has no residuals but {why}. Load a checkpoint "
+                         f"saved with the residuals (State(..., model=ddp_model) or state.attach(ddp_model) "
+                         f"before saving), or start error feedback over with a new State on purpose")
 
 
 def _scale_for(world: int) -> float:

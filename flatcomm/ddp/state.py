@@ -23,9 +23,9 @@ from .residuals import Residuals
 __all__ = ["CODEC_DEFAULTS", "State", "hook", "register"]
 
 # What register(ddp, "sign") uses unless block_size= / start_step= say otherwise. Sign sends every
-# value of a block at the block's mean magnitude: with 256-value blocks Adam's second moment grew
-# 1.8x (median, 4x at p90) and the residual reached 6x the gradient early in training; smaller
-# blocks and lossless first steps keep both close (tools/bench/adam_probe.py, convergence.py).
+# value of a block at the block's mean magnitude, which inflates Adam's second moment and, early in
+# training, the residual; smaller blocks and lossless first steps keep both close (measured by
+# tools/bench/adam_probe.py and convergence.py: docs/benchmarks.md, "Why sign lost under Adam").
 CODEC_DEFAULTS = {"sign": {"block_size": 64, "start_step": 20}}
 
 
@@ -39,7 +39,9 @@ class State:
         asked, i.e. ``ordered``, and ``codec="auto"`` may use the backend's all-reduce (see register).
     group: process group for flatcomm's traffic (default: a dedicated copy of DDP's group).
     chunks: pipeline chunks per all-reduce (default: automatic).
-    model: the DDP model (or its module), for parameter names in checkpoints; :func:`register` sets it.
+    model: the DDP model (or its module), for parameter names in checkpoints; :func:`register` sets it
+        (``ddp.register_comm_hook(State(...), hook)`` does not: then :meth:`attach` it, or
+        :meth:`state_dict` raises once the State holds residuals it could not name).
     grad_scaler: a GradScaler whose scale changes rescale the residuals.
     track_norms: compute the residual/gradient norms for :meth:`stats` (two dot products over the
         bucket before sending and one norm of each residual after).
@@ -119,6 +121,13 @@ class State:
         self.new_step = True
         self.scale_seen: Optional[float] = None
         self.recorder = _stats.Recorder(history, track_norms)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Give the State its DDP model (``ddp.register_comm_hook(State(...), hook)`` creates it
+        without one), so that :meth:`state_dict` names every parameter's residual. Any time: the
+        residuals are kept by parameter."""
+        self.model = model
+        self._names = None
 
     def wait(self) -> None:
         """Block until every all-reduce launched by the hook (and its statistics) has finished."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -36,6 +37,11 @@ def launch(state, bucket) -> torch.futures.Future:
     bucket buffer, averaged in place."""
     group = state.ensure_group()
     if state.topology is None:
+        if state.model is None and (state.auto or (state.error_feedback and not state.codec.lossless)):
+            warnings.warn("flatcomm: this DDP State has no model (ddp.register_comm_hook(State(...), hook)): "
+                          "its error-feedback residuals cannot be named in a checkpoint, and state_dict() "
+                          "raises until you call state.attach(ddp_model) (or use flatcomm.ddp.register)",
+                          stacklevel=2)
         state.topology = _tiers.resolve_topology(state.topology_arg, group)
         if state.replay is not None and state.replay_tiered != state.tiered():
             raise ValueError(
@@ -49,6 +55,8 @@ def launch(state, bucket) -> torch.futures.Future:
             state.rescale_for_scaler()
         if state.backoff is not None and state.monitor.due(state.step):
             _check_errors(state, group, bucket.buffer().device)
+        if state.auto and _revisit_due(state.step):
+            _revisit(state, group, bucket.buffer().device)
     step, index = state.step, bucket.index()
     params = list(bucket.parameters())
     key = tuple(id(p) for p in params)
@@ -250,6 +258,30 @@ def _check_errors(state, group, device) -> None:
                          lambda t: C.all_reduce(t, codec="fp32", op="sum", mode="ordered", group=group),
                          device, where)
     state.monitor.clear()  # (the windows of buckets not checked, e.g. fp32 ones, start over too)
+
+
+# codec="auto": raced decisions are raced again at these steps (then every REVISIT_EVERY), so a
+# choice that training conditions turned slower than its alternative does not stay.
+REVISIT_FIRST, REVISIT_EVERY = 50, 1000
+
+
+def _revisit_due(step: int) -> bool:
+    return step == REVISIT_FIRST or (step > REVISIT_FIRST and (step - REVISIT_FIRST) % REVISIT_EVERY == 0)
+
+
+def _revisit(state, group, device) -> None:
+    """At the first bucket of a step (the same point on every rank), in ``decisions`` order (the
+    same on every rank): race each raced decision's two candidates again at its bucket's size."""
+    state.wait()
+    for key, d in list(state.decisions.items()):
+        index, numel = state.key_where.get(key, (None, None))
+        if not d.raced or numel is None:
+            continue
+        new = state.tuner.revisit(d, numel, group=group, device=device, key=f"bucket{index}")
+        if new.codec != d.codec:
+            state.adaptations.append({"step": state.step, "bucket": index, "numel": numel, "from": d.codec,
+                                      "to": new.codec, "reason": new.reason})
+        state.decisions[key] = new
 
 
 def _backend(state, tensor: torch.Tensor, step: int, index: int) -> torch.futures.Future:

@@ -134,97 +134,98 @@ class FSDP1State(Backend):
         apply_step()
         apply_decisions()
 
+    def communicate(self, grad: torch.Tensor, output: Optional[torch.Tensor] = None) -> None:
+        """What :func:`fsdp1_hook` does: reduce-scatter ``grad`` into ``output`` (sharded strategies)
+        or average it in place (NO_SHARD)."""
+        name, fsdp_group = self._unit(grad.numel())
+        group = self.group if self.group is not None else fsdp_group
+        world = dist.get_world_size(group)
+        warming = self._warming(name)
+        kind = "all_reduce" if output is None else "reduce_scatter"
+        codec = self._codec_for(grad.numel(), group, grad.device, kind)
+        codec = resolve("fp32") if warming else codec
+        mask = self._kept_mask(name, grad.numel())
+        if output is None:
+            self._all_reduce(grad, name, codec, group, world, mask)
+        elif mask is None:
+            self._send(output, grad, [(name, grad.numel() // world)], codec, "avg", group, False, world, grad.numel())
+        else:
+            self._reduce_scatter_kept(output, grad, name, codec, group, world, mask)
+        return None
+
+    def _all_reduce(self, grad: torch.Tensor, name: str, codec: Codec, group, world: int,
+                    mask: Optional[torch.Tensor]) -> None:
+        """NO_SHARD: the whole gradient averaged in place, with client + server residuals per unit;
+        with keep_fp32, the codec's values and the kept ones as two all-reduces."""
+        ef = None
+        if self.error_feedback and (not codec.lossless or name in self._ef or mask is not None):
+            ef = self._ef.get(name)
+            if ef is not None and ef.client.numel() != grad.numel():
+                raise ValueError(f"flatcomm: the residual of FSDP unit {name!r} has {ef.client.numel()} values "
+                                 f"but its gradient {grad.numel()} (a checkpoint of another model or world size)")
+            if ef is None:
+                ef = self._ef[name] = C.ErrorFeedback.zeros(grad.numel(), grad.device)
+            elif ef.client.device != grad.device:  # loaded on the CPU
+                ef = self._ef[name] = C.ErrorFeedback(ef.client.to(grad.device), ef.server.to(grad.device))
+            if codec.lossless or mask is not None:
+                # fp32 (auto's choice) sends client + server once; a split changes the shard layout the
+                # server residual is valid for: either way it is folded into the client one first
+                ef.client.add_(ef.server, alpha=float(world))
+                ef.server.zero_()
+        flat = grad if grad.is_contiguous() else grad.contiguous()
+        if mask is None:
+            self._send_all(flat, ef, codec, group)
+        else:
+            mask = mask.to(flat.device)
+            for sel, c in ((~mask, codec), (mask, resolve("fp32"))):
+                part = flat.view(-1)[sel]
+                res = C.ErrorFeedback(ef.client[sel], ef.server[sel]) if ef is not None else None
+                self._send_all(part, res, c, group)
+                flat.view(-1)[sel] = part
+                if ef is not None and res is not None:
+                    ef.client[sel] = res.client
+                    ef.server[sel] = res.server
+        if flat is not grad:
+            grad.copy_(flat)
+
+    def _send_all(self, flat: torch.Tensor, ef: Optional[C.ErrorFeedback], codec: Codec, group) -> None:
+        measured = self._measured(codec, flat.numel(), "all_reduce", flat, ef.client if ef is not None else None)
+        C.all_reduce(flat, codec=wire_codec(codec, flat.dtype), op="avg", mode=self.mode,
+                     group=group, residual=ef, chunks=self.chunks, stats=self.stats,
+                     validate=self._first_call("ar", group_sig(group), flat.numel(), flat.dtype, codec.name))
+        if measured is not None:
+            measured(None)
+
+    def _reduce_scatter_kept(self, output: torch.Tensor, grad: torch.Tensor, name: str, codec: Codec, group,
+                             world: int, mask: torch.Tensor) -> None:
+        """A sharded unit holding keep_fp32 parameters: each rank's chunk splits into its codec values
+        and its kept ones (counts differ per rank: rows padded with zeros, :func:`flatcomm.fsdp.adapt.rows`),
+        sent as two reduce-scatters; the unit's residual keeps its full layout (kept values: zero)."""
+        if (name, world) not in self._rows:
+            self._rows[(name, world)] = _fadapt.rows(mask, world)
+        ik, ir, kept_counts = self._rows[(name, world)]
+        numel, shard = grad.numel(), grad.numel() // world
+        flat = grad.reshape(-1)
+        res = None
+        if self.error_feedback:
+            res = self._res.get([(name, shard)], world, grad.device)
+        me = dist.get_rank(group)
+        mine = mask.view(world, shard)[me].to(output.device)
+        for idx, c, kept in ((ir, codec, False), (ik, resolve("fp32"), True)):
+            x = _fadapt.gather(flat, idx)
+            r = _fadapt.gather(res, idx) if res is not None else None
+            out = torch.empty(idx.shape[1], dtype=output.dtype, device=output.device)
+            measured = self._measured(c, numel, "reduce_scatter", x, r)
+            reduce(out, x, codec=c, op="avg", mode=self.mode, group=group, async_op=False, residual=r,
+                    chunks=self.chunks, stats=self.stats, first_call=self._first_call)
+            if measured is not None:
+                measured(None)
+            if res is not None and r is not None:
+                _fadapt.scatter(res, idx, r)
+            output[mine if kept else ~mine] = out[:kept_counts[me] if kept else shard - kept_counts[me]]
+
 
 def fsdp1_hook(state: FSDP1State, grad: torch.Tensor, output: Optional[torch.Tensor] = None) -> None:
     """FSDP1 comm hook: ``hook(state, padded_unsharded_grad, new_sharded_grad)`` for sharded
     strategies (reduce-scatter into ``output``), ``hook(state, grad)`` for NO_SHARD (in place)."""
-    name, fsdp_group = state._unit(grad.numel())
-    group = state.group if state.group is not None else fsdp_group
-    world = dist.get_world_size(group)
-    warming = state._warming(name)
-    kind = "all_reduce" if output is None else "reduce_scatter"
-    codec = state._codec_for(grad.numel(), group, grad.device, kind)
-    codec = resolve("fp32") if warming else codec
-    mask = state._kept_mask(name, grad.numel())
-    if output is None:
-        _fsdp1_all_reduce(state, grad, name, codec, group, world, mask)
-    elif mask is None:
-        state._send(output, grad, [(name, grad.numel() // world)], codec, "avg", group, False, world, grad.numel())
-    else:
-        _fsdp1_reduce_scatter_kept(state, output, grad, name, codec, group, world, mask)
-    return None
-
-
-def _fsdp1_all_reduce(state: FSDP1State, grad: torch.Tensor, name: str, codec: Codec, group, world: int,
-                      mask: Optional[torch.Tensor]) -> None:
-    """NO_SHARD: the whole gradient averaged in place, with client + server residuals per unit;
-    with keep_fp32, the codec's values and the kept ones as two all-reduces."""
-    ef = None
-    if state.error_feedback and (not codec.lossless or name in state._ef or mask is not None):
-        ef = state._ef.get(name)
-        if ef is not None and ef.client.numel() != grad.numel():
-            raise ValueError(f"flatcomm: the residual of FSDP unit {name!r} has {ef.client.numel()} values "
-                             f"but its gradient {grad.numel()} (a checkpoint of another model or world size)")
-        if ef is None:
-            ef = state._ef[name] = C.ErrorFeedback.zeros(grad.numel(), grad.device)
-        elif ef.client.device != grad.device:  # loaded on the CPU
-            ef = state._ef[name] = C.ErrorFeedback(ef.client.to(grad.device), ef.server.to(grad.device))
-        if codec.lossless or mask is not None:
-            # fp32 (auto's choice) sends client + server once; a split changes the shard layout the
-            # server residual is valid for: either way it is folded into the client one first
-            ef.client.add_(ef.server, alpha=float(world))
-            ef.server.zero_()
-    flat = grad if grad.is_contiguous() else grad.contiguous()
-    if mask is None:
-        _fsdp1_send_all(state, flat, ef, codec, group)
-    else:
-        mask = mask.to(flat.device)
-        for sel, c in ((~mask, codec), (mask, resolve("fp32"))):
-            part = flat.view(-1)[sel]
-            res = C.ErrorFeedback(ef.client[sel], ef.server[sel]) if ef is not None else None
-            _fsdp1_send_all(state, part, res, c, group)
-            flat.view(-1)[sel] = part
-            if ef is not None and res is not None:
-                ef.client[sel] = res.client
-                ef.server[sel] = res.server
-    if flat is not grad:
-        grad.copy_(flat)
-
-
-def _fsdp1_send_all(state: FSDP1State, flat: torch.Tensor, ef: Optional[C.ErrorFeedback], codec: Codec,
-                    group) -> None:
-    measured = state._measured(codec, flat.numel(), "all_reduce", flat, ef.client if ef is not None else None)
-    C.all_reduce(flat, codec=wire_codec(codec, flat.dtype), op="avg", mode=state.mode,
-                 group=group, residual=ef, chunks=state.chunks, stats=state.stats,
-                 validate=state._first_call("ar", group_sig(group), flat.numel(), flat.dtype, codec.name))
-    if measured is not None:
-        measured(None)
-
-
-def _fsdp1_reduce_scatter_kept(state: FSDP1State, output: torch.Tensor, grad: torch.Tensor, name: str,
-                               codec: Codec, group, world: int, mask: torch.Tensor) -> None:
-    """A sharded unit holding keep_fp32 parameters: each rank's chunk splits into its codec values
-    and its kept ones (counts differ per rank: rows padded with zeros, :func:`flatcomm.fsdp.adapt.rows`),
-    sent as two reduce-scatters; the unit's residual keeps its full layout (kept values: zero)."""
-    if (name, world) not in state._rows:
-        state._rows[(name, world)] = _fadapt.rows(mask, world)
-    ik, ir, kept_counts = state._rows[(name, world)]
-    numel, shard = grad.numel(), grad.numel() // world
-    flat = grad.reshape(-1)
-    res = None
-    if state.error_feedback:
-        res = state._res.get([(name, shard)], world, grad.device)
-    me = dist.get_rank(group)
-    mine = mask.view(world, shard)[me].to(output.device)
-    for idx, c, kept in ((ir, codec, False), (ik, resolve("fp32"), True)):
-        x = _fadapt.gather(flat, idx)
-        r = _fadapt.gather(res, idx) if res is not None else None
-        out = torch.empty(idx.shape[1], dtype=output.dtype, device=output.device)
-        measured = state._measured(c, numel, "reduce_scatter", x, r)
-        reduce(out, x, codec=c, op="avg", mode=state.mode, group=group, async_op=False, residual=r,
-                chunks=state.chunks, stats=state.stats, first_call=state._first_call)
-        if measured is not None:
-            measured(None)
-        if res is not None and r is not None:
-            _fadapt.scatter(res, idx, r)
-        output[mine if kept else ~mine] = out[:kept_counts[me] if kept else shard - kept_counts[me]]
+    state.communicate(grad, output)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .. import collectives as C
 from . import fsdp2 as F
-from .fsdp1 import FSDP1State, fsdp1_hook
+from .fsdp1 import FSDP1State
 from .backend import wire_codec
 from ..comm import two_level as H
 from ..ops.codecs import resolve
@@ -191,22 +191,26 @@ class HybridFSDP1State(FSDP1State):
     def load_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
         super().load_state_dict(self.cross.load_state_dict(state_dict, self._prefix()))
 
+    def communicate(self, grad: torch.Tensor, output: Optional[torch.Tensor] = None) -> None:
+        """The node tier as :meth:`FSDP1State.communicate`, then the cross-node tier."""
+        name, _ = self._unit(grad.numel())
+        if output is None:  # NO_SHARD: the whole gradient, two levels (the residual: this rank's shard's)
+            flat = grad if grad.is_contiguous() else grad.contiguous()
+            ef = None
+            if self.cross.error_feedback:
+                m = H.shard_numel(flat.numel(), self.topology, self.inter_codec)
+                ef = self.cross.ef.get(name)
+                if ef is None or ef.client.numel() != m:
+                    ef = self.cross.ef[name] = C.ErrorFeedback.zeros(m, flat.device)
+            C.all_reduce(flat, codec=self.inter_codec, topology=self.topology, residual=ef, stats=self.stats)
+            if flat is not grad:
+                grad.copy_(flat)
+            return None
+        super().communicate(grad, output)
+        self.cross(name, output)
+        return None
+
 
 def hybrid_fsdp1_hook(state: HybridFSDP1State, grad: torch.Tensor, output: Optional[torch.Tensor] = None) -> None:
     """FSDP1 comm hook: node tier as :func:`flatcomm.fsdp.fsdp1_hook`, then the cross-node tier."""
-    name, _ = state._unit(grad.numel())
-    if output is None:  # NO_SHARD: the whole gradient, two levels (the residual: this rank's shard's)
-        flat = grad if grad.is_contiguous() else grad.contiguous()
-        ef = None
-        if state.cross.error_feedback:
-            m = H.shard_numel(flat.numel(), state.topology, state.inter_codec)
-            ef = state.cross.ef.get(name)
-            if ef is None or ef.client.numel() != m:
-                ef = state.cross.ef[name] = C.ErrorFeedback.zeros(m, flat.device)
-        C.all_reduce(flat, codec=state.inter_codec, topology=state.topology, residual=ef, stats=state.stats)
-        if flat is not grad:
-            grad.copy_(flat)
-        return None
-    fsdp1_hook(state, grad, output)
-    state.cross(name, output)
-    return None
+    state.communicate(grad, output)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Literal, Optional, Union, overload
+from typing import Optional, Union, overload
 
 import torch
 
@@ -23,7 +23,7 @@ from .native import extension, ops
 
 __all__ = [
     "BLOCKWISE", "CODECS", "Codec", "CodecLike", "DEFAULT_BLOCK_SIZE", "DEFAULT_TOPK_RATIO", "MAX_NUMEL",
-    "NOMINAL_REL_ERROR", "PRECISION", "decode", "decode_rows", "decode_sum", "encode", "resolve", "wire_bytes"
+    "NOMINAL_REL_ERROR", "PRECISION", "decode", "decode_rows", "decode_sum", "encode", "reencode_sum", "resolve", "wire_bytes"
 ]
 
 # The codec list, in the order of the C++ codec ids (csrc/ops_common.h parse_codec; cupy_backend's
@@ -259,3 +259,15 @@ def decode_sum(
         return ops.decode_sum_encode(*args)
     ops.decode_sum_encode_into(*args, out)
     return out
+
+
+def reencode_sum(payloads: torch.Tensor, codec: CodecLike, numel: int, *, scale: float = 1.0,
+                 residual: Optional[torch.Tensor] = None, out: torch.Tensor) -> torch.Tensor:
+    """The second stage of an all-reduce: decode and sum ``payloads`` ([W, nbytes]) in row order,
+    times ``scale``, and encode the sum again with ``codec`` into ``out`` (error feedback into
+    ``residual``). In the fused pass where the codec allows (:attr:`Codec.reencodes_fused`); topk
+    re-selects on the whole decoded sum instead."""
+    c = resolve(codec)
+    if c.reencodes_fused:
+        return decode_sum(payloads, c, numel, scale=scale, reencode=c, residual=residual, out=out)
+    return encode(decode_sum(payloads, c, numel, scale=scale), c, residual=residual, out=out)

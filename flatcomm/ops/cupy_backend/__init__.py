@@ -1,7 +1,7 @@
 """Optional CUDA path without a CUDA build: the same kernels, compiled at run time by NVRTC via cupy.
 
 When flatcomm._C was built without CUDA (a CPU build of the extension, or no nvcc at install time)
-but torch has CUDA and cupy is installed (``pip install flatcomm[cupy]``), ``import flatcomm`` calls
+but torch has CUDA and cupy is installed (``pip install "flatcomm[cupy-cuda12]"`` or ``cupy-cuda13``), ``import flatcomm`` calls
 :func:`auto_register`, which (with ``FLATCOMM_CUPY=1``: the path is opt-in until a GPU run has
 passed) calls :func:`register`, which registers a CUDA implementation of every flatcomm op with torch. Each one
 does what csrc/ops_impl.h does (same argument checks, same error messages, same allocations), then
@@ -121,7 +121,7 @@ def should_register(build_devices: Sequence[str], torch_cuda: Optional[str], cup
     if torch_cuda is None:
         return False, "torch has no CUDA"
     if not cupy_found:
-        return False, "cupy is not installed (pip install flatcomm[cupy])"
+        return False, "cupy is not installed (pip install \"flatcomm[cupy-cuda12]\" or \"flatcomm[cupy-cuda13]\", torch's CUDA)"
     if env is None or env.strip() != "1":
         # Opt-in until benchmarks/gpu_check.sh has passed on a GPU with this path.
         return False, "the NVRTC path is opt-in until a GPU run has checked it: set FLATCOMM_CUPY=1"

@@ -181,6 +181,9 @@ if np is not None:
     STRUCTS = {"EncodeParams": ENCODE_PARAMS, "DecodeSumArgs": DECODE_SUM_ARGS,
                "OrderedSumArgs": ORDERED_SUM_ARGS, "ExactArgs": EXACT_ARGS, "XSource<0>": X_SOURCE,
                "SumSource<0>": SUM_SOURCE}
+else:  # no numpy, hence no cupy: only the registration runs, and the names still exist
+    PTR = ENCODE_PARAMS = DECODE_SUM_ARGS = ORDERED_SUM_ARGS = EXACT_ARGS = X_SOURCE = SUM_SOURCE = None
+    STRUCTS = {}
 
 
 def pack(struct: np.dtype, **fields) -> np.ndarray:

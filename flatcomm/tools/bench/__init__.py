@@ -6,7 +6,8 @@
     python -m flatcomm.bench scale       [--measured P.json ...] [--project 128x8] [--plot P.png]
     python -m flatcomm.bench ddp         [--ranks N] [--link 1gbit] [--params 25e6] [--hooks ...]
     python -m flatcomm.bench fsdp        [--ranks N] [--link 1gbit] [--codecs default,int8]
-    python -m flatcomm.bench convergence [--quick] [--workloads lm,cnn,mlp_sgd] [--seeds 3] [--codecs ...]
+    python -m flatcomm.bench fsdp --nodes N --ranks-per-node G --link 1gbit --weights int8,int4 [--param-dtype bf16]
+    python -m flatcomm.bench convergence [--quick] [--workloads lm,cnn,mlp_sgd,lm_recipe] [--seeds 3] [--codecs ...]
     common: [--json PATH] [--plot PATH.png] [--timeout S]; --version
 
 ``--link`` runs each rank in its own network namespace joined by a rate-limited link
@@ -548,6 +549,9 @@ def table_ddp(results: List[dict], meta: dict) -> str:
 
 
 def bench_fsdp(a: argparse.Namespace, meta: dict) -> List[dict]:
+    steps = importlib.import_module(".fsdp_steps", __name__)
+    if steps.wanted(a):  # whole steps, weights and link counters: fsdp_steps.py
+        return steps.bench(a, meta, _run_ranks)
     bf = importlib.import_module(".fsdp", __name__)
     codecs = list(a.codecs) if a.codecs else ["default", "fp32", "int8", "int4", "sign", "auto"]
     if "default" not in codecs:
@@ -575,6 +579,8 @@ def bench_fsdp(a: argparse.Namespace, meta: dict) -> List[dict]:
 
 
 def table_fsdp(results: List[dict]) -> str:
+    if results and "variant" in results[0]:
+        return importlib.import_module(".fsdp_steps", __name__).table(results)
     hdr = (f"{'name':<22} {'step ms':>8} {'comm ms':>8} {'codec ms':>8} {'step/torch':>10} {'comm/torch':>10} "
            f"{'wire KB':>8} {'wire/torch':>10} {'loss':>8}")
     lines = [hdr, "-" * len(hdr)]
@@ -737,6 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma separated, 'default' = FSDP's own (default: default,fp32,int8,int4,sign,auto)")
     f.add_argument("--steps", type=count, help="timed steps (default 8; --quick 2)")
     f.add_argument("--warmup", type=count, default=2)
+    importlib.import_module(".fsdp_steps", __name__).add_arguments(f)
     return ap
 
 
@@ -819,6 +826,9 @@ def _main(a: argparse.Namespace, meta: Dict[str, Any], t0: float) -> int:
         _say(f"wrote {a.json}")
     if a.plot and a.command == "scale":
         if plot_scale(results, a.plot, title):
+            _say(f"wrote {a.plot}")
+    elif a.plot and results and "variant" in results[0]:
+        if importlib.import_module(".fsdp_steps", __name__).plot(results, a.plot, title):
             _say(f"wrote {a.plot}")
     elif a.plot and plot(results, a.command, a.plot, title):
         _say(f"wrote {a.plot}")

@@ -1,9 +1,9 @@
 """Convergence benchmark: does a codec change what training reaches? (a tool; the library never imports it)
 
-    python -m flatcomm.tools.bench.convergence [--quick] [--workloads lm,cnn,mlp_sgd] [--seeds 3]
-        [--codecs torch,fp32,bf16,int8,int4,sign] [--json P] [--plot P.png] [--steps-scale F]
+    python -m flatcomm.tools.bench.convergence [--quick] [--workloads lm,cnn,mlp_sgd,lm_recipe] [--seeds 3]
+        [--codecs torch,fp32,bf16,int8,int4,sign,fsdp,...] [--json P] [--plot P.png] [--steps-scale F]
 
-Three workloads, each trained on 2 gloo ranks (:mod:`flatcomm.tools.spawn`, one thread per rank) once per
+Four workloads, each trained on 2 gloo ranks (:mod:`flatcomm.tools.spawn`, one thread per rank) once per
 seed and per row:
 
 * ``lm``: the character-level transformer of :mod:`flatcomm.tools.demo` on ``pydoc_data.topics`` (text that
@@ -13,8 +13,16 @@ seed and per row:
   replaced by another class), AdamW; held-out cross-entropy.
 * ``mlp_sgd``: an MLP learning a fixed random teacher network's labels from Gaussian inputs, SGD
   with momentum 0.9; held-out cross-entropy.
+* ``lm_recipe``: ``lm``'s model and text with a GPT-style recipe: AdamW betas (0.9, 0.95), weight
+  decay 0.1 on the matrices, gradient clipping at norm 1, gradient accumulation over 2
+  micro-batches (DDP's ``no_sync``, FSDP2's paused gradient sync).
 
 Every workload warms its learning rate up linearly and decays it along a cosine to a tenth.
+
+FSDP2 rows (:mod:`flatcomm.tools.bench.convergence_fsdp`): ``fsdp`` is plain FSDP2 (its own
+collectives), ``fsdp:grads=int8`` flatcomm's gradients, ``fsdp:grads=int8,weights=int8`` also
+quantized weight all-gathers (``weights=int4`` likewise); they are compared with ``fsdp``, every
+other row (``fsdp`` included) with ``torch``.
 
 A row is torch's default all-reduce hook (``torch``) or ``flatcomm.ddp.register(ddp, codec, **opts)``
 with its defaults (error feedback on for lossy codecs); ``sign:block_size=32,start_step=50`` passes
@@ -23,18 +31,20 @@ options; ``sign:accordion=int8,accordion_every=10,accordion_threshold=0.5`` regi
 :class:`flatcomm.optim.OnebitAdam` (the workload's AdamW settings, options passed on) and its hook
 instead; it applies to the AdamW workloads only (its row is left out of the others). Within a seed
 every row starts from the same weights and sees the same batches, so the paired difference to
-``torch`` measures the codec, not the seed. The held-out metric is reported relative to torch
-(``val / val_torch - 1`` per seed, then mean and sample sd over seeds).
+``torch`` measures the codec, not the seed. The held-out metric is reported relative to the row's
+baseline (``val / val_base - 1`` per seed, then mean, sample sd, min and max over seeds).
 
 JSON: ``{"command": "convergence", "world", "seeds", "quick", "workloads": {name: {"optimizer",
 "steps", "params", "rows": [{"row", "codec", "options", "val": [per seed], "rel": [per seed],
-"rel_mean", "rel_sd", "curves": [[train loss per step] per seed], "residual_norm": [[...]],
-"rel_error": [[...]], "wire_bytes_per_step", "codec_share": {codec: share of bucket-steps}}]}},
-"seconds"}``.
+"baseline", "rel_mean", "rel_sd", "rel_min", "rel_max", "curves": [[train loss per step] per seed],
+"residual_norm": [[...]],
+"rel_error": [[...]], "wire_bytes_per_step", "codec_share": {codec: share of bucket-steps},
+FSDP2 rows also "val_gathered": [per seed], "bytes_by_kind": [per seed]}]}}, "seconds"}``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -46,8 +56,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-DEFAULT_ROWS = ("torch", "fp32", "bf16", "int8", "int4", "sign")
-WORKLOADS = ("lm", "cnn", "mlp_sgd")
+DEFAULT_ROWS = ("torch", "fp32", "bf16", "int8", "int4", "sign", "fsdp", "fsdp:grads=int8",
+                "fsdp:grads=int8,weights=int8", "fsdp:grads=int8,weights=int4")
+WORKLOADS = ("lm", "cnn", "mlp_sgd", "lm_recipe")
 TRACK_EVERY = 5  # steps between residual-norm samples (stats() reads are cheap but not free)
 
 
@@ -88,6 +99,13 @@ class Workload:
 
     # Subclasses give model(), make_optimizer(params) -> (optimizer, scheduler or None),
     # batch(step, rank) -> (x, y) and held_out() -> [(x, y), ...].
+
+    def batches(self, step: int, rank: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """The micro-batches of one step (more than one: gradient accumulation)."""
+        return [self.batch(step, rank)]
+
+    def before_step(self, params) -> None:
+        """Between the last backward and the optimizer step (e.g. gradient clipping)."""
 
     def adam(self, params, lr: float, warm: int, onebit: Optional[Dict[str, Any]]):
         """AdamW (no weight decay) with the warm-up + cosine schedule; ``onebit``: OnebitAdam's options
@@ -217,7 +235,44 @@ class MLPSGD(Workload):
         return [self._data(1024, torch.Generator().manual_seed(55 + self.seed))]
 
 
-WORKLOAD_CLASSES = {c.name: c for c in (LM, CNN, MLPSGD)}
+class LMRecipe(LM):
+    """The char-level LM of ``lm`` trained as GPT-style models are: AdamW betas (0.9, 0.95), weight
+    decay 0.1 on the matrices (not on biases and norms), gradient clipping at norm 1, warm-up over
+    a tenth of the steps then cosine decay, and gradient accumulation over ACCUM micro-batches."""
+
+    name, optimizer, steps = "lm_recipe", "AdamW(0.9, 0.95), wd 0.1, clip 1, accumulation 2", 240
+    ACCUM, MICRO = 2, 8  # per rank: 2 x 8 sequences a step, as many as lm's 16
+
+    def make_optimizer(self, params, onebit=None):
+        assert onebit is None, "OnebitAdam rows apply to the plain AdamW workloads"
+        params = list(params)
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=self.demo.LR, betas=(0.9, 0.95))
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(max(1, self.steps // 10), self.steps))
+
+    def batches(self, step, rank):
+        return [self.demo.batch(self.train, step * self.ACCUM + k, rank, n=self.MICRO, stream=20 + self.seed)
+                for k in range(self.ACCUM)]
+
+    def before_step(self, params) -> None:
+        torch.nn.utils.clip_grad_norm_(list(params), 1.0)
+
+
+WORKLOAD_CLASSES = {c.name: c for c in (LM, CNN, MLPSGD, LMRecipe)}
+
+
+def forward_backward(w: Workload, model, step: int, rank: int, pause_sync) -> torch.Tensor:
+    """Forward and backward over the step's micro-batches, the gradient sync only after the last
+    (``pause_sync()``: a context without it); the mean loss."""
+    parts = w.batches(step, rank)
+    total = torch.zeros(())
+    for k, (x, y) in enumerate(parts):
+        with pause_sync() if k < len(parts) - 1 else contextlib.nullcontext():
+            loss = w.loss(model(x), y) / len(parts)
+            loss.backward()
+        total += loss.detach()
+    return total
 
 
 # ---- one training run --------------------------------------------------------------------------------
@@ -249,10 +304,9 @@ def _train_one(w: Workload, row: str, rank: int, world: int, seed: int) -> dict:
         foptim.register(ddp, opt)
     curve, onebit_wire, onebit_warm = [], [], 0
     for step in range(w.steps):
-        x, y = w.batch(step, rank)
         opt.zero_grad(set_to_none=True)
-        loss = w.loss(ddp(x), y)
-        loss.backward()
+        loss = forward_backward(w, ddp, step, rank, ddp.no_sync)
+        w.before_step(ddp.parameters())
         compressing = onebit is not None and opt.compressing
         opt.step()
         if onebit is not None:
@@ -300,8 +354,16 @@ def _accordion_opts(opts: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _applies(row: str, w: Workload) -> bool:
-    """OnebitAdam rows apply to the AdamW workloads only."""
+    """OnebitAdam rows apply to the (plain) AdamW workloads only."""
     return parse_row(row)[0] != "onebit" or w.optimizer == "AdamW"
+
+
+def _train(w: Workload, row: str, rank: int, world: int, seed: int) -> dict:
+    if parse_row(row)[0] == "fsdp":
+        from .convergence_fsdp import train_fsdp
+
+        return train_fsdp(w, row, rank, world, seed)
+    return _train_one(w, row, rank, world, seed)
 
 
 def _rank_main(rank: int, world: int, workloads: List[str], rows: List[str], seeds: int, scale: float,
@@ -317,7 +379,7 @@ def _rank_main(rank: int, world: int, workloads: List[str], rows: List[str], see
             for row in rows:
                 if not _applies(row, w):
                     continue
-                r = _train_one(w, row, rank, world, seed)
+                r = _train(w, row, rank, world, seed)
                 runs[row].append(r)
                 meta["params"] = r["params"]
                 if log and rank == 0:
@@ -329,24 +391,34 @@ def _rank_main(rank: int, world: int, workloads: List[str], rows: List[str], see
 
 # ---- summary ---------------------------------------------------------------------------------------
 
+def baseline(row: str, runs: Dict[str, List[dict]]) -> Optional[str]:
+    """The row a row is compared with: plain FSDP2 (``fsdp``) for the FSDP2 rows with options,
+    torch's DDP all-reduce for the others (``fsdp`` itself included); None when it did not run."""
+    name, opts = parse_row(row)
+    base = "fsdp" if name == "fsdp" and opts else "torch"
+    return base if runs.get(base) else None
+
+
 def summarize(raw: Dict[str, Any], rows: List[str]) -> Dict[str, Any]:
     out = {}
     for wname, wr in raw.items():
         runs = wr["runs"]
-        base = [r["val"] for r in runs["torch"]] if "torch" in runs else None
         table = []
         for row in rows:
             rs = runs[row]
             if not rs:  # a row that does not apply to this workload
                 continue
             vals = [r["val"] for r in rs]
+            bname = baseline(row, runs)
+            base = [r["val"] for r in runs[bname]] if bname else None
             rel = [v / b - 1.0 for v, b in zip(vals, base)] if base else []
             rec = {"row": row, "codec": rs[0]["codec"], "options": rs[0]["options"], "val": vals, "rel": rel,
-                   "rel_mean": statistics.fmean(rel) if rel else None,
+                   "baseline": bname, "rel_mean": statistics.fmean(rel) if rel else None,
                    "rel_sd": statistics.stdev(rel) if len(rel) > 1 else 0.0,
+                   "rel_min": min(rel) if rel else None, "rel_max": max(rel) if rel else None,
                    "curves": [r["curve"] for r in rs],
                    "wire_bytes_per_step": statistics.fmean(r["wire_bytes_per_step"] for r in rs)}
-            for k in ("residual_norm", "rel_error", "codec_share"):
+            for k in ("residual_norm", "rel_error", "codec_share", "val_gathered", "bytes_by_kind"):
                 if k in rs[0]:
                     rec[k] = [r[k] for r in rs]
             table.append(rec)
@@ -358,24 +430,38 @@ def print_table(doc: Dict[str, Any]) -> None:
     for wname, w in doc["workloads"].items():
         print(f"\n{wname}: {w['optimizer']}, {w['steps']} steps, {w['params']:,} parameters, "
               f"{doc['world']} ranks, {doc['seeds']} seeds")
-        hdr = f"{'row':32s} {'held-out loss':>14s} {'vs torch (mean ± sd)':>22s} {'wire/step':>10s}"
+        hdr = (f"{'row':32s} {'held-out loss':>14s} {'vs baseline: mean [min, max]':>30s} {'sd':>7s} "
+               f"{'baseline':>8s} {'wire/step':>10s} {'gathered':>9s}")
         print(hdr)
         print("-" * len(hdr))
         for r in w["rows"]:
             v = statistics.fmean(r["val"])
-            rel = "" if r["rel_mean"] is None else f"{100 * r['rel_mean']:+.2f}% ± {100 * r['rel_sd']:.2f}%"
-            print(f"{r['row']:32s} {v:14.4f} {rel:>22s} {int(r['wire_bytes_per_step']):>10,d}")
+            rel = sd = ""
+            if r["rel_mean"] is not None:
+                rel = f"{100 * r['rel_mean']:+.2f}% [{100 * r['rel_min']:+.2f}, {100 * r['rel_max']:+.2f}]"
+                sd = f"{100 * r['rel_sd']:.2f}%"
+            gathered = f"{statistics.fmean(r['val_gathered']):9.4f}" if r.get("val_gathered") else f"{'':9s}"
+            print(f"{r['row']:32s} {v:14.4f} {rel:>30s} {sd:>7s} {r['baseline'] or '-':>8s} "
+                  f"{int(r['wire_bytes_per_step']):>10,d} {gathered}")
+        if any(r.get("val_gathered") for r in w["rows"]):
+            print("gathered = the FSDP2 rows' held-out loss through FSDP's forward (the weights as the "
+                  "all-gathers deliver them); the other columns use the trained full-precision weights")
 
 
 def plot(doc: Dict[str, Any], path: str) -> None:
-    """Training loss per workload: mean over seeds (10-step moving average), band = min..max of seeds."""
+    """Per workload, top: training loss, mean over seeds (10-step moving average), band = min..max of
+    seeds; bottom: held-out loss relative to the row's baseline, mean and min..max of seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(doc["workloads"])
-    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
+    nrows = max(len(w["rows"]) for w in doc["workloads"].values())
+    fig, axes = plt.subplots(2, len(names), figsize=(6 * len(names), 6.5 + 0.25 * nrows), squeeze=False,
+                             gridspec_kw={"height_ratios": [4.5, 2 + 0.25 * nrows]})
+    for ax, wname in zip(axes[1], names):
+        _plot_rel(ax, doc["workloads"][wname], plt)
     for ax, wname in zip(axes[0], names):
         w = doc["workloads"][wname]
         for i, r in enumerate(w["rows"]):
@@ -387,15 +473,29 @@ def plot(doc: Dict[str, Any], path: str) -> None:
             rel = "" if r["rel_mean"] is None else f" ({100 * r['rel_mean']:+.1f}%)"
             line, = ax.plot(range(n), mean, lw=1.3, label=r["row"] + rel, color=plt.cm.tab20(i % 20))
             ax.fill_between(range(n), lo, hi, color=line.get_color(), alpha=0.15, lw=0)
-        ax.set_title(f"{wname} ({w['optimizer']}), {doc['seeds']} seeds")
+        ax.set_title(f"{wname} ({w['optimizer']}), {doc['seeds']} seeds", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (10-step mean)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, title="held-out vs torch", title_fontsize=8)
+        ax.legend(fontsize=8, title="held-out vs baseline (torch; FSDP2 rows: fsdp)", title_fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _plot_rel(ax, w: Dict[str, Any], plt) -> None:
+    rows = [r for r in w["rows"] if r["rel_mean"] is not None]
+    for i, r in enumerate(rows):
+        mean, lo, hi = (100 * r[k] for k in ("rel_mean", "rel_min", "rel_max"))
+        ax.errorbar([mean], [i], xerr=[[mean - lo], [hi - mean]], fmt="o", capsize=3, color=plt.cm.tab20(i % 20))
+        ax.scatter([100 * x for x in r["rel"]], [i] * len(r["rel"]), s=8, color="k", zorder=3)
+    ax.set_yticks(range(len(rows)), [f"{r['row']} (vs {r['baseline']})" for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    for x, style in ((0.0, "-"), (0.5, ":"), (-0.5, ":")):
+        ax.axvline(x, color="grey", lw=0.8, ls=style)
+    ax.set_xlabel("held-out loss vs baseline, % (mean, min..max and each seed)")
+    ax.grid(axis="x", alpha=0.3)
 
 
 def _smooth(xs: List[float], k: int) -> List[float]:
@@ -427,7 +527,14 @@ def main(argv=None) -> int:
         if wname not in WORKLOAD_CLASSES:
             ap.error(f"unknown workload {wname!r}; expected some of {', '.join(WORKLOADS)}")
     for r in rows:
-        parse_row(r)
+        name, opts = parse_row(r)
+        if name == "fsdp":
+            from .convergence_fsdp import check_options
+
+            try:
+                check_options(opts)
+            except ValueError as e:
+                ap.error(f"row {r!r}: {e}")
     if args.seeds < 1:
         ap.error("--seeds must be >= 1")
 
