@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from .autotune import Decision, tuner_for
-from .comm import flat, header, two_level
-from .comm.args import ErrorFeedback, OpLike, one_stage_residual, two_stage_residual
+from .comm import flat, two_level
+from .comm.args import ErrorFeedback, OpLike, in_step
 from .comm.groups import group_timeout, private_group
 from .comm.header import MODES
 from .comm.pipeline import CommStats, shard_bounds
@@ -60,7 +60,6 @@ def all_reduce(
     exchange ``codec`` across nodes (``residual``: that tier's, see :mod:`flatcomm.hierarchical`).
     A plain Tensor as ``residual`` raises ``TypeError``: an all-reduce has two residuals.
     """
-    two_stage_residual(residual, topology)
     decision = None
     if topology is not None:
         group = _topology_group(topology, group)
@@ -76,7 +75,9 @@ def all_reduce(
             codec = decision.codec  # the flat path was predicted faster on this topology
     group = private_group(group)
     if decision is None:
-        codec, decision = _flat_auto(codec, tuner, tensor.numel(), group, tensor.device, mode, "all_reduce")
+        codec, decision = _flat_auto(codec, tuner, tensor, group, mode, "all_reduce", async_op)
+        if isinstance(codec, Handle):  # the tuner failed somewhere: every rank's wait() raises why
+            return codec
     return _with_decision(flat.all_reduce(
         tensor, codec=codec, op=op, mode=mode, group=group, async_op=async_op, residual=residual, chunks=chunks,
         stats=stats, validate=validate, exact_block=exact_block, headroom=headroom), decision)
@@ -114,11 +115,13 @@ def reduce_scatter(
         if not topology.flat:
             return two_level.reduce_scatter(
                 output, input, topology, codec=codec, intra_codec=intra_codec, op=op, mode=mode,
-                async_op=async_op, residual=one_stage_residual(residual, "reduce_scatter's"), chunks=chunks,
+                async_op=async_op, residual=residual, chunks=chunks,
                 stats=stats, validate=validate, exact_block=exact_block, headroom=headroom,
                 choose=_chooser(tuner))
     group = private_group(group)
-    codec, decision = _flat_auto(codec, tuner, input.numel(), group, input.device, mode, "reduce_scatter")
+    codec, decision = _flat_auto(codec, tuner, input, group, mode, "reduce_scatter", async_op)
+    if isinstance(codec, Handle):
+        return codec
     return _with_decision(flat.reduce_scatter(
         output, input, codec=codec, op=op, mode=mode, group=group, async_op=async_op, residual=residual,
         chunks=chunks, stats=stats, validate=validate, exact_block=exact_block, headroom=headroom), decision)
@@ -148,7 +151,7 @@ def all_gather(
         group = _topology_group(topology, group)
         if not topology.flat:
             return two_level.all_gather(output, input, topology, codec=codec, intra_codec=intra_codec,
-                                        async_op=async_op, residual=one_stage_residual(residual, "all_gather's"),
+                                        async_op=async_op, residual=residual,
                                         stats=stats, validate=validate)
     return flat.all_gather(output, input, codec=codec, group=group, async_op=async_op, residual=residual,
                            stats=stats, validate=validate)
@@ -171,20 +174,18 @@ def _topology_group(topology, group):
     return topology.group
 
 
-def _flat_auto(codec: CodecLike, tuner, numel: int, group, device, mode: str, kind: str):
+def _flat_auto(codec: CodecLike, tuner, tensor, group, mode: str, kind: str, async_op):
     """``codec="auto"`` on one group: (codec, decision) from the tuner (default: one per group), the
-    same on every rank; other codecs pass through with decision None. An error reaches every rank
-    of the call (the header of the failed call still goes out)."""
-    if not _is_auto(codec):
+    same on every rank; other codecs pass through with decision None, and so does ``"auto"`` with a
+    tensor or mode it cannot take (the collective's argument layer rejects them on every rank).
+    The tuner's own errors reach every rank of the call too (its header still goes out)."""
+    if not _is_auto(codec) or mode != "ordered" or not isinstance(tensor, torch.Tensor):
         return codec, None
-    try:
-        if mode != "ordered":
-            raise ValueError("flatcomm: codec='auto' needs mode='ordered'")
-        t = tuner if tuner is not None else tuner_for(group)
-        d = t.choose(numel, group=group, device=device, kind=kind)
-    except (ValueError, TypeError) as e:
-        header.fail_in_step(group, _KIND[kind], e)
-        raise
+    t = tuner if tuner is not None else tuner_for(group)
+    d = in_step(group, _KIND[kind], async_op,
+                lambda: t.choose(tensor.numel(), group=group, device=tensor.device, kind=kind))
+    if isinstance(d, Handle):
+        return d, None
     return d.codec, d  # d.chunks is what the collective's default picks for d.codec
 
 
@@ -201,10 +202,8 @@ def _tiered_auto(codec: CodecLike, mode: str, tuner, tensor: torch.Tensor, topol
     """``codec="auto"`` with a hierarchical topology: the tuner of the topology's group picks the
     path and a codec per tier (a Decision), or None for a named codec. A ``residual`` is laid out
     for the hierarchical path (the inter tier's shard), so with one only that path competes."""
-    if not _is_auto(codec):
-        return None
-    if mode != "ordered":
-        raise ValueError("flatcomm: codec='auto' needs mode='ordered'")
+    if not _is_auto(codec) or mode != "ordered" or not isinstance(tensor, torch.Tensor):
+        return None  # the two-level call's argument layer rejects what "auto" cannot take
     t = tuner if tuner is not None else tuner_for(topology.group)
     paths = ("hierarchical",) if residual is not None else None
     return t.choose(tensor.numel(), group=topology.group, device=tensor.device, topology=topology, paths=paths)

@@ -54,7 +54,7 @@ to the shard layout).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -278,13 +278,32 @@ class OnebitAdam(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Transactional: flatcomm's entry and torch's per-parameter state are checked in full
+        (types, sizes, finite values, counters) before anything is installed, so a load that
+        raises leaves the optimizer exactly as it was."""
         if not isinstance(state_dict, dict) or STATE_KEY not in state_dict:
             raise ValueError(f"flatcomm.optim: not an OnebitAdam state_dict (no {STATE_KEY!r} entry)")
         sd = dict(state_dict)
         extra = sd.pop(STATE_KEY)
+        if not isinstance(extra, dict):
+            raise TypeError(f"flatcomm.optim: state_dict[{STATE_KEY!r}] must be a dict, got {type(extra).__name__}")
+        steps_done, restored = self._read_extra(extra)
+        self._check_torch_state(sd)
+        super().load_state_dict(sd)  # torch checks the groups before it replaces anything
+        self.steps_done = steps_done
+        self._residuals = restored
+
+    def _read_extra(self, extra: Dict[str, Any]) -> Tuple[int, List[Optional[C.ErrorFeedback]]]:
         for field in ("steps_done", "warmup_steps", "codec", "block_size", "world_size", "residuals"):
             if field not in extra:
                 raise ValueError(f"flatcomm.optim: state_dict[{STATE_KEY!r}] lacks {field!r}")
+        for field in ("steps_done", "warmup_steps", "block_size", "world_size"):
+            v = extra[field]
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if field == "steps_done" else 1):
+                raise ValueError(f"flatcomm.optim: checkpoint {field!r} must be an int >= "
+                                 f"{0 if field == 'steps_done' else 1}, got {v!r}")
+        if "variance_floor" in extra:
+            _check_number("checkpoint variance_floor", extra["variance_floor"], 0.0, 1.0)
         if (extra["codec"], extra["block_size"]) != (self.codec.name, self.codec.block_size):
             raise ValueError(f"flatcomm.optim: checkpoint codec {extra['codec']} (block {extra['block_size']}) "
                              f"!= this optimizer's {self.codec.name} (block {self.codec.block_size})")
@@ -296,6 +315,8 @@ class OnebitAdam(torch.optim.Optimizer):
                              f"{self.warmup_steps}: the frozen variance's bias correction depends on it")
         world = dist.get_world_size(self._group_arg) if dist.is_initialized() else 1
         residuals = extra["residuals"]
+        if not isinstance(residuals, list):
+            raise TypeError(f"flatcomm.optim: checkpoint residuals must be a list, got {type(residuals).__name__}")
         if any(r is not None for r in residuals) and extra["world_size"] != world:
             raise ValueError(f"flatcomm.optim: checkpoint residuals were saved at world size "
                              f"{extra['world_size']}, this run has {world}: the server residuals belong "
@@ -308,11 +329,13 @@ class OnebitAdam(torch.optim.Optimizer):
             if r is None:
                 restored.append(None)
                 continue
+            if not isinstance(r, dict):
+                raise TypeError(f"flatcomm.optim: residuals of group {gi} must be a dict (client, server), got {r!r}")
             n = sum(p.numel() for p in self.param_groups[gi]["params"])
             dev = self.param_groups[gi]["params"][0].device
             parts = []
             for k in ("client", "server"):
-                t = r.get(k) if isinstance(r, dict) else None
+                t = r.get(k)
                 if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != n:
                     got = (t.dtype, t.numel()) if isinstance(t, torch.Tensor) else t
                     raise ValueError(f"flatcomm.optim: residual {k!r} of group {gi} must be an fp32 tensor of "
@@ -321,9 +344,34 @@ class OnebitAdam(torch.optim.Optimizer):
                     raise ValueError(f"flatcomm.optim: residual {k!r} of group {gi} is not finite")
                 parts.append(t.detach().to(dev).clone().reshape(-1))
             restored.append(C.ErrorFeedback(*parts))
-        super().load_state_dict(sd)
-        self.steps_done = int(extra["steps_done"])
-        self._residuals = restored
+        return int(extra["steps_done"]), restored
+
+    def _check_torch_state(self, sd: Dict[str, Any]) -> None:
+        """torch's part: per parameter a step and two moments of the parameter's shape, finite
+        (torch would install moments of any shape, and the next step would fail or go NaN)."""
+        groups = sd.get("param_groups")
+        state = sd.get("state")
+        if not isinstance(groups, list) or not isinstance(state, dict):
+            raise TypeError("flatcomm.optim: a state_dict has 'state' (a dict) and 'param_groups' (a list)")
+        if len(groups) != len(self.param_groups) or any(
+                not isinstance(g, dict) or not isinstance(g.get("params"), list) or len(g["params"]) != len(mine["params"])
+                for g, mine in zip(groups, self.param_groups)):
+            raise ValueError("flatcomm.optim: the checkpoint's parameter groups do not match this optimizer's")
+        shape_of = {pid: p.shape for g, mine in zip(groups, self.param_groups) for pid, p in zip(g["params"], mine["params"])}
+        for pid, st in state.items():
+            if pid not in shape_of:
+                raise ValueError(f"flatcomm.optim: checkpoint state for parameter {pid!r}, which no group lists")
+            if not isinstance(st, dict):
+                raise TypeError(f"flatcomm.optim: checkpoint state of parameter {pid} must be a dict")
+            for k in ("exp_avg", "exp_avg_sq"):
+                t = st.get(k)
+                if not isinstance(t, torch.Tensor) or t.shape != shape_of[pid] or not t.is_floating_point() \
+                        or not torch.isfinite(t).all():
+                    raise ValueError(f"flatcomm.optim: checkpoint {k!r} of parameter {pid} must be a finite float "
+                                     f"tensor of shape {tuple(shape_of[pid])}")
+            step = st.get("step")
+            if not isinstance(step, torch.Tensor) or step.numel() != 1 or not torch.isfinite(step).all() or step < 0:
+                raise ValueError(f"flatcomm.optim: checkpoint 'step' of parameter {pid} must be one number >= 0")
 
 
 def hook(opt: OnebitAdam, bucket: "dist.GradBucket") -> torch.futures.Future:

@@ -390,11 +390,11 @@ def _bad_input(log: _Log, rank: int, topo: Topology) -> None:
     # ranks that disagree on numel fail on every rank (the tier's consistency check), no hang
     _expect(log, "numel differs across nodes", ValueError,
             lambda: C.all_reduce(torch.zeros(4096 + 512 * (rank // 2)), topology=topo), ("numel",))
-    # one node's ranks disagree on the codec: that node fails its check, and the other node's
-    # ranks, which agree, fail too (told across nodes) instead of waiting for payloads
+    # one node's ranks disagree on the codec: every rank of both nodes sees it in the call's
+    # header among all ranks (global ranks named), instead of waiting for payloads
     _expect(log, "codec differs inside one node", ValueError,
             lambda: C.all_reduce(torch.zeros(4096), codec="int4" if rank == 1 else "int8", topology=topo),
-            ("codec" if rank < G else "failed",))
+            ("ranks disagree on codec: rank 0 int8, rank 1 int4, rank 2 int8, rank 3 int8",))
     t = torch.full((1000,), float(rank + 1))
     C.all_reduce(t, op="sum", topology=topo)
     log.add("bad_input", f"rank {rank}: usable afterwards", bool((t == 10).all()))

@@ -1,20 +1,43 @@
-"""Argument types and checks shared by the collectives (flat and two-level)."""
+"""The argument layer of the collectives: every argument checked by type and range before anything
+is sent, and a rejected call that keeps the group in step.
+
+Each collective runs its checks through :func:`in_step`. If any of them raises (a ``ValueError`` or
+``TypeError`` naming the argument, or an error nobody foresaw), the rank still posts the call's
+header, marked failed with the reason (:func:`flatcomm.comm.header.fail_in_step`), and raises the
+error the header exchange agreed on: every rank of the call raises the same exception with the same
+message ("rank 3 failed: TypeError: tensor must be ..."), and the next call pairs with the peers'
+next call. With ``async_op=True`` the failed call returns a Handle whose ``wait()`` raises it.
+
+The checks of the one-hop collectives are here (:func:`all_reduce_call`, :func:`reduce_scatter_call`,
+:func:`all_gather_call`); the two-level ones (:mod:`flatcomm.comm.two_level`) build on the same
+pieces. Every field that decides a payload's size or layout goes into the header
+(:func:`flatcomm.comm.header.signature`), exactly.
+"""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+import math
+import numbers
+from typing import Any, Callable, List, Optional, Tuple, TypeVar, Union
 
 import torch
 import torch.distributed as dist
 
-from . import groups
+from . import groups, header, worker
 from .header import DTYPES, MODES
+from .pipeline import CommStats, Plan, default_chunks, plan, shard_bounds
 from ..ops.codecs import Codec, CodecLike, resolve
 
-__all__ = ["ErrorFeedback", "OpLike", "align_of", "alone", "as_flat", "check_residual", "one_stage_residual",
-           "reduce_scale", "setup", "two_stage_residual"]
+__all__ = ["Call", "ErrorFeedback", "MAX_EXACT_BLOCK", "MAX_HEADROOM", "OpLike", "align_of", "all_gather_call",
+           "all_reduce_call", "alone", "as_flat", "bool_arg", "capped_chunks", "check_residual", "chunks_arg",
+           "exact_args", "in_step", "int_arg", "one_stage_residual", "reduce_scale", "reduce_scatter_call",
+           "setup", "stats_arg", "tensor_arg", "two_stage_residual"]
 
 OpLike = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
+T = TypeVar("T")
+
+MAX_EXACT_BLOCK = 4096  # csrc/ops_common.h: exact-mode block sizes in [1, 4096]
+MAX_HEADROOM = 38  # csrc/ops_common.h: headroom bits in [1, 38]
 
 
 @dataclasses.dataclass
@@ -34,6 +57,109 @@ class ErrorFeedback:
         return cls(torch.zeros(numel, device=device), torch.zeros(numel, device=device))
 
 
+# ---- the layer ------------------------------------------------------------------------------------
+
+
+def in_step(group, kind: int, async_op: Any, checks: Callable[[], T]) -> Union[T, worker.Handle]:
+    """``checks()``'s result, or, when it raises anything, the agreed error of the call (see the
+    module docstring): raised here, or with ``async_op=True`` a Handle that raises it on ``wait()``."""
+    try:
+        return checks()
+    except Exception as err:  # noqa: BLE001 - every failure of a check is reported to every rank
+        fut = header.fail_in_step(group, kind, err)
+        if fut is None:  # nobody to tell (one rank)
+            raise
+        if async_op is True:
+            return worker.Handle(fut, torch.empty(0), None, f"{header.KINDS[kind]} (rejected arguments)", group)
+        try:
+            fut.result()
+        except Exception as agreed:  # noqa: BLE001 - always: the future holds the agreed error
+            if agreed is err:
+                raise
+            raise agreed from err
+        raise
+
+
+# ---- single arguments -------------------------------------------------------------------------------
+
+
+def int_arg(v: Any, what: str, lo: int, hi: Optional[int] = None) -> int:
+    """``v`` as an int in [lo, hi] (bools and floats refused: 2.5 chunks is a mistake, not 2)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"flatcomm: {what} must be an int, got {v!r}")
+    v = int(v)
+    if v < lo or (hi is not None and v > hi):
+        raise ValueError(f"flatcomm: {what} must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}")
+    return v
+
+
+def bool_arg(v: Any, what: str) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"flatcomm: {what} must be True or False, got {v!r}")
+    return v
+
+
+def stats_arg(stats: Any, kinds: Tuple[type, ...] = (CommStats,)) -> None:
+    if stats is not None and not isinstance(stats, kinds):
+        raise TypeError(f"flatcomm: stats must be a {' or '.join(k.__name__ for k in kinds)} (or None), "
+                        f"got {type(stats).__name__}")
+
+
+def chunks_arg(chunks: Any) -> Optional[int]:
+    """None (the collective picks) or a positive int."""
+    return None if chunks is None else int_arg(chunks, "chunks", 1)
+
+
+def capped_chunks(chunks: int, longest: int, align: int) -> int:
+    """No more chunks than aligned pieces in the longest shard: more would only add empty exchanges."""
+    return max(1, min(chunks, math.ceil(longest / align)))
+
+
+def tensor_arg(t: Any, what: str, written: bool = False) -> torch.Tensor:
+    """``t`` as a 1-D view, after checking type, dtype, layout and device. ``written``: the
+    collective writes it in place, which autograd must not be tracking."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"flatcomm: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"flatcomm: {what} must be a dense tensor, got layout {t.layout}")
+    if t.dtype not in DTYPES:
+        raise TypeError(f"flatcomm: {what} must be float32, bfloat16 or float16, got {t.dtype}")
+    if t.device.type == "meta":
+        raise ValueError(f"flatcomm: {what} is a meta tensor (it holds no values to send)")
+    if not t.is_contiguous():
+        raise ValueError(f"flatcomm: {what} must be contiguous")
+    if written and t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"flatcomm: {what} requires grad and the collective writes it in place: call it under "
+                         f"torch.no_grad(), or pass {what}.detach()")
+    return t.view(-1)
+
+
+as_flat = tensor_arg
+
+
+def exact_args(mode: str, exact_block: Any, headroom: Any, world: int) -> Tuple[int, int]:
+    """The exact-mode grid (checked whatever the mode: a bad value is a bug either way)."""
+    block = int_arg(exact_block, "exact_block", 1, MAX_EXACT_BLOCK)
+    room = int_arg(headroom, "headroom", 1, MAX_HEADROOM)
+    if mode == "exact" and world > (1 << room):
+        raise ValueError(f"flatcomm: exact mode with headroom {room} supports up to {1 << room} ranks, got {world}")
+    return block, room
+
+
+def mode_arg(mode: Any) -> str:
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"flatcomm: mode must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def codec_arg(codec: Any, mode: str, what: str = "codec") -> Codec:
+    if isinstance(codec, str) and codec == "auto":
+        raise ValueError(f"flatcomm: {what}='auto' needs mode='ordered' and is chosen by the tuner (call "
+                         f"flatcomm.all_reduce / reduce_scatter)" if mode != "ordered" else
+                         f"flatcomm: {what}='auto' is resolved by flatcomm.collectives, not here")
+    return resolve(codec)
+
+
 def reduce_scale(op: OpLike, world: int) -> float:
     """The factor a reduction applies to the sum: 1 for ``sum``, 1 / world for ``avg``."""
     if isinstance(op, str):
@@ -51,21 +177,14 @@ def reduce_scale(op: OpLike, world: int) -> float:
     raise ValueError(f"flatcomm: op must be 'avg' or 'sum', got {op!r}")
 
 
-def as_flat(t: torch.Tensor, what: str) -> torch.Tensor:
-    """``t`` as a 1-D view, after checking its dtype and layout."""
-    if t.dtype not in DTYPES:
-        raise TypeError(f"flatcomm: {what} must be float32, bfloat16 or float16, got {t.dtype}")
-    if not t.is_contiguous():
-        raise ValueError(f"flatcomm: {what} must be contiguous")
-    return t.view(-1)
-
-
 def one_stage_residual(residual: Union[None, torch.Tensor, ErrorFeedback], what: str) -> Optional[torch.Tensor]:
     """The residual of a one-stage collective (reduce-scatter, all-gather): a Tensor, or an
     :class:`ErrorFeedback` whose ``client`` is used (its ``server`` has no role there)."""
     if residual is None or isinstance(residual, torch.Tensor):
         return residual
     if isinstance(residual, ErrorFeedback):
+        if not isinstance(residual.client, torch.Tensor):
+            raise TypeError(f"flatcomm: {what} residual.client must be a Tensor, got {type(residual.client).__name__}")
         return residual.client
     raise TypeError(f"flatcomm: {what} residual must be an fp32 Tensor or a flatcomm.ErrorFeedback, "
                     f"got {type(residual).__name__}")
@@ -85,23 +204,37 @@ def two_stage_residual(residual: Any, topology) -> None:
                         f"got {type(residual).__name__}")
 
 
-def check_residual(r: Optional[torch.Tensor], numel: int, ref: torch.Tensor, what: str) -> None:
+def check_residual(r: Any, numel: int, ref: torch.Tensor, what: str, why: str = "") -> None:
+    """``r`` (None: no residual) is a contiguous fp32 tensor of ``numel`` values on ``ref``'s device."""
     if r is None:
         return
-    if r.dtype != torch.float32 or not r.is_contiguous() or r.numel() != numel:
+    if not isinstance(r, torch.Tensor):
+        raise TypeError(f"flatcomm: {what} must be a Tensor, got {type(r).__name__}")
+    if r.dtype != torch.float32 or not r.is_contiguous() or r.numel() != numel or r.layout != torch.strided:
         raise ValueError(
-            f"flatcomm: {what} must be a contiguous float32 tensor of {numel} values, "
+            f"flatcomm: {what} must be a contiguous float32 tensor of {numel} values{why}, "
             f"got {r.dtype} with {r.numel()} values"
         )
     if r.device != ref.device:
         raise ValueError(f"flatcomm: {what} is on {r.device} but the data is on {ref.device}")
+    if r.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"flatcomm: {what} requires grad and the collective updates it in place")
+
+
+def feedback_parts(residual: ErrorFeedback, numel: int, ref: torch.Tensor, what: str = "residual",
+                   why: str = "") -> None:
+    """Both parts of an :class:`ErrorFeedback` (neither may be None)."""
+    for part in ("client", "server"):
+        t = getattr(residual, part)
+        if t is None:
+            raise TypeError(f"flatcomm: {what}.{part} must be a Tensor, got None")
+        check_residual(t, numel, ref, f"{what}.{part}", why)
 
 
 def setup(group, codec: CodecLike, mode: str, op: OpLike):
     """(codec, world, rank, scale) of a call, after checking mode and codec."""
-    if mode not in MODES:
-        raise ValueError(f"flatcomm: mode must be one of {MODES}, got {mode!r}")
-    c = resolve(codec)
+    mode = mode_arg(mode)
+    c = codec_arg(codec, mode)
     if mode == "exact" and c.name != "fp32":
         raise ValueError("flatcomm: mode='exact' sums exact fixed point of the values; use codec='fp32' with it")
     world = dist.get_world_size(group)
@@ -119,3 +252,94 @@ def alone(c: Codec, world: int, dtype: torch.dtype) -> Codec:
 def align_of(codec: Codec, mode: str, exact_block: int) -> int:
     """Shards start on multiples of this many values (codec blocks or exact-mode blocks)."""
     return exact_block if mode == "exact" else codec.align
+
+
+# ---- the one-hop collectives' checks ---------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Call:
+    """A one-hop collective's checked arguments and layout (what its body needs)."""
+
+    codec: Codec
+    world: int
+    rank: int
+    scale: float
+    src: torch.Tensor  # the input, 1-D (all_reduce: the tensor itself)
+    out: torch.Tensor  # the output, 1-D (all_reduce: the tensor itself)
+    fields: List[Tuple[str, int]]  # the call header's
+    plan: Optional[Plan] = None
+    chunks: int = 1
+    residual: Optional[torch.Tensor] = None  # one-stage collectives
+    feedback: Optional[ErrorFeedback] = None  # all_reduce
+    exact_block: int = 0
+    headroom: int = 0
+
+
+def _common(async_op: Any, validate: Any, stats: Any) -> None:
+    bool_arg(async_op, "async_op")
+    bool_arg(validate, "validate")
+    stats_arg(stats)
+
+
+def all_reduce_call(group, tensor, codec, op, mode, async_op, residual, chunks, stats, validate,
+                    exact_block, headroom, kind: int) -> Call:
+    _common(async_op, validate, stats)
+    c, world, rank, scale = setup(group, codec, mode, op)
+    block, room = exact_args(mode, exact_block, headroom, world)
+    flat = tensor_arg(tensor, "tensor", written=True)
+    two_stage_residual(residual, None)
+    k = chunks_arg(chunks)
+    c = alone(c, world, flat.dtype)
+    n = flat.numel()
+    if residual is not None:
+        feedback_parts(residual, n, flat)
+    align = align_of(c, mode, block)
+    bounds = shard_bounds(n, world, align)
+    longest = max(bounds[d + 1] - bounds[d] for d in range(world))
+    nchunks = capped_chunks(k or default_chunks(max(1, n // world), c, world, mode, flat.dtype), longest, align)
+    fields = header.signature(kind, n, c, mode, scale, flat.dtype, nchunks,
+                              header.exact_fields(mode, block, room) + [header.device_field(flat.device)])
+    return Call(c, world, rank, scale, flat, flat, fields, plan(bounds, nchunks, align, rank), nchunks,
+                feedback=residual, exact_block=block, headroom=room)
+
+
+def reduce_scatter_call(group, output, input, codec, op, mode, async_op, residual, chunks, stats, validate,
+                        exact_block, headroom, kind: int) -> Call:
+    _common(async_op, validate, stats)
+    r = one_stage_residual(residual, "reduce_scatter's")
+    c, world, rank, scale = setup(group, codec, mode, op)
+    block, room = exact_args(mode, exact_block, headroom, world)
+    src, out = tensor_arg(input, "input"), tensor_arg(output, "output", written=True)
+    k = chunks_arg(chunks)
+    c = alone(c, world, src.dtype)
+    if src.numel() != world * out.numel():
+        raise ValueError(f"flatcomm: reduce_scatter input has {src.numel()} values; it must be "
+                         f"world size ({world}) x output ({out.numel()})")
+    if out.device != src.device:
+        raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
+    check_residual(r, src.numel(), src, "residual")
+    align = align_of(c, mode, block)
+    nchunks = capped_chunks(k or default_chunks(out.numel(), c, world, mode, src.dtype, "reduce_scatter"),
+                            out.numel(), align)
+    fields = header.signature(kind, src.numel(), c, mode, scale, src.dtype, nchunks,
+                              header.exact_fields(mode, block, room) + [header.device_field(src.device)])
+    p = plan([d * out.numel() for d in range(world + 1)], nchunks, align, rank)
+    return Call(c, world, rank, scale, src, out, fields, p, nchunks, residual=r, exact_block=block, headroom=room)
+
+
+def all_gather_call(group, output, input, codec, async_op, residual, stats, validate, kind: int) -> Call:
+    _common(async_op, validate, stats)
+    r = one_stage_residual(residual, "all_gather's")
+    world = dist.get_world_size(group)
+    src, out = tensor_arg(input, "input"), tensor_arg(output, "output", written=True)
+    c = alone(codec_arg(codec, "ordered"), world, src.dtype)
+    n = src.numel()
+    if out.numel() != world * n:
+        raise ValueError(f"flatcomm: all_gather output has {out.numel()} values; it must be "
+                         f"world size ({world}) x input ({n})")
+    if out.device != src.device:
+        raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
+    check_residual(r, n, src, "residual")
+    fields = header.signature(kind, n, c, "ordered", 1.0, src.dtype, 1, [header.device_field(src.device)])
+    return Call(c, world, dist.get_rank(group), 1.0, src, out, fields, residual=r)

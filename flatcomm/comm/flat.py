@@ -37,11 +37,11 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import args, exact, groups, header, worker
+from . import args, exact, groups, worker
 from .args import ErrorFeedback, OpLike
 from . import pipeline
-from .pipeline import CommStats, Pipeline, Plan, default_chunks, plan, shard_bounds, zero_copy
-from ..ops.codecs import Codec, CodecLike, decode, encode, reencode_sum, resolve
+from .pipeline import CommStats, Pipeline, Plan, zero_copy
+from ..ops.codecs import Codec, CodecLike, decode, encode, reencode_sum
 from ..ops.sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM
 
 __all__ = ["all_gather", "all_reduce", "reduce_scatter"]
@@ -55,32 +55,20 @@ def all_reduce(tensor: torch.Tensor, *, codec: CodecLike = "fp32", op: OpLike = 
                exact_block: int = DEFAULT_EXACT_BLOCK, headroom: int = DEFAULT_HEADROOM) -> Optional[worker.Handle]:
     """All-reduce ``tensor`` in place (see :func:`flatcomm.collectives.all_reduce`)."""
     group = groups.private_group(group)
-    try:
-        args.two_stage_residual(residual, None)
-        c, world, rank, scale = args.setup(group, codec, mode, op)
-        flat = args.as_flat(tensor, "tensor")
-        c = args.alone(c, world, flat.dtype)
-        n = flat.numel()
-        if residual is not None:
-            args.check_residual(residual.client, n, flat, "residual.client")
-            args.check_residual(residual.server, n, flat, "residual.server")
-        align = args.align_of(c, mode, exact_block)
-        nchunks = chunks or default_chunks(max(1, n // world), c, world, mode, flat.dtype)
-        p = plan(shard_bounds(n, world, align), nchunks, align, rank)
-        fields = header.signature(_ALL_REDUCE, n, c, mode, scale, flat.dtype, nchunks,
-                                  header.exact_fields(mode, exact_block, headroom))
-    except (ValueError, TypeError) as e:
-        header.fail_in_step(group, _ALL_REDUCE, e)
-        raise
+    a = args.in_step(group, _ALL_REDUCE, async_op, lambda: args.all_reduce_call(
+        group, tensor, codec, op, mode, async_op, residual, chunks, stats, validate, exact_block, headroom,
+        _ALL_REDUCE))
+    if isinstance(a, worker.Handle):
+        return a
+    flat, c, n = a.src, a.codec, a.src.numel()
 
     def body():
-        pipe = Pipeline(group, stats, fields, flat.device, validate)
-        pipe.stats.calls += 1
-        if mode == "exact":
-            exact.all_reduce(pipe, flat, p, nchunks, scale, exact_block, headroom)
-        else:
-            _ordered_all_reduce(pipe, flat, p, nchunks, c, scale, residual)
-        pipe.release()
+        with Pipeline(group, stats, a.fields, flat.device, validate) as pipe:
+            pipe.stats.calls += 1
+            if mode == "exact":
+                exact.all_reduce(pipe, flat, a.plan, a.chunks, a.scale, a.exact_block, a.headroom)
+            else:
+                _ordered_all_reduce(pipe, flat, a.plan, a.chunks, c, a.scale, residual)
 
     keep = (flat,) if residual is None else (flat, residual.client, residual.server)
     return worker.run(worker.key_of(group), body, tensor, async_op, keep, f"all_reduce of {n} values ({c.name})",
@@ -95,34 +83,20 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, codec: CodecLik
                    headroom: int = DEFAULT_HEADROOM) -> Optional[worker.Handle]:
     """Reduce ``input`` across ranks; rank r gets shard r (see :func:`flatcomm.collectives.reduce_scatter`)."""
     group = groups.private_group(group)
-    try:
-        r = args.one_stage_residual(residual, "reduce_scatter's")
-        c, world, rank, scale = args.setup(group, codec, mode, op)
-        src, out = args.as_flat(input, "input"), args.as_flat(output, "output")
-        c = args.alone(c, world, src.dtype)
-        if src.numel() != world * out.numel():
-            raise ValueError(f"flatcomm: reduce_scatter input has {src.numel()} values; it must be "
-                             f"world size ({world}) x output ({out.numel()})")
-        if out.device != src.device:
-            raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
-        args.check_residual(r, src.numel(), src, "residual")
-        align = args.align_of(c, mode, exact_block)
-        nchunks = chunks or default_chunks(out.numel(), c, world, mode, src.dtype, "reduce_scatter")
-        p = plan([d * out.numel() for d in range(world + 1)], nchunks, align, rank)
-        fields = header.signature(_REDUCE_SCATTER, src.numel(), c, mode, scale, src.dtype, nchunks,
-                                  header.exact_fields(mode, exact_block, headroom))
-    except (ValueError, TypeError) as e:
-        header.fail_in_step(group, _REDUCE_SCATTER, e)
-        raise
+    a = args.in_step(group, _REDUCE_SCATTER, async_op, lambda: args.reduce_scatter_call(
+        group, output, input, codec, op, mode, async_op, residual, chunks, stats, validate, exact_block, headroom,
+        _REDUCE_SCATTER))
+    if isinstance(a, worker.Handle):
+        return a
+    src, out, c, r = a.src, a.out, a.codec, a.residual
 
     def body():
-        pipe = Pipeline(group, stats, fields, src.device, validate)
-        pipe.stats.calls += 1
-        if mode == "exact":
-            exact.reduce_scatter(pipe, src, out, p, nchunks, scale, exact_block, headroom)
-        else:
-            _ordered_reduce_scatter(pipe, src, out, p, nchunks, c, scale, r)
-        pipe.release()
+        with Pipeline(group, stats, a.fields, src.device, validate) as pipe:
+            pipe.stats.calls += 1
+            if mode == "exact":
+                exact.reduce_scatter(pipe, src, out, a.plan, a.chunks, a.scale, a.exact_block, a.headroom)
+            else:
+                _ordered_reduce_scatter(pipe, src, out, a.plan, a.chunks, c, a.scale, r)
 
     return worker.run(worker.key_of(group), body, output, async_op, (src, out, r),
                       f"reduce_scatter of {src.numel()} values ({c.name})", group)
@@ -133,38 +107,29 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, codec: CodecLike = 
                stats: Optional[CommStats] = None, validate: bool = True) -> Optional[worker.Handle]:
     """Gather every rank's ``input`` into ``output`` (see :func:`flatcomm.collectives.all_gather`)."""
     group = groups.private_group(group)
-    try:
-        r = args.one_stage_residual(residual, "all_gather's")
-        c = resolve(codec)
-        world = dist.get_world_size(group)
-        src, out = args.as_flat(input, "input"), args.as_flat(output, "output")
-        n = src.numel()
-        if out.numel() != world * n:
-            raise ValueError(f"flatcomm: all_gather output has {out.numel()} values; it must be "
-                             f"world size ({world}) x input ({n})")
-        args.check_residual(r, n, src, "residual")
-        fields = header.signature(_ALL_GATHER, n, c, "ordered", 1.0, src.dtype, 1)
-    except (ValueError, TypeError) as e:
-        header.fail_in_step(group, _ALL_GATHER, e)
-        raise
+    a = args.in_step(group, _ALL_GATHER, async_op, lambda: args.all_gather_call(
+        group, output, input, codec, async_op, residual, stats, validate, _ALL_GATHER))
+    if isinstance(a, worker.Handle):
+        return a
+    src, out, c, r, world = a.src, a.out, a.codec, a.residual, a.world
+    n = src.numel()
 
     def body():
-        pipe = Pipeline(group, stats, fields, src.device, validate)
-        pipe.stats.calls += 1
-        payload = pipe.empty(c.wire_bytes(n), torch.uint8, src.device)
-        if r is not None:  # encoding updates the residual: never for a call that then fails its check
-            pipe.checked()
-        pipe.timed("encode_s", lambda: encode(src, c, residual=r, out=payload))
-        work, recv = pipe.all_gather(payload, world)
-        pipe.wait(work)
-        rows = recv.view(world, -1)
+        with Pipeline(group, stats, a.fields, src.device, validate) as pipe:
+            pipe.stats.calls += 1
+            payload = pipe.empty(c.wire_bytes(n), torch.uint8, src.device)
+            if r is not None:  # encoding updates the residual: never for a call that then fails its check
+                pipe.checked()
+            pipe.timed("encode_s", lambda: encode(src, c, residual=r, out=payload))
+            work, recv = pipe.all_gather(payload, world)
+            pipe.wait(work)
+            rows = recv.view(world, -1)
 
-        def dec():
-            for d in range(world):
-                decode(rows[d], c, n, out=out[d * n:(d + 1) * n])
+            def dec():
+                for d in range(world):
+                    decode(rows[d], c, n, out=out[d * n:(d + 1) * n])
 
-        pipe.timed("decode_s", dec)
-        pipe.release()
+            pipe.timed("decode_s", dec)
 
     return worker.run(worker.key_of(group), body, output, async_op, (src, out, r),
                       f"all_gather of {n} values ({c.name})", group)
@@ -217,7 +182,7 @@ def _ordered_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, chunks: int
         # residual (the next step adds scale * client), which this encode sends and zeroes.
         residual.client.add_(residual.server, alpha=1.0 / scale)
         residual.server.zero_()
-    if zero_copy(c, flat.dtype, p, chunks, client):
+    if zero_copy(c, flat.dtype, p, chunks, client, gathers=True):
         _raw_all_reduce(pipe, flat, p, c, scale)
         return
 
@@ -268,9 +233,11 @@ def _raw_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale
     _raw_reduce(pipe, flat, p, c, scale, send_buf[:sizes[me]])
     # The all-to-all has completed, so flat may be overwritten: gather straight into it, in pieces
     # (gloo's all-gather slows down on large single calls: docs/benchmarks.md, Collectives).
+    # zero_copy keeps it to one piece, and one gather even of nothing: the staged path of a peer
+    # holding a residual makes exactly that exchange.
     pipe.stats.wire_bytes += width * flat.element_size() * (world - 1)
     step = max(1, pipeline.GATHER_PIECE_BYTES // (world * flat.element_size()))
-    for off in range(0, width, step):
+    for off in range(0, max(width, 1), step):
         m = min(step, width - off)
         outs, tails = [], []
         for d in range(world):

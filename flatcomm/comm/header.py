@@ -7,17 +7,18 @@ first in a message whose size depends on nothing (an all-gather of one int64 row
 size-dependent byte is sent before every rank has checked every row. It is issued asynchronously
 and waited for only just before the first payload exchange, so it overlaps with encoding.
 
-A row: magic, call number on the group, status (0 ok, 1 failed), the signature fields, and for a
-failed call the reason (UTF-8, truncated). Every rank checks the same table, so every rank raises
-the same error at the same call and the group stays in step: a rank whose arguments were rejected
-still sends its row (status 1) and its peers raise "rank r failed: <reason>".
-
-Each call on a group first all-gathers such a header (:class:`CallHeader`), started at once and
-checked before the first payload byte moves. A rank whose arguments were rejected takes part in the
-exchange with status failed (:func:`fail_in_step`).
+A row: magic, call number on the group, status (0 ok; 1 or 2: the call's arguments were rejected
+with a ValueError or a TypeError), the signature fields (every one that decides a payload's size
+or layout, exactly: floats travel as their float64 bits, never rounded), and for a failed call the
+reason (UTF-8, truncated). Every rank checks the same table, so every rank raises the same error,
+with the same message naming global ranks, at the same call, and the group stays in step: a rank
+whose arguments were rejected still sends its row (:func:`fail_in_step`) and every rank, that one
+included, raises "rank r failed: <reason>" (a TypeError if rank r's error was one).
 """
 from __future__ import annotations
 
+import concurrent.futures
+import struct
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -26,24 +27,44 @@ import torch.distributed as dist
 from . import groups, worker
 from ..ops.codecs import CODECS, Codec
 
-__all__ = ["CallHeader", "DTYPES", "FIELDS", "KINDS", "MAGIC", "MODES", "REASON_BYTES", "call_numbers",
-           "check", "check_consistent", "exact_fields", "fail_in_step", "header_device", "length", "row",
-           "signature"]
+__all__ = ["AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "MAGIC", "MODES", "REASON_BYTES", "call_numbers",
+           "check", "check_consistent", "codec_fields", "device_field", "error_of", "exact_fields", "fail_in_step",
+           "float_bits", "header_device", "length", "row", "signature"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 MODES = ("ordered", "exact")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "privateuseone")
 
 MAGIC = 0x666C6174  # "flat"
 REASON_BYTES = 128
 _FIXED = 3  # magic, call number, status
-KINDS = {1: "reduce_scatter", 2: "all_gather", 3: "all_reduce"}
+# Status of a row: the call's arguments passed, or were rejected with a ValueError / TypeError (every
+# rank then raises the first failed rank's kind of error, with every failed rank's reason).
+OK, FAILED_VALUE, FAILED_TYPE = 0, 1, 2
+KINDS = {1: "reduce_scatter", 2: "all_gather", 3: "all_reduce",
+         4: "two-level reduce_scatter", 5: "two-level all_gather", 6: "two-level all_reduce"}
+AUTO_CODEC = len(CODECS)  # the codec field of a two-level call whose inter codec is "auto"
 
 
-def row(call: int, failed: bool, fields: Sequence[Tuple[str, int]], nfields: int, reason: str = "") -> torch.Tensor:
-    """One rank's header: a fixed length for ``nfields`` fields (missing fields are 0)."""
-    vals = [MAGIC, call, 1 if failed else 0] + [v for _, v in fields] + [0] * (nfields - len(fields))
+def float_bits(x: float) -> int:
+    """``x``'s float64 bit pattern as an int64: equal fields mean exactly equal values (a rounded
+    field would let two ranks agree on a topk ratio that keeps a different number of values)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _float_of(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
+
+
+def row(call: int, status: int, fields: Sequence[Tuple[str, int]], names: Sequence[str], reason: str = "") -> torch.Tensor:
+    """One rank's header: ``names``' fields in that order (a field not in ``fields`` is 0), so its
+    length depends only on ``names``."""
+    given = dict(fields)
+    unknown = set(given) - set(names)
+    assert not unknown, f"header fields {unknown} are not in {names}"
+    vals = [MAGIC, call, int(status)] + [int(given.get(n, 0)) for n in names]
     raw = reason.encode("utf-8", "replace")[:REASON_BYTES]
     text = torch.zeros(REASON_BYTES, dtype=torch.uint8)
     if raw:
@@ -60,45 +81,63 @@ def _reason(r: torch.Tensor) -> str:
     return raw.decode("utf-8", "replace")
 
 
-def check(table: torch.Tensor, fields: Sequence[Tuple[str, int]], shown=None) -> List[str]:
+def check(table: torch.Tensor, fields: Sequence[Tuple[str, int]], shown=None,
+          ranks: Optional[Sequence[int]] = None) -> List[str]:
     """Problems with a [world, length] header table, in the order that explains them best: out of
     step first (the rows belong to different calls), then failed ranks, then disagreements.
-    ``shown(name, value)`` renders a field value for the message (names, not numbers)."""
+    ``shown(name, value)`` renders a field value for the message (names, not numbers); ``ranks``:
+    the global rank of each row (default: the row index)."""
     table = table.cpu()
     world = table.shape[0]
+    ranks = list(ranks) if ranks is not None else list(range(world))
     if any(int(v) != MAGIC for v in table[:, 0]):
         return ["received a header that is not flatcomm's: another collective on flatcomm's group "
                 "(its private group is meant for flatcomm's traffic only)"]
     calls = table[:, 1].tolist()
     if len(set(calls)) != 1:
-        return ["ranks are out of step: call number " + _per_rank(calls)
+        return ["ranks are out of step: call number " + _per_rank(calls, ranks)
                 + " (a rank skipped or added a collective, or an earlier call failed on some ranks only)"]
-    failed = [r for r in range(world) if int(table[r, 2]) != 0]
+    failed = [r for r in range(world) if int(table[r, 2]) != OK]
     if failed:
         nf = len(fields)
-        return [f"rank {r} failed: {_reason(table[r, _FIXED + nf:])}" for r in failed]
+        return [f"rank {ranks[r]} failed: {_reason(table[r, _FIXED + nf:])}" for r in failed]
     out = []
     for i, (name, _) in enumerate(fields):
         col = table[:, _FIXED + i].tolist()
         if len(set(col)) != 1:
             vals = [shown(name, v) if shown else v for v in col]
-            out.append(f"ranks disagree on {name}: {_per_rank(vals)}")
+            out.append(f"ranks disagree on {name}: {_per_rank(vals, ranks)}")
     return out
+
+
+def error_of(table: torch.Tensor, fields: Sequence[Tuple[str, int]], shown=None,
+             ranks: Optional[Sequence[int]] = None) -> Optional[Exception]:
+    """The error every rank raises for this table (the same on every rank: they all hold it), or
+    None when the call may go ahead."""
+    problems = check(table, fields, shown, ranks)
+    if not problems:
+        return None
+    text = "flatcomm: " + "; ".join(problems)
+    if problems[0].startswith(("ranks are out of step", "received a header")):
+        return RuntimeError(text)
+    status = [int(s) for s in table.cpu()[:, 2].tolist() if int(s) != OK]
+    return TypeError(text) if status and status[0] == FAILED_TYPE else ValueError(text)
 
 
 def call_numbers(table: torch.Tensor) -> List[int]:
     return table[:, 1].tolist()
 
 
-def _per_rank(vals) -> str:
-    return ", ".join(f"rank {r} {v}" for r, v in enumerate(vals))
+def _per_rank(vals, ranks: Sequence[int]) -> str:
+    return ", ".join(f"rank {r} {v}" for r, v in zip(ranks, vals))
 
 
 # ---- the call header of a collective --------------------------------------------------------------
 
-# The fields of every call, in this order (a failed call sends only the first and zeros).
+# The fields of every call, in this order (a failed call sends only the first and zeros). The float
+# fields travel as their float64 bits (:func:`float_bits`); the intra fields are the two-level path's.
 FIELDS = ("collective", "numel", "codec", "block_size", "topk ratio", "mode", "op scale", "dtype",
-          "chunks", "exact_block", "headroom")
+          "chunks", "exact_block", "headroom", "device", "intra codec", "intra block_size", "intra topk ratio")
 _calls: dict = {}  # worker key -> number of the next call on that group (advanced on its worker, in order)
 
 
@@ -107,18 +146,18 @@ def _shown(name: str, v: int):
     try:
         if name == "collective":
             return KINDS[v]
-        if name == "codec":
-            return CODECS[v]
+        if name in ("codec", "intra codec"):
+            return "auto" if v == AUTO_CODEC else CODECS[v]
         if name == "mode":
             return MODES[v]
         if name == "dtype":
             return str(DTYPES[v])
+        if name == "device":
+            return DEVICE_TYPES[v]
     except (IndexError, KeyError):
         return v
-    if name == "topk ratio":
-        return v / 1e6
-    if name == "op scale":
-        return v / 1e9
+    if name in ("topk ratio", "intra topk ratio", "op scale"):
+        return repr(_float_of(v))
     return v
 
 
@@ -138,16 +177,25 @@ def _exchange_table(group, mine: torch.Tensor, device: torch.device, async_op: b
     return work, allv.view(world, -1)
 
 
+def _ranks_of(group) -> List[int]:
+    """The global rank of each of ``group``'s ranks, for messages (a subgroup's rank 1 may be rank 3)."""
+    try:
+        return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    except Exception:  # noqa: BLE001 - e.g. a group torch does not list: its own numbering
+        return list(range(dist.get_world_size(group)))
+
+
 def check_consistent(group, fields: Sequence[Tuple[str, int]], device: torch.device) -> None:
     """One tiny all-gather of ``fields`` so that mismatched calls fail on every rank with a clear
     message instead of hanging or exchanging garbage (used where no call header runs, e.g. by
     :mod:`flatcomm.reproducible`)."""
     if not groups.exchanges(group):
         return
-    _, table = _exchange_table(group, row(0, False, fields, len(fields)), device, False)
-    problems = check(table, fields, _shown)
-    if problems:
-        raise ValueError("flatcomm: " + "; ".join(problems))
+    names = [n for n, _ in fields]
+    _, table = _exchange_table(group, row(0, OK, fields, names), device, False)
+    err = error_of(table, fields, _shown, _ranks_of(group))
+    if err is not None:
+        raise err
 
 
 class CallHeader:
@@ -155,26 +203,30 @@ class CallHeader:
     first payload byte moves."""
 
     def __init__(self, group, fields: Sequence[Tuple[str, int]], device: torch.device,
-                 reason: Optional[str] = None):
+                 reason: Optional[str] = None, status: int = FAILED_VALUE):
         key = worker.key_of(group)
         self.call = _calls.get(key, 0)
         _calls[key] = self.call + 1
         self.group, self.fields = group, list(fields)
-        mine = row(self.call, reason is not None, fields, len(FIELDS), reason or "")
+        mine = row(self.call, OK if reason is None else status, fields, FIELDS, reason or "")
         self.work, self.table = _exchange_table(group, mine, device, True)
 
     def finish(self) -> None:
+        """Wait for every rank's row; raise the call's error (the same on every rank) if any."""
         self.work.wait()
-        names = [(n, 0) for n in FIELDS]
-        problems = check(self.table, names, _shown)
-        if not problems:
-            return
-        if problems[0].startswith("ranks are out of step"):
+        err = self.error()
+        if err is not None:
+            raise err
+
+    def error(self) -> Optional[Exception]:
+        """The call's error, from the table the exchange completed (every rank holds the same)."""
+        table = self.table.cpu()
+        err = error_of(table, [(n, 0) for n in FIELDS], _shown, _ranks_of(self.group))
+        if isinstance(err, RuntimeError) and "out of step" in str(err):
             # Every rank saw the same table: resume numbering together, so that the next calls
             # (if the ranks' programs agree again) are in step.
-            _calls[worker.key_of(self.group)] = max(call_numbers(self.table.cpu())) + 1
-            raise RuntimeError("flatcomm: " + problems[0])
-        raise ValueError("flatcomm: " + "; ".join(problems))
+            _calls[worker.key_of(self.group)] = max(call_numbers(table)) + 1
+        return err
 
 
 def header_device(group, device: torch.device, validate: bool) -> Optional[torch.device]:
@@ -186,41 +238,60 @@ def header_device(group, device: torch.device, validate: bool) -> Optional[torch
     return device if validate else None
 
 
-def fail_in_step(group, kind: int, err: BaseException) -> None:
+def fail_in_step(group, kind: int, err: BaseException) -> Optional["concurrent.futures.Future"]:
     """A rank whose arguments were rejected still takes part in the call's header exchange (status
-    failed, the reason), so its peers raise "rank r failed: ..." instead of waiting, and every
-    rank's next call pairs with the peers' next call. Not waited for: the caller raises at once."""
+    failed, the reason), so that every rank of the call raises the same error ("rank r failed:
+    ...") and every rank's next call pairs with the peers' next call. Returns a future that fails
+    with that agreed error once every rank's row is in (or with ``err`` itself if the exchange
+    failed: the peers could not be told), or None when there is nobody to tell (one rank, no
+    usable group)."""
     try:
         if not groups.exchanges(group):
-            return
+            return None
         device = torch.device("cpu") if has_cpu_backend(group) else torch.device("cuda", torch.cuda.current_device())
     except Exception:  # noqa: BLE001 - no usable group: nothing to keep in step
-        return
+        return None
     reason = f"{type(err).__name__}: {str(err).removeprefix('flatcomm: ')}"
+    status = FAILED_TYPE if isinstance(err, TypeError) else FAILED_VALUE
 
     def body():
-        CallHeader(group, [("collective", kind)], device, reason).finish()
+        h = CallHeader(group, [("collective", kind)], device, reason, status)
+        try:
+            h.work.wait()
+        except Exception as x:  # noqa: BLE001 - the peers never answered: report our own error
+            raise err from x
+        agreed = h.error()
+        raise agreed if agreed is not None else err  # never None: this rank's row says failed
 
     key = worker.key_of(group)
     if worker.is_on(key):
+        fut: concurrent.futures.Future = concurrent.futures.Future()
         try:
             body()
-        except Exception:  # noqa: BLE001 - the caller's own error is the one to report
-            pass
-        return
-    worker.submit(key, torch.device("cpu"), body)
+        except BaseException as e:  # noqa: BLE001 - always: body raises the agreed error
+            fut.set_exception(e)
+        return fut
+    return worker.submit(key, torch.device("cpu"), body)
+
+
+def codec_fields(codec, prefix: str = "") -> List[Tuple[str, int]]:
+    """A codec's header fields (``"auto"``: :data:`AUTO_CODEC`); the topk ratio's exact bits."""
+    if isinstance(codec, str) and codec == "auto":
+        return [(prefix + "codec", AUTO_CODEC), (prefix + "block_size", 0), (prefix + "topk ratio", 0)]
+    return [(prefix + "codec", CODECS.index(codec.name)), (prefix + "block_size", codec.block_size),
+            (prefix + "topk ratio", float_bits(codec.ratio))]
+
+
+def device_field(device: torch.device) -> Tuple[str, int]:
+    t = device.type
+    return ("device", DEVICE_TYPES.index(t) if t in DEVICE_TYPES else len(DEVICE_TYPES))
 
 
 def signature(kind: int, numel: int, codec: Codec, mode: str, scale: float, dtype: torch.dtype,
               chunks: int, extra: Sequence[Tuple[str, int]] = ()) -> List[Tuple[str, int]]:
-    return [
-        ("collective", kind),
-        ("numel", numel),
-        ("codec", CODECS.index(codec.name)),
-        ("block_size", codec.block_size),
-        ("topk ratio", int(round(codec.ratio * 1e6))),
+    return [("collective", kind), ("numel", numel)] + codec_fields(codec) + [
         ("mode", MODES.index(mode)),
-        ("op scale", int(round(scale * 1e9))),
+        ("op scale", float_bits(scale)),
         ("dtype", DTYPES.index(dtype)),
         ("chunks", chunks),
     ] + list(extra)
@@ -228,6 +299,5 @@ def signature(kind: int, numel: int, codec: Codec, mode: str, scale: float, dtyp
 
 def exact_fields(mode: str, block: int, headroom: int) -> List[Tuple[str, int]]:
     # Ranks that disagree on the exact-mode grid would exchange exponent lists of different sizes.
-    # Always the same number of fields: the check itself must move equal sizes on every rank.
     exact = mode == "exact"
     return [("exact_block", block if exact else 0), ("headroom", headroom if exact else 0)]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import header, worker
-from .pipeline import CommStats
+from .pipeline import CommStats, drain
 from .topology import Topology
 
 __all__ = ["Job", "after", "gather", "mark", "queued", "reduce", "timed"]
@@ -30,6 +30,10 @@ class Job:
     def __init__(self) -> None:
         self.future: Optional["concurrent.futures.Future"] = None
         self.done: Optional["torch.cuda.Event"] = None  # CUDA: recorded after the job's kernels
+
+    def cancel(self) -> bool:
+        """Drop the job if its worker has not started it (after a failure of the call)."""
+        return self.future is not None and self.future.cancel()
 
     def wait(self) -> None:
         """Block until the job has run (re-raising its error); with CUDA tensors the current stream
@@ -79,8 +83,14 @@ def after(event: Optional["torch.cuda.Event"]) -> None:
 
 def _exchange(ops: List[dist.P2POp]) -> None:
     works = dist.batch_isend_irecv(ops) if ops else []
-    for w in works:
-        w.wait()
+    for i, w in enumerate(works):
+        try:
+            w.wait()
+        except BaseException:
+            # A peer died or timed out: wait for the other transfers too (they fail or finish
+            # within the timeout), so that none is pending when the group is torn down.
+            drain(works[i + 1:])
+            raise
 
 
 def gather(topo: Topology, out: torch.Tensor, shard: torch.Tensor) -> None:

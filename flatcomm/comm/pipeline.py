@@ -15,7 +15,7 @@ from . import groups, header
 from ..ops.codecs import Codec, decode_sum, encode
 
 __all__ = ["CHUNK_TARGET_BYTES", "CommStats", "GATHER_PIECE_BYTES", "MAX_AUTO_CHUNKS", "MIN_PIPELINE_BYTES",
-           "BufferPool", "Pipeline", "Plan", "default_chunks", "forget_pool", "plan", "shard_bounds",
+           "BufferPool", "Pipeline", "Plan", "default_chunks", "drain", "forget_pool", "plan", "shard_bounds",
            "zero_copy"]
 
 # The automatic chunk count aims at about CHUNK_TARGET_BYTES of payload per shard and chunk, and
@@ -95,13 +95,21 @@ def plan(bounds: List[int], chunks: int, align: int, rank: int) -> Plan:
     return Plan(world, rank, bounds, cbs)
 
 
-def zero_copy(codec: Codec, dtype: torch.dtype, p: Plan, chunks: int, residual) -> bool:
+def zero_copy(codec: Codec, dtype: torch.dtype, p: Plan, chunks: int, residual, gathers: bool = False) -> bool:
     """Send and receive without staging: one chunk, raw payload, no error feedback (a residual
     would change what is sent), and every piece a whole payload (16-byte multiple), so the
-    received rows are valid payload rows for the fused decode-sum."""
+    received rows are valid payload rows for the fused decode-sum.
+
+    Whether a rank holds a residual may differ between ranks (a checkpoint restores only nonzero
+    ones), so both paths must make the same exchanges with the same sizes: one all-to-all and, for
+    an all-reduce (``gathers``), one all-gather of the widest shard, which the zero-copy path does
+    only while that gather fits one piece of :data:`GATHER_PIECE_BYTES`."""
     if chunks != 1 or residual is not None or not sends_raw(codec, dtype, "ordered"):
         return False
-    return all((p.bounds[d + 1] - p.bounds[d]) * dtype.itemsize % 16 == 0 for d in range(p.world))
+    sizes = [p.bounds[d + 1] - p.bounds[d] for d in range(p.world)]
+    if gathers and max(sizes) * dtype.itemsize * p.world > GATHER_PIECE_BYTES:
+        return False
+    return all(n * dtype.itemsize % 16 == 0 for n in sizes)
 
 
 class BufferPool:
@@ -144,6 +152,20 @@ def forget_pool(group) -> None:
     _pools.pop(id(group) if group is not None else None, None)
 
 
+def drain(pending) -> None:
+    """Wait for every exchange in ``pending`` (Works, or tuples holding them), ignoring their
+    errors: a call that fails mid-way leaves none in flight, so a group torn down afterwards has
+    no transfer pending (gloo then ends the process with ``terminate called``). Each wait is
+    bounded by the group's timeout; a dead peer fails them at once."""
+    for item in pending:
+        for w in (item if isinstance(item, (tuple, list)) else (item,)):
+            if w is not None and hasattr(w, "wait") and not isinstance(w, torch.Tensor):
+                try:
+                    w.wait()
+                except Exception:  # noqa: BLE001 - the call's own error is the one to raise
+                    pass
+
+
 class Pipeline:
     """Runs one collective chunk by chunk: while chunk j is exchanged, j-1 is decoded."""
 
@@ -158,6 +180,18 @@ class Pipeline:
             where = header.header_device(group, device, validate)
             if where is not None:
                 self.header = header.CallHeader(group, fields, where)
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, kind, err, tb) -> None:
+        """``with Pipeline(...) as pipe``: release on success; after a failure, settle the header
+        exchange if it is still in flight (nothing pending when the group is torn down)."""
+        if kind is None:
+            self.release()
+        elif self.header is not None:
+            drain([self.header.work])
+            self.header = None
 
     def checked(self) -> None:
         """Wait for the call's header exchange and check it: before any payload byte is sent."""
@@ -213,16 +247,22 @@ class Pipeline:
         CUDA: send(j + 1) enqueues the exchange of chunk j + 1 on NCCL's stream before reduce(j)
         makes the side stream wait for exchange j and enqueues its decode, so the GPU runs the
         exchange of j + 1 (NCCL stream) while it decodes j (side stream), with no host wait."""
-        sent = {0: send(0)} if chunks else {}
-        reduced = {}
-        for j in range(chunks):
-            if j + 1 < chunks:
-                sent[j + 1] = send(j + 1)
-            reduced[j] = reduce(j, sent.pop(j))
-            if finish is not None and j >= 1:
-                finish(j - 1, reduced.pop(j - 1))
-        if finish is not None and chunks:
-            finish(chunks - 1, reduced.pop(chunks - 1))
+        sent: dict = {}
+        reduced: dict = {}
+        try:
+            if chunks:
+                sent[0] = send(0)
+            for j in range(chunks):
+                if j + 1 < chunks:
+                    sent[j + 1] = send(j + 1)
+                reduced[j] = reduce(j, sent.pop(j))
+                if finish is not None and j >= 1:
+                    finish(j - 1, reduced.pop(j - 1))
+            if finish is not None and chunks:
+                finish(chunks - 1, reduced.pop(chunks - 1))
+        except BaseException:
+            drain(list(sent.values()) + list(reduced.values()))
+            raise
 
     def encode_pieces(self, src: torch.Tensor, p: Plan, j: int, codec: Codec,
                       residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, List[int]]:

@@ -39,16 +39,14 @@ own worker, so every rank issues every group's collectives in the same order.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Callable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from . import args, flat as one_hop, groups, node as _node, two_level_ordered as _ordered, worker
+from . import flat as one_hop, node as _node, two_level_args as _args, two_level_ordered as _ordered, worker
 from .args import ErrorFeedback, OpLike
-from .header import MODES
+from .two_level_args import TierStats, TieredFeedback, padded_shard, shard_numel, shard_range
 from .pipeline import BufferPool, CommStats, shard_bounds
 from .topology import Topology
 from ..ops.codecs import Codec, CodecLike, resolve
@@ -62,73 +60,6 @@ __all__ = [
     "TierStats", "TieredFeedback", "all_gather", "all_reduce", "default_segments", "padded_shard",
     "reduce_scatter", "segments_of", "shard_numel", "shard_range", "submit"
 ]
-
-
-@dataclasses.dataclass
-class TierStats:
-    """Per-tier counters of hierarchical collectives (pass one as ``stats=``)."""
-
-    intra: CommStats = dataclasses.field(default_factory=CommStats)
-    inter: CommStats = dataclasses.field(default_factory=CommStats)
-
-    def total(self) -> CommStats:
-        out = CommStats()
-        out.add(self.intra)
-        out.add(self.inter)
-        return out
-
-
-@dataclasses.dataclass
-class TieredFeedback:
-    """Error-feedback state of both tiers of a hierarchical all-reduce.
-
-    ``inter``: :func:`shard_numel` values (client and server). ``intra`` (only for a lossy
-    ``intra_codec``): client of ``G x m`` values (the node reduce-scatter's encoding of the padded
-    tensor), server of ``m`` (the node all-gather's encoding), m = :func:`padded_shard`."""
-
-    inter: Optional[ErrorFeedback] = None
-    intra: Optional[ErrorFeedback] = None
-
-    @classmethod
-    def zeros(cls, numel: int, topology: Topology, codec: CodecLike = "fp32",
-              intra_codec: CodecLike = "fp32", device: Optional[torch.device] = None) -> "TieredFeedback":
-        real = shard_numel(numel, topology, codec, intra_codec)
-        m = padded_shard(numel, topology.local_size, _align(codec, intra_codec, "ordered", DEFAULT_EXACT_BLOCK))
-        z = lambda k: torch.zeros(k, device=device)  # noqa: E731
-        intra = None if resolve(intra_codec).lossless else ErrorFeedback(z(topology.local_size * m), z(m))
-        return cls(ErrorFeedback(z(real), z(real)), intra)
-
-
-def _align(codec: CodecLike, intra_codec: CodecLike, mode: str, exact_block: int) -> int:
-    if mode == "exact":
-        return exact_block
-    inter = Codec("int8") if isinstance(codec, str) and codec == "auto" else resolve(codec)
-    return math.lcm(args.align_of(inter, mode, exact_block), args.align_of(resolve(intra_codec), mode, exact_block))
-
-
-def padded_shard(numel: int, local_size: int, align: int) -> int:
-    """Width m of every intra-node shard: ``ceil(numel / (G x align)) x align``; local rank l's
-    shard is ``[l*m, (l+1)*m)`` of the tensor zero-padded to G x m values."""
-    return math.ceil(numel / (local_size * align)) * align
-
-
-def shard_numel(numel: int, topology: Topology, codec: CodecLike = "fp32", intra_codec: CodecLike = "fp32",
-                mode: str = "ordered", exact_block: int = DEFAULT_EXACT_BLOCK) -> int:
-    """Values of this rank's intra-node shard that hold data (the padding is not sent across
-    nodes) in a hierarchical all-reduce of ``numel`` values: the size of the ``ErrorFeedback`` to
-    pass. Shards start on multiples of the codecs' block; the last local ranks' may be shorter
-    (or empty for tiny tensors)."""
-    m = padded_shard(numel, topology.local_size, _align(codec, intra_codec, mode, exact_block))
-    return max(0, min(m, numel - topology.local_rank * m))
-
-
-def shard_range(numel: int, topology: Topology, codec: CodecLike = "fp32",
-                intra_codec: CodecLike = "fp32") -> tuple:
-    """(start, end) of this rank's data in its intra-node shard, in the tensor's indices: where an
-    integration keeping full-size residual buffers holds the inter tier's state."""
-    m = padded_shard(numel, topology.local_size, _align(codec, intra_codec, "ordered", DEFAULT_EXACT_BLOCK))
-    lo = min(numel, topology.local_rank * m)
-    return lo, lo + shard_numel(numel, topology, codec, intra_codec)
 
 
 # ---- one worker per topology ---------------------------------------------------------------------
@@ -169,38 +100,6 @@ def _report(stats, tiers: TierStats) -> None:
         stats.add(total)
 
 
-def _check_size(t: Optional[torch.Tensor], numel: int, what: str, why: str, ref: torch.Tensor) -> None:
-    if t is None:
-        return
-    if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != numel:
-        raise ValueError(f"flatcomm: hierarchical {what} must be a contiguous float32 tensor of {numel} "
-                         f"values ({why}), got {t.dtype} with {t.numel()} values")
-    if t.device != ref.device:
-        raise ValueError(f"flatcomm: hierarchical {what} is on {t.device} but the data is on {ref.device}")
-
-
-def _tiers(residual, m: int, real: int, local_size: int, intra_lossy: bool, ref: torch.Tensor):
-    """(inter ErrorFeedback, intra ErrorFeedback) from ``residual``, sizes checked."""
-    if residual is None:
-        return None, None
-    if isinstance(residual, ErrorFeedback):
-        residual = TieredFeedback(inter=residual)
-    if not isinstance(residual, TieredFeedback):
-        raise TypeError(f"flatcomm: hierarchical residual must be an ErrorFeedback or TieredFeedback, "
-                        f"got {type(residual).__name__}")
-    inter, intra = residual.inter, residual.intra
-    why = "this rank's intra-node shard: flatcomm.hierarchical.shard_numel(numel, topology, codec)"
-    if inter is not None:
-        _check_size(inter.client, real, "residual.client", why, ref)
-        _check_size(inter.server, real, "residual.server", why, ref)
-    if intra is not None:
-        if not intra_lossy:
-            raise ValueError("flatcomm: hierarchical residual has an intra-node state but the intra_codec is lossless")
-        _check_size(intra.client, local_size * m, "intra residual.client", "local_size x padded_shard", ref)
-        _check_size(intra.server, m, "intra residual.server", "padded_shard", ref)
-    return inter, intra
-
-
 def _padded(flat: torch.Tensor, total: int) -> torch.Tensor:
     if flat.numel() == total:
         return flat
@@ -223,21 +122,23 @@ def all_reduce(tensor: torch.Tensor, topology: Topology, *, codec: CodecLike = "
     ``intra_codec``: the node's. ``chunks``: pipeline segments (:func:`segments_of`; keep it the
     same from call to call with error feedback). ``stats``: a CommStats (totals) or a
     :class:`TierStats`."""
-    topo, ci, scale = _setup(topology, codec, intra_codec, mode, op, headroom)
-    flat = args.as_flat(tensor, "tensor")
-    n = flat.numel()
-    align = _align(codec, ci, mode, exact_block)
-    m = padded_shard(n, topo.local_size, align)
-    inter_fb, intra_fb = _tiers(residual, m, shard_numel(n, topo, codec, ci, mode, exact_block),
-                                topo.local_size, not ci.lossless, flat)
+    topo = _args.hierarchical(topology)
+    a = _args.in_step(topo, _args.ALL_REDUCE, async_op, lambda: _args.all_reduce_call(
+        topo, tensor, codec, intra_codec, op, mode, async_op, residual, chunks, stats, validate, exact_block,
+        headroom, choose))
+    if isinstance(a, worker.Handle):
+        return a
+    agreed = _args.agreement(topo, a, validate)
+    flat, ci, m, scale = a.src, a.intra, a.m, a.scale
     tiers = _stats_of(stats)
 
     def body():
+        _args.wait_agreed(agreed)
         if mode == "exact":
-            _exact_all_reduce(topo, flat, m, scale, exact_block, headroom, tiers)
+            _exact_all_reduce(topo, flat, m, scale, a.exact_block, a.headroom, tiers)
         else:
-            _ordered_all_reduce(topo, flat, m, align, codec, ci, scale, inter_fb, intra_fb, chunks, validate,
-                                tiers, choose)
+            _ordered_all_reduce(topo, flat, m, a.align, codec, ci, scale, a.inter_fb, a.intra_fb, a.chunks,
+                                validate, tiers, choose)
         _report(stats, tiers)
 
     return _run(topo, body, tensor, async_op)
@@ -342,26 +243,29 @@ def _by_local_rank(x: torch.Tensor, topo: Topology, width: int) -> torch.Tensor:
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology, *,
                    codec: CodecLike = "fp32", intra_codec: CodecLike = "fp32", op: OpLike = "avg",
-                   mode: str = "ordered", async_op: bool = False, residual: Optional[torch.Tensor] = None,
+                   mode: str = "ordered", async_op: bool = False,
+                   residual: Union[None, torch.Tensor, ErrorFeedback] = None,
                    chunks: Optional[int] = None, stats=None, validate: bool = True,
                    exact_block: int = DEFAULT_EXACT_BLOCK, headroom: int = DEFAULT_HEADROOM,
                    choose: Optional[Chooser] = None) -> Optional[worker.Handle]:
     """Hierarchical reduce-scatter: rank r gets shard r of the sum, as the flat one. ``residual``
     (the inter-node tier's, fp32): input numel / G values (the N shards this rank reduces)."""
-    topo, ci, scale = _setup(topology, codec, intra_codec, mode, op, headroom)
-    src, out = args.as_flat(input, "input"), args.as_flat(output, "output")
+    topo = _args.hierarchical(topology)
+    a = _args.in_step(topo, _args.REDUCE_SCATTER, async_op, lambda: _args.reduce_scatter_call(
+        topo, output, input, codec, intra_codec, op, mode, async_op, residual, chunks, stats, validate,
+        exact_block, headroom, choose))
+    if isinstance(a, worker.Handle):
+        return a
+    agreed = _args.agreement(topo, a, validate)
+    src, out, ci, scale, residual = a.src, a.out, a.intra, a.scale, a.residual
     width = out.numel()
-    if src.numel() != topo.world * width:
-        raise ValueError(f"flatcomm: reduce_scatter input has {src.numel()} values; it must be "
-                         f"world size ({topo.world}) x output ({width})")
-    _check_size(residual, topo.nodes * width, "residual",
-                "the inter-node tier's: input numel / local_size", src)
     tiers = _stats_of(stats)
 
     def body():
+        _args.wait_agreed(agreed)
         grouped = _by_local_rank(src, topo, width).view(-1)
         if mode == "exact":
-            _exact_reduce_scatter(topo, src, grouped, out, width, scale, exact_block, headroom, tiers)
+            _exact_reduce_scatter(topo, src, grouped, out, width, scale, a.exact_block, a.headroom, tiers)
         else:
             part = torch.empty(topo.nodes * width, dtype=torch.float32, device=src.device)
             one_hop.reduce_scatter(part, grouped, codec=ci, op="sum", group=topo.intra_group, validate=validate,
@@ -370,7 +274,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology
                 width, dtype=torch.float32, device=src.device)
             c = inter_codec(codec, choose)(part.numel(), topo.inter_group, part.device, "reduce_scatter")
             one_hop.reduce_scatter(mine, part, codec=c, op="sum", group=topo.inter_group, residual=residual,
-                                   chunks=chunks, validate=validate, stats=tiers.inter)
+                                   chunks=a.chunks, validate=validate, stats=tiers.inter)
             if mine is not out:
                 out.copy_(mine * scale if scale != 1.0 else mine)
         _report(stats, tiers)
@@ -416,57 +320,32 @@ def _agree_max(topo: Topology, e: torch.Tensor, tiers: TierStats) -> torch.Tenso
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, topology: Topology, *,
                codec: CodecLike = "fp32", intra_codec: CodecLike = "fp32", async_op: bool = False,
-               residual: Optional[torch.Tensor] = None, stats=None, validate: bool = True) -> Optional[worker.Handle]:
+               residual: Union[None, torch.Tensor, ErrorFeedback] = None, stats=None,
+               validate: bool = True) -> Optional[worker.Handle]:
     """Hierarchical all-gather: across nodes with ``codec`` (each rank's input crosses the network
     once, ``residual`` = the sender's, input numel), then inside the node with ``intra_codec``.
     Every rank receives the decoded values, the same as the flat all-gather's."""
-    topo = _hierarchical(topology)
-    src, out = args.as_flat(input, "input"), args.as_flat(output, "output")
-    n = src.numel()
-    if out.numel() != topo.world * n:
-        raise ValueError(f"flatcomm: all_gather output has {out.numel()} values; it must be "
-                         f"world size ({topo.world}) x input ({n})")
-    _check_size(residual, n, "residual", "the input's numel", src)
+    topo = _args.hierarchical(topology)
+    a = _args.in_step(topo, _args.ALL_GATHER, async_op, lambda: _args.all_gather_call(
+        topo, output, input, codec, intra_codec, async_op, residual, stats, validate))
+    if isinstance(a, worker.Handle):
+        return a
+    agreed = _args.agreement(topo, a, validate)
+    src, out, n = a.src, a.out, a.src.numel()
     tiers = _stats_of(stats)
 
     def body():
+        _args.wait_agreed(agreed)
         across = torch.empty(topo.nodes * n, dtype=out.dtype, device=out.device)
-        one_hop.all_gather(across, src, codec=codec, group=topo.inter_group, residual=residual,
+        one_hop.all_gather(across, src, codec=a.inter, group=topo.inter_group, residual=a.residual,
                            validate=validate, stats=tiers.inter)
         inside = torch.empty(topo.world * n, dtype=out.dtype, device=out.device)
-        one_hop.all_gather(inside, across, codec=intra_codec, group=topo.intra_group, validate=validate,
+        one_hop.all_gather(inside, across, codec=a.intra, group=topo.intra_group, validate=validate,
                            stats=tiers.intra)
         out.view(topo.nodes, topo.local_size, n).copy_(inside.view(topo.local_size, topo.nodes, n).transpose(0, 1))
         _report(stats, tiers)
 
     return _run(topo, body, output, async_op)
-
-
-def _setup(topology, codec: CodecLike, intra_codec: CodecLike, mode: str, op: OpLike, headroom: int):
-    """(topology, intra codec, op scale) after the checks every reduction shares."""
-    topo = _hierarchical(topology)
-    if mode not in MODES:
-        raise ValueError(f"flatcomm: mode must be one of {MODES}, got {mode!r}")
-    ci = resolve(intra_codec)
-    if mode == "exact" and (not ci.lossless or not (codec == "fp32" or resolve(codec).lossless)):
-        raise ValueError("flatcomm: mode='exact' sums exact fixed point of the values; use codec='fp32' "
-                         "and intra_codec='fp32' with it")
-    if mode == "exact" and topo.world > (1 << headroom):
-        raise ValueError(f"flatcomm: exact mode with headroom {headroom} supports up to {1 << headroom} "
-                         f"ranks, got {topo.world}")
-    return topo, ci, args.reduce_scale(op, topo.world)
-
-
-def _hierarchical(topology) -> Topology:
-    if not isinstance(topology, Topology):
-        raise TypeError(f"flatcomm: topology must be a flatcomm.Topology, got {type(topology).__name__}")
-    if topology.flat:
-        raise ValueError(f"flatcomm: {topology!r} is flat; call the flat collective on topology.group")
-    # The tiers' private groups, made here on the caller's thread: creating a group is a collective
-    # of its members, which must not happen on a worker (flatcomm.comm.groups).
-    groups.private_group(topology.intra_group)
-    groups.private_group(topology.inter_group)
-    return topology
 
 
 def inter_codec(codec: CodecLike, choose: Optional[Chooser]) -> Chooser:

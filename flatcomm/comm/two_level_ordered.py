@@ -66,6 +66,8 @@ def all_reduce(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List
     ``seg``: segment boundaries within the shard; ``empty(numel, dtype)``: pooled staging."""
     g, n, nodes, me, dev = topo.local_size, flat.numel(), topo.nodes, topo.local_rank, flat.device
     k = len(seg) - 1
+    if k == 0:  # no values (every rank agreed on numel 0 in the call's header): nothing to exchange
+        return
     rows = _padded_src(flat, g, m, empty).view(g, m)
     shard = empty(m, torch.float32)
     real = [max(0, min(m, n - lr * m)) for lr in range(g)]  # each local rank's data in its shard
@@ -101,11 +103,9 @@ def all_reduce(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List
     def across() -> None:
         """The inter tier of every segment, pipelined like a chunked all-reduce: segment j+1's
         payloads go out while j is re-encoded and its result gathered."""
-        try:
-            node_agrees.result()
-        except Exception as e:  # tell the other nodes' ranks, which would wait for this one's payloads
-            header.fail_in_step(topo.inter_group, 3, e)
-            raise
+        # The node agreed before anything moves (an argument error anywhere was already every
+        # rank's error, in the call's header among all ranks); a failure here is a broken node.
+        node_agrees.result()
         pipe = Pipeline(topo.inter_group, tiers.inter,
                         header.signature(3, real[me], codec, "ordered", 1.0, torch.float32, k, _NO_EXACT), dev,
                         validate)
@@ -166,9 +166,29 @@ def all_reduce(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List
 
     spread: List[_node.Job] = []
     reduced = [_node.queued(tiers.intra, topo.intra_group, dev, functools.partial(node_reduce, j)) for j in range(k)]
-    _node.queued(None, topo.inter_group, dev, across).wait()  # its pipeline counts its own time
-    for job in spread:
-        job.wait()
+    try:
+        _node.queued(None, topo.inter_group, dev, across).wait()  # its pipeline counts its own time
+        for job in spread:
+            job.wait()
+    except BaseException:
+        _settle(reduced + spread)
+        raise
+
+
+def _settle(pending) -> None:
+    """After a failure: cancel the call's jobs and handles that have not started (each would start
+    exchanges that wait a whole timeout for peers that gave up too), then wait for the others,
+    ignoring their errors. The call raises only once none of its transfers is in flight, within
+    about one timeout of the failure."""
+    items = [item[1] if isinstance(item, tuple) else item for item in pending]
+    items = [h for h in items if h is not None]
+    for h in items:
+        h.cancel()
+    for h in items:
+        try:
+            h.wait()
+        except Exception:  # noqa: BLE001 - the call's own error is the one to raise
+            pass
 
 
 def _timed_into(st: CommStats, field: str, fn: Callable[[], None]) -> None:
@@ -191,47 +211,51 @@ def staged(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List[int
     rs: List[Any] = []
     ar: List[Any] = []
     ag: List[Any] = []
-    for j in range(k):  # the intra client residual is laid out segment by segment (G x width each)
-        a, b = seg[j], seg[j + 1]
-        piece = src if k == 1 else empty(g * (b - a), src.dtype).view(g, b - a).copy_(rows[:, a:b]).view(-1)
-        res = intra_fb.client[g * a:g * b] if intra_fb is not None else None
-        rs.append(one_hop.reduce_scatter(shard[a:b], piece, codec=ci, op="sum", group=topo.intra_group,
-                                         validate=validate, residual=res, stats=tiers.intra, async_op=True))
-    for j in range(k):
-        rs[j].wait()
-        a, b = seg[j], min(seg[j + 1], real)
-        if b > a:
-            fb = ErrorFeedback(inter_fb.client[a:b], inter_fb.server[a:b]) if inter_fb is not None else None
-            c = codec(b - a, topo.inter_group, shard.device, "all_reduce")
-            ar.append(one_hop.all_reduce(shard[a:b], codec=c, op="sum", group=topo.inter_group, residual=fb,
-                                         validate=validate, stats=tiers.inter, async_op=True))
-        else:
-            ar.append(None)
-    whole = k == 1 and src is flat
-    for j in range(k):
-        if ar[j] is not None:
-            ar[j].wait()
-        a, b = seg[j], seg[j + 1]
-        if scale != 1.0:
-            shard[a:b].mul_(scale)
-        out = flat if whole else empty(g * (b - a), flat.dtype)
-        if ci.lossless and flat.dtype == torch.float32:
-            tiers.intra.wire_bytes += (g - 1) * (b - a) * 4
-            ag.append((out, _node.queued(tiers.intra, topo.intra_group, flat.device,
-                                         functools.partial(_node.gather, topo, out, shard[a:b]))))
-            continue
-        res = intra_fb.server[a:b] if intra_fb is not None else None
-        ag.append((out, one_hop.all_gather(out, shard[a:b], codec=ci, group=topo.intra_group, validate=validate,
-                                           residual=res, stats=tiers.intra, async_op=True)))
-    for j, (out, h) in enumerate(ag):
-        h.wait()  # a Handle or a node Job
-        if whole:
-            continue
-        a, b = seg[j], seg[j + 1]
-        if src is flat:
-            rows[:, a:b].copy_(out.view(g, b - a))
-        else:  # padded: write back the part that holds data
-            for lr in range(g):
-                lo, hi = lr * m + a, min(lr * m + b, n)
-                if hi > lo:
-                    flat[lo:hi].copy_(out[lr * (b - a):lr * (b - a) + hi - lo])
+    try:  # every handle of the call settles before it raises (see _settle)
+        for j in range(k):  # the intra client residual is laid out segment by segment (G x width each)
+            a, b = seg[j], seg[j + 1]
+            piece = src if k == 1 else empty(g * (b - a), src.dtype).view(g, b - a).copy_(rows[:, a:b]).view(-1)
+            res = intra_fb.client[g * a:g * b] if intra_fb is not None else None
+            rs.append(one_hop.reduce_scatter(shard[a:b], piece, codec=ci, op="sum", group=topo.intra_group,
+                                             validate=validate, residual=res, stats=tiers.intra, async_op=True))
+        for j in range(k):
+            rs[j].wait()
+            a, b = seg[j], min(seg[j + 1], real)
+            if b > a:
+                fb = ErrorFeedback(inter_fb.client[a:b], inter_fb.server[a:b]) if inter_fb is not None else None
+                c = codec(b - a, topo.inter_group, shard.device, "all_reduce")
+                ar.append(one_hop.all_reduce(shard[a:b], codec=c, op="sum", group=topo.inter_group, residual=fb,
+                                             validate=validate, stats=tiers.inter, async_op=True))
+            else:
+                ar.append(None)
+        whole = k == 1 and src is flat
+        for j in range(k):
+            if ar[j] is not None:
+                ar[j].wait()
+            a, b = seg[j], seg[j + 1]
+            if scale != 1.0:
+                shard[a:b].mul_(scale)
+            out = flat if whole else empty(g * (b - a), flat.dtype)
+            if ci.lossless and flat.dtype == torch.float32:
+                tiers.intra.wire_bytes += (g - 1) * (b - a) * 4
+                ag.append((out, _node.queued(tiers.intra, topo.intra_group, flat.device,
+                                             functools.partial(_node.gather, topo, out, shard[a:b]))))
+                continue
+            res = intra_fb.server[a:b] if intra_fb is not None else None
+            ag.append((out, one_hop.all_gather(out, shard[a:b], codec=ci, group=topo.intra_group, validate=validate,
+                                               residual=res, stats=tiers.intra, async_op=True)))
+        for j, (out, h) in enumerate(ag):
+            h.wait()  # a Handle or a node Job
+            if whole:
+                continue
+            a, b = seg[j], seg[j + 1]
+            if src is flat:
+                rows[:, a:b].copy_(out.view(g, b - a))
+            else:  # padded: write back the part that holds data
+                for lr in range(g):
+                    lo, hi = lr * m + a, min(lr * m + b, n)
+                    if hi > lo:
+                        flat[lo:hi].copy_(out[lr * (b - a):lr * (b - a) + hi - lo])
+    except BaseException:
+        _settle(rs + ar + ag)
+        raise

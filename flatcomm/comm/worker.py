@@ -129,7 +129,7 @@ class Handle:
         future.add_done_callback(self._complete)
 
     def _complete(self, cf: "concurrent.futures.Future") -> None:
-        exc = cf.exception()
+        exc = concurrent.futures.CancelledError("flatcomm: collective cancelled") if cf.cancelled() else cf.exception()
         if exc is not None:
             self._torch_future.set_exception(exc)
         elif self._streams is None:
@@ -168,6 +168,11 @@ class Handle:
         if self._streams is not None:
             self._streams.join_current()
         return self._value
+
+    def cancel(self) -> bool:
+        """Drop the collective if its worker has not started it (a two-level call that failed
+        cancels its remaining tier calls); ``wait()`` then raises ``CancelledError``."""
+        return self._cf.cancel()
 
     def is_completed(self) -> bool:
         """Whether the collective has finished (successfully or not), without blocking."""

@@ -11,13 +11,16 @@ strings and numbers (``torch.load(weights_only=True)``).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+import dataclasses
+import math
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .._training import checks as check
 from .. import collectives as C
+from ..ops.codecs import CODECS
 
 __all__ = ["STATE_DICT_VERSION", "load_state_dict", "reshard", "resharded_state_dict", "state_dict"]
 
@@ -95,22 +98,54 @@ def resharded_state_dict(state) -> dict:
 
 
 def load_state_dict(state, sd, *, allow_codec_change: bool = False) -> None:
-    """:meth:`flatcomm.ddp.State.load_state_dict`."""
+    """:meth:`flatcomm.ddp.State.load_state_dict`. Transactional: every field is read and checked
+    first (:func:`_read`), then installed by steps that cannot fail, so a load that raises leaves
+    the State exactly as it was."""
     if isinstance(sd, (list, tuple)):
         sd = reshard(sd)
-    version = check.field(sd, "version", int)
+    state.wait()
+    loaded = _read(state, sd, allow_codec_change)
+    if state.accordion is not None and sd.get("accordion") is not None:
+        state.accordion.load_state_dict(sd["accordion"], loaded.params)  # checks all, then replaces its tracks
+    _restore(state, loaded.params, loaded.client, loaded.server, loaded.buckets, loaded.world, loaded.tiered)
+    if loaded.decisions is not None:
+        state.decisions = loaded.decisions
+    state.step = loaded.step
+    state.scale_seen = loaded.scale_seen
+
+
+@dataclasses.dataclass
+class _Loaded:
+    params: Dict[str, torch.nn.Parameter]
+    client: Dict[str, torch.Tensor]
+    server: Dict[str, torch.Tensor]
+    buckets: List[List[str]]
+    world: int
+    tiered: bool
+    step: int
+    scale_seen: Optional[float]
+    decisions: Optional[dict]
+
+
+def _read(state, sd, allow_codec_change: bool) -> _Loaded:
+    """Everything a load installs, read from ``sd`` and checked; changes nothing."""
+    version = _count(sd, "version")
     if version != STATE_DICT_VERSION:
         raise ValueError(f"flatcomm: DDP state version {version} is not supported (this flatcomm "
                          f"reads version {STATE_DICT_VERSION})")
     form = check.field(sd, "form", str)
     if form not in ("per_rank", "total"):
         raise ValueError(f"flatcomm: unknown DDP state form {form!r} (per_rank or total)")
-    state.wait()
     changed = _check_codec(state, sd, allow_codec_change)
+    # A per-rank dict always has these; the total form may be written by hand, without them.
+    if form == "per_rank" or "error_feedback" in sd:
+        _flag(sd, "error_feedback")
     params = _params(state)
     world, rank = _world_rank(state)
+    buckets: List[List[str]] = []
+    tiered = _flag(sd, "tiered") if form == "per_rank" or "tiered" in sd else False
     if form == "per_rank":
-        sw, sr = check.field(sd, "world_size", int), check.field(sd, "rank", int)
+        sw, sr = _count(sd, "world_size", 1), _count(sd, "rank")
         if sw != world:
             raise ValueError(
                 f"flatcomm: this DDP state was saved by rank {sr} of {sw} ranks and this run has {world}: "
@@ -124,27 +159,59 @@ def load_state_dict(state, sd, *, allow_codec_change: bool = False) -> None:
         server = _checked(state, sd, "server", params)
         if not client:
             _refuse_missing_residuals(state, sd)
+        buckets = _buckets(check.field(sd, "buckets", list), client)
+        saved_decisions = check.field(sd, "decisions", list)
     else:
+        _count(sd, "world_size", 1)
         # every rank's client = T / (scale * W): the next step adds scale * sum_r client_r = T
         client = {n: t / (_scale_for(world) * world)
                   for n, t in _checked(state, sd, "residual", params).items()}
         server = {}
-    # Everything is read and checked before the state changes: a load that raises changes nothing.
-    step = check.field(sd, "step", int)
-    scale_seen = sd.get("scale_seen")
-    if scale_seen is not None and (isinstance(scale_seen, bool) or not isinstance(scale_seen, (int, float))):
-        raise TypeError(f"flatcomm: checkpoint field 'scale_seen' is a {type(scale_seen).__name__}")
-    decisions = None
-    if state.auto and not changed and form == "per_rank":
-        decisions = _decisions(params, check.field(sd, "decisions", list))
-    if state.accordion is not None and sd.get("accordion") is not None:
-        state.accordion.load_state_dict(sd["accordion"], params)  # checks all, then replaces its tracks
-    _restore(state, params, client, server, sd.get("buckets", []) if form == "per_rank" else [], world,
-             sd.get("tiered", False))
-    if decisions is not None:
-        state.decisions = decisions
-    state.step = step
-    state.scale_seen = float(scale_seen) if scale_seen is not None else None
+        saved_decisions = []
+    decisions: Optional[dict] = _decisions(params, saved_decisions)  # checked whether or not this State uses them
+    if not (state.auto and not changed and form == "per_rank"):
+        decisions = None
+    return _Loaded(params, client, server, buckets, world, tiered, _count(sd, "step"),
+                   _scale_seen(sd.get("scale_seen")), decisions)
+
+
+def _count(sd, name: str, lo: int = 0) -> int:
+    """An int field >= ``lo`` (bools refused: ``True`` is no step count)."""
+    v = check.field(sd, name, int)
+    if isinstance(v, bool) or v < lo:
+        raise ValueError(f"flatcomm: checkpoint field {name!r} must be an int >= {lo}, got {v!r}")
+    return v
+
+
+def _flag(sd, name: str) -> bool:
+    return check.field(sd, name, bool)
+
+
+def _scale_seen(v) -> Optional[float]:
+    """The GradScaler scale last seen: None, or a finite number > 0 (a NaN, inf, zero or negative
+    scale would turn every residual NaN, zero it or flip its sign at the next step)."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"flatcomm: checkpoint field 'scale_seen' (the GradScaler scale) must be None or a "
+                         f"finite number > 0, got {v!r}")
+    return float(v)
+
+
+def _buckets(saved: list, client: Dict[str, torch.Tensor]) -> List[List[str]]:
+    """The saved bucket layout: lists of parameter names, each name once and holding residuals."""
+    placed: set = set()
+    out = []
+    for names in saved:
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"flatcomm: checkpoint 'buckets' entry {names!r} is not a list of parameter names")
+        for n in names:
+            if n not in client or n in placed:
+                raise ValueError(f"flatcomm: checkpoint bucket lists {n!r} "
+                                 f"{'twice' if n in placed else 'without its residuals'}")
+            placed.add(n)
+        out.append(list(names))
+    return out
 
 
 def _refuse_missing_residuals(state, sd: dict) -> None:
@@ -209,8 +276,12 @@ def _decisions(params, saved: list) -> dict:
         if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[0], (list, tuple))):
             raise ValueError(f"flatcomm: checkpoint 'decisions' entry {entry!r} is not [names, codec, chunks]")
         names, codec, chunks = entry
+        if not all(isinstance(n, str) for n in names) or codec not in CODECS or isinstance(chunks, bool) \
+                or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"flatcomm: checkpoint 'decisions' entry {entry!r} is not [parameter names, "
+                             f"a codec name, chunks >= 1]")
         key = tuple(id(params[n]) for n in names if n in params)
-        out[key] = Decision(str(codec), int(chunks), "restored from a checkpoint", {})
+        out[key] = Decision(codec, chunks, "restored from a checkpoint", {})
     return out
 
 

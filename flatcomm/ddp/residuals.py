@@ -131,16 +131,12 @@ class Residuals:
                 server: Dict[str, torch.Tensor], buckets: Any, world: int, tiered: bool) -> List[Key]:
         """Load checked residuals: the saved buckets as they were (returned, for the first step's
         replay), every other parameter's residual pending until its bucket forms."""
+        # ``buckets`` was checked by the loader (each name once, each with residuals): nothing
+        # below raises, so the store is never left half restored.
         self.store.clear()
         placed: set = set()
-        if not isinstance(buckets, list):
-            raise TypeError("flatcomm: checkpoint field 'buckets' is not a list")
         for names in buckets:
-            for n in names:
-                if n not in client or n in placed:
-                    raise ValueError(f"flatcomm: checkpoint bucket lists {n!r} "
-                                     f"{'twice' if n in placed else 'without its residuals'}")
-                placed.add(n)
+            placed.update(names)
             ps = [params[n] for n in names]
             key = tuple(id(p) for p in ps)
             c = torch.cat([client[n].reshape(-1) for n in names]).to(ps[0].device)

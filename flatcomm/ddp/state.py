@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -229,9 +230,11 @@ class State:
 
     def rescale_for_scaler(self) -> None:
         s = float(self.grad_scaler.get_scale())
+        if not (math.isfinite(s) and s > 0):  # a broken scale would turn the residuals NaN, 0 or negative
+            return
         old = self.scale_seen
         self.scale_seen = s
-        if old is None or s == old or s == 0.0:
+        if old is None or s == old:
             return
         self.residuals.rescale(s / old)
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, Optional, Union, overload
+import numbers
+from typing import Optional, Union, overload
 
 import torch
 
@@ -55,8 +56,16 @@ class Codec:
     ratio: float = DEFAULT_TOPK_RATIO
 
     def __post_init__(self) -> None:
-        if self.name not in CODECS:
+        if not isinstance(self.name, str) or self.name not in CODECS:
             raise ValueError(f"flatcomm: unknown codec {self.name!r}; expected one of {', '.join(CODECS)}")
+        # Types first: a float block size would be truncated on its way to the kernels, a string
+        # ratio would fail deep inside a comparison.
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, numbers.Integral):
+            raise TypeError(f"flatcomm: block_size must be an int, got {self.block_size!r}")
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, numbers.Real):
+            raise TypeError(f"flatcomm: topk ratio must be a number, got {self.ratio!r}")
+        object.__setattr__(self, "block_size", int(self.block_size))
+        object.__setattr__(self, "ratio", float(self.ratio))
         if self.name in BLOCKWISE and not (32 <= self.block_size <= 4096 and self.block_size % 32 == 0):
             raise ValueError(
                 f"flatcomm: block_size must be a multiple of 32 in [32, 4096], got {self.block_size}"
@@ -123,8 +132,8 @@ def resolve(codec: CodecLike, block_size: Optional[int] = None, ratio: Optional[
         return base
     return dataclasses.replace(
         base,
-        block_size=base.block_size if block_size is None else int(block_size),
-        ratio=base.ratio if ratio is None else float(ratio),
+        block_size=base.block_size if block_size is None else block_size,  # checked, not truncated
+        ratio=base.ratio if ratio is None else ratio,
     )
 
 

@@ -12,7 +12,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,8 +39,10 @@ def _entry(rank, world, init_file, timeout_s, threads, fn, args, queue):
 
 
 def run(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
-        threads: int = 1) -> List[Any]:
-    """Run ``fn`` on ``world`` gloo ranks and return their results (picklable) in rank order."""
+        threads: int = 1, run_s: Optional[float] = None) -> List[Any]:
+    """Run ``fn`` on ``world`` gloo ranks and return their results (picklable) in rank order.
+    ``timeout_s``: the process group's timeout; ``run_s``: how long the whole run may take
+    (default ``timeout_s`` + 60 s)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -50,8 +52,8 @@ def run(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0
         for p in procs:
             p.start()
         results: dict = {}
-        errors = []
-        deadline = time.monotonic() + timeout_s + 60
+        errors: List[str] = []
+        deadline = time.monotonic() + (run_s if run_s is not None else timeout_s + 60)
         try:
             while len(results) + len(errors) < world:
                 try:
