@@ -144,3 +144,20 @@ def test_ddp_auto_hands_buckets_to_the_backend_unless_determinism_is_asked():
         _, st_det = r["auto-ordered"]
         assert BACKEND not in st_det["decisions"] and BACKEND not in st_det["buckets"]
     assert torch.equal(res[0]["auto"][0], res[1]["auto"][0])
+
+
+def test_one_warning_per_outcome(caplog):
+    """DDP's buckets (and its first-iteration layout) mostly decide alike: a run prints each
+    outcome once at WARNING, every decision still at INFO."""
+    t = Tuner("int8", costs=_costs(backend_Bps=1 * GB))
+    with caplog.at_level(logging.INFO, logger="flatcomm.autotune"):
+        for n in (1 << 20, (1 << 20) + 256, (1 << 20) + 512):
+            t.choose(n, deterministic=False)
+    recs = [r for r in caplog.records if r.name == "flatcomm.autotune"]
+    assert len(recs) == 3
+    assert [r.levelno for r in recs] == [logging.WARNING, logging.INFO, logging.INFO]
+    quiet = Tuner("int8", costs=_costs(backend_Bps=1 * GB), verbose=False)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="flatcomm.autotune"):
+        quiet.choose(1 << 20, deterministic=False)
+    assert [r.levelno for r in caplog.records if r.name == "flatcomm.autotune"] == [logging.INFO]

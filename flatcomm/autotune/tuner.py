@@ -349,7 +349,8 @@ class Tuner:
     race: confirm each decision made from *measured* costs by timing it against the safe choice
         at its size until they separate (:mod:`flatcomm.autotune.race`); without separation the
         safe choice is kept. Decisions from ``costs``/``profile`` are never raced.
-    verbose: log each new decision once, on rank 0, at WARNING (shown by default); False: at INFO.
+    verbose: log each new decision once, on rank 0: at WARNING (shown by default) the first one of
+        each outcome (path and codecs), at INFO the rest; False: all at INFO.
 
     ``decisions`` maps ``(kind, numel)`` to the unpinned :class:`Decision` made for it (decided once,
     agreed across the group, logged once, then reused; without ``costs``/``profile`` the cost model
@@ -379,6 +380,7 @@ class Tuner:
         self.race = race
         self.verbose = verbose
         self._measured = False  # the costs were measured here (not given): decisions are raced
+        self._announced: set = set()  # the outcomes logged at WARNING (see _level)
         # unpinned choices, by (kind, numel) (+ the paths with a topology)
         self.decisions: Dict[Tuple[Any, ...], Decision] = {}
         self.open_decisions: Dict[Tuple[Any, ...], Decision] = {}  # the same with deterministic=False
@@ -438,9 +440,19 @@ class Tuner:
             if budget == self.error_budget:
                 cache[ck] = d
             if world <= 1 or dist.get_rank(group) == 0:
-                log.log(logging.WARNING if self.verbose else logging.INFO, "flatcomm auto: %s: %s (%s, chunks %d)",
+                log.log(self._level(d), "flatcomm auto: %s: %s (%s, chunks %d)",
                         key or f"numel {numel}", d.reason, d.path, d.chunks)
         return d
+
+    def _level(self, d: Decision) -> int:
+        """WARNING for the first decision of each outcome (path, codec per tier), INFO for the
+        rest: a DDP model's buckets (and DDP's first-iteration layout) mostly decide alike, and a
+        run should print what auto chose, not one line per bucket size."""
+        outcome = (d.path, d.codec, d.intra_codec)
+        if not self.verbose or outcome in self._announced:
+            return logging.INFO
+        self._announced.add(outcome)
+        return logging.WARNING
 
     def _raced(self, d: Decision, numel: int, world: int, group, device, kind: str, deterministic: bool) -> Decision:
         """``d``, or the safe choice where ``d`` did not beat it beyond the spread (module race)."""
