@@ -30,8 +30,8 @@ from ..ops.codecs import Codec, CodecLike, resolve
 
 __all__ = ["Call", "ErrorFeedback", "MAX_EXACT_BLOCK", "MAX_HEADROOM", "OpLike", "align_of", "all_gather_call",
            "all_reduce_call", "alone", "as_flat", "bool_arg", "capped_chunks", "check_residual", "chunks_arg",
-           "exact_args", "in_step", "int_arg", "one_stage_residual", "reduce_scale", "reduce_scatter_call",
-           "setup", "stats_arg", "tensor_arg", "two_stage_residual"]
+           "exact_args", "gather_shapes", "in_step", "int_arg", "one_stage_residual", "reduce_scale",
+           "reduce_scatter_call", "scatter_shapes", "setup", "stats_arg", "tensor_arg", "two_stage_residual"]
 
 OpLike = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
 T = TypeVar("T")
@@ -282,6 +282,24 @@ def _common(async_op: Any, validate: Any, stats: Any) -> None:
     stats_arg(stats)
 
 
+def scatter_shapes(src: torch.Tensor, out: torch.Tensor, world: int) -> None:
+    """A reduce-scatter's input holds ``world`` outputs, on the output's device."""
+    if src.numel() != world * out.numel():
+        raise ValueError(f"flatcomm: reduce_scatter input has {src.numel()} values; it must be "
+                         f"world size ({world}) x output ({out.numel()})")
+    if out.device != src.device:
+        raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
+
+
+def gather_shapes(src: torch.Tensor, out: torch.Tensor, world: int) -> None:
+    """An all-gather's output holds ``world`` inputs, on the input's device."""
+    if out.numel() != world * src.numel():
+        raise ValueError(f"flatcomm: all_gather output has {out.numel()} values; it must be "
+                         f"world size ({world}) x input ({src.numel()})")
+    if out.device != src.device:
+        raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
+
+
 def all_reduce_call(group, tensor, codec, op, mode, async_op, residual, chunks, stats, validate,
                     exact_block, headroom, kind: int) -> Call:
     _common(async_op, validate, stats)
@@ -313,11 +331,7 @@ def reduce_scatter_call(group, output, input, codec, op, mode, async_op, residua
     src, out = tensor_arg(input, "input"), tensor_arg(output, "output", written=True)
     k = chunks_arg(chunks)
     c = alone(c, world, src.dtype)
-    if src.numel() != world * out.numel():
-        raise ValueError(f"flatcomm: reduce_scatter input has {src.numel()} values; it must be "
-                         f"world size ({world}) x output ({out.numel()})")
-    if out.device != src.device:
-        raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
+    scatter_shapes(src, out, world)
     check_residual(r, src.numel(), src, "residual")
     align = align_of(c, mode, block)
     nchunks = capped_chunks(k or default_chunks(out.numel(), c, world, mode, src.dtype, "reduce_scatter"),
@@ -335,11 +349,7 @@ def all_gather_call(group, output, input, codec, async_op, residual, stats, vali
     src, out = tensor_arg(input, "input"), tensor_arg(output, "output", written=True)
     c = alone(codec_arg(codec, "ordered"), world, src.dtype)
     n = src.numel()
-    if out.numel() != world * n:
-        raise ValueError(f"flatcomm: all_gather output has {out.numel()} values; it must be "
-                         f"world size ({world}) x input ({n})")
-    if out.device != src.device:
-        raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
+    gather_shapes(src, out, world)
     check_residual(r, n, src, "residual")
     fields = header.signature(kind, n, c, "ordered", 1.0, src.dtype, 1, [header.device_field(src.device)])
     return Call(c, world, dist.get_rank(group), 1.0, src, out, fields, residual=r)

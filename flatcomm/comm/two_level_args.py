@@ -257,11 +257,7 @@ def reduce_scatter_call(topo, output, input, codec, intra_codec, op, mode, async
     src, out = args.tensor_arg(input, "input"), args.tensor_arg(output, "output", written=True)
     k = args.chunks_arg(chunks)
     width = out.numel()
-    if src.numel() != topo.world * width:
-        raise ValueError(f"flatcomm: reduce_scatter input has {src.numel()} values; it must be "
-                         f"world size ({topo.world}) x output ({width})")
-    if out.device != src.device:
-        raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
+    args.scatter_shapes(src, out, topo.world)
     args.check_residual(r, topo.nodes * width, src, "hierarchical residual",
                         " (the inter-node tier's: input numel / local_size)")
     k = args.capped_chunks(k, width, shard_align(inter, ci, mode, block)) if k else None
@@ -275,11 +271,7 @@ def all_gather_call(topo, output, input, codec, intra_codec, async_op, residual,
     inter, ci = args.codec_arg(codec, "ordered"), args.codec_arg(intra_codec, "ordered", "intra_codec")
     src, out = args.tensor_arg(input, "input"), args.tensor_arg(output, "output", written=True)
     n = src.numel()
-    if out.numel() != topo.world * n:
-        raise ValueError(f"flatcomm: all_gather output has {out.numel()} values; it must be "
-                         f"world size ({topo.world}) x input ({n})")
-    if out.device != src.device:
-        raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
+    args.gather_shapes(src, out, topo.world)
     args.check_residual(r, n, src, "hierarchical residual", " (the input's numel)")
     return Call(_fields(ALL_GATHER, n, inter, ci, "ordered", 1.0, src, None, 0, 0), src, out, inter, ci,
                  residual=r)
