@@ -99,3 +99,16 @@ def test_fsdp_rows(tmp_path):
         assert kinds["weights_forward"] > 0 and kinds["weights_backward"] > 0 and kinds["gradients"] > 0
     with pytest.raises(SystemExit):
         conv.main(["--quick", "--workloads", "mlp_sgd", "--codecs", "fsdp:weights=sign"])
+
+
+def test_fsdp_weights_block_option():
+    """``weights_block=`` needs a weight codec and a number; it reaches the codec's block size."""
+    from flatcomm.tools.bench import convergence_fsdp as cf
+
+    cf.check_options({"weights": "int4", "weights_block": "32"})
+    for bad in ({"weights_block": "32"}, {"weights": "int4", "weights_block": "x"}):
+        with pytest.raises(ValueError, match="weights_block"):
+            cf.check_options(bad)
+    with pytest.raises(SystemExit):  # 48 is no block size (a multiple of 32): the Codec refuses it
+        conv.main(["--quick", "--workloads", "mlp_sgd", "--codecs", "fsdp:weights=int4,weights_block=48",
+                   "--seeds", "1", "--steps-scale", "0.02", "--timeout", "60"])

@@ -3,7 +3,8 @@
 Rows: ``fsdp`` (plain FSDP2: its own all-gathers and reduce-scatters, the baseline of the others),
 ``fsdp:grads=int8`` (:func:`flatcomm.fsdp.apply` with that gradient codec, error feedback on),
 ``fsdp:grads=int8,weights=int8`` (also quantized weight all-gathers), ``fsdp:grads=int8,weights=int4``;
-``weights=`` alone sends the gradients with flatcomm's lossless fp32. Every block of the model (the
+``weights=`` alone sends the gradients with flatcomm's lossless fp32; ``weights_block=64`` gives the
+weight codec a smaller block (more scales, a finer grid). Every block of the model (the
 transformer layers; for the sequential nets every child with parameters) is one ``fully_shard``
 unit, the rest is in the root's. The same init and batches as the DDP rows of the same seed;
 gradient accumulation pauses FSDP's gradient sync (``set_requires_gradient_sync(False)``) for all
@@ -23,9 +24,11 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
+from flatcomm.ops.codecs import Codec
+
 from .convergence import Workload, forward_backward, parse_row
 
-OPTIONS = ("grads", "weights")
+OPTIONS = ("grads", "weights", "weights_block")
 
 
 def check_options(opts: Dict[str, Any]) -> None:
@@ -40,6 +43,13 @@ def check_options(opts: Dict[str, Any]) -> None:
         raise ValueError(f"grads={opts['grads']!r}: one of {', '.join(CODECS)}")
     if "weights" in opts and opts["weights"] not in WEIGHT_CODECS:
         raise ValueError(f"weights={opts['weights']!r}: one of {', '.join(WEIGHT_CODECS)}")
+    if "weights_block" in opts:
+        if "weights" not in opts or not str(opts["weights_block"]).isdigit():
+            raise ValueError(f"weights_block={opts['weights_block']!r}: a block size, with weights=int8 or int4")
+        try:
+            Codec(opts["weights"], block_size=int(opts["weights_block"]))
+        except ValueError as e:
+            raise ValueError(f"weights_block={opts['weights_block']}: {e}") from None
 
 
 def shard_units(model: torch.nn.Module) -> List[torch.nn.Module]:
@@ -85,7 +95,10 @@ def train_fsdp(w: Workload, row: str, rank: int, world: int, seed: int) -> dict:
     fully_shard(model)
     rs = None
     if opts:
-        rs = F.apply(model, opts.get("grads", "fp32"), weights=opts.get("weights"))
+        weights = opts.get("weights")
+        if "weights_block" in opts:
+            weights = Codec(weights, block_size=int(opts["weights_block"]))
+        rs = F.apply(model, opts.get("grads", "fp32"), weights=weights)
     opt, sched = w.make_optimizer(model.parameters())
     curve: List[float] = []
     for step in range(w.steps):
