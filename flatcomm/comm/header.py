@@ -263,15 +263,7 @@ def fail_in_step(group, kind: int, err: BaseException) -> Optional["concurrent.f
         agreed = h.error()
         raise agreed if agreed is not None else err  # never None: this rank's row says failed
 
-    key = worker.key_of(group)
-    if worker.is_on(key):
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            body()
-        except BaseException as e:  # noqa: BLE001 - always: body raises the agreed error
-            fut.set_exception(e)
-        return fut
-    return worker.submit(key, torch.device("cpu"), body)
+    return worker.in_order(worker.key_of(group), body)
 
 
 def codec_fields(codec, prefix: str = "") -> List[Tuple[str, int]]:

@@ -17,7 +17,6 @@ blocks; :func:`shard_numel` of them hold data on this rank (the size of the inte
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import math
 from typing import Callable, List, Optional, Tuple, Union
@@ -180,16 +179,7 @@ def agreement(topo: Topology, a: Call, validate: bool):
     def agree() -> None:
         header.CallHeader(pg, a.fields, where).finish()
 
-    key = worker.key_of(pg)
-    if worker.is_on(key):
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            agree()
-            done.set_result(None)
-        except BaseException as e:  # noqa: BLE001 - raised by the body
-            done.set_exception(e)
-        return done
-    return worker.submit(key, torch.device("cpu"), agree)
+    return worker.in_order(worker.key_of(pg), agree)
 
 
 def wait_agreed(agreed) -> None:

@@ -31,7 +31,7 @@ import torch
 from . import flat as one_hop, header, node as _node
 from .args import ErrorFeedback
 from . import pipeline
-from .pipeline import CommStats, Pipeline, Plan, shard_bounds
+from .pipeline import CommStats, Pipeline, Plan, drain, shard_bounds
 from .topology import Topology
 from ..ops.codecs import Codec, decode_sum, reencode_sum
 
@@ -180,15 +180,11 @@ def _settle(pending) -> None:
     exchanges that wait a whole timeout for peers that gave up too), then wait for the others,
     ignoring their errors. The call raises only once none of its transfers is in flight, within
     about one timeout of the failure."""
-    items = [item[1] if isinstance(item, tuple) else item for item in pending]
+    items = [item[1] if isinstance(item, tuple) else item for item in pending]  # (out, handle) pairs
     items = [h for h in items if h is not None]
     for h in items:
         h.cancel()
-    for h in items:
-        try:
-            h.wait()
-        except Exception:  # noqa: BLE001 - the call's own error is the one to raise
-            pass
+    drain(items)
 
 
 def _timed_into(st: CommStats, field: str, fn: Callable[[], None]) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from . import groups, streams as _streams
 
-__all__ = ["Handle", "call", "is_on", "key_of", "run", "submit"]
+__all__ = ["Handle", "call", "in_order", "is_on", "key_of", "run", "submit"]
 
 _executors: dict = {}
 _lock = threading.Lock()
@@ -67,6 +67,20 @@ def submit(key, device: torch.device, fn: Callable[[], None]) -> "concurrent.fut
     """Queue ``fn`` (no collective) on the worker of ``key``, on the side stream for CUDA tensors
     (the DDP hook's norms, which read the bucket before the all-reduce rewrites it)."""
     return _executor(key).submit(_on_side(fn, _streams.for_call(key, device)))
+
+
+def in_order(key, fn: Callable[[], None]) -> "concurrent.futures.Future":
+    """``fn``'s outcome as a Future, run in order with the other calls on the worker of ``key``:
+    queued there, or run inline when called from that worker (a call built on others)."""
+    if not is_on(key):
+        return submit(key, torch.device("cpu"), fn)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        fn()
+        future.set_result(None)
+    except BaseException as e:  # noqa: BLE001 - the Future holds it
+        future.set_exception(e)
+    return future
 
 
 def call(key, fn: Callable[[], object]) -> object:
