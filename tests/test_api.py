@@ -143,7 +143,8 @@ def test_one_codec_list():
 def test_codec_properties_agree():
     """The C++ codec table (csrc/core/dispatch.h, through _C.constants()) classifies each codec as
     the Python lists and the independent reference do."""
-    from flatcomm import _C, reference
+    from flatcomm import _C
+    from flatcomm.ops import reference
     from flatcomm.ops.codecs import BLOCKWISE, CODECS
 
     k = _C.constants()

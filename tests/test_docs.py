@@ -661,7 +661,7 @@ def test_checker_catches_broken_blocks():
         "python -m flatcomm.bench kernels --no-such-flag": "do not parse",
         "python -m flatcomm.bench no-such-command": "do not parse",
         "python -m flatcomm.tune --ranks zero": "do not parse",
-        "python -m flatcomm.no_such_tool": "No module",
+        "python -m flatcomm.tools.no_such_tool": "No module",
         'pip install --no-build-isolation ".[no-such-extra]"': "no extra",
         "torchrun --nproc-per-node 2 examples/no_such.py": "no such file",
         "torchrun --standalone --nproc-per-node 2 examples/restart_train.py --no-such-flag": "do not parse",

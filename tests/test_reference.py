@@ -1,4 +1,4 @@
-"""Self-checks of flatcomm.reference: the oracle's building blocks against independent Python math."""
+"""Self-checks of flatcomm.ops.reference: the oracle's building blocks against independent Python math."""
 from __future__ import annotations
 
 import math
