@@ -16,7 +16,8 @@ import flatcomm
 from flatcomm import _C
 from flatcomm.ops import codecs
 from flatcomm.ops import reference as R
-from conftest import DTYPES, assert_bits_equal, make_input
+
+from _support.kernels import DTYPES, assert_bits_equal, make_input
 
 ops = torch.ops.flatcomm
 ROW_CODECS = tuple(c for c in R.CODECS if c != "topk")

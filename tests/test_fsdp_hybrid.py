@@ -12,7 +12,8 @@ import torch.nn as nn
 
 import flatcomm
 from flatcomm.tools import spawn
-from test_fsdp import _Tiny, _loss, _maxrel, _train
+
+from _support.fsdp import _Tiny, _loss, _maxrel, _train
 
 WORLD = 4
 

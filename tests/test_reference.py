@@ -11,7 +11,7 @@ import torch
 import flatcomm
 from flatcomm.ops import reference as R
 
-from conftest import SIZES, BLOCK_SIZES
+from _support.kernels import SIZES, BLOCK_SIZES
 
 
 def test_splitmix64_tensor_matches_python_ints(gen):
