@@ -5,7 +5,6 @@ Every test gets its own torch.Generator seeded from the test's node id: inputs a
 """
 from __future__ import annotations
 
-import ast
 import inspect
 import re
 import zlib
@@ -14,6 +13,8 @@ import pytest
 import torch
 
 import flatcomm
+
+from _support.markers import spawning_functions
 
 
 @pytest.fixture
@@ -39,35 +40,10 @@ def restore_simd():
 
 # ---- markers (registered in pyproject.toml; `make test-fast` deselects multiprocess and slow) ------
 
-# Source that starts processes: gloo ranks (flatcomm.tools.spawn), torchrun, network namespaces.
-_STARTS_PROCESSES = ("spawn.run(", "TORCHRUN", "Link(", "hardening.fuzz(", "hardening.kills(")
-
-
-def _spawning_functions(module) -> set:
-    """Names of the module's functions (tests, helpers and fixtures) that start processes, directly
-    or through another function of the module."""
-    try:
-        tree = ast.parse(inspect.getsource(module))
-    except (OSError, TypeError):
-        return set()
-    funcs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    calls = {name: {c.func.id for c in ast.walk(f) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
-             for name, f in funcs.items()}
-    spawning = {name for name, f in funcs.items() if any(s in ast.unparse(f) for s in _STARTS_PROCESSES)}
-    if spawning:  # a fixture that picks another by name (request.getfixturevalue) may pick a spawning one
-        spawning |= {name for name, f in funcs.items() if "getfixturevalue" in ast.unparse(f)}
-    grew = True
-    while grew:  # through the module's own call graph
-        more = {name for name, called in calls.items() if name not in spawning and called & spawning}
-        spawning |= more
-        grew = bool(more)
-    return spawning
-
-
 # The multi-rank smoke set that `make test-fast` keeps (test ids; * matches any text): one spawn
 # each, the flat collectives, DDP and FSDP2 at 2 ranks.
 SMOKE = (
-    "test_collectives.py::test_collectives[*-2]",
+    "test_collectives.py::test_collectives[2-*]",
     "test_ddp.py::test_fp32_matches_float64_average_and_is_bitwise_reproducible[2]",
     "test_fsdp.py::test_fp32_matches_default_and_is_deterministic[w2]",
 )
@@ -83,7 +59,7 @@ def pytest_collection_modifyitems(config, items):
         if module is None:
             continue
         if module.__name__ not in cache:
-            cache[module.__name__] = _spawning_functions(module)
+            cache[module.__name__] = spawning_functions(inspect.getsource(module))
         spawning = cache[module.__name__]
         func = getattr(item, "originalname", item.name)
         if func in spawning or spawning & set(getattr(item, "fixturenames", ())):
