@@ -22,9 +22,10 @@ def test_spawning_functions_follow_the_call_graph():
         "def test_b():\n    assert _results(3)\n"
         "def test_single():\n    assert 1\n"
         "def test_link():\n    with Link(2, '1gbit') as link:\n        pass\n"
+        "def test_cli():\n    subprocess.run([sys.executable, '-m', \"flatcomm.bench\", 'ddp'])\n"
     )
     found = markers.spawning_functions(src)
-    assert found == {"_results", "ranks", "any_world", "test_b", "test_link"}
+    assert found == {"_results", "ranks", "any_world", "test_b", "test_link", "test_cli"}
     # A module that starts nothing has no spawning functions, getfixturevalue or not.
     assert markers.spawning_functions("def f(request):\n    request.getfixturevalue('x')\n") == set()
 

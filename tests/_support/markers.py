@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import ast
 
-# Source that starts processes: gloo ranks (flatcomm.tools.spawn), torchrun, network namespaces.
-_STARTS_PROCESSES = ("spawn.run(", "TORCHRUN", "Link(", "hardening.fuzz(", "hardening.kills(")
+# Source that starts processes: gloo ranks (flatcomm.tools.spawn), torchrun, network namespaces, the
+# hardening runs, and the command-line tools that start ranks run as subprocesses (as ast.unparse
+# writes them: single quotes).
+_STARTS_PROCESSES = ("spawn.run(", "TORCHRUN", "Link(", "hardening.fuzz(", "hardening.kills(",
+                     "'flatcomm.bench'", "'flatcomm.tune'")
 
 
 def spawning_functions(source: str) -> set:
