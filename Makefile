@@ -11,7 +11,7 @@ NVCC_FLAGS := -std=c++17 -O3 -fmad=false -Icsrc --threads 0 \
 	-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
 	-gencode arch=compute_90,code=compute_90
 
-.PHONY: all venv build demo test test-cpp test-py typecheck bench microbench dist-check cuda-check clean
+.PHONY: all venv build demo test test-fast test-cpp test-py typecheck bench microbench dist-check cuda-check clean
 
 all: build
 
@@ -42,8 +42,14 @@ test-cpp:
 	cmake --build build-cmake -j2
 	ctest --test-dir build-cmake --output-on-failure
 
+# Everything, with the 20 slowest tests listed (where the time goes).
 test-py: build
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=20
+
+# The loop while editing (about 3 minutes on 2 cores): the single-process tests and a few multi-rank
+# smoke tests (markers: pyproject.toml). `make test` still runs everything.
+test-fast: build
+	$(PY) -m pytest tests -m "not multiprocess and not slow or smoke" --durations=10
 
 typecheck: $(DEPS)
 	$(PY) -m mypy flatcomm

@@ -112,14 +112,36 @@ pybind11::dict topk_scratch_layout(int64_t n) {
   return r;
 }
 
+// The kind of a codec as flatcomm.ops.codecs names it.
+const char* codec_kind_name(int32_t c) {
+  switch (core::codec_kind(c)) {
+    case core::CodecKind::kCast: return "cast";
+    case core::CodecKind::kScaledInt: return "scaled_int";
+    case core::CodecKind::kScaledSign: return "scaled_sign";
+    case core::CodecKind::kSparse: return "sparse";
+    case core::CodecKind::kNone: break;
+  }
+  return "none";
+}
+
 pybind11::dict constants() {
   pybind11::dict d;
-  pybind11::list names, blockwise, stochastic;
+  pybind11::list names, blockwise, stochastic, rows;
   for (int32_t c = 0; c < core::kNumCodecs; ++c) {
     names.append(core::kCodecNames[c]);
     if (core::is_blockwise(c)) blockwise.append(c);
     if (core::has_stochastic(c)) stochastic.append(c);
+    // FLATCOMM_CODECS's row, from which flatcomm.ops.codecs builds its codec table.
+    pybind11::dict row;
+    row["id"] = c;
+    row["name"] = core::kCodecNames[c];
+    row["kind"] = codec_kind_name(c);
+    row["bits"] = core::code_bits(c);
+    row["stochastic"] = core::has_stochastic(c);
+    row["dtype"] = core::cast_dtype(c);  // a dtype id for cast codecs, else -1
+    rows.append(row);
   }
+  d["codecs"] = rows;  // index = codec id
   d["codec_names"] = names;  // index = codec id
   d["blockwise_codecs"] = blockwise;
   d["stochastic_codecs"] = stochastic;

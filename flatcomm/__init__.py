@@ -8,7 +8,7 @@ The package is built in layers, each importing only those below it (``docs/archi
   the flat and two-level paths);
 * :mod:`flatcomm.autotune`: ``codec="auto"``;
 * :mod:`flatcomm.collectives`: the public collectives, re-exported here;
-* the integrations: :mod:`flatcomm.ddp`, :mod:`flatcomm.fsdp`, :mod:`flatcomm.optim`,
+* the parallel layer: :mod:`flatcomm.ddp`, :mod:`flatcomm.fsdp`, :mod:`flatcomm.optim`,
   :mod:`flatcomm.reproducible`, :mod:`flatcomm.stats` (imported on first use);
 * :mod:`flatcomm.rank_states`: every rank's state in one dict, for frameworks that save from rank 0;
 * :mod:`flatcomm.integrations`: adapters for Lightning, Accelerate and transformers (never imported
@@ -61,14 +61,15 @@ def build_info() -> dict:
     return info
 
 
-_SUBMODULES = ("ddp", "fsdp", "fsdp_hybrid", "hierarchical", "reproducible", "reference", "optim", "stats",
-               "autotune", "rank_states", "integrations")
+_SUBMODULES = ("ddp", "fsdp", "hierarchical", "reproducible", "optim", "stats", "autotune", "rank_states",
+               "integrations")
 
 
 def __getattr__(name: str):
-    """Import the integrations on first use (``flatcomm.ddp.register(...)`` after ``import
-    flatcomm``), so that importing the kernels stays light."""
-    if name in _SUBMODULES:
+    """Import the parallel layer and above on first use (``flatcomm.ddp.register(...)`` after
+    ``import flatcomm``), so that importing the kernels stays light. An old module name
+    (``_compat.MOVED``) imports its new module with a ``DeprecationWarning``."""
+    if name in _SUBMODULES or name in _compat.MOVED:
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

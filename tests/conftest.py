@@ -1,22 +1,20 @@
-"""Shared fixtures and helpers for the flatcomm test-suite.
+"""Shared fixtures of the flatcomm test-suite (shared helpers: tests/_support/).
 
 Every test gets its own torch.Generator seeded from the test's node id: inputs are fresh per test
 (and per parameter set) but reproducible run to run.
 """
 from __future__ import annotations
 
+import inspect
+import re
 import zlib
 
 import pytest
 import torch
 
 import flatcomm
-from flatcomm.ops import reference as R
 
-SIZES = (0, 1, 2, 31, 32, 33, 97, 255, 256, 257, 1000, 4099, 65537)
-BLOCK_SIZES = (32, 64, 256, 4096)
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-CODECS = R.CODECS
+from _support.markers import spawning_functions
 
 
 @pytest.fixture
@@ -24,55 +22,6 @@ def gen(request) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     return g
-
-
-def seed_of(*parts) -> int:
-    return zlib.crc32(repr(parts).encode())
-
-
-def make_input(g: torch.Generator, n: int, dtype: torch.dtype = torch.float32, kind: str = "mixed") -> torch.Tensor:
-    """Random test values of a few shapes of distribution, representable (finite) in ``dtype``.
-
-    mixed: gaussian times a per-element magnitude spread over ~2^+-12, with some exact zeros and a
-    few exact ties of magnitude; normal: plain gaussian; wide: magnitudes over 2^+-40 (fp32 only).
-    """
-    if n == 0:
-        return torch.zeros(0, dtype=dtype)
-    x = torch.randn(n, generator=g)
-    if kind == "mixed":
-        x = x * torch.exp2(torch.randint(-12, 13, (n,), generator=g).float())
-        x[torch.rand(n, generator=g) < 0.05] = 0.0
-        if n >= 8:  # magnitude ties (topk tie-break, int codes at clamp)
-            i = torch.randint(0, n, (4,), generator=g)
-            x[i] = x[i[0]].abs() * torch.tensor([1.0, -1.0, 1.0, -1.0])
-    elif kind == "wide":
-        x = x * torch.exp2(torch.randint(-40, 41, (n,), generator=g).float())
-    if dtype == torch.float16:
-        x = x.clamp(-60000.0, 60000.0)
-    return x.to(dtype)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Bit pattern view for exact comparisons (NaN == NaN of the same bits, -0 != +0)."""
-    t = t.contiguous()
-    if t.dtype in (torch.float32,):
-        return t.view(torch.int32)
-    if t.dtype in (torch.bfloat16, torch.float16):
-        return t.view(torch.int16)
-    return t
-
-
-def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
-    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
-    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-    ba, bb = bits(a), bits(b)
-    if not torch.equal(ba, bb):
-        diff = (ba != bb).nonzero().flatten()
-        i = diff[0].item()
-        raise AssertionError(
-            f"{what}: {diff.numel()} of {a.numel()} differ; first at {i}: {a.reshape(-1)[i].item()!r} "
-            f"vs {b.reshape(-1)[i].item()!r}"
-        )
 
 
 @pytest.fixture
@@ -87,3 +36,34 @@ def restore_simd():
     default = flatcomm.build_info()["simd"]
     yield default
     assert flatcomm._C.set_simd(default)
+
+
+# ---- markers (registered in pyproject.toml; `make test-fast` deselects multiprocess and slow) ------
+
+# The multi-rank smoke set that `make test-fast` keeps (test ids; * matches any text): one spawn
+# each, the flat collectives, DDP and FSDP2 at 2 ranks.
+SMOKE = (
+    "test_collectives.py::test_collectives[2-*]",
+    "test_ddp.py::test_fp32_matches_float64_average_and_is_bitwise_reproducible[2]",
+    "test_fsdp.py::test_fp32_matches_default_and_is_deterministic[w2]",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark a test ``multiprocess`` when it or a fixture of its module starts processes (found from
+    the source, so a new test is marked without anyone remembering to), and ``smoke`` when
+    :data:`SMOKE` lists it; ``slow`` is written on the tests themselves."""
+    cache: dict = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None:
+            continue
+        if module.__name__ not in cache:
+            cache[module.__name__] = spawning_functions(inspect.getsource(module))
+        spawning = cache[module.__name__]
+        func = getattr(item, "originalname", item.name)
+        if func in spawning or spawning & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.multiprocess)
+        test_id = item.nodeid.rpartition("/")[2]
+        if any(re.fullmatch(re.escape(pattern).replace(r"\*", ".*"), test_id) for pattern in SMOKE):
+            item.add_marker(pytest.mark.smoke)

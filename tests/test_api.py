@@ -123,30 +123,3 @@ def test_every_library_module_has_all():
         for n in names:
             assert hasattr(mod, n), f"{m.name}.__all__ names {n!r}, which it lacks"
     assert not missing, f"modules without __all__: {missing}"
-
-
-def test_one_codec_list():
-    """flatcomm.ops.codecs.CODECS is the list; the C++ ids, the cupy path and the reference agree."""
-    import re
-
-    from flatcomm.ops import cupy_backend, reference
-    from flatcomm.ops.codecs import CODECS
-
-    with pytest.raises(RuntimeError) as e:
-        torch.ops.flatcomm.encode(torch.zeros(4), "nope", 256, 0, None, False, 0)
-    cpp = re.search(r"expected one of ([\w, ]+)", str(e.value)).group(1).split(", ")
-    assert tuple(cpp) == CODECS
-    assert sorted(cupy_backend.CODEC_IDS, key=cupy_backend.CODEC_IDS.get) == list(CODECS)
-    assert reference.CODECS == CODECS  # the oracle keeps its own copy on purpose: checked here
-
-
-def test_codec_properties_agree():
-    """The C++ codec table (csrc/core/dispatch.h, through _C.constants()) classifies each codec as
-    the Python lists and the independent reference do."""
-    from flatcomm import _C, reference
-    from flatcomm.ops.codecs import BLOCKWISE, CODECS
-
-    k = _C.constants()
-    assert tuple(k["codec_names"]) == CODECS
-    assert tuple(CODECS[c] for c in k["blockwise_codecs"]) == BLOCKWISE == reference.BLOCKWISE
-    assert sorted(CODECS[c] for c in k["stochastic_codecs"]) == sorted(reference.STOCHASTIC)

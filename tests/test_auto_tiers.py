@@ -1,5 +1,5 @@
 """Topology-aware codec="auto": flat or hierarchical and a codec per tier, priced by the same
-flatcomm.costmodel that `bench scale` validates, reproducible from a profile with tier costs."""
+flatcomm.autotune.costmodel that `bench scale` validates, reproducible from a profile with tier costs."""
 from __future__ import annotations
 
 import dataclasses

@@ -18,6 +18,8 @@ from flatcomm import ErrorFeedback
 from flatcomm.tools import spawn
 from flatcomm.autotune import PRECISION, CostModel, Tuner, allowed, decide, load_profile, predict
 
+from _support.buckets import _Bucket
+
 GB = 1e9
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,33 +88,6 @@ def _sec_collectives(rank, world):
     h.wait()
     out["measured"] = {"decision": h.decision, "result": t}
     return out
-
-
-class _Bucket:
-    """What flatcomm.ddp reads from a dist.GradBucket."""
-
-    def __init__(self, index, params, grads, last=True):
-        self._index, self._params, self._last = index, list(params), last
-        self._buf = torch.cat([g.reshape(-1) for g in grads])
-        self._grads, off = [], 0
-        for p in self._params:
-            self._grads.append(self._buf[off:off + p.numel()].view(p.shape))
-            off += p.numel()
-
-    def buffer(self):
-        return self._buf
-
-    def parameters(self):
-        return self._params
-
-    def gradients(self):
-        return self._grads
-
-    def index(self):
-        return self._index
-
-    def is_last(self):
-        return self._last
 
 
 def _sec_ddp_move(rank, world):

@@ -14,9 +14,11 @@ import flatcomm.ddp as fddp
 from flatcomm import collectives as C
 from flatcomm.tools import spawn
 from flatcomm.autotune import Tuner
-from test_autotune import _Bucket  # a fake dist.GradBucket
+from flatcomm.ops.codecs import CODECS as TABLE_CODECS
 
-CODECS = ["fp32", "bf16", "fp16", "int8", "int4", "sign", "topk", "auto"]
+from _support.buckets import _Bucket  # a fake dist.GradBucket
+
+CODECS = [*TABLE_CODECS, "auto"]
 
 
 class Net(torch.nn.Module):

@@ -15,10 +15,8 @@ asserts one section of one world size. Rank 0 computes the oracles:
 """
 from __future__ import annotations
 
-import math
 import random
 import time
-import zlib
 from typing import Dict, List, Tuple
 
 import pytest
@@ -30,49 +28,15 @@ from flatcomm.tools import spawn
 from flatcomm import collectives as C
 from flatcomm.comm import groups, pipeline
 from flatcomm.ops import reference as R
-from flatcomm.ops.codecs import Codec, decode, decode_sum, encode
+from flatcomm.ops.codecs import BLOCKWISE, CODECS, Codec, decode, decode_sum, encode
 
-CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk")
-BLOCKWISE = ("int8", "int4", "sign")
+from _support.collectives import (Checks, _expect, _identical_across_ranks, _Log, _with_delays, gather, inputs,
+                                  same_bits)
+
 WORLDS = (1, 2, 3, 4)
 SECTIONS = ("accuracy", "chunks", "determinism", "exact", "error_feedback", "async", "bad_input")
 
 # ---- helpers shared by ranks and oracles --------------------------------------------------------------
-
-
-def inputs(tag: str, world: int, n: int, dtype: torch.dtype = torch.float32, kind: str = "mixed") -> List[torch.Tensor]:
-    """Every rank's input for case ``tag`` (each rank can rebuild all of them)."""
-    xs = []
-    for r in range(world):
-        g = torch.Generator().manual_seed(zlib.crc32(f"{tag}/{r}".encode()))
-        x = torch.randn(n, generator=g)
-        if kind == "mixed":
-            x = x * torch.exp2(torch.randint(-6, 7, (n,), generator=g).float())
-            x[torch.rand(n, generator=g) < 0.03] = 0.0
-        elif kind == "wide":  # magnitudes over 2^+-30, and cancellation between ranks
-            x = x * torch.exp2(torch.randint(-30, 31, (n,), generator=g).float())
-        xs.append(x.to(dtype))
-    return xs
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
-
-
-def gather(t: torch.Tensor) -> List[torch.Tensor]:
-    """Every rank's tensor (as fp32, exact for bf16/fp16), on every rank."""
-    t = t.reshape(-1).float()
-    world = dist.get_world_size()
-    if world == 1:
-        return [t.clone()]
-    out = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(out, t)
-    return out
 
 
 def align_of(codec: str) -> int:
@@ -180,46 +144,6 @@ def bound_reduce(xs, codec, scale, grid) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---- the rank program ------------------------------------------------------------------------------------
-
-Checks = List[Tuple[str, str, bool, str]]
-
-
-class _Log:
-    def __init__(self, rank: int):
-        self.rank = rank
-        self.checks: Checks = []
-
-    def add(self, section: str, name: str, ok: bool, msg: str = "") -> None:
-        self.checks.append((section, name, bool(ok), msg))
-
-    def close(self, section: str, name: str, got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> None:
-        err = (got.double() - ref).abs()
-        bad = ~(err <= bound)
-        if bad.any():
-            i = int(bad.nonzero()[0])
-            self.add(section, name, False, f"{int(bad.sum())}/{err.numel()} outside bound; first at {i}: "
-                     f"got {got[i].item()!r} ref {ref[i].item()!r} err {err[i].item():.3g} bound {bound[i].item():.3g}")
-        else:
-            ratio = float((err / bound.clamp_min(1e-300)).max()) if err.numel() else 0.0
-            self.add(section, name, True, f"max err/bound {ratio:.3f}")
-
-    def bitwise(self, section: str, name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
-        ok = same_bits(got, ref)
-        msg = ""
-        if not ok:
-            if got.shape == ref.shape and got.dtype == ref.dtype:
-                d = (bits(got) != bits(ref)).nonzero().flatten()
-                msg = f"{d.numel()}/{got.numel()} differ; first at {int(d[0])}: {got[d[0]].item()!r} vs {ref[d[0]].item()!r}"
-            else:
-                msg = f"{got.dtype}{tuple(got.shape)} vs {ref.dtype}{tuple(ref.shape)}"
-        self.add(section, name, ok, msg)
-
-
-def _identical_across_ranks(log: _Log, section: str, name: str, t: torch.Tensor) -> None:
-    allv = gather(t)
-    if log.rank == 0:
-        ok = all(same_bits(allv[0], v) for v in allv[1:])
-        log.add(section, name, ok, "" if ok else "ranks hold different bits")
 
 
 SIZES = (1, 7, 1000, 30011)
@@ -332,19 +256,6 @@ def _chunks(log: _Log, rank: int, world: int) -> None:
                 log.add("chunks", f"all_reduce {codec} n={n} chunks=4", ok)
             except Exception as e:  # noqa: BLE001
                 log.add("chunks", f"all_reduce {codec} n={n} chunks=4", False, repr(e)[:300])
-
-
-def _with_delays(seed: int, max_s: float):
-    """Monkeypatch the pipeline so every chunk wait starts after a random per-rank delay."""
-    rng = random.Random(seed)
-    orig = pipeline.Pipeline.wait
-
-    def wait(self, work):
-        time.sleep(rng.random() * max_s)
-        orig(self, work)
-
-    pipeline.Pipeline.wait = wait
-    return lambda: setattr(pipeline.Pipeline, "wait", orig)
 
 
 def _determinism(log: _Log, rank: int, world: int) -> None:
@@ -523,22 +434,6 @@ def _async(log: _Log, rank: int, world: int) -> None:
             log.add("async", f"rank {rank}: future carries the error", False)
         except Exception as e:  # noqa: BLE001
             log.add("async", f"rank {rank}: future carries the error", "numel" in str(e), str(e)[:200])
-
-
-def _expect(log: _Log, name: str, exc: type, fn, words: Tuple[str, ...] = ()) -> None:
-    t0 = time.perf_counter()
-    try:
-        fn()
-    except exc as e:
-        dt = time.perf_counter() - t0
-        msg = str(e)
-        ok = dt < 5.0 and all(w in msg for w in words)
-        log.add("bad_input", f"rank {log.rank}: {name}", ok, f"{dt:.2f} s: {msg[:200]}")
-        return
-    except Exception as e:  # noqa: BLE001
-        log.add("bad_input", f"rank {log.rank}: {name}", False, f"wrong exception {e!r}"[:300])
-        return
-    log.add("bad_input", f"rank {log.rank}: {name}", False, "no exception")
 
 
 def _bad_input(log: _Log, rank: int, world: int) -> None:

@@ -1,4 +1,4 @@
-"""The alpha-beta model of flatcomm.costmodel against hand-computed bytes and times, and the
+"""The alpha-beta model of flatcomm.autotune.costmodel against hand-computed bytes and times, and the
 `bench scale` projection (no ranks: the model only)."""
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ those of csrc/cuda/kernels.cu; the RNG key with csrc/core/rng.h compiled by g++.
 """
 from __future__ import annotations
 
-import ctypes
 import shutil
 import subprocess
 import sys
@@ -21,67 +20,10 @@ import torch
 import flatcomm
 from flatcomm.ops import cupy_backend as cb
 
+from _support.cupy import CODECS, k_of, make, payloads, record_all_launches, Recorder
+
 ROOT = Path(__file__).resolve().parents[1]
 ops = torch.ops.flatcomm
-CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk")
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class Recorder:
-    """Stands in for CupyLauncher: records launches; memsets really zero (the memory is host memory)."""
-
-    def __init__(self) -> None:
-        self.launches = []
-        self.memsets = []
-
-    def run(self, name, grid, threads, smem, args):
-        self.launches.append((name, grid, threads, smem, args))
-
-    def memset(self, ptr, nbytes):
-        self.memsets.append((ptr, nbytes))
-        ctypes.memset(ptr, 0, nbytes)
-
-
-def make(rec=None):
-    rec = rec or Recorder()
-    return cb.make_ops(rec), rec
-
-
-def k_of(codec, n, block=256):
-    return flatcomm.resolve(codec, block, 0.3).k(n) if codec == "topk" else 0
-
-
-def payloads(codec, n, rows=0, block=256):
-    nb = flatcomm.wire_bytes(codec, n, block_size=block, ratio=0.3)
-    return torch.zeros((rows, nb) if rows else (nb,), dtype=torch.uint8)
-
-
-def record_all_launches():
-    """Every op over every codec / dtype, recorded: covers all 126 kernel instances."""
-    o, rec = make()
-    n = 5000
-    for dt in DTYPES:
-        x = torch.randn(n).to(dt)
-        r = torch.zeros(n)
-        for c in CODECS:
-            k = k_of(c, n)
-            o.encode(x, c, 256, k, r, c in ("int8", "int4", "bf16"), 7)
-            o.decode_into(payloads(c, n), c, n, 256, k, torch.empty(n, dtype=dt))
-            if c != "topk":
-                o.decode_rows_into(payloads(c, n, rows=3), c, n, 256, torch.empty(3 * n - 7, dtype=dt))
-        X = x.reshape(2, -1).contiguous()
-        o.ordered_sum(X)
-        E = o.exact_exponents(X, 64)
-        o.exact_sum(X, 64, 12)
-        o.to_exact(torch.zeros(n, dtype=dt), torch.zeros(cb.ceil_div(n, 64), dtype=torch.int32), 64, 12)
-    o.from_exact(torch.zeros(n, dtype=torch.int64), torch.zeros(cb.ceil_div(n, 64), dtype=torch.int32), 64, 12)
-    for c in CODECS:
-        k = k_of(c, n)
-        P = payloads(c, n, rows=3)
-        o.decode_sum(P, c, n, 256, k, 0.5)
-        for oc in CODECS[:-1]:
-            o.decode_sum_encode(P, c, n, 256, k, 1.0, oc, 128, torch.zeros(n), False, 3)
-    return rec.launches
 
 
 def test_every_kernel_is_launched_and_every_launched_kernel_is_compiled():

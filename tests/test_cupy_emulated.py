@@ -23,6 +23,7 @@ import torch
 
 import flatcomm
 from flatcomm.ops import cupy_backend as cb
+from flatcomm.ops.codecs import CODECS, STOCHASTIC, Codec
 
 ROOT = Path(__file__).resolve().parents[1]
 EMU = ROOT / "tests" / "cuda_emu"
@@ -32,10 +33,8 @@ import gpu_check_common as gpu_check  # noqa: E402  (bits / _both_nan: the GPU c
 import translate  # noqa: E402
 
 ops = torch.ops.flatcomm
-CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk")
-REENCODE = ("fp32", "bf16", "fp16", "int8", "int4", "sign")
+REENCODE = tuple(c for c in CODECS if Codec(c).reencodes_fused)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-STOCHASTIC = ("bf16", "int8", "int4")
 
 
 def _build_inputs():

@@ -12,7 +12,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import flatcomm
 import flatcomm.ddp as fddp
 from flatcomm.tools import spawn
-from test_ddp import Net, _check_conserved, _data, _ef_steps, _gather64, _local_grads
+
+from _support.ddp import Net, _check_conserved, _data, _ef_steps, _gather64, _local_grads
 
 WORLD = 4
 

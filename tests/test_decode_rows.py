@@ -2,7 +2,7 @@
 
 Every rank encodes its shard of a weight (no error feedback), the payloads are all-gathered into
 [R, B], and each rank decodes all R rows straight into the unsharded parameter in the compute dtype,
-the padding of the last shard cut off. Checked bit for bit against flatcomm.reference, on every
+the padding of the last shard cut off. Checked bit for bit against flatcomm.ops.reference, on every
 instruction set and thread count, with untrusted payload bytes, and every argument error.
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ import flatcomm
 from flatcomm import _C
 from flatcomm.ops import codecs
 from flatcomm.ops import reference as R
-from conftest import DTYPES, assert_bits_equal, make_input
+
+from _support.kernels import DTYPES, assert_bits_equal, make_input
 
 ops = torch.ops.flatcomm
 ROW_CODECS = tuple(c for c in R.CODECS if c != "topk")

@@ -8,7 +8,7 @@ import torch
 import flatcomm
 from flatcomm.ops import reference as R
 
-from conftest import assert_bits_equal
+from _support.kernels import assert_bits_equal
 
 N = (1 << 20) + 4099  # > 1M elements: many parallel ranges, a ragged tail
 

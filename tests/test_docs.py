@@ -1,4 +1,4 @@
-"""Every fenced code block of README.md and docs/*.md runs, or its commands parse.
+"""Every fenced code block of README.md, CONTRIBUTING.md and docs/*.md runs, or its commands parse.
 
 * ```python blocks are executed, each in a fresh namespace, in a temporary working directory. A
   block whose first lines say ``# ranks: N`` runs on N gloo ranks (:mod:`flatcomm.tools.spawn`);
@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOC_FILES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 LANGS = {"python", "bash", "sh", "text"}
 # Programs a shell block may name that the checker does not look into (they take no flatcomm
 # arguments). Anything else is an error, so a misspelt command cannot hide.
@@ -586,6 +586,17 @@ def test_quick_start_is_the_two_make_commands():
     assert commands(first.text) == [["make", "demo"], ["make", "test"]]
 
 
+def test_no_internal_issue_numbers():
+    """The documents read on their own: no "issue 12" or "#12" of the project's tracker (another
+    project's numbered reference, "DeepSpeed #4851", is fine)."""
+    pattern = re.compile(r"\bissues? \d+\b|(?<![\w&])#\d{1,3}\b", re.I)
+    docs = [*DOC_FILES, *sorted((ROOT / "docs").rglob("*.md")), ROOT / "csrc" / "README.md"]
+    found = [f"{p.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
+             for p in dict.fromkeys(docs) if p.exists() for text in [p.read_text()] for m in pattern.finditer(text)]
+    assert not found, "\n".join(found)
+    assert pattern.search("as issue 24 showed") and pattern.search("see #7") and not pattern.search("DeepSpeed #4851")
+
+
 def test_skips_are_few():
     skipped = [b.id for b in _ids(["python"]) if b.skip is not None]
     ran = [b for b in _ids(["python"]) if b.skip is None]
@@ -661,7 +672,7 @@ def test_checker_catches_broken_blocks():
         "python -m flatcomm.bench kernels --no-such-flag": "do not parse",
         "python -m flatcomm.bench no-such-command": "do not parse",
         "python -m flatcomm.tune --ranks zero": "do not parse",
-        "python -m flatcomm.no_such_tool": "No module",
+        "python -m flatcomm.tools.no_such_tool": "No module",
         'pip install --no-build-isolation ".[no-such-extra]"': "no extra",
         "torchrun --nproc-per-node 2 examples/no_such.py": "no such file",
         "torchrun --standalone --nproc-per-node 2 examples/restart_train.py --no-such-flag": "do not parse",

@@ -12,7 +12,7 @@ import torch
 import flatcomm
 from flatcomm.ops import reference as R
 
-from conftest import BLOCK_SIZES, CODECS, DTYPES, SIZES, assert_bits_equal, make_input
+from _support.kernels import BLOCK_SIZES, CODECS, DTYPES, SIZES, assert_bits_equal, make_input
 
 RATIO = 0.05
 

@@ -11,7 +11,7 @@ import torch
 import flatcomm
 from flatcomm.ops import reference as R
 
-from conftest import DTYPES, assert_bits_equal, make_input
+from _support.kernels import DTYPES, assert_bits_equal, make_input
 
 HEADROOM = flatcomm.ops.sums.DEFAULT_HEADROOM
 

@@ -1,4 +1,4 @@
-"""flatcomm.fsdp_hybrid: shard inside the node, compressed all-reduce across nodes (4 gloo ranks as 2x2).
+"""flatcomm.fsdp.hybrid: shard inside the node, compressed all-reduce across nodes (4 gloo ranks as 2x2).
 
 One spawn; references are torch's own native HSDP (FSDP2, 2-D mesh) and FULL_SHARD over all ranks
 (FSDP1) on the same data.
@@ -12,7 +12,8 @@ import torch.nn as nn
 
 import flatcomm
 from flatcomm.tools import spawn
-from test_fsdp import _Tiny, _loss, _maxrel, _train
+
+from _support.fsdp import _Tiny, _loss, _maxrel, _train
 
 WORLD = 4
 

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from flatcomm.tools import spawn
-from test_fsdp import _grads, _loss, _Tiny, _wrap
+
+from _support.fsdp import _grads, _loss, _Tiny, _wrap
 
 
 def _small(name):

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from flatcomm.tools import spawn
-from test_fsdp import _loss, _Tiny, _wrap
+
+from _support.fsdp import _loss, _Tiny, _wrap
 
 
 def _residual_total(sd):

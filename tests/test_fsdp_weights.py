@@ -2,7 +2,7 @@
 
 One spawn per world size: every rank runs the sections and returns named results; each pytest item
 asserts one section. References: FSDP2's own all-gather on the same model and data (bit for bit
-where the codec is lossless), and flatcomm.reference's encode/decode of every rank's shard (bit for
+where the codec is lossless), and flatcomm.ops.reference's encode/decode of every rank's shard (bit for
 bit for int8/int4). Failure modes reported for DeepSpeed ZeRO++ are tested by name: hpZ diverging
 from plain sharding (#4851, #7164 with reentrant checkpointing), a stale node copy after loading a
 checkpoint (#7606), silent fallbacks on odd sizes (#5056).
@@ -164,7 +164,7 @@ def _capture(model) -> Dict[str, torch.Tensor]:
 
 
 def _expected(master: torch.Tensor, world: int, codec: str, dtype: torch.dtype, block_size: int = 256) -> torch.Tensor:
-    """flatcomm.reference's decode of every rank's encoded dim-0-padded shard, cut to the parameter."""
+    """flatcomm.ops.reference's decode of every rank's encoded dim-0-padded shard, cut to the parameter."""
     rows = master.shape[0]
     per = -(-rows // world)
     padded = torch.zeros((per * world, *master.shape[1:]), dtype=master.dtype)
@@ -521,7 +521,7 @@ def _sec_stale(rank, world):
 
 
 def _sec_hsdp(rank, world):
-    """HSDP: native 2-D mesh and flatcomm.fsdp_hybrid, both with int8 weights."""
+    """HSDP: native 2-D mesh and flatcomm.fsdp.hybrid, both with int8 weights."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from flatcomm.fsdp import hybrid as fsdp_hybrid

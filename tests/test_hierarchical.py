@@ -21,8 +21,9 @@ from flatcomm import collectives as C
 from flatcomm import hierarchical as H
 from flatcomm.tools import spawn
 from flatcomm import Topology
-from test_collectives import _with_delays, bits, same_bits
-import test_collectives as TC
+
+from _support.collectives import _with_delays, bits, same_bits
+from _support import collectives as TC
 
 WORLD = 4
 G = 2

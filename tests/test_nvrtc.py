@@ -22,7 +22,7 @@ from flatcomm.ops import cupy_backend as cb
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_cupy_backend import record_all_launches  # noqa: E402
+from _support.cupy import record_all_launches  # noqa: E402
 
 
 def _candidates():

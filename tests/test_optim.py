@@ -1,5 +1,5 @@
 """flatcomm.optim.OnebitAdam: the warm-up is torch's AdamW bit for bit; the compressed phase equals a
-hand-written reference (local momenta, flatcomm.reference's bit-exact codec in the two-stage
+hand-written reference (local momenta, flatcomm.ops.reference's bit-exact codec in the two-stage
 all-reduce with error feedback, frozen variance); ranks keep identical weights; checkpoints carry
 everything; bad arguments are clear errors."""
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _local_grads(net, weights, x, y):
 
 def _ref_all_reduce(ms, clients, servers, codec, bs, world):
     """flatcomm's ordered two-stage all-reduce (avg) of the per-rank flat tensors ``ms``, one chunk,
-    written with flatcomm.reference: encode each rank's value + client residual per shard; the shard's
+    written with flatcomm.ops.reference: encode each rank's value + client residual per shard; the shard's
     owner decodes the rows in rank order, sums, scales and re-encodes with its server residual."""
     n = ms[0].numel()
     b = shard_bounds(n, world, bs)

@@ -7,7 +7,7 @@ import torch
 import flatcomm
 from flatcomm.ops import reference as R
 
-from conftest import DTYPES, assert_bits_equal, make_input
+from _support.kernels import DTYPES, assert_bits_equal, make_input
 
 
 def _loop(x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 
 import flatcomm
 
-from conftest import CODECS, assert_bits_equal, make_input
+from _support.kernels import CODECS, assert_bits_equal, make_input
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.flatcomm, "encode_into"), reason="no *_into ops in this build")
 

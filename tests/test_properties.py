@@ -11,7 +11,7 @@ from hypothesis.extra import numpy as hnp
 import flatcomm
 from flatcomm.ops import reference as R
 
-from conftest import assert_bits_equal
+from _support.kernels import assert_bits_equal
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

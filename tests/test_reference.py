@@ -1,4 +1,4 @@
-"""Self-checks of flatcomm.reference: the oracle's building blocks against independent Python math."""
+"""Self-checks of flatcomm.ops.reference: the oracle's building blocks against independent Python math."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ import torch
 import flatcomm
 from flatcomm.ops import reference as R
 
-from conftest import SIZES, BLOCK_SIZES
+from _support.kernels import SIZES, BLOCK_SIZES
 
 
 def test_splitmix64_tensor_matches_python_ints(gen):

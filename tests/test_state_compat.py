@@ -59,7 +59,7 @@ def _ddp(kind):
 
 
 def _fsdp2():
-    from test_fsdp import _Tiny, _wrap
+    from _support.fsdp import _Tiny, _wrap
 
     from flatcomm.fsdp import apply
 
@@ -69,7 +69,7 @@ def _fsdp2():
 
 
 def _fsdp1(strategy, codec, start_step=0):
-    from test_fsdp import _Tiny
+    from _support.fsdp import _Tiny
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -86,7 +86,7 @@ def _fsdp1(strategy, codec, start_step=0):
 
 
 def _fsdp_steps(model, steps, step0=0):
-    from test_fsdp import _loss
+    from _support.fsdp import _loss
 
     for s in range(step0, step0 + steps):
         model.zero_grad()

@@ -8,7 +8,7 @@ import torch
 import flatcomm
 from flatcomm.ops import reference as R
 
-from conftest import BLOCK_SIZES, DTYPES, assert_bits_equal, make_input
+from _support.kernels import BLOCK_SIZES, DTYPES, assert_bits_equal, make_input
 
 SCODECS = ["int8", "int4", "bf16"]
 

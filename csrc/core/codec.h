@@ -154,12 +154,37 @@ FC_HD float int_quantize_stochastic(float v, const BlockParams& p, float qmax, f
 
 FC_HD float int_dequantize(float q, float scale) { return q * scale; }
 
+// ---- code packing: codes to payload bytes and back (the layout above) ----------------------------
+// The CPU loops (cpu/kernels_impl.h) and the CUDA kernels (cuda/device.cuh) read and write codes
+// only through these, so both produce the same bytes. Codes are whole numbers held in floats, in
+// [-qmax, qmax]; multi-byte groups are little endian (the hosts' and the GPUs' byte order).
+
+// int8: one byte per value, two's complement.
+FC_HD uint8_t int8_pack(float q) { return static_cast<uint8_t>(static_cast<int32_t>(q)); }
+FC_HD float int8_code(uint8_t b) { return static_cast<float>(static_cast<int8_t>(b)); }
+// Four consecutive int8 codes as one word: value e in byte e.
+FC_HD uint32_t int8_pack4(const float q[4]) {
+  uint32_t w = 0;
+  for (int e = 0; e < 4; ++e) w |= static_cast<uint32_t>(int8_pack(q[e])) << (8 * e);
+  return w;
+}
+
+// int4: two values per byte, low nibble first, each stored as q + 8.
 FC_HD uint8_t int4_pack(float q_lo, float q_hi) {
   return static_cast<uint8_t>((static_cast<int32_t>(q_lo) + 8) |
                               ((static_cast<int32_t>(q_hi) + 8) << 4));
 }
 FC_HD float int4_lo(uint8_t b) { return static_cast<float>(static_cast<int32_t>(b & 15) - 8); }
 FC_HD float int4_hi(uint8_t b) { return static_cast<float>(static_cast<int32_t>(b >> 4) - 8); }
+// The code of element i of a block's codes (i counted from an even element).
+FC_HD float int4_code(const uint8_t* codes, int64_t i) {
+  const uint8_t b = codes[i >> 1];
+  return (i & 1) ? int4_hi(b) : int4_lo(b);
+}
+// Four consecutive int4 codes as two bytes.
+FC_HD uint16_t int4_pack4(const float q[4]) {
+  return static_cast<uint16_t>(int4_pack(q[0], q[1]) | (static_cast<uint32_t>(int4_pack(q[2], q[3])) << 8));
+}
 
 // ---- sign codec: 1 bit + scale = mean |v| of the block ----------------------------------------
 // The mean is summed in a fixed order: lane j (0..31) adds elements j, j+32, j+64, ... in turn,
@@ -193,6 +218,19 @@ FC_HD BlockParams sign_block_params(uint32_t max_abs_bits, float folded_sum, int
 }
 
 FC_HD uint32_t sign_bit(float v) { return v < 0.0f ? 1u : 0u; }
+// The sign bits of `count` <= 32 consecutive values as one word: value j in bit j, i.e. bit (i & 7)
+// of byte i / 8 once stored little endian.
+FC_HD uint32_t sign_pack(const float* v, int64_t count) {
+  uint32_t word = 0;
+  for (int64_t j = 0; j < count; ++j) word |= sign_bit(v[j]) << j;
+  return word;
+}
+// The bit of element i of a block's codes (i counted from a multiple of 8).
+FC_HD uint32_t sign_code(const uint8_t* codes, int64_t i) { return (codes[i >> 3] >> (i & 7)) & 1u; }
+// The first `nbytes` (<= 4) bytes of a word of codes, little endian: a block's partial last word.
+FC_HD void store_code_bytes(uint8_t* c, uint32_t word, int64_t nbytes) {
+  for (int64_t q = 0; q < nbytes; ++q) c[q] = static_cast<uint8_t>(word >> (8 * q));
+}
 // Flipping the sign bit is exactly IEEE negation; as integer math it vectorises without selects.
 FC_HD float sign_dequantize(uint32_t bit, float scale) { return u2f(f2u(scale) ^ (bit << 31)); }
 

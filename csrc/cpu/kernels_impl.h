@@ -75,9 +75,9 @@ static void decode_range(const uint8_t* payload, int64_t n, int64_t block, int64
     float* o = out + (i - i0);
     const int64_t len = e - i;
     if (C == kCodecInt8) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(codes) + i;
+      const uint8_t* q = codes + i;
       for (int64_t j = 0; j < len; ++j) {
-        float d = int_dequantize(static_cast<float>(q[j]), s);
+        float d = int_dequantize(int8_code(q[j]), s);
         if (ACC) o[j] += d; else o[j] = d;
       }
     } else if (C == kCodecInt4) {
@@ -117,7 +117,7 @@ static void decode_range(const uint8_t* payload, int64_t n, int64_t block, int64
       }
 #endif
       for (; j < len; ++j) {
-        float d = sign_dequantize((q[j >> 3] >> (j & 7)) & 1u, s);
+        float d = sign_dequantize(sign_code(q, j), s);
         if (ACC) o[j] += d; else o[j] = d;
       }
     }
@@ -173,8 +173,8 @@ static void encode_block(const typename Elem<DT>::T* xb, float* rb, int64_t i0, 
       q[j] = STOCH ? int_quantize_stochastic(v[j], p, qmax, random_unit(key, i0 + j))
                    : int_quantize(v[j], p, qmax);
     if (C == kCodecInt8) {
-      int8_t* c = reinterpret_cast<int8_t*>(codes) + i0;
-      for (int64_t j = 0; j < len; ++j) c[j] = static_cast<int8_t>(static_cast<int32_t>(q[j]));
+      uint8_t* c = codes + i0;
+      for (int64_t j = 0; j < len; ++j) c[j] = int8_pack(q[j]);
     } else {
       uint8_t* c = codes + i0 / 2;
       const int64_t pairs = len / 2;
@@ -196,24 +196,17 @@ static void encode_block(const typename Elem<DT>::T* xb, float* rb, int64_t i0, 
   const BlockParams p = sign_block_params(m, fold_lanes(lanes), len);
   scales[b] = p.scale;
   uint8_t* c = codes + i0 / 8;
-  const int64_t nbytes = (len + 7) / 8;
   // 32 values at a time into one little-endian word (byte t = values 8t..8t+7, low bit first:
   // the payload layout on little-endian hosts): a compare, shift and OR reduction that
-  // vectorises, where a byte at a time with a bounds test does not.
+  // vectorises, where a byte at a time with a bounds test does not. The tail's partial word is
+  // stored byte by byte, only the bytes that hold its values.
   const int64_t words = len / 32;
   for (int64_t w = 0; w < words; ++w) {
-    uint32_t word = 0;
-    for (int bit = 0; bit < 32; ++bit) word |= sign_bit(v[32 * w + bit]) << bit;
+    const uint32_t word = sign_pack(v + 32 * w, 32);
     memcpy(c + 4 * w, &word, 4);
   }
-  for (int64_t t = 4 * words; t < nbytes; ++t) {
-    uint32_t byte = 0;
-    for (int bit = 0; bit < 8; ++bit) {
-      const int64_t e = 8 * t + bit;
-      if (e < len) byte |= sign_bit(v[e]) << bit;
-    }
-    c[t] = static_cast<uint8_t>(byte);
-  }
+  if (const int64_t rest = len - 32 * words; rest > 0)
+    store_code_bytes(c + 4 * words, sign_pack(v + 32 * words, rest), (rest + 7) / 8);
   if (HAS_R && p.finite)
     for (int64_t e = 0; e < len; ++e) rb[e] = v[e] - sign_dequantize(sign_bit(v[e]), p.scale);
 }

@@ -144,13 +144,12 @@ __device__ __forceinline__ float decode1(const uint8_t* p, int64_t codes_offset,
     const float s = reinterpret_cast<const float*>(p)[i / block];
     const uint8_t* codes = p + codes_offset;
     if constexpr (C == kCodecInt8) {
-      return int_dequantize(static_cast<float>(reinterpret_cast<const int8_t*>(codes)[i]), s);
+      return int_dequantize(int8_code(codes[i]), s);
     } else if constexpr (C == kCodecInt4) {
-      const uint8_t b = codes[i >> 1];
-      return int_dequantize((i & 1) ? int4_hi(b) : int4_lo(b), s);
+      return int_dequantize(int4_code(codes, i), s);
     } else {
       static_assert(C == kCodecSign, "topk is decoded by scatter, not per element");
-      return sign_dequantize((codes[i >> 3] >> (i & 7)) & 1u, s);
+      return sign_dequantize(sign_code(codes, i), s);
     }
   }
 }
@@ -174,7 +173,7 @@ __device__ __forceinline__ void decode4(const uint8_t* p, int64_t codes_offset, 
       const uint32_t w = *reinterpret_cast<const uint32_t*>(codes + i);
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        d[e] = int_dequantize(static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(w >> (8 * e)))), s);
+        d[e] = int_dequantize(int8_code(static_cast<uint8_t>(w >> (8 * e))), s);
     } else if constexpr (C == kCodecInt4) {
       const uint32_t w = *reinterpret_cast<const uint16_t*>(codes + (i >> 1));
       const uint8_t b0 = static_cast<uint8_t>(w), b1 = static_cast<uint8_t>(w >> 8);
@@ -477,20 +476,15 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p, Src sr
           if constexpr (C == kCodecInt8) {
             uint8_t* c = codes + i0 + j;  // 4-byte aligned
             if (p.vec && cnt == 4) {
-              uint32_t w = 0;
-#pragma unroll
-              for (int e = 0; e < 4; ++e)
-                w |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int32_t>(q[e]))) << (8 * e);
-              *reinterpret_cast<uint32_t*>(c) = w;
+              *reinterpret_cast<uint32_t*>(c) = int8_pack4(q);
             } else {
-              for (int e = 0; e < cnt; ++e) c[e] = static_cast<uint8_t>(static_cast<int32_t>(q[e]));
+              for (int e = 0; e < cnt; ++e) c[e] = int8_pack(q[e]);
             }
           } else {
             static_assert(C == kCodecInt4, "a scaled integer codec without its packing here");
             uint8_t* c = codes + (i0 + j) / 2;  // 2-byte aligned
             if (p.vec && cnt == 4) {
-              *reinterpret_cast<uint16_t*>(c) = static_cast<uint16_t>(
-                  int4_pack(q[0], q[1]) | (static_cast<uint32_t>(int4_pack(q[2], q[3])) << 8));
+              *reinterpret_cast<uint16_t*>(c) = int4_pack4(q);
             } else {
               // Only the block's (and tensor's) last chunk can be partial: an odd tail element
               // pairs with code 0, as on the CPU.
@@ -523,8 +517,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p, Src sr
             if (p.vec && rem >= 32) {
               *reinterpret_cast<uint32_t*>(c) = word;
             } else {  // write exactly the bytes the CPU writes
-              const int nbytes = rem >= 32 ? 4 : (rem + 7) / 8;
-              for (int q = 0; q < nbytes; ++q) c[q] = static_cast<uint8_t>(word >> (8 * q));
+              store_code_bytes(c, word, rem >= 32 ? 4 : (rem + 7) / 8);
             }
           }
           if (in && p.residual && bp.finite) p.residual[i0 + j] = x - sign_dequantize(bit, bp.scale);

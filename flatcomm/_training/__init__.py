@@ -4,4 +4,4 @@
 checks of everything a checkpoint brings (``checks``). Private: users reach these through the
 integrations."""
 
-__all__: list = []  # nothing public: the integrations import its modules
+__all__: list = []  # nothing public: the parallel layer (ddp, fsdp, optim, ...) imports its modules

@@ -142,7 +142,7 @@ def hierarchical(cl: Cluster, numel: int, codec: str, intra_codec: str = "fp32",
     n, g = cl.nodes, cl.ranks_per_node
     if n == 1 or g == 1:
         return flat(cl, numel, codec)
-    if intra_codec != "fp32":
+    if not Codec(intra_codec).lossless:  # the node stages compress too
         return _staged(cl, numel, codec, intra_codec, segments)
     s, m, share = 4.0 * numel, numel / g, cl.compute_share
     k = len(two_level.segments_of(int(m), 1, segments, nodes=n)) - 1  # the segments flatcomm.hierarchical cuts

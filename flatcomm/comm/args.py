@@ -235,7 +235,7 @@ def setup(group, codec: CodecLike, mode: str, op: OpLike):
     """(codec, world, rank, scale) of a call, after checking mode and codec."""
     mode = mode_arg(mode)
     c = codec_arg(codec, mode)
-    if mode == "exact" and c.name != "fp32":
+    if mode == "exact" and not c.lossless:
         raise ValueError("flatcomm: mode='exact' sums exact fixed point of the values; use codec='fp32' with it")
     world = dist.get_world_size(group)
     return c, world, dist.get_rank(group), reduce_scale(op, world)

@@ -43,7 +43,7 @@ _NO_EXACT = header.exact_fields("ordered", 0, 0)
 
 def forwards_payloads(codec, intra: Codec, dtype: torch.dtype) -> bool:
     """Whether :func:`all_reduce` (payload forwarding) applies, else :func:`staged`."""
-    return isinstance(codec, Codec) and intra.name == "fp32" and dtype == torch.float32
+    return isinstance(codec, Codec) and intra.lossless and dtype == torch.float32
 
 
 def _plan(numel: int, topo: Topology, align: int) -> Plan:

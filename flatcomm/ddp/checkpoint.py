@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .._training import checks as check
 from .. import collectives as C
-from ..ops.codecs import CODECS
+from ..ops.codecs import CODECS, Codec
 
 __all__ = ["STATE_DICT_VERSION", "load_state_dict", "reshard", "resharded_state_dict", "state_dict"]
 
@@ -218,7 +218,8 @@ def _refuse_missing_residuals(state, sd: dict) -> None:
     """A per-rank dict without residuals: fine from a State that had none, refused where residuals
     must have existed (or exist here), since loading it would drop them silently."""
     held = any(b.ef.client.any() or b.ef.server.any() for b in state.residuals.bufs.values())
-    saved_lossy = (sd.get("error_feedback") is True and sd.get("codec") not in ("fp32", "auto")
+    saved_lossy = (sd.get("error_feedback") is True and sd.get("codec") != "auto"
+                   and not (sd.get("codec") in CODECS and Codec(sd["codec"]).lossless)
                    and isinstance(sd.get("step"), int) and sd["step"] > state.start_step)
     if held or saved_lossy:
         why = ("this State holds residuals that loading it would wipe" if held else

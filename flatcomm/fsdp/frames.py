@@ -16,7 +16,7 @@ public information (the sharded parameters are DTensors whose placements give th
   (:func:`fsdp1_param_ranges`: ``_numels_with_padding``, ``_is_padding_mask``, ``_fqns``,
   ``_shapes`` and, with ``use_orig_params``, ``_params``).
 * Tests compare the public layout with FSDP's own (:func:`fsdp2_param_groups`).
-* FSDP2 quantized weights (:mod:`flatcomm.fsdp_weights`): whether a module can still take
+* FSDP2 quantized weights (:mod:`flatcomm.fsdp.weights`): whether a module can still take
   all-gather hooks (:func:`fsdp2_weight_problem`: ``FSDPParam._unsharded_param``,
   ``all_gather_outputs``, ``offload_to_cpu``, ``is_dtensor``); the hooks themselves are FSDP's
   public extension, looked for by ``FSDPParam._init_extensions`` at init and lazy init, which
@@ -164,7 +164,7 @@ def check() -> List[str]:
     return problems
 
 
-# ---- FSDP2 weight all-gathers (flatcomm.fsdp_weights) ----------------------------------------------
+# ---- FSDP2 weight all-gathers (flatcomm.fsdp.weights) ----------------------------------------------
 
 
 def _check_weights(fsdp_param_cls: type) -> List[str]:

@@ -90,14 +90,14 @@ import torch.distributed as dist
 
 from . import frames as _private
 from ..comm.header import all_gather_single
-from ..ops.codecs import Codec, decode_rows, encode, resolve
+from ..ops.codecs import WEIGHT_CODECS, Codec, decode_rows, encode, resolve
 
 __all__ = ["WEIGHT_CODECS", "QuantizedWeight", "WeightAllGather", "Weights", "apply", "decode_rows_into",
            "weight_codec"]
 
-# Codecs a weight may be gathered with. sign and topk are refused: without error feedback they
-# would replace the weights by their signs / by zeros outside the largest 1%.
-WEIGHT_CODECS = ("fp32", "bf16", "fp16", "int8", "int4")
+# WEIGHT_CODECS (the codec table's `weights` column): the codecs a weight may be gathered with. sign
+# and topk are refused: without error feedback they would replace the weights by their signs / by
+# zeros outside the largest 1%.
 
 
 def weight_codec(weights: Any, block_size: Optional[int] = None) -> Codec:
@@ -108,7 +108,7 @@ def weight_codec(weights: Any, block_size: Optional[int] = None) -> Codec:
     if not isinstance(weights, (str, Codec)):
         raise TypeError(f"flatcomm: weights must be a codec name or a flatcomm.Codec, got {weights!r}")
     c = resolve(weights, block_size)
-    if c.name not in WEIGHT_CODECS:
+    if not c.for_weights:
         raise ValueError(f"flatcomm: {c.name!r} cannot gather weights (no error feedback there: the weights "
                          f"themselves would be replaced); use one of {', '.join(WEIGHT_CODECS)}")
     return c

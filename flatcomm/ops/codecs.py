@@ -15,27 +15,74 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Optional, Union, overload
+from typing import Dict, Optional, Union, overload
 
 import torch
 
 from .native import extension, ops
 
 __all__ = [
-    "BLOCKWISE", "CODECS", "Codec", "CodecLike", "DEFAULT_BLOCK_SIZE", "DEFAULT_TOPK_RATIO", "MAX_NUMEL",
-    "NOMINAL_REL_ERROR", "PRECISION", "decode", "decode_rows", "decode_sum", "encode", "reencode_sum", "resolve", "wire_bytes"
+    "BLOCKWISE", "CODECS", "Codec", "CodecFacts", "CodecLike", "DEFAULT_BLOCK_SIZE", "DEFAULT_TOPK_RATIO",
+    "MAX_NUMEL", "NOMINAL_REL_ERROR", "PRECISION", "STOCHASTIC", "TABLE", "WEIGHT_CODECS", "decode", "decode_rows",
+    "decode_sum", "encode", "reencode_sum", "resolve", "wire_bytes"
 ]
 
-# The codec list, in the order of the C++ codec ids (csrc/ops_common.h parse_codec; cupy_backend's
-# CODEC_IDS mirror them below this layer): everything above imports it from here.
-CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk")
-BLOCKWISE = ("int8", "int4", "sign")  # one scale per block of values
+
+@dataclasses.dataclass(frozen=True)
+class CodecFacts:
+    """One row of the codec table: what the kernels know of a codec (``csrc/core/dispatch.h``
+    ``FLATCOMM_CODECS``, reported by ``_C.constants()``) and what the layers above decide about it
+    (:data:`_POLICY`)."""
+
+    name: str
+    id: int  # its position in the C++ list; on the wire in the consistency check
+    kind: str  # "cast", "scaled_int", "scaled_sign" or "sparse" (topk)
+    bits: int  # cast: per value; scaled: per code; sparse: per entry
+    stochastic: bool  # encode takes stochastic=True
+    dtype: Optional[torch.dtype]  # the dtype a cast codec stores, else None
+    nominal_rel_error: Optional[float]  # for codec="auto" and the backoffs; None: never chosen
+    weights: bool  # FSDP2 quantized weight all-gathers may use it
+
+
+# The layers' decisions per codec, one row each. nominal_rel_error: ||x - decode(encode(x))|| / ||x||
+# for Gaussian x with flatcomm's default blocks (absmax scaling: int8 step max/127, int4 max/7, sign
+# at the block's mean magnitude: sqrt(1 - 2/pi)); only codecs with one are candidates of
+# codec="auto" and the backoffs. weights: the decoded weights stay usable (sign and topk would
+# replace them).
+_POLICY = {
+    "fp32": {"nominal_rel_error": 0.0, "weights": True},
+    "bf16": {"nominal_rel_error": 0.0023, "weights": True},
+    "fp16": {"nominal_rel_error": None, "weights": True},
+    "int8": {"nominal_rel_error": 0.0065, "weights": True},
+    "int4": {"nominal_rel_error": 0.12, "weights": True},
+    "sign": {"nominal_rel_error": 0.60, "weights": False},
+    "topk": {"nominal_rel_error": None, "weights": False},
+}
+
+
+def _table() -> Dict[str, CodecFacts]:
+    k = extension.constants()
+    dtypes = {k["dtype_f32"]: torch.float32, k["dtype_bf16"]: torch.bfloat16, k["dtype_f16"]: torch.float16}
+    missing = [row["name"] for row in k["codecs"] if row["name"] not in _POLICY]
+    if missing:  # a codec added to the C++ list without its Python row (csrc/README.md, "Adding a codec")
+        raise ImportError(f"flatcomm: codec(s) {', '.join(missing)} of the C++ list have no row in "
+                          "flatcomm/ops/codecs.py _POLICY")
+    return {row["name"]: CodecFacts(row["name"], row["id"], row["kind"], row["bits"], row["stochastic"],
+                                    dtypes.get(row["dtype"]), **_POLICY[row["name"]])
+            for row in k["codecs"]}
+
+
+# The codec table, in the order of the C++ codec ids. Every codec list and property of the package
+# comes from it: everything above imports them from here.
+TABLE = _table()
+CODECS = tuple(TABLE)
+BLOCKWISE = tuple(c for c, f in TABLE.items() if f.kind in ("scaled_int", "scaled_sign"))  # one scale per block
 # The codecs the auto-tuner and the backoffs choose from, most precise first.
-PRECISION = ("fp32", "bf16", "int8", "int4", "sign")
-# ||x - decode(encode(x))|| / ||x|| for Gaussian x with flatcomm's default blocks (absmax scaling:
-# int8 step max/127, int4 max/7, sign at the block's mean magnitude: sqrt(1 - 2/pi)).
-NOMINAL_REL_ERROR = {"fp32": 0.0, "bf16": 0.0023, "int8": 0.0065, "int4": 0.12, "sign": 0.60}
-_CAST_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISION = tuple(sorted((c for c, f in TABLE.items() if f.nominal_rel_error is not None),
+                         key=lambda c: TABLE[c].nominal_rel_error))
+NOMINAL_REL_ERROR = {c: TABLE[c].nominal_rel_error for c in PRECISION}
+WEIGHT_CODECS = tuple(c for c, f in TABLE.items() if f.weights)  # fsdp.weights
+STOCHASTIC = tuple(c for c, f in TABLE.items() if f.stochastic)
 # Shards of a non-blockwise codec start on multiples of this many values (16-byte payload pieces).
 _CAST_ALIGN = 32
 
@@ -70,12 +117,28 @@ class Codec:
             raise ValueError(
                 f"flatcomm: block_size must be a multiple of 32 in [32, 4096], got {self.block_size}"
             )
-        if self.name == "topk" and not (0.0 < self.ratio <= 1.0):
+        if self.sparse and not (0.0 < self.ratio <= 1.0):
             raise ValueError(f"flatcomm: topk ratio must be in (0, 1], got {self.ratio}")
 
     @property
+    def facts(self) -> CodecFacts:
+        """This codec's row of :data:`TABLE`."""
+        return TABLE[self.name]
+
+    @property
     def lossless(self) -> bool:
-        return self.name == "fp32"
+        """Decoding gives back every fp32 value bit for bit (a cast to fp32)."""
+        return self.facts.dtype == torch.float32
+
+    @property
+    def cast(self) -> bool:
+        """The payload is the values themselves, cast to :attr:`dtype` (fp32, bf16, fp16)."""
+        return self.facts.kind == "cast"
+
+    @property
+    def sparse(self) -> bool:
+        """Sends a selection of the values, as index + value (topk)."""
+        return self.facts.kind == "sparse"
 
     @property
     def blockwise(self) -> bool:
@@ -83,9 +146,19 @@ class Codec:
         return self.name in BLOCKWISE
 
     @property
+    def stochastic(self) -> bool:
+        """``encode`` can round stochastically (``stochastic=True``)."""
+        return self.facts.stochastic
+
+    @property
+    def for_weights(self) -> bool:
+        """FSDP2 quantized weight all-gathers may use it (:data:`WEIGHT_CODECS`)."""
+        return self.facts.weights
+
+    @property
     def dtype(self) -> Optional[torch.dtype]:
         """The dtype a cast codec sends (its payload is the values themselves), else None."""
-        return _CAST_DTYPES.get(self.name)
+        return self.facts.dtype
 
     @property
     def align(self) -> int:
@@ -102,11 +175,11 @@ class Codec:
     def reencodes_fused(self) -> bool:
         """A sum can be re-encoded in the fused decode-sum pass; topk re-selects on the whole
         reduced shard instead."""
-        return self.name != "topk"
+        return not self.sparse
 
     def k(self, numel: int) -> int:
         """Values kept by topk for ``numel`` inputs (0 for other codecs)."""
-        if self.name != "topk" or numel == 0:
+        if not self.sparse or numel == 0:
             return 0
         return min(numel, max(1, math.ceil(self.ratio * numel)))
 

@@ -31,9 +31,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..ops.codecs import BLOCKWISE, CODECS, PRECISION, Codec
+
 __all__ = ["fuzz", "kills", "main"]
 
-CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk")
+# The fuzz draws from every codec of the codec table (flatcomm.ops.codecs); an intra-node codec is
+# one of the two most precise lossy ones.
+INTRA_CODECS = PRECISION[1:3]
 SIZES = (0, 1, 7, 100, 1000, 4099, 30011)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -45,15 +49,15 @@ def _spec(rng: random.Random, world: int, two_level: bool) -> Dict[str, Any]:
     kind = rng.choice(("all_reduce", "all_reduce", "reduce_scatter", "all_gather"))
     mode = "exact" if kind != "all_gather" and rng.random() < 0.15 else "ordered"
     codec: Any = "fp32" if mode == "exact" else rng.choice(CODECS)
-    if codec in ("int8", "int4", "sign") and rng.random() < 0.3:
+    if codec in BLOCKWISE and rng.random() < 0.3:
         codec = ("codec", codec, rng.choice((32, 64, 512)), None)
-    elif codec == "topk" and rng.random() < 0.5:
+    elif Codec(codec).sparse and rng.random() < 0.5:
         codec = ("codec", codec, 256, rng.choice((0.001, 0.05, 0.3)))
     s = {"kind": kind, "numel": rng.choice(SIZES), "dtype": rng.randrange(3) if mode == "ordered" else 0,
          "codec": codec, "op": rng.choice(("avg", "sum")), "mode": mode,
          "chunks": rng.choice((None, None, 1, 3)), "residual": rng.random() < 0.4 and mode == "ordered",
          "async_op": rng.random() < 0.3, "two_level": two_level and rng.random() < 0.5,
-         "intra_codec": "fp32" if mode == "exact" or rng.random() < 0.7 else rng.choice(("bf16", "int8"))}
+         "intra_codec": "fp32" if mode == "exact" or rng.random() < 0.7 else rng.choice(INTRA_CODECS)}
     return s
 
 

@@ -170,9 +170,10 @@ inline void ref_decode(const uint8_t* p, int32_t codec, int64_t n, int64_t block
     const uint8_t* c = p + L.codes_offset;
     if (codec == kCodecInt8) out[i] = static_cast<float>(static_cast<int8_t>(c[i])) * s;
     else if (codec == kCodecInt4) out[i] = static_cast<float>(((c[i / 2] >> (4 * (i & 1))) & 15) - 8) * s;
-    else out[i] = ((c[i / 8] >> (i & 7)) & 1) ? -s : s;
+    else if (codec == kCodecSign) out[i] = ((c[i / 8] >> (i & 7)) & 1) ? -s : s;
   }
 }
+static_assert(kNumCodecs == 7, "ref_decode: a new codec needs its branch above");
 
 // Same value, or both NaN (the one documented freedom: which NaN).
 inline bool same_float(float a, float b) {

@@ -1,0 +1,53 @@
+"""The markers that `make test-fast` selects on: every test that starts processes is marked
+``multiprocess`` (tests/conftest.py finds them from the source), and the smoke set names tests that
+exist."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from _support import markers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_spawning_functions_follow_the_call_graph():
+    src = (
+        "def _rank_main(rank, world):\n    return rank\n"
+        "def _results(world):\n    return spawn.run(world, _rank_main)\n"
+        "def ranks():\n    return _results(2)\n"
+        "def any_world(request):\n    return request.getfixturevalue('ranks')\n"
+        "def test_a(ranks):\n    assert ranks\n"
+        "def test_b():\n    assert _results(3)\n"
+        "def test_single():\n    assert 1\n"
+        "def test_link():\n    with Link(2, '1gbit') as link:\n        pass\n"
+        "def test_cli():\n    subprocess.run([sys.executable, '-m', \"flatcomm.bench\", 'ddp'])\n"
+    )
+    found = markers.spawning_functions(src)
+    assert found == {"_results", "ranks", "any_world", "test_b", "test_link", "test_cli"}
+    # A module that starts nothing has no spawning functions, getfixturevalue or not.
+    assert markers.spawning_functions("def f(request):\n    request.getfixturevalue('x')\n") == set()
+
+
+def _collected(*args: str) -> set:
+    p = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "--collect-only", "-p", "no:cacheprovider",
+                        *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return {line.strip() for line in p.stdout.splitlines() if "::" in line}
+
+
+def test_the_fast_loop_keeps_the_smoke_set_and_drops_the_spawning_tests():
+    files = ["tests/test_ddp.py", "tests/test_collectives.py", "tests/test_encode_decode.py"]
+    everything = _collected(*files)
+    fast = _collected(*files, "-m", "not multiprocess and not slow or smoke")
+    smoke = _collected(*files, "-m", "smoke")
+    dropped = everything - fast
+    assert smoke and smoke <= fast and dropped
+    assert all(t.startswith(("tests/test_ddp.py", "tests/test_collectives.py")) for t in dropped)
+    assert {t for t in everything if t.startswith("tests/test_encode_decode.py")} <= fast
+    assert "tests/test_ddp.py::test_fp32_matches_float64_average_and_is_bitwise_reproducible[2]" in smoke
+    assert "tests/test_ddp.py::test_fp32_matches_float64_average_and_is_bitwise_reproducible[3]" in dropped
+    assert sum(t.startswith("tests/test_collectives.py") for t in smoke) == len(
+        [t for t in everything if t.startswith("tests/test_collectives.py::test_collectives[2-")])
