@@ -69,11 +69,12 @@ def _from_env() -> Settings:
 def configure(group=None, *, mode: Optional[str] = None, codec: Optional[str] = None,
               topology: Optional[Topology] = None, local_size: Optional[int] = None) -> Settings:
     """Set how the flatcomm backend reduces on ``group`` (None: the default for every group that
-    has no settings of its own). Unset keywords keep the group's current value. Call it at a point
+    has no settings of its own). Unset keywords keep the group's current value (a group without
+    settings of its own starts from the default's). Call it at a point
     every rank reaches, with the same values on every rank (a mismatch raises at the next reduction,
     on every rank: the call header compares mode and codec). Returns the group's new settings."""
     with _lock:
-        old = _by_group.get(id(group), (None, _from_env()))[1]
+        old = _lookup(group)
         changes = {k: v for k, v in dict(mode=mode, codec=codec, topology=topology, local_size=local_size).items()
                    if v is not None}
         new = dataclasses.replace(old, **changes)
@@ -82,14 +83,18 @@ def configure(group=None, *, mode: Optional[str] = None, codec: Optional[str] = 
         return new
 
 
+def _lookup(group) -> Settings:
+    for key in (id(group), id(None)):
+        entry = _by_group.get(key)
+        if entry is not None and (key == id(None) or entry[0] is group):
+            return entry[1]
+    return _from_env()
+
+
 def settings_for(group) -> Settings:
     """The settings of ``group`` (its own, else the default set with ``configure()``, else the env)."""
     with _lock:
-        for key in (id(group), id(None)):
-            entry = _by_group.get(key)
-            if entry is not None and (key == id(None) or entry[0] is group):
-                return entry[1]
-    return _from_env()
+        return _lookup(group)
 
 
 def topology_for(group, settings: Settings, is_default: bool) -> Optional[Topology]:
