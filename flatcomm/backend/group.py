@@ -128,6 +128,70 @@ class FlatcommGroup(dist.ProcessGroup):
         return _reduce.reduce_scatter(self, list(outputs), list(inputs), how, self._wait_limit(opts))
 
 
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    # ---- passed through, called on the inner backend from Python -----------------------------------
+    # pybind's trampoline calls the base class's op while holding the GIL, and a gloo thread that
+    # frees a finished work needs the GIL to drop its tensors' Python objects while it holds gloo's
+    # queue lock: a deadlock with the next op enqueued under the GIL. The inner backend's Python
+    # bindings release the GIL, so every op goes through one of them.
+
+    def broadcast(self, tensors, opts=None):
+        return self._inner(tensors[0]).broadcast(tensors, opts if opts is not None else dist.BroadcastOptions())
+
+    def allgather(self, output_lists, inputs, opts=None):
+        return self._inner(inputs[0]).allgather(output_lists, inputs,
+                                                opts if opts is not None else dist.AllgatherOptions())
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        return self._inner(inputs[0]).allgather_coalesced(output_lists, inputs,
+                                                          opts if opts is not None else dist.AllgatherOptions())
+
+    def all_gather_single(self, output, input, opts=None):
+        return self._inner(input)._allgather_base(output, input, opts if opts is not None else dist.AllgatherOptions())
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        inner = self._inner(inputs[0])
+        return InnerWorks([inner._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)], list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
+        return self._inner(input).alltoall_base(output, input, output_splits, input_splits,
+                                                opts if opts is not None else dist.AllToAllOptions())
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs, inputs, opts=None):
+        return self._inner(inputs[0]).alltoall(outputs, inputs, opts if opts is not None else dist.AllToAllOptions())
+
+    def gather(self, output_lists, inputs, opts=None):
+        return self._inner(inputs[0]).gather(output_lists, inputs, opts if opts is not None else dist.GatherOptions())
+
+    def scatter(self, outputs, input_lists, opts=None):
+        return self._inner(outputs[0]).scatter(outputs, input_lists,
+                                               opts if opts is not None else dist.ScatterOptions())
+
+    def send(self, tensors, dst, tag=0):
+        return self._inner(tensors[0]).send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag=0):
+        return self._inner(tensors[0]).recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        return self._inner(tensors[0]).recv_anysource(tensors, tag)
+
+    def barrier(self, opts=None):
+        return self._get_backend(torch.device("cpu")).barrier(opts if opts is not None else dist.BarrierOptions())
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        gloo = self._get_backend(torch.device("cpu"))
+        return gloo.monitored_barrier(timeout if timeout is not None else self._timeout, wait_all_ranks)
+
+
 def create(dist_opts, backend_options=None) -> FlatcommGroup:
     """The creator ``Backend.register_backend(..., extended_api=True)`` calls for every group."""
     return FlatcommGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout,
