@@ -3,9 +3,9 @@
 torch 2.13 lets a Python ``dist.ProcessGroup`` subclass be a backend (``Backend.register_backend``
 with a creator that returns one). Its inner backends, registered on it per device (gloo for CPU
 tensors, NCCL for CUDA where torch has it, made from the same store under their own prefix), carry
-every op this class does not override, through torch's own dispatch: broadcast, barrier,
-send/recv, all-gather, all-to-all, gather/scatter. The overrides below take the reductions; those
-that flatcomm does not change (integers, MAX/MIN...) go to the inner backend too.
+every op flatcomm does not change: broadcast, barrier, send/recv, all-gather, all-to-all,
+gather/scatter, and the reductions of integers or with MAX/MIN/PRODUCT/bitwise ops. Each is a
+method here that calls the inner backend's binding (see the note above the pass-through methods).
 
 torch calls these methods by these names from Python (``dist.all_reduce`` -> ``allreduce``,
 ``dist.reduce_scatter_tensor`` -> ``reduce_scatter_single``) and from C++ through pybind's trampoline
@@ -126,7 +126,6 @@ class FlatcommGroup(dist.ProcessGroup):
             return InnerWorks([inner._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)],
                               list(outputs))
         return _reduce.reduce_scatter(self, list(outputs), list(inputs), how, self._wait_limit(opts))
-
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
