@@ -29,6 +29,8 @@ FLOORS: List[Tuple[str, List[str]]] = [
     ("autotune", ["flatcomm.autotune.costmodel", "flatcomm.autotune.tiers", "flatcomm.autotune.costs",
                   "flatcomm.autotune.profiles", "flatcomm.autotune.race", "flatcomm.autotune.tuner"]),
     ("facade", ["flatcomm.collectives", "flatcomm.hierarchical"]),
+    ("backend", ["flatcomm.backend.settings", "flatcomm.backend.work", "flatcomm.backend.reduce",
+                 "flatcomm.backend.group"]),
     ("training", ["flatcomm._training.checks", "flatcomm._training.residual_store", "flatcomm._training.adapt",
                   "flatcomm._training.options"]),
     ("parallel", ["flatcomm.ddp.accordion", "flatcomm.ddp.stats", "flatcomm.ddp.tiers", "flatcomm.ddp.residuals",

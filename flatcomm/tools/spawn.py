@@ -19,12 +19,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, world, init_file, timeout_s, threads, fn, args, queue):
+def _entry(rank, world, init_file, timeout_s, threads, fn, args, queue, backend="gloo"):
     import torch
 
     try:
         torch.set_num_threads(threads)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+        if "flatcomm" in backend:
+            import flatcomm.backend  # noqa: F401 - registers the backend
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
         try:
             result = fn(rank, world, *args)
@@ -39,15 +41,16 @@ def _entry(rank, world, init_file, timeout_s, threads, fn, args, queue):
 
 
 def run(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
-        threads: int = 1, run_s: Optional[float] = None) -> List[Any]:
+        threads: int = 1, run_s: Optional[float] = None, backend: str = "gloo") -> List[Any]:
     """Run ``fn`` on ``world`` gloo ranks and return their results (picklable) in rank order.
     ``timeout_s``: the process group's timeout; ``run_s``: how long the whole run may take
-    (default ``timeout_s`` + 60 s)."""
+    (default ``timeout_s`` + 60 s); ``backend``: of the default group (``"flatcomm"``: the
+    backend of :mod:`flatcomm.backend`)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_entry, args=(r, world, init_file, timeout_s, threads, fn, args, queue))
+        procs = [ctx.Process(target=_entry, args=(r, world, init_file, timeout_s, threads, fn, args, queue, backend))
                  for r in range(world)]
         for p in procs:
             p.start()

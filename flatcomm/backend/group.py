@@ -1,0 +1,197 @@
+"""The ``flatcomm`` process group: torch.distributed's ops, with flatcomm's sums for float reductions.
+
+torch 2.13 lets a Python ``dist.ProcessGroup`` subclass be a backend (``Backend.register_backend``
+with a creator that returns one). Its inner backends, registered on it per device (gloo for CPU
+tensors, NCCL for CUDA where torch has it, made from the same store under their own prefix), carry
+every op flatcomm does not change: broadcast, barrier, send/recv, all-gather, all-to-all,
+gather/scatter, and the reductions of integers or with MAX/MIN/PRODUCT/bitwise ops. Each is a
+method here that calls the inner backend's binding (see the note above the pass-through methods).
+
+torch calls these methods by these names from Python (``dist.all_reduce`` -> ``allreduce``,
+``dist.reduce_scatter_tensor`` -> ``reduce_scatter_single``) and from C++ through pybind's trampoline
+(DDP's reducer and functional collectives: ``allreduce``, ``allreduce_coalesced``, ``reduce_scatter``,
+``reduce_scatter_tensor_coalesced``). ``reduce`` is overridden for Python callers only: C++ code
+calling ``reduce`` on this group reaches gloo's sum.
+
+flatcomm's collectives run on flatcomm's private copy of this group (itself a flatcomm group, made
+by ``dist.new_group`` at the group's first float reduction: a collective of the group's members),
+so they never pair with the caller's own ops on this group.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore
+
+from ..collectives import group_timeout
+from . import reduce as _reduce
+from .work import InnerWorks
+
+__all__ = ["FlatcommGroup", "create"]
+
+NAME = "flatcomm"
+
+
+def _inner_backends(store, rank: int, size: int, timeout: datetime.timedelta, group_name: str,
+                    ranks: List[int]) -> list:
+    """(device, backend type, backend) of the inner transports: gloo for CPU, NCCL for CUDA."""
+    gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout=timeout)
+    gloo.options.global_ranks_in_group = ranks
+    gloo.options.group_name = group_name
+    gloo._set_sequence_number_for_group()
+    out = [(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)]
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        opts.global_ranks_in_group = ranks
+        opts.group_name = group_name
+        nccl = dist.ProcessGroupNCCL(PrefixStore("nccl/", store), rank, size, opts)
+        out.append((torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl))
+    return out
+
+
+class FlatcommGroup(dist.ProcessGroup):
+    """A process group whose float SUM / AVG / PREMUL_SUM reductions are flatcomm's ordered or exact
+    sums (:mod:`flatcomm.backend.settings` says which), everything else its inner backend's."""
+
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, group_name: str = "",
+                 ranks: Optional[List[int]] = None):
+        super().__init__(rank, size)
+        self._timeout = timeout
+        for device, kind, backend in _inner_backends(store, rank, size, timeout, group_name,
+                                                     ranks if ranks is not None else list(range(size))):
+            self._register_backend(device, kind, backend)
+        self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+
+    def getBackendName(self) -> str:
+        return NAME
+
+    def _inner(self, t: torch.Tensor):
+        return self._get_backend(t.device)
+
+    def _wait_limit(self, opts) -> Optional[datetime.timedelta]:
+        t = getattr(opts, "timeout", None)
+        if isinstance(t, datetime.timedelta) and t.total_seconds() > 0:
+            return t
+        return group_timeout(self) or self._timeout
+
+    # ---- reductions flatcomm runs (the rest: the inner backend) ------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        how = _reduce.plan(opts.reduceOp, tensors)
+        if how is None:
+            return self._inner(tensors[0]).allreduce(tensors, opts)
+        return _reduce.all_reduce(self, list(tensors), how, self._wait_limit(opts))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        how = _reduce.plan(opts.reduceOp, tensors)
+        if how is None:
+            return self._inner(tensors[0]).allreduce_coalesced(tensors, opts)
+        return _reduce.all_reduce(self, list(tensors), how, self._wait_limit(opts))
+
+    def reduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.ReduceOptions()
+        how = _reduce.plan(opts.reduceOp, tensors)
+        if how is None:
+            return self._inner(tensors[0]).reduce(tensors, opts)
+        return _reduce.reduce(self, list(tensors), opts.rootRank, how, self._wait_limit(opts))
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        how = _reduce.plan(opts.reduceOp, list(outputs) + [t for ts in input_lists for t in ts])
+        if how is None:
+            return self._inner(outputs[0]).reduce_scatter(outputs, input_lists, opts)
+        return _reduce.reduce_scatter_lists(self, list(outputs), [list(ts) for ts in input_lists], how,
+                                            self._wait_limit(opts))
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        how = _reduce.plan(opts.reduceOp, [output, input])
+        if how is None:
+            return self._inner(output)._reduce_scatter_base(output, input, opts)
+        return _reduce.reduce_scatter(self, [output], [input], how, self._wait_limit(opts))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        how = _reduce.plan(opts.reduceOp, list(outputs) + list(inputs))
+        if how is None:
+            inner = self._inner(outputs[0])
+            return InnerWorks([inner._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)],
+                              list(outputs))
+        return _reduce.reduce_scatter(self, list(outputs), list(inputs), how, self._wait_limit(opts))
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    # ---- passed through, called on the inner backend from Python -----------------------------------
+    # pybind's trampoline calls the base class's op while holding the GIL, and a gloo thread that
+    # frees a finished work needs the GIL to drop its tensors' Python objects while it holds gloo's
+    # queue lock: a deadlock with the next op enqueued under the GIL. The inner backend's Python
+    # bindings release the GIL, so every op goes through one of them.
+
+    def broadcast(self, tensors, opts=None):
+        return self._inner(tensors[0]).broadcast(tensors, opts if opts is not None else dist.BroadcastOptions())
+
+    def allgather(self, output_lists, inputs, opts=None):
+        return self._inner(inputs[0]).allgather(output_lists, inputs,
+                                                opts if opts is not None else dist.AllgatherOptions())
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        return self._inner(inputs[0]).allgather_coalesced(output_lists, inputs,
+                                                          opts if opts is not None else dist.AllgatherOptions())
+
+    def all_gather_single(self, output, input, opts=None):
+        return self._inner(input)._allgather_base(output, input, opts if opts is not None else dist.AllgatherOptions())
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        inner = self._inner(inputs[0])
+        return InnerWorks([inner._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)], list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
+        return self._inner(input).alltoall_base(output, input, output_splits, input_splits,
+                                                opts if opts is not None else dist.AllToAllOptions())
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs, inputs, opts=None):
+        return self._inner(inputs[0]).alltoall(outputs, inputs, opts if opts is not None else dist.AllToAllOptions())
+
+    def gather(self, output_lists, inputs, opts=None):
+        return self._inner(inputs[0]).gather(output_lists, inputs, opts if opts is not None else dist.GatherOptions())
+
+    def scatter(self, outputs, input_lists, opts=None):
+        return self._inner(outputs[0]).scatter(outputs, input_lists,
+                                               opts if opts is not None else dist.ScatterOptions())
+
+    def send(self, tensors, dst, tag=0):
+        return self._inner(tensors[0]).send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag=0):
+        return self._inner(tensors[0]).recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        return self._inner(tensors[0]).recv_anysource(tensors, tag)
+
+    def barrier(self, opts=None):
+        return self._get_backend(torch.device("cpu")).barrier(opts if opts is not None else dist.BarrierOptions())
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        gloo = self._get_backend(torch.device("cpu"))
+        return gloo.monitored_barrier(timeout if timeout is not None else self._timeout, wait_all_ranks)
+
+
+def create(dist_opts, backend_options=None) -> FlatcommGroup:
+    """The creator ``Backend.register_backend(..., extended_api=True)`` calls for every group."""
+    return FlatcommGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout,
+                         str(dist_opts.group_id), list(dist_opts.global_ranks_in_group))

@@ -1,0 +1,116 @@
+"""The reductions the flatcomm backend runs itself, through :mod:`flatcomm.collectives`.
+
+Which calls: float tensors (fp32, bf16, fp16) with op SUM, AVG or PREMUL_SUM (:func:`plan`); every
+other reduction (integers, MAX/MIN/PRODUCT/bitwise) goes to the inner backend, where it is exact
+anyway. Each element's result depends only on the ranks' values for that element, so a tensor
+reduced alone, at an offset of a larger one, in pieces, or coalesced with others gets the same bits;
+that is why a coalesced call may simply be staged into one flat buffer per dtype.
+
+PREMUL_SUM(f) multiplies each rank's input by f (in the input's dtype) before the sum, as NCCL
+does; AVG divides the sum by the group size once, after the sum.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import collectives
+from .settings import settings_for, topology_for
+from .work import ReductionWork
+
+__all__ = ["FLOATS", "all_reduce", "plan", "reduce", "reduce_scatter", "reduce_scatter_lists"]
+
+FLOATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def plan(op, tensors: Sequence[torch.Tensor]) -> Optional[Tuple[str, object]]:
+    """(flatcomm op, pre-factor or None) when flatcomm reduces these tensors, None to pass through."""
+    if not tensors or any(not isinstance(t, torch.Tensor) or t.dtype not in FLOATS or t.layout != torch.strided
+                          or t.device.type not in ("cpu", "cuda") for t in tensors):
+        return None
+    if op == dist.ReduceOp.SUM:
+        return "sum", None
+    if op == dist.ReduceOp.AVG:
+        return "avg", None
+    if op == dist.ReduceOp.PREMUL_SUM:
+        return "sum", op.factor
+    return None
+
+
+def _call_args(pg, dtype: torch.dtype) -> dict:
+    """codec / mode / group-or-topology of a reduction on ``pg`` (the group's :class:`Settings`)."""
+    s = settings_for(pg)
+    codec = "fp32" if s.mode == "exact" else (s.codec or FLOATS[dtype])
+    topo = topology_for(pg, s, pg is dist.group.WORLD)
+    where = {"topology": topo} if topo is not None and not topo.flat else {"group": pg}
+    return dict(codec=codec, mode=s.mode, async_op=True, **where)
+
+
+def _staged(tensors: Sequence[torch.Tensor], factor) -> torch.Tensor:
+    """One flat copy of ``tensors`` (the same dtype), pre-multiplied by ``factor`` if given."""
+    buf = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
+    if factor is not None:
+        buf.mul_(factor)
+    return buf
+
+
+def _copy_back(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+    def finish():
+        for dst, flat in pairs:
+            off = 0
+            for t in dst:
+                t.copy_(flat[off:off + t.numel()].view(t.shape))
+                off += t.numel()
+    return finish
+
+
+def all_reduce(pg, tensors: List[torch.Tensor], how: Tuple[str, object],
+               timeout: Optional[datetime.timedelta], root: Optional[int] = None) -> ReductionWork:
+    """All-reduce ``tensors`` in place (coalesced: staged per dtype). ``root``: a reduce, where
+    only that rank's tensors receive the result."""
+    name, factor = how
+    t = tensors[0]
+    if len(tensors) == 1 and t.is_contiguous() and factor is None and root is None:
+        return ReductionWork([collectives.all_reduce(t.view(-1), op=name, **_call_args(pg, t.dtype))],
+                             tensors, None, timeout)
+    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for x in tensors:
+        by_dtype.setdefault(x.dtype, []).append(x)
+    handles, pairs = [], []
+    for dtype, group in by_dtype.items():
+        buf = _staged(group, factor)
+        handles.append(collectives.all_reduce(buf, op=name, **_call_args(pg, dtype)))
+        pairs.append((group, buf))
+    keep = root is None or pg.rank() == root
+    return ReductionWork(handles, tensors, _copy_back(pairs) if keep else None, timeout)
+
+
+def reduce(pg, tensors: List[torch.Tensor], root: int, how, timeout) -> ReductionWork:
+    return all_reduce(pg, tensors, how, timeout, root=root)
+
+
+def reduce_scatter(pg, outputs: List[torch.Tensor], inputs: List[torch.Tensor], how,
+                   timeout: Optional[datetime.timedelta]) -> ReductionWork:
+    """Reduce-scatter each ``inputs[i]`` (group size x ``outputs[i]`` values) into ``outputs[i]``."""
+    name, factor = how
+    if len(outputs) != len(inputs):
+        raise ValueError(f"flatcomm.backend: {len(outputs)} outputs for {len(inputs)} inputs")
+    handles, pairs = [], []
+    for out, src in zip(outputs, inputs):  # sizes and dtypes: checked by the collective, on every rank
+        flat_in = _staged([src], factor) if factor is not None or not src.is_contiguous() else src.view(-1)
+        flat_out = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype,
+                                                                          device=out.device)
+        handles.append(collectives.reduce_scatter(flat_out, flat_in, op=name, **_call_args(pg, src.dtype)))
+        if not out.is_contiguous():
+            pairs.append(([out], flat_out))
+    return ReductionWork(handles, outputs, _copy_back(pairs) if pairs else None, timeout)
+
+
+def reduce_scatter_lists(pg, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], how,
+                         timeout) -> ReductionWork:
+    """``reduce_scatter``'s list form: rank r's output is the reduction of every rank's ``[r]``."""
+    inputs = [torch.cat([p.reshape(-1) for p in parts]) for parts in input_lists]
+    return reduce_scatter(pg, outputs, inputs, how, timeout)

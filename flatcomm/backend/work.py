@@ -1,0 +1,118 @@
+"""The ``dist.Work`` the flatcomm backend returns for a reduction it runs itself.
+
+A reduction is one or more flatcomm collectives (one per dtype of a coalesced call) and a local
+``finish`` step (copy a staged result back into the caller's tensors). ``wait(timeout)`` waits for
+all of them: ``timedelta(0)`` (``Work.wait``'s default) means the group's own timeout, so no wait is
+unbounded; an error of the collective (raised on every rank of the call, see the collectives'
+call header) is re-raised. ``get_future()`` completes with the output tensors once ``finish`` ran,
+as DDP's reducer expects.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import Handle
+
+__all__ = ["ReductionWork"]
+
+
+class ReductionWork(dist.Work):
+    """``handles``: the flatcomm calls in flight; ``outputs``: what the future completes with;
+    ``finish``: run once, after every handle succeeded; ``timeout``: the group's timeout."""
+
+    def __init__(self, handles: Sequence[Optional[Handle]], outputs: List[torch.Tensor],
+                 finish: Optional[Callable[[], None]], timeout: Optional[datetime.timedelta]):
+        super().__init__()
+        self._handles = [h for h in handles if h is not None]
+        self._outputs = outputs
+        self._finish = finish
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: Optional[BaseException] = None
+        self._future: torch.futures.Future = torch.futures.Future()
+        if not self._handles:
+            self._settle()
+        else:
+            torch.futures.collect_all([h.get_future() for h in self._handles]).then(lambda _: self._settle())
+
+    def _settle(self) -> None:
+        """Run ``finish`` once every handle is done (on the thread that completed the last one)."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+            try:
+                errors = [h.exception() for h in self._handles if h.exception() is not None]
+                if errors:
+                    raise errors[0]
+                if self._finish is not None:
+                    self._finish()
+            except BaseException as e:  # noqa: BLE001 - the waiter re-raises it
+                self._error = e
+        if self._error is not None:
+            self._future.set_exception(self._error)
+        else:
+            self._future.set_result(self._outputs)
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        limit = timeout if timeout and timeout.total_seconds() > 0 else self._timeout
+        for h in self._handles:
+            h.wait(limit)  # raises TimeoutError naming the collective, or the collective's error
+        self._future.wait()  # finish runs right after the last handle: no further wait
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return self._future.done() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self) -> List[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class InnerWorks(dist.Work):
+    """Several works of the inner backend as one (a coalesced call it has no single op for)."""
+
+    def __init__(self, works: Sequence[dist.Work], outputs: List[torch.Tensor]):
+        super().__init__()
+        self._works = list(works)
+        self._outputs = outputs
+        self._future = torch.futures.collect_all([w.get_future() for w in self._works]).then(lambda _: outputs)
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        for w in self._works:
+            w.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self._works)
+
+    def exception(self):
+        return next((w.exception() for w in self._works if w.exception() is not None), None)
+
+    def result(self) -> List[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future

@@ -1,0 +1,161 @@
+"""``python -m flatcomm.bench backend``: the flatcomm backend against its inner gloo, in one run.
+
+    python -m flatcomm.bench backend [--ranks 4] [--sizes 4K,1M,100M] [--reps 5] [--json PATH]
+
+One spawn of ``--ranks`` ranks on ``init_process_group("flatcomm")``. Per message size (bytes of
+fp32) and op (all_reduce, reduce_scatter, all_gather) it times gloo's own call (on a gloo group
+made beside it), the backend's ordered sum and its exact sum, interleaved rep by rep so that a load
+change on a shared machine hits all three alike; then a DDP step and an FSDP2 step on each. Times
+are rank 0's, each rep after a barrier; the table gives the median, the ratio to gloo's median and
+the spread of the per-rep ratios (min..max). all_gather is passed through (its ratio is the cost of
+the Python dispatch).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Dict, List
+
+from flatcomm.tools._cli import parse_size
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+VARIANTS = ("gloo", "ordered", "exact")
+
+
+def _reps_for(nbytes: int, reps: int) -> int:
+    return max(reps, min(50, (4 << 20) // max(nbytes, 1)))
+
+
+def _call(op: str, group, x, out):
+    import torch.distributed as dist
+
+    if op == "all_reduce":
+        dist.all_reduce(x, group=group)
+    elif op == "reduce_scatter":
+        dist.reduce_scatter_single(out, x, group=group)
+    else:
+        dist.all_gather_single(out, x, group=group)
+
+
+def _ops(groups: dict, sizes: List[int], reps: int, world: int) -> List[dict]:
+    import torch
+    import torch.distributed as dist
+
+    rows = []
+    for nbytes in sizes:
+        n = max(world, nbytes // 4 // world * world)
+        for op in OPS:
+            x = torch.randn(n)
+            out = torch.empty(n // world if op == "reduce_scatter" else n)
+            src = x[:n // world].clone() if op == "all_gather" else x  # all_gather: n values out
+            times: Dict[str, List[float]] = {v: [] for v in VARIANTS}
+            k = _reps_for(nbytes, reps)
+            for rep in range(k + 1):  # rep 0: warm-up (private groups, buffers)
+                for v in VARIANTS:
+                    dist.barrier(group=groups["gloo"])
+                    t0 = time.perf_counter()
+                    _call(op, groups[v], src if op == "all_gather" else x.clone() if op == "all_reduce" else x, out)
+                    if rep:
+                        times[v].append(time.perf_counter() - t0)
+            rows.append({"kind": "op", "op": op, "bytes": n * 4, "reps": k, "times": times})
+    return rows
+
+
+def _steps(groups: dict, rank: int, steps: int) -> List[dict]:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])  # 4.2M params
+
+    rows = []
+    x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(rank))
+    for kind in ("ddp", "fsdp2"):
+        times: Dict[str, List[float]] = {}
+        for v in VARIANTS:
+            model = mlp()
+            if kind == "ddp":
+                model = torch.nn.parallel.DistributedDataParallel(model, process_group=groups[v])
+            else:
+                mesh = DeviceMesh.from_group(groups[v], "cpu")
+                for layer in model:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            times[v] = []
+            for s in range(steps + 1):
+                torch.distributed.barrier(group=groups["gloo"])
+                t0 = time.perf_counter()
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if s:
+                    times[v].append(time.perf_counter() - t0)
+        rows.append({"kind": "step", "op": kind, "bytes": 4 * sum(p.numel() for p in mlp().parameters()),
+                     "reps": steps, "times": times})
+    return rows
+
+
+def _rank_main(rank: int, world: int, sizes: List[int], reps: int, steps: int) -> List[dict]:
+    import torch.distributed as dist
+
+    import flatcomm.backend as fb
+
+    groups = {"gloo": dist.new_group(backend="gloo"), "ordered": dist.new_group(), "exact": dist.new_group()}
+    fb.configure(groups["ordered"], mode="ordered")
+    fb.configure(groups["exact"], mode="exact")
+    rows = _ops(groups, sizes, reps, world) + _steps(groups, rank, steps)
+    return rows if rank == 0 else []
+
+
+def _summary(row: dict) -> dict:
+    base = row["times"]["gloo"]
+    out = dict(kind=row["kind"], op=row["op"], bytes=row["bytes"], reps=row["reps"])
+    for v in VARIANTS:
+        t = row["times"][v]
+        ratios = [a / b for a, b in zip(t, base)]
+        out[v] = {"median_s": statistics.median(t), "ratio": statistics.median(t) / statistics.median(base),
+                  "ratio_min": min(ratios), "ratio_max": max(ratios),
+                  "gbps": row["bytes"] / statistics.median(t) / 1e9}
+    return out
+
+
+def table(summaries: List[dict]) -> str:
+    lines = [f"{'op':<15}{'size':>10}  {'gloo':>10}  {'ordered':>24}  {'exact':>24}"]
+    for s in summaries:
+        size = f"{s['bytes'] / 1e6:.3g} MB" if s["bytes"] >= 1e6 else f"{s['bytes'] / 1e3:.3g} KB"
+        cells = [f"{s['gloo']['median_s'] * 1e3:8.2f}ms"]
+        for v in ("ordered", "exact"):
+            c = s[v]
+            cells.append(f"{c['median_s'] * 1e3:8.2f}ms {c['ratio']:4.2f}x [{c['ratio_min']:.2f}..{c['ratio_max']:.2f}]")
+        lines.append(f"{s['op']:<15}{size:>10}  {cells[0]:>10}  {cells[1]:>24}  {cells[2]:>24}")
+    return "\n".join(lines)
+
+
+def main(argv: List[str]) -> int:
+    from flatcomm.tools import spawn
+
+    ap = argparse.ArgumentParser(prog="python -m flatcomm.bench backend", description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--sizes", default="4K,1M,100M", help="message bytes, comma separated (K/M suffixes)")
+    ap.add_argument("--reps", type=int, default=5, help="timed reps per op at least (small sizes: more)")
+    ap.add_argument("--steps", type=int, default=3, help="timed DDP / FSDP2 steps per backend")
+    ap.add_argument("--json", help="write the summaries and every rep's times here")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    a = ap.parse_args(argv)
+    sizes = [parse_size(s) for s in a.sizes.split(",") if s]
+    t0 = time.perf_counter()
+    rows = spawn.run(a.ranks, _rank_main, sizes, a.reps, a.steps, backend="flatcomm", timeout_s=a.timeout,
+                     run_s=a.timeout + 60)[0]
+    summaries = [_summary(r) for r in rows]
+    print(f"flatcomm.bench backend: {a.ranks} ranks over loopback; median time, ratio to gloo [per-rep ratio range]")
+    print(table(summaries), flush=True)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"command": "backend", "world": a.ranks, "results": summaries, "raw": rows,
+                       "elapsed_s": time.perf_counter() - t0}, fh, indent=1)
+    return 0
