@@ -23,7 +23,7 @@ from .. import collectives as C
 from ..autotune import BACKEND
 from ..ops.codecs import CODECS
 
-__all__ = ["STATE_DICT_VERSION", "load_state_dict", "reshard", "resharded_state_dict", "state_dict"]
+__all__ = ["STATE_DICT_VERSION", "check_state_dict", "load_state_dict", "reshard", "resharded_state_dict", "state_dict"]
 
 STATE_DICT_VERSION = 2
 
@@ -136,7 +136,14 @@ class _Loaded:
     backend_buckets: List[List[str]] = dataclasses.field(default_factory=list)
 
 
-def _read(state, sd, allow_codec_change: bool) -> _Loaded:
+def check_state_dict(state, sd, *, rank: int, allow_codec_change: bool = False) -> None:
+    """Every check :meth:`State.load_state_dict` makes of ``sd``, as if this were rank ``rank``
+    (the DDP model is the same on every rank), changing nothing: a loader holding every rank's
+    dict checks them all before any rank loads its own (:mod:`flatcomm.rank_states`)."""
+    _read(state, sd, allow_codec_change, rank)
+
+
+def _read(state, sd, allow_codec_change: bool, as_rank: Optional[int] = None) -> _Loaded:
     """Everything a load installs, read from ``sd`` and checked; changes nothing."""
     version = _count(sd, "version")
     if version != STATE_DICT_VERSION:
@@ -151,6 +158,7 @@ def _read(state, sd, allow_codec_change: bool) -> _Loaded:
         _flag(sd, "error_feedback")
     params = _params(state)
     world, rank = _world_rank(state)
+    rank = rank if as_rank is None else as_rank
     buckets: List[List[str]] = []
     tiered = _flag(sd, "tiered") if form == "per_rank" or "tiered" in sd else False
     if form == "per_rank":
