@@ -116,6 +116,7 @@ def load_state_dict(state, sd, *, allow_codec_change: bool = False) -> None:
         keys = [tuple(id(loaded.params[n]) for n in names) for names in loaded.backend_buckets]
         state.replay = (state.replay or []) + keys
         state.replay_backend = set(keys)
+        state.backend_sent = {k: loaded.step - 1 for k in keys}  # a save before the next step keeps them
     if loaded.decisions is not None:
         state.decisions = loaded.decisions
     state.step = loaded.step
