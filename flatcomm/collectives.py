@@ -55,7 +55,8 @@ def all_reduce(
     numel) makes a lossy codec lose nothing over time: client and server residuals carry what a
     step did not send into the next. ``codec="auto"``: ``tuner`` (default one per group) picks the
     codec and chunks per numel, the same on every rank (``Handle.decision``); a residual works
-    with any choice (an fp32 choice adds the client residual once and zeroes it).
+    with any choice (an fp32 choice adds the client residual once and zeroes it; with bf16/fp16
+    data, what rounding the result to that dtype drops stays in the server residual).
     ``topology`` (a :class:`flatcomm.Topology`): reduce inside the node with ``intra_codec``,
     exchange ``codec`` across nodes (``residual``: that tier's, see :mod:`flatcomm.hierarchical`).
     A plain Tensor as ``residual`` raises ``TypeError``: an all-reduce has two residuals.

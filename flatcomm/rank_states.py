@@ -24,10 +24,13 @@ are read with ``torch.load(weights_only=True)`` and checked (a dict, from that r
 size) before anything is returned. The collectives run on ``group`` (default: the world) with its
 timeout; call both functions at the same point on every rank of it.
 
-**A load that fails changes nothing.** :func:`load_gathered_state_dict` checks the whole container
-(format, version, kind, world size, every rank present and its own) before it calls the state's
-``load_state_dict``, whose own checks (keys, shapes, dtype, finiteness, codec) also all run before it
-changes the state.
+**A load that fails changes nothing, on any rank.** Every rank holds the whole container, and
+:func:`load_gathered_state_dict` checks all of it before it calls the state's ``load_state_dict``:
+the format, version, kind and world size, and every part (part ``r`` must be rank ``r``'s, of that
+world size and kind; a DDP part also gets every check its own load makes: keys, shapes, dtype,
+finiteness, codec). A corrupt part (swapped, duplicated, missing, of another save) therefore makes
+every rank raise the same error, and no rank loads. The state's own ``load_state_dict`` checks
+everything again before it changes anything.
 """
 from __future__ import annotations
 
@@ -204,4 +207,45 @@ def load_gathered_state_dict(state: Any, gathered: Any, group: Optional[dist.Pro
     kwargs = {"allow_codec_change": allow_codec_change} if kind == "ddp" else {}
     if kind == "fsdp" and allow_codec_change:
         raise ValueError("flatcomm.rank_states: allow_codec_change applies to DDP state only")
+    _check_parts(state, kind, ranks, group, same_world=g["world_size"] == world,
+                 allow_codec_change=allow_codec_change)
     state.load_state_dict(part, **kwargs)
+
+
+def _check_parts(state: Any, kind: str, ranks: List[dict], group, *, same_world: bool,
+                 allow_codec_change: bool) -> None:
+    """Every part of the container checked on every rank (each rank holds all of it), so that a
+    corrupt part makes every rank raise the same error before any rank loads its own: part ``r``
+    must be rank ``r``'s, of the container's world size and kind. DDP parts get every check of
+    their load too (the model is the same on every rank); an FSDP part's shard sizes are its own
+    rank's, so its own load checks those."""
+    world = len(ranks)
+    for r, sd in enumerate(ranks):
+        where = f"flatcomm.rank_states: the gathered state's part {r} (of {world})"
+        if kind == "ddp":
+            if sd.get("form") != "per_rank" or "client" not in sd:
+                raise ValueError(f"{where} is not a DDP state_dict() (kind): it has fields {sorted(map(str, sd))[:6]}")
+            if sd.get("rank") != r or sd.get("world_size") != world:
+                raise ValueError(f"{where} says it is rank {sd.get('rank')!r} of {sd.get('world_size')!r}: the "
+                                 f"parts are swapped, duplicated or from another save")
+            if same_world:
+                from .ddp import checkpoint
+
+                try:
+                    checkpoint.check_state_dict(state, sd, rank=r, allow_codec_change=allow_codec_change)
+                except (ValueError, TypeError, KeyError) as e:
+                    raise type(e)(f"{where}: {e}") from None
+            continue
+        own = f"rank{dist.get_global_rank(group, r) if group is not None else r}."
+        stray = [k for k in sd if not (isinstance(k, str) and k.startswith(own))]
+        if stray:
+            raise ValueError(f"{where} holds {stray[0]!r}, not an FSDP entry of that rank ({own}...): the parts "
+                             f"are swapped, duplicated, of another kind or from another save")
+        bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)
+               or (v.is_floating_point() and not bool(torch.isfinite(v).all()))]
+        if bad:
+            raise ValueError(f"{where}: entry {bad[0]!r} is not a tensor or holds inf/NaN values")
+    if kind == "fsdp" and len({bool(sd) for sd in ranks}) > 1:
+        empty = [r for r, sd in enumerate(ranks) if not sd]
+        raise ValueError(f"flatcomm.rank_states: the gathered state's parts {empty} are empty and the others "
+                         f"are not: a rank's state is missing")

@@ -44,7 +44,7 @@ from .pipeline import CommStats, Pipeline, Plan, zero_copy
 from ..ops.codecs import Codec, CodecLike, decode, encode, reencode_sum
 from ..ops.sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM
 
-__all__ = ["all_gather", "all_reduce", "reduce_scatter"]
+__all__ = ["all_gather", "all_reduce", "reduce_scatter", "rounding_into"]
 
 _REDUCE_SCATTER, _ALL_GATHER, _ALL_REDUCE = 1, 2, 3  # header.KINDS
 
@@ -182,6 +182,9 @@ def _ordered_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, chunks: int
         # residual (the next step adds scale * client), which this encode sends and zeroes.
         residual.client.add_(residual.server, alpha=1.0 / scale)
         residual.server.zero_()
+    # bf16/fp16 data: the output rounds the fp32 sum; what that drops is kept, in the server
+    # residual of the shard's owner (the next step adds it once), as a lossy codec keeps its error.
+    keeps_rounding = residual is not None and c.lossless and flat.dtype != torch.float32
     if zero_copy(c, flat.dtype, p, chunks, client, gathers=True):
         _raw_all_reduce(pipe, flat, p, c, scale)
         return
@@ -204,6 +207,8 @@ def _ordered_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, chunks: int
         r = server[a:b] if server is not None else None
 
         pipe.timed("decode_s", lambda: reencode_sum(rows, c, b - a, scale=scale, residual=r, out=send_buf[:nbytes]))
+        if keeps_rounding:  # (the fp32 payload is the sum itself)
+            rounding_into(send_buf[:nbytes].view(torch.float32), flat.dtype, residual.server[a:b])
         return pipe.all_gather(send_buf, world)
 
     def finish(j, state):
@@ -220,6 +225,13 @@ def _ordered_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, chunks: int
         pipe.timed("decode_s", dec)
 
     pipe.run(chunks, send, reduce, finish)
+
+
+def rounding_into(total: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> None:
+    """``out = total - dtype(total)`` (exact in fp32), 0 where the rounding overflows (an inf
+    output is the overflow's signal; the residual stays finite)."""
+    torch.sub(total, total.to(dtype).float(), out=out)
+    out.masked_fill_(~torch.isfinite(out), 0.0)
 
 
 def _raw_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale: float) -> None:

@@ -231,6 +231,13 @@ def staged(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List[int
             a, b = seg[j], seg[j + 1]
             if scale != 1.0:
                 shard[a:b].mul_(scale)
+            hi = min(b, real)
+            if inter_fb is not None and flat.dtype != torch.float32 and topo.node == 0 and hi > a:
+                # what rounding to the data's dtype drops, kept once (every node holds this
+                # shard; node 0's rank keeps it): the inter tier's next encode adds it
+                lost = empty(hi - a)
+                one_hop.rounding_into(shard[a:hi], flat.dtype, lost)
+                inter_fb.client[a:hi].add_(lost, alpha=1.0 / scale)
             out = flat if whole else empty(g * (b - a), flat.dtype)
             if ci.lossless and flat.dtype == torch.float32:
                 tiers.intra.wire_bytes += (g - 1) * (b - a) * 4

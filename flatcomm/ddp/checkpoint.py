@@ -20,9 +20,10 @@ import torch.distributed as dist
 
 from .._training import checks as check
 from .. import collectives as C
+from ..autotune import BACKEND
 from ..ops.codecs import CODECS, Codec
 
-__all__ = ["STATE_DICT_VERSION", "load_state_dict", "reshard", "resharded_state_dict", "state_dict"]
+__all__ = ["STATE_DICT_VERSION", "check_state_dict", "load_state_dict", "reshard", "resharded_state_dict", "state_dict"]
 
 STATE_DICT_VERSION = 2
 
@@ -67,10 +68,13 @@ def state_dict(state) -> dict:
             client[n] = c.reshape(p.shape).cpu().clone()
             server[n] = s.reshape(p.shape).cpu().clone()
         buckets = state.residuals.bucket_names(names)
-        decisions = [[[names[pid] for pid in key], d.codec, d.chunks] for key, d in state.decisions.items()
+        decisions = [_decision_entry([names[pid] for pid in key], d) for key, d in state.decisions.items()
                      if all(pid in names for pid in key)]
     out = {"version": STATE_DICT_VERSION, "form": "per_rank", **_meta(state), "world_size": world,
            "rank": rank, "buckets": buckets, "decisions": decisions, "client": client, "server": server}
+    if state.model is not None and state.backend_sent:  # (only then: older files stay as they were)
+        last = [key for key, step in state.backend_sent.items() if step == state.step - 1]
+        out["backend_buckets"] = [[names[pid] for pid in key] for key in last if all(pid in names for pid in key)]
     if state.accordion is not None and state.model is not None:  # its intervals (the same on every rank)
         out["accordion"] = state.accordion.state_dict(state.name_map())
     return out
@@ -108,6 +112,11 @@ def load_state_dict(state, sd, *, allow_codec_change: bool = False) -> None:
     if state.accordion is not None and sd.get("accordion") is not None:
         state.accordion.load_state_dict(sd["accordion"], loaded.params)  # checks all, then replaces its tracks
     _restore(state, loaded.params, loaded.client, loaded.server, loaded.buckets, loaded.world, loaded.tiered)
+    if loaded.decisions is not None and loaded.backend_buckets:  # replayed as sent (see State.backend_sent)
+        keys = [tuple(id(loaded.params[n]) for n in names) for names in loaded.backend_buckets]
+        state.replay = (state.replay or []) + keys
+        state.replay_backend = set(keys)
+        state.backend_sent = {k: loaded.step - 1 for k in keys}  # a save before the next step keeps them
     if loaded.decisions is not None:
         state.decisions = loaded.decisions
     state.step = loaded.step
@@ -125,9 +134,17 @@ class _Loaded:
     step: int
     scale_seen: Optional[float]
     decisions: Optional[dict]
+    backend_buckets: List[List[str]] = dataclasses.field(default_factory=list)
 
 
-def _read(state, sd, allow_codec_change: bool) -> _Loaded:
+def check_state_dict(state, sd, *, rank: int, allow_codec_change: bool = False) -> None:
+    """Every check :meth:`State.load_state_dict` makes of ``sd``, as if this were rank ``rank``
+    (the DDP model is the same on every rank), changing nothing: a loader holding every rank's
+    dict checks them all before any rank loads its own (:mod:`flatcomm.rank_states`)."""
+    _read(state, sd, allow_codec_change, rank)
+
+
+def _read(state, sd, allow_codec_change: bool, as_rank: Optional[int] = None) -> _Loaded:
     """Everything a load installs, read from ``sd`` and checked; changes nothing."""
     version = _count(sd, "version")
     if version != STATE_DICT_VERSION:
@@ -142,6 +159,7 @@ def _read(state, sd, allow_codec_change: bool) -> _Loaded:
         _flag(sd, "error_feedback")
     params = _params(state)
     world, rank = _world_rank(state)
+    rank = rank if as_rank is None else as_rank
     buckets: List[List[str]] = []
     tiered = _flag(sd, "tiered") if form == "per_rank" or "tiered" in sd else False
     if form == "per_rank":
@@ -161,18 +179,26 @@ def _read(state, sd, allow_codec_change: bool) -> _Loaded:
             _refuse_missing_residuals(state, sd)
         buckets = _buckets(check.field(sd, "buckets", list), client)
         saved_decisions = check.field(sd, "decisions", list)
+        backend_buckets = _backend_buckets(sd, params, buckets)
     else:
         _count(sd, "world_size", 1)
         # every rank's client = T / (scale * W): the next step adds scale * sum_r client_r = T
         client = {n: t / (_scale_for(world) * world)
                   for n, t in _checked(state, sd, "residual", params).items()}
         server = {}
-        saved_decisions = []
+        saved_decisions, backend_buckets = [], []
     decisions: Optional[dict] = _decisions(params, saved_decisions)  # checked whether or not this State uses them
     if not (state.auto and not changed and form == "per_rank"):
         decisions = None
+    elif not state.backend_allowed and any(d.codec == BACKEND for d in decisions.values()):
+        if not allow_codec_change:
+            raise ValueError("flatcomm: this DDP state was saved by codec='auto' without a mode, which handed "
+                             "buckets to the backend's own all-reduce; this State asked for determinism (mode="
+                             f"{state.mode!r}) and cannot use that decision. Create the State without mode=, or "
+                             "pass allow_codec_change=True to decide those buckets again")
+        decisions = None
     return _Loaded(params, client, server, buckets, world, tiered, _count(sd, "step"),
-                   _scale_seen(sd.get("scale_seen")), decisions)
+                   _scale_seen(sd.get("scale_seen")), decisions, backend_buckets)
 
 
 def _count(sd, name: str, lo: int = 0) -> int:
@@ -211,6 +237,19 @@ def _buckets(saved: list, client: Dict[str, torch.Tensor]) -> List[List[str]]:
                                  f"{'twice' if n in placed else 'without its residuals'}")
             placed.add(n)
         out.append(list(names))
+    return out
+
+
+def _backend_buckets(sd: dict, params, buckets: List[List[str]]) -> List[List[str]]:
+    """The optional ``backend_buckets``: the last step's buckets that ``auto`` handed to the
+    backend, parameter names each once, none also in a residual bucket."""
+    saved = sd.get("backend_buckets", [])
+    if not isinstance(saved, list):
+        raise TypeError(f"flatcomm: checkpoint field 'backend_buckets' is a {type(saved).__name__}, not a list")
+    out = _buckets(saved, {n: None for n in params})
+    twice = {n for b in buckets for n in b} & {n for b in out for n in b}
+    if twice:
+        raise ValueError(f"flatcomm: checkpoint bucket lists {sorted(twice)[0]!r} twice (residual and backend buckets)")
     return out
 
 
@@ -269,20 +308,34 @@ def _restore(state, params, client, server, buckets, world: int, tiered: bool = 
     state.replay_tiered = bool(tiered)
 
 
+def _decision_entry(names: List[str], d) -> list:
+    """``[names, codec, chunks]`` (codec: a codec name or ``"backend"``), plus the raced pair
+    ``[candidate, safe]`` when a race made the decision, so that it is raced again on schedule."""
+    return [names, d.codec, d.chunks] + ([list(d.raced)] if d.raced else [])
+
+
+def _choice(c) -> bool:
+    return isinstance(c, str) and (c in CODECS or c == BACKEND)
+
+
 def _decisions(params, saved: list) -> dict:
+    """The ``auto`` decisions saved by :func:`_decision_entry`, checked, keyed by parameters."""
     from ..autotune import Decision
 
     out = {}
     for entry in saved:
-        if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[0], (list, tuple))):
+        if not (isinstance(entry, (list, tuple)) and len(entry) in (3, 4) and isinstance(entry[0], (list, tuple))):
             raise ValueError(f"flatcomm: checkpoint 'decisions' entry {entry!r} is not [names, codec, chunks]")
-        names, codec, chunks = entry
-        if not all(isinstance(n, str) for n in names) or codec not in CODECS or isinstance(chunks, bool) \
-                or not isinstance(chunks, int) or chunks < 1:
+        names, codec, chunks = entry[:3]
+        raced = entry[3] if len(entry) == 4 else ()
+        if not all(isinstance(n, str) for n in names) or not _choice(codec) or isinstance(chunks, bool) \
+                or not isinstance(chunks, int) or chunks < 1 \
+                or not (isinstance(raced, (list, tuple)) and len(raced) in (0, 2) and all(map(_choice, raced))):
             raise ValueError(f"flatcomm: checkpoint 'decisions' entry {entry!r} is not [parameter names, "
-                             f"a codec name, chunks >= 1]")
+                             f"a codec name or 'backend', chunks >= 1(, the raced pair)]")
         key = tuple(id(params[n]) for n in names if n in params)
-        out[key] = Decision(codec, chunks, "restored from a checkpoint", {})
+        out[key] = Decision(codec, chunks, "restored from a checkpoint", {},
+                            path=BACKEND if codec == BACKEND else "flat", raced=tuple(raced))
     return out
 
 

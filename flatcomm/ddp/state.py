@@ -113,6 +113,11 @@ class State:
         # After a same-world-size load: the saved buffer keys, replayed by the first step (_launch).
         self.replay: Optional[List[Tuple[int, ...]]] = None
         self.replay_tiered = False  # whether the replayed buffers were saved by a hierarchical State
+        # auto's buckets handed to the backend: key -> the step it last sent (a checkpoint saves the
+        # last step's, whose layout the first step after a load replays: the backend's sum order
+        # over more than two ranks depends on where a value sits in the bucket).
+        self.backend_sent: Dict[Tuple[int, ...], int] = {}
+        self.replay_backend: set = set()  # the replayed keys among them (after a load)
         self._names: Optional[Dict[int, str]] = None
         self.seen_layouts: set = set()
         self._inflight = 0

@@ -67,9 +67,13 @@ class Recorder:
         }
         if self.track_norms:
             if res is not None:
-                c_sq = res.ef.client.square().sum().double()
+                # dot products, not square().sum(): no bucket-size temporary per bucket and step
+                # (freed large temporaries raise glibc's mmap threshold, and the heap then keeps
+                # ~100 MiB resident: docs/ddp.md, "Host memory")
+                c, s = res.ef.client, res.ef.server
+                c_sq = c.dot(c).double()
                 res.client_sq = c_sq
-                rec["_norms"] = (c_sq, res.ef.server.square().sum().double(), v_sq, None)
+                rec["_norms"] = (c_sq, s.dot(s).double(), v_sq, None)
             else:
                 rec["_norms"] = (None, None, v_sq, 0.0 if codec.lossless else float("nan"))
         self._add(rec)

@@ -70,6 +70,7 @@ def launch(state, bucket) -> torch.futures.Future:
         state.step += 1
         state.new_step = True
         state.replay = None  # only the first step after a load can have DDP's initial layout
+        state.replay_backend = set()
     if parts is None:
         return _reduce(state, group, tensor, key, params, layout, step, index, f"bucket{index}")
     if len(parts) == 1 and parts[0][0] == key:  # the whole bucket is one kind: no copy
@@ -132,13 +133,13 @@ def _replay_parts(state, params, layout) -> Optional[List[Tuple[Tuple[int, ...],
     """The saved buckets wholly inside this bucket (in saved parameter order), plus one part for
     the remaining parameters; None when the bucket is itself a saved one or holds none."""
     key = tuple(id(p) for p in params)
-    bufs = state.residuals.bufs
-    if key in bufs:
+    saved = set(state.residuals.bufs) | state.replay_backend
+    if key in saved:
         return None
     by_id = {id(p): p for p in params}
     parts, used = [], set()
     for skey in state.replay:
-        if skey in bufs and all(pid in by_id for pid in skey):
+        if skey in saved and all(pid in by_id for pid in skey):
             parts.append((skey, [by_id[pid] for pid in skey], None))
             used.update(skey)
     if not parts:
@@ -167,6 +168,7 @@ def _reduce(state, group, tensor: torch.Tensor, key: Tuple[int, ...], params, la
                                                           **tiers)
         state.key_where[key] = (index, tensor.numel())
         if d.codec == _BACKEND and not (state.error_feedback and state.residuals.carries(params, state.name_of)):
+            state.backend_sent[key] = step
             return _backend(state, tensor, step, index)
         # (a bucket still carrying residuals from a lossy one sends them once through fp32)
         codec = resolve("fp32" if d.codec == _BACKEND else d.codec, state.block_size)

@@ -1,0 +1,112 @@
+"""flatcomm.rank_states.load_gathered_state_dict checks every part before any rank loads its own.
+
+Every rank holds the whole gathered container, so a corrupt part (swapped, duplicated, missing, of
+another world size or kind, a wrong rank field, a NaN in another rank's residual) must make every
+rank raise, and leave every rank's state as it was: a load that succeeds on one rank and fails on
+another leaves the ranks with different states. 2 gloo ranks, DDP (int8) and FSDP2 (int8).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flatcomm.tools import spawn
+from test_rank_states import _ddp_trained, _fresh_ddp, _model, _same
+
+
+def _ddp_cases(g: dict) -> dict:
+    r0, r1 = g["ranks"]
+    name = next(iter(r1["client"]))
+    nan = {**r1, "client": {**r1["client"], name: torch.full_like(r1["client"][name], float("nan"))}}
+    return {
+        "swapped": {**g, "ranks": [r1, r0]},
+        "duplicated": {**g, "ranks": [r0, r0]},  # rank 1's part replaced by a copy of rank 0's
+        "duplicated_1": {**g, "ranks": [r1, r1]},
+        "missing": {**g, "ranks": [r0]},
+        "missing_part": {**g, "ranks": [r0, {}]},
+        "wrong_world_size": {**g, "ranks": [r0, {**r1, "world_size": 3}]},
+        "wrong_world_size_all": {**g, "world_size": 3, "ranks": [r0, r1, {**r1, "rank": 2}]},
+        "wrong_kind": {**g, "ranks": [r0, {"rank1.0.weight": torch.zeros(3)}]},
+        "wrong_kind_all": {**g, "kind": "fsdp"},
+        "wrong_rank_field": {**g, "ranks": [r0, {**r1, "rank": 0}]},
+        "nan_in_other_part": {**g, "ranks": [r0, nan]},
+    }
+
+
+def _fsdp_cases(g: dict, ddp_part: dict) -> dict:
+    r0, r1 = g["ranks"]
+    k = next(k for k in r1 if k.endswith(".weight"))
+    return {
+        "swapped": {**g, "ranks": [r1, r0]},
+        "duplicated": {**g, "ranks": [r0, r0]},
+        "missing": {**g, "ranks": [r0]},
+        "missing_part": {**g, "ranks": [r0, {}]},
+        "wrong_world_size": {**g, "world_size": 3, "ranks": [r0, r1, r1]},
+        "wrong_kind": {**g, "ranks": [r0, ddp_part]},
+        "wrong_rank_field": {**g, "ranks": [r0, {k.replace("rank1.", "rank0.", 1): v for k, v in r1.items()}]},
+        "nan_in_other_part": {**g, "ranks": [r0, {**r1, k: torch.full_like(r1[k], float("nan"))}]},
+    }
+
+
+def _try(state, bad) -> dict:
+    from flatcomm import rank_states
+
+    before = state.state_dict()
+    try:
+        rank_states.load_gathered_state_dict(state, bad)
+        error = None
+    except (ValueError, TypeError, KeyError) as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "unchanged": _same(state.state_dict(), before)}
+
+
+def _w(rank, world):
+    import flatcomm.fsdp
+    from torch.distributed.fsdp import fully_shard
+
+    from flatcomm import rank_states
+
+    out = {}
+    _, trained = _ddp_trained(rank)
+    g = rank_states.gathered_state_dict(trained)
+    state = _fresh_ddp()
+    rank_states.load_gathered_state_dict(state, g)  # the good container loads (and fills the state)
+    assert _same(state.state_dict(), trained.state_dict())
+    out["ddp"] = {name: _try(state, bad) for name, bad in _ddp_cases(g).items()}
+
+    def fsdp_model():
+        m = _model()
+        fully_shard(m[0])
+        fully_shard(m)
+        return m
+    m = fsdp_model()
+    rs = flatcomm.fsdp.apply(m, "int8")
+    gen = torch.Generator().manual_seed(7 + rank)
+    for _ in range(2):
+        m(torch.randn(5, 7, generator=gen)).square().mean().backward()
+    fg = rank_states.gathered_state_dict(rs)
+    rs2 = flatcomm.fsdp.apply(fsdp_model(), "int8")
+    rank_states.load_gathered_state_dict(rs2, fg)
+    assert _same(rs2.state_dict(), rs.state_dict())
+    out["fsdp"] = {name: _try(rs2, bad) for name, bad in _fsdp_cases(fg, g["ranks"][1]).items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn.run(2, _w, timeout_s=120)
+
+
+DDP_CASES = ["swapped", "duplicated", "duplicated_1", "missing", "missing_part", "wrong_world_size",
+             "wrong_world_size_all", "wrong_kind", "wrong_kind_all", "wrong_rank_field", "nan_in_other_part"]
+FSDP_CASES = ["swapped", "duplicated", "missing", "missing_part", "wrong_world_size", "wrong_kind",
+              "wrong_rank_field", "nan_in_other_part"]
+
+
+@pytest.mark.parametrize("kind,case", [("ddp", c) for c in DDP_CASES] + [("fsdp", c) for c in FSDP_CASES])
+def test_a_corrupt_part_fails_on_every_rank_and_changes_nothing(ranks, kind, case):
+    for rank, r in enumerate(ranks):
+        got = r[kind][case]
+        assert got["error"] is not None, f"rank {rank} loaded the corrupt ({case}) gathered state"
+        assert got["unchanged"], f"rank {rank}: the failed load ({case}) changed the state"
+    assert ranks[0][kind][case]["error"] == ranks[1][kind][case]["error"], "the ranks give different reasons"
