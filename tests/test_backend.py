@@ -15,19 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from conftest import assert_bits_equal
+from _support.collectives import spread_values
+from _support.kernels import assert_bits_equal
 from flatcomm.tools import spawn
 
 W = 4
 N = 1001  # odd: no shard boundary lines up with a power of two
-
-
-def _values(owner: int, n: int = N, spread: int = 20, seed: int = 7) -> torch.Tensor:
-    """Owner ``owner``'s test values: gaussian times 2^[-spread, spread], some zeros."""
-    g = torch.Generator().manual_seed(seed * 1000 + owner)
-    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-spread, spread + 1, (n,), generator=g).float())
-    x[torch.rand(n, generator=g) < 0.05] = 0.0
-    return x
 
 
 def _gathered(x: torch.Tensor, group=None):
@@ -70,7 +63,7 @@ def _ops(rank: int, world: int) -> dict:
     import flatcomm.backend as fb
 
     res: dict = {"backend": dist.get_backend(), "group_type": type(dist.group.WORLD).__name__}
-    x = _values(rank)
+    x = spread_values(rank)
     res["inputs"] = _gathered(x)
     res["flat"] = _invariance(x, None)
     gl = dist.new_group(backend="gloo")  # gloo's own run of the same calls

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import assert_bits_equal
+from _support.collectives import spread_values
+from _support.kernels import assert_bits_equal
 from flatcomm.tools import spawn
-from test_backend import _values
 
 W = 4
 PERMS = ((0, 1, 2, 3), (2, 0, 3, 1), (3, 2, 1, 0))
@@ -29,7 +29,7 @@ def _exact(rank: int, world: int) -> dict:
     fb.configure(two, topology=Topology(2, group=two))
     res: dict = {"perm": {}, "ordered": {}, "bf16": {}}
     for perm in PERMS:
-        x = _values(perm[rank], spread=20)
+        x = spread_values(perm[rank], spread=20)
         for key, group in (("perm", None), ("ordered", ordered)):
             t = x.clone()
             dist.all_reduce(t, group=group)
@@ -37,7 +37,7 @@ def _exact(rank: int, world: int) -> dict:
         b = x.to(torch.bfloat16)
         dist.all_reduce(b)
         res["bf16"][perm] = b
-    narrow = _values(rank, spread=3)
+    narrow = spread_values(rank, spread=3)
     res["narrow_in"] = narrow
     out = {}
     for key, group in (("flat", None), ("two_level", two)):

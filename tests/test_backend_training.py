@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from conftest import assert_bits_equal
+from _support.kernels import assert_bits_equal
 from flatcomm.tools import spawn
 
 W = 4

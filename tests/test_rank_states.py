@@ -12,40 +12,7 @@ import torch
 import torch.distributed as dist
 
 from flatcomm.tools import spawn
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(7, 19), torch.nn.Tanh(), torch.nn.Linear(19, 3))
-
-
-def _ddp_trained(rank, codec="int8", steps=3):
-    import flatcomm.ddp
-
-    ddp = torch.nn.parallel.DistributedDataParallel(_model())
-    state = flatcomm.ddp.register(ddp, codec)
-    g = torch.Generator().manual_seed(100 + rank)
-    for _ in range(steps):
-        ddp(torch.randn(5, 7, generator=g)).square().mean().backward()
-    state.wait()
-    return ddp, state
-
-
-def _fresh_ddp(codec="int8"):
-    import flatcomm.ddp
-
-    return flatcomm.ddp.register(torch.nn.parallel.DistributedDataParallel(_model()), codec)
-
-
-def _same(a, b) -> bool:
-    """Equal dicts/lists/tensors, tensors bit for bit."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
+from _support.rank_states import ddp_trained, fresh_ddp, model, same
 
 
 def _nonzero(sd) -> bool:
@@ -58,7 +25,7 @@ def _expect_unchanged(state, bad, match):
     before = state.state_dict()
     with pytest.raises((ValueError, TypeError, KeyError), match=match):
         rank_states.load_gathered_state_dict(state, bad)
-    assert _same(state.state_dict(), before), f"a failed load ({match}) changed the state"
+    assert same(state.state_dict(), before), f"a failed load ({match}) changed the state"
 
 
 def _w_ddp_fsdp(rank, world, tmp):
@@ -67,24 +34,24 @@ def _w_ddp_fsdp(rank, world, tmp):
     from flatcomm import rank_states
 
     out = {}
-    _, state = _ddp_trained(rank)
+    _, state = ddp_trained(rank)
     own = state.state_dict()
     assert _nonzero(own)
     gathered = rank_states.gathered_state_dict(state)
     out["gathered"] = gathered
-    assert gathered["world_size"] == world and _same(gathered["ranks"][rank], own)
+    assert gathered["world_size"] == world and same(gathered["ranks"][rank], own)
     # dst: only that rank gets it, with the same content
     at0 = rank_states.gathered_state_dict(state, dst=0)
-    assert (at0 is None) == (rank != 0) and (at0 is None or _same(at0, gathered))
+    assert (at0 is None) == (rank != 0) and (at0 is None or same(at0, gathered))
     # what a rank-0 saver writes and every rank reads back (weights_only)
     path = os.path.join(tmp, "gathered.pt")
     if rank == 0:
         torch.save(gathered, path)
     dist.barrier()
     loaded = torch.load(path, weights_only=True)
-    fresh = _fresh_ddp()
+    fresh = fresh_ddp()
     rank_states.load_gathered_state_dict(fresh, loaded)
-    assert _same(fresh.state_dict()["client"], own["client"]) and _same(fresh.state_dict()["server"], own["server"])
+    assert same(fresh.state_dict()["client"], own["client"]) and same(fresh.state_dict()["server"], own["server"])
 
     # failed loads change nothing (the fresh state holds the loaded residuals now)
     nan = {**loaded, "ranks": [dict(s) for s in loaded["ranks"]]}
@@ -101,7 +68,7 @@ def _w_ddp_fsdp(rank, world, tmp):
     _expect_unchanged(fresh, {**loaded, "format": "x"}, "not a gathered flatcomm state")
     _expect_unchanged(fresh, {**loaded, "kind": "fsdp"}, "'fsdp' state")
     _expect_unchanged(fresh, [1, 2], "a dict")
-    other_codec = _fresh_ddp("int4")
+    other_codec = fresh_ddp("int4")
     _expect_unchanged(other_codec, loaded, "codec")
 
     # one rank's state_dict() fails: every rank raises, naming it
@@ -114,13 +81,13 @@ def _w_ddp_fsdp(rank, world, tmp):
     with pytest.raises(RuntimeError, match="disk on fire"):  # with dst too: rank 0 is told as well
         rank_states.gathered_state_dict(broken, dst=1)
     # ... and the group still works for the next gather
-    assert _same(rank_states.gathered_state_dict(state)["ranks"][rank], own)
+    assert same(rank_states.gathered_state_dict(state)["ranks"][rank], own)
 
     # FSDP2: rank-keyed residuals, same world size only
     from torch.distributed.fsdp import fully_shard
 
     def fsdp_model():
-        m = _model()
+        m = model()
         fully_shard(m[0])
         fully_shard(m)
         return m
@@ -132,10 +99,10 @@ def _w_ddp_fsdp(rank, world, tmp):
     fs_own = rs.state_dict()
     assert any(bool(t.any()) for t in fs_own.values())
     fs_gathered = rank_states.gathered_state_dict(rs)
-    assert fs_gathered["kind"] == "fsdp" and _same(fs_gathered["ranks"][rank], fs_own)
+    assert fs_gathered["kind"] == "fsdp" and same(fs_gathered["ranks"][rank], fs_own)
     rs2 = flatcomm.fsdp.apply(fsdp_model(), "int8")
     rank_states.load_gathered_state_dict(rs2, fs_gathered)
-    assert _same(rs2.state_dict(), fs_own)
+    assert same(rs2.state_dict(), fs_own)
     before = rs2.state_dict()
     with pytest.raises(ValueError, match="per shard"):
         rank_states.load_gathered_state_dict(rs2, {**fs_gathered, "world_size": 3, "ranks": fs_gathered["ranks"]
@@ -145,7 +112,7 @@ def _w_ddp_fsdp(rank, world, tmp):
     bad[rank][k] = bad[rank][k][:-1]  # wrong size
     with pytest.raises(ValueError, match="values"):
         rank_states.load_gathered_state_dict(rs2, {**fs_gathered, "ranks": bad})
-    assert _same(rs2.state_dict(), before)
+    assert same(rs2.state_dict(), before)
     with pytest.raises(ValueError, match="'ddp' state"):
         rank_states.load_gathered_state_dict(rs2, gathered)
     return out
@@ -155,18 +122,18 @@ def _w_reshard(rank, world, gathered):
     import flatcomm.ddp
     from flatcomm import rank_states
 
-    state = _fresh_ddp()
+    state = fresh_ddp()
     rank_states.load_gathered_state_dict(state, gathered)
     return state.state_dict(), flatcomm.ddp.reshard(gathered["ranks"])
 
 
 def test_gather_load_ddp_fsdp_and_reshard(tmp_path):
     r0, r1 = spawn.run(2, _w_ddp_fsdp, str(tmp_path), timeout_s=120)
-    assert _same(r0["gathered"], r1["gathered"])  # the same object on every rank
+    assert same(r0["gathered"], r1["gathered"])  # the same object on every rank
     # garbage that a rank-0 file could hold is refused on load; the container survives torch.load
     buf = io.BytesIO()
     torch.save(r0["gathered"], buf)
-    assert _same(torch.load(io.BytesIO(buf.getvalue()), weights_only=True), r0["gathered"])
+    assert same(torch.load(io.BytesIO(buf.getvalue()), weights_only=True), r0["gathered"])
     # another world size (2 -> 1): the DDP state is resharded (the residual total is kept)
     (sd, total), = spawn.run(1, _w_reshard, r0["gathered"], timeout_s=60)
     assert sd["world_size"] == 1 and _nonzero(sd)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flatcomm.tools import spawn
-from test_rank_states import _ddp_trained, _fresh_ddp, _model, _same
+from _support.rank_states import ddp_trained, fresh_ddp, model, same
 
 
 def _ddp_cases(g: dict) -> dict:
@@ -57,7 +57,7 @@ def _try(state, bad) -> dict:
         error = None
     except (ValueError, TypeError, KeyError) as e:
         error = f"{type(e).__name__}: {e}"
-    return {"error": error, "unchanged": _same(state.state_dict(), before)}
+    return {"error": error, "unchanged": same(state.state_dict(), before)}
 
 
 def _w(rank, world):
@@ -67,15 +67,15 @@ def _w(rank, world):
     from flatcomm import rank_states
 
     out = {}
-    _, trained = _ddp_trained(rank)
+    _, trained = ddp_trained(rank)
     g = rank_states.gathered_state_dict(trained)
-    state = _fresh_ddp()
+    state = fresh_ddp()
     rank_states.load_gathered_state_dict(state, g)  # the good container loads (and fills the state)
-    assert _same(state.state_dict(), trained.state_dict())
+    assert same(state.state_dict(), trained.state_dict())
     out["ddp"] = {name: _try(state, bad) for name, bad in _ddp_cases(g).items()}
 
     def fsdp_model():
-        m = _model()
+        m = model()
         fully_shard(m[0])
         fully_shard(m)
         return m
@@ -87,7 +87,7 @@ def _w(rank, world):
     fg = rank_states.gathered_state_dict(rs)
     rs2 = flatcomm.fsdp.apply(fsdp_model(), "int8")
     rank_states.load_gathered_state_dict(rs2, fg)
-    assert _same(rs2.state_dict(), rs.state_dict())
+    assert same(rs2.state_dict(), rs.state_dict())
     out["fsdp"] = {name: _try(rs2, bad) for name, bad in _fsdp_cases(fg, g["ranks"][1]).items()}
     return out
 

@@ -116,3 +116,11 @@ def _expect(log: _Log, name: str, exc: type, fn, words: Tuple[str, ...] = ()) ->
         log.add("bad_input", f"rank {log.rank}: {name}", False, f"wrong exception {e!r}"[:300])
         return
     log.add("bad_input", f"rank {log.rank}: {name}", False, "no exception")
+
+
+def spread_values(owner: int, n: int = 1001, spread: int = 20, seed: int = 7) -> torch.Tensor:
+    """Owner ``owner``'s test values: gaussian times 2^[-spread, spread], some zeros."""
+    g = torch.Generator().manual_seed(seed * 1000 + owner)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-spread, spread + 1, (n,), generator=g).float())
+    x[torch.rand(n, generator=g) < 0.05] = 0.0
+    return x
