@@ -203,3 +203,181 @@ def test_every_codec_keeps_replicas_bitwise_equal():
     assert fp32_bits, "the master holds only bf16 values: outer steps are not taken in fp32"
     # int4 + error feedback: about half a byte per value per sync sent by each of 2 ranks
     assert res[0]["int4"][4] < 0.6 * 530, res[0]["int4"]
+
+
+# ---- configuration and load errors: on every rank, changing nothing ---------------------------------
+
+
+def _errors(rank, world):
+    out = {}
+    bad = {"H not a multiple of k": (dict(sync_every=6, fragments=4), "multiple"),
+           "tau >= H/k": (dict(sync_every=8, fragments=4, fragment_sync_delay=2), "fragment_sync_delay"),
+           "alpha > 1": (dict(sync_every=4, fragment_update_alpha=1.5), "fragment_update_alpha"),
+           "unknown codec": (dict(sync_every=4, codec="int3"), "int3"),
+           "auto": (dict(sync_every=4, codec="auto"), "auto")}
+    for name, (kw, word) in bad.items():
+        net = _net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        good = dict(sync_every=4)
+        # only rank 1 is misconfigured: rank 0 raises too, naming rank 1's error
+        out[name] = _expect(lambda: DiLoCo(net, opt, **(kw if rank == 1 else good)), Exception, "rank 1", word)
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    two = [net[0], torch.nn.ModuleList([net[0], net[2]])]
+    out["module in two fragments"] = _expect(
+        lambda: DiLoCo(net, opt, sync_every=4, fragments=two if rank == 0 else 1), Exception, "rank 0", "0.weight")
+    out["configurations differ"] = _expect(
+        lambda: DiLoCo(net, opt, sync_every=4 * (rank + 1)), RuntimeError, "configuration", "[0]", "[1]")
+    out["weights differ"] = _expect(lambda: DiLoCo(_net(seed=rank), opt, sync_every=4), RuntimeError, "master")
+    # a load that fails on one rank changes nothing on any rank
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    outer = DiLoCo(net, opt, sync_every=4, codec="int8", fragments=2, fragment_sync_delay=1)
+    _train(net, opt, 6, rank)
+    sd = outer.state_dict()
+    before = [(f.master.clone(), f.momentum.clone(), [r.clone() for r in f.residuals]) for f in outer.fragments]
+    counters = (outer.step, outer.syncs)
+    corrupt = {"NaN master": lambda d: d["fragments"][1]["master"].__setitem__(3, float("nan")),
+               "residual shape": lambda d: d["fragments"][0]["residuals"].__setitem__(0, torch.zeros(3)),
+               "other config": lambda d: d.__setitem__("config", "0" * 16),
+               "in flight off schedule": lambda d: d.__setitem__("in_flight", {
+                   "fragment": 0, "started": 5, "delta": torch.zeros(1), "residuals": []}),
+               "other sync count": lambda d: d.__setitem__("syncs", 1)}
+    for name, hurt in corrupt.items():
+        mine = {**sd, "fragments": [dict(f, residuals=list(f["residuals"])) for f in sd["fragments"]]}
+        mine["fragments"][1]["master"] = mine["fragments"][1]["master"].clone()
+        if rank == 1:
+            hurt(mine)
+        words = ("differs",) if name == "other sync count" else ("rank 1",)
+        out[f"load: {name}"] = _expect(lambda: outer.load_state_dict(mine), Exception, *words)
+    after = [(f.master, f.momentum, f.residuals) for f in outer.fragments]
+    out["load changed nothing"] = all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and
+                                      all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
+                                      for a, b in zip(before, after)) and (outer.step, outer.syncs) == counters
+    outer.load_state_dict(sd)  # and a good one loads
+    out["good load"] = (outer.step, outer.syncs) == counters
+    return out
+
+
+def test_configuration_and_load_errors_raise_on_every_rank():
+    res = spawn.run(2, _errors, timeout_s=60)
+    for rank, per in enumerate(res):
+        failed = [f"{k}: {v}" for k, v in per.items() if v not in ("", True)]
+        assert not failed, f"rank {rank}:\n" + "\n".join(failed)
+
+
+# ---- resume bit for bit: after a sync, mid interval, with a fragment in flight ---------------------
+
+RESUME = dict(sync_every=8, codec="int4", fragments=2, fragment_sync_delay=1)
+RESUME_STEPS, KILL_AT = 20, (5, 7, 8)  # fragment 1 starts at 4, applied at 5; fragment 0 in flight at 8
+
+
+def _fresh():
+    net = _net()
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    return net, opt, DiLoCo(net, opt, verify_every=1, **RESUME)
+
+
+def _final(net, outer):
+    return [p.detach().clone() for p in net.parameters()], [f.master.clone() for f in outer.fragments]
+
+
+def _straight(rank, world, ckpt):
+    net, opt, outer = _fresh()
+    for t in range(RESUME_STEPS):
+        _train(net, opt, 1, rank, start=t)
+        if t + 1 in KILL_AT:
+            in_flight = outer.pending is not None
+            torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "outer": outer.state_dict(),
+                        "in_flight": in_flight}, os.path.join(ckpt, f"{t + 1}.{rank}.pt"))
+    saved = _final(net, outer)
+    net, opt, outer = _fresh()  # the same run without checkpoints: saving drains, changes no bit
+    _train(net, opt, RESUME_STEPS, rank)
+    return saved, _final(net, outer)
+
+
+def _resumed(rank, world, ckpt):
+    out = {}
+    for s in KILL_AT:
+        sd = torch.load(os.path.join(ckpt, f"{s}.{rank}.pt"), weights_only=True)
+        net, opt, outer = _fresh()
+        net.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["opt"])
+        outer.load_state_dict(sd["outer"])
+        _train(net, opt, RESUME_STEPS - s, rank, start=s)
+        out[s] = (_final(net, outer), sd["in_flight"], outer.syncs)
+    return out
+
+
+def _bits_equal(a, b):
+    return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
+
+
+def test_resume_bit_for_bit_at_three_kill_points():
+    with tempfile.TemporaryDirectory() as ckpt:
+        straight = spawn.run(2, _straight, ckpt, timeout_s=60)
+        resumed = spawn.run(2, _resumed, ckpt, timeout_s=60)
+    for rank in range(2):
+        (w, m), (w2, m2) = straight[rank]
+        assert _bits_equal(w, w2) and _bits_equal(m, m2), "saving a checkpoint changed the run"
+        assert [resumed[rank][s][1] for s in KILL_AT] == [False, False, True]  # the third has one in flight
+        for s in KILL_AT:
+            (rw, rm), _, _ = resumed[rank][s]
+            assert _bits_equal(rw, w) and _bits_equal(rm, m), f"rank {rank}: resumed at step {s} differs"
+
+
+# ---- faults: a replica that stops or dies during a sync ----------------------------------------------
+
+FAULT_TIMEOUT_S = 6.0
+
+
+def _fault(rank, world, how, flag, result):
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    dist.group.WORLD.set_timeout(timedelta(seconds=FAULT_TIMEOUT_S))  # flatcomm's group inherits it
+    tau = 1 if how == "dies" else 0
+    snap = {}
+
+    def snapshot(*_):  # runs ahead of DiLoCo's hook: the state just before a sync is applied
+        snap["state"] = [(f.master.clone(), f.momentum.clone(), [r.clone() for r in f.residuals], f.gather())
+                         for f in outer.fragments]
+
+    opt.register_step_post_hook(snapshot)
+    outer = DiLoCo(net, opt, sync_every=4, codec="int4", fragments=2, fragment_sync_delay=tau)
+    _train(net, opt, 5, rank)  # two syncs done (applied at 2 / 4, or 3 / 5)
+    if rank == 1:
+        if how == "dies":
+            _train(net, opt, 1, rank, start=5)  # starts fragment 1's all-reduce at step 6, then dies
+            os._exit(3)
+        deadline = time.monotonic() + 6 * FAULT_TIMEOUT_S  # stops before step 6, stays alive
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return {}
+    t0 = time.monotonic()
+    err = ""
+    try:
+        _train(net, opt, 3, rank, start=5)  # the sync at step 6 (applied at 6, or 7) fails
+    except Exception as e:  # noqa: BLE001
+        err = repr(e)
+    elapsed = time.monotonic() - t0
+    now = [(f.master, f.momentum, f.residuals, f.gather()) for f in outer.fragments]
+    same = all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[3], b[3]) and
+               all(torch.equal(x, y) for x, y in zip(a[2], b[2])) for a, b in zip(snap["state"], now))
+    out = {"error": err, "elapsed": elapsed, "unchanged": same, "pending": outer.pending is None}
+    torch.save(out, result)
+    open(flag, "w").close()
+    return out
+
+
+@pytest.mark.parametrize("how", ["stops", "dies"])
+def test_replica_fault_during_sync_raises_and_changes_nothing(how):
+    with tempfile.TemporaryDirectory() as tmp:
+        flag, result = os.path.join(tmp, "done"), os.path.join(tmp, "result.pt")
+        try:
+            spawn.run(2, _fault, how, flag, result, timeout_s=60)
+        except RuntimeError as e:  # the dead rank ends the run; rank 0 saved its findings first
+            assert how == "dies" and "exited abnormally" in str(e), str(e)[-2000:]
+        out = torch.load(result, weights_only=False)
+    assert out["error"], "the sync did not raise although a replica stopped"
+    assert out["elapsed"] < 2.5 * FAULT_TIMEOUT_S, f"raised after {out['elapsed']:.1f} s ({out['error']})"
+    assert out["unchanged"], "a failed sync changed master, momentum, residuals or weights"
+    assert out["pending"], "a failed sync stayed pending"
