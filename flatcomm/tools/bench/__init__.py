@@ -7,6 +7,7 @@
     python -m flatcomm.bench ddp         [--ranks N] [--link 1gbit] [--params 25e6] [--hooks ...]
     python -m flatcomm.bench fsdp        [--ranks N] [--link 1gbit] [--codecs default,int8]
     python -m flatcomm.bench fsdp --nodes N --ranks-per-node G --link 1gbit --weights int8,int4 [--param-dtype bf16]
+    python -m flatcomm.bench diloco      [--link 100mbit] [--params 25e6] [--sync-every 40] [--replicas 2,4]
     python -m flatcomm.bench convergence [--quick] [--workloads lm,cnn,mlp_sgd,lm_recipe] [--seeds 3] [--codecs ...]
     common: [--json PATH] [--plot PATH.png] [--timeout S]; --version
 
@@ -751,6 +752,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["convergence"]:  # its own CLI: training runs, not timings
         return importlib.import_module(".convergence", __name__).main(args[1:])
+    if args[:1] == ["diloco"]:  # its own CLI: runs on its own links
+        return importlib.import_module(".diloco", __name__).main(args[1:])
     a = build_parser().parse_args(argv)
     t0 = time.perf_counter()
     import torch
