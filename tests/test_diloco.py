@@ -6,7 +6,6 @@ bit for bit at three kill points; a replica that dies or stops during a sync (2 
 Exact mode under permuted ranks, two-level vs flat, DDP and FSDP2 replicas: test_diloco_replicas.py."""
 from __future__ import annotations
 
-import functools
 import os
 import tempfile
 import time

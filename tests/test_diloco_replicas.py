@@ -6,7 +6,6 @@ a plain replica that trains on both ranks' batches."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import flatcomm
 from flatcomm import CODECS

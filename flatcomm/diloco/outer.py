@@ -17,7 +17,6 @@ import time
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..comm.header import MODES
 from ..comm.topology import Topology

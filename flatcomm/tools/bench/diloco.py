@@ -15,6 +15,10 @@ this machine's kernel has no netem, so no delay): each replica is a node of one 
   steps, the syncs included), and DDP every step (torch's default gloo all-reduce) over the same
   link. Compute-only and DiLoCo alternate round by round and each keeps its fastest round (the
   machine is shared); the spread over rounds is reported.
+* **torchft** (when ``import torchft`` works, e.g. ``PYTHONPATH`` holding torchft 0.2 and its
+  opentelemetry dependencies): torchft's ``DiLoCo`` on the same link and model, fp32 pseudo-
+  gradients (its ``should_quantize`` path imports triton, i.e. needs CUDA), one fragment, one
+  lighthouse on replica 0, a Manager per replica; step time and bytes off a node per sync.
 """
 from __future__ import annotations
 
@@ -129,8 +133,85 @@ def _time_rank(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     return res
 
 
+def _torchft_rank(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """torchft's DiLoCo (0.2, fp32 path: its quantization needs triton/CUDA) on the same link and
+    model: one lighthouse on replica 0, a TCPStore and a Manager per replica (group of one rank)."""
+    import socket
+    from datetime import timedelta
+
+    from torchft import Manager, ProcessGroupGloo
+    from torchft._torchft import LighthouseServer
+    from torchft.checkpointing.http_transport import HTTPTransport
+    from torchft.local_sgd import DiLoCo as TorchftDiLoCo
+
+    class Transport(HTTPTransport):
+        def address(self) -> str:  # torchft advertises socket.gethostname(): not routable between namespaces
+            port = self._server.socket.getsockname()[1]
+            return f"http://{addrs[rank]}:{port}/checkpoint/"
+
+    addrs = [None] * world
+    dist.all_gather_object(addrs, _my_address())
+    lighthouse = LighthouseServer(bind="[::]:29610", min_replicas=world) if rank == 0 else None
+    dist.barrier()
+    store = torch.distributed.TCPStore(addrs[rank], 29620, is_master=True, wait_for_workers=False)
+    model = _model(cfg["params"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    outer_opt = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=300)), min_replica_size=world,
+                      use_async_quorum=False, load_state_dict=lambda sd: None, state_dict=lambda: {},
+                      replica_id=str(rank), store_addr=addrs[rank], store_port=29620, rank=0, world_size=1,
+                      lighthouse_addr=f"http://{addrs[0]}:29610", hostname=addrs[rank], port=29630,
+                      timeout=timedelta(seconds=300), quorum_timeout=timedelta(seconds=300),
+                      checkpoint_transport=Transport(timeout=timedelta(seconds=300), num_chunks=0))
+    h = cfg["sync_every"]
+    times, tx = [], []
+    with TorchftDiLoCo(manager, [model], opt, outer_opt, sync_every=h, backup_device=torch.device("cpu"),
+                       fragment_sync_delay=0):
+        step = 0
+        for r in range(cfg["rounds"] + 1):
+            t0, b0 = time.perf_counter(), _tx()
+            for _ in range(h):
+                _step(model, opt, rank, step, cfg["batch"])
+                step += 1
+            if r:  # the first round: quorum, recovery
+                times.append((time.perf_counter() - t0) / h)
+                tx.append(_tx() - b0)
+    manager.shutdown(wait=False)
+    del store, lighthouse
+    return {"step_s": times, "tx": tx, "params": sum(p.numel() for p in model.parameters())}
+
+
+def _my_address() -> str:
+    """This rank's address on the link (fc0), from the kernel."""
+    import fcntl
+    import socket
+    import struct
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", b"fc0"))  # SIOCGIFADDR
+    return socket.inet_ntoa(packed[20:24])
+
+
 def _spread(xs: List[float]) -> str:
     return f"{min(xs) * 1e3:.0f}-{max(xs) * 1e3:.0f}"
+
+
+def _torchft(a, Link) -> Dict[str, Any]:
+    """torchft 0.2's DiLoCo on the same link and model (fp32: its quantized path imports triton)."""
+    try:
+        import torchft.local_sgd  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - report why, keep the rest of the run
+        print(f"\ntorchft: not run: {type(e).__name__}: {e}")
+        return {"failed": f"{type(e).__name__}: {e}"}
+    cfg = {"params": a.params, "batch": a.batch, "sync_every": a.sync_every, "rounds": 1}
+    with Link(2, a.link) as link:
+        res = link.run(2, _torchft_rank, cfg, timeout_s=1800)
+    r0 = res[0]
+    bpp = statistics.mean(r0["tx"]) / r0["params"]
+    print(f"\ntorchft 0.2 DiLoCo (fp32 pseudo-gradients, 1 fragment, H={a.sync_every}), {r0['params'] / 1e6:.1f}M "
+          f"params, {a.link}: {min(r0['step_s']) * 1e3:.1f} ms per inner step, {bpp:.3f} B/param per sync off a node "
+          f"(fc0 tx)")
+    return {**r0, "bytes_per_param_per_sync": bpp}
 
 
 def main(argv=None) -> int:
@@ -145,7 +226,7 @@ def main(argv=None) -> int:
     ap.add_argument("--syncs", type=int, default=2)
     ap.add_argument("--replicas", default="2,4")
     ap.add_argument("--codecs", default="fp32,int8,int4,sign")
-    ap.add_argument("--skip", default="", help="comma-separated: bytes, time")
+    ap.add_argument("--skip", default="", help="comma-separated: bytes, time, torchft")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     from flatcomm.tools.netlink import Link
@@ -186,6 +267,8 @@ def main(argv=None) -> int:
         print(f"  DDP every step   {ddp * 1e3:8.1f} ms   ({_spread(r0['ddp'])})   DiLoCo/DDP = {dl / ddp:.4f}")
         print(f"  fragment bytes per sync (flatcomm): {[round(f['bytes_per_sync'] / f['numel'], 3) for f in fr]} "
               f"B/param; tx per round {statistics.mean(r0['tx']['diloco']) / r0['params']:.3f} B/param")
+    if "torchft" not in skip:
+        out["torchft"] = _torchft(a, Link)
     out["seconds"] = time.perf_counter() - t0
     print(f"\n(timings taken on a shared, loaded box; {out['seconds']:.0f} s)")
     if a.json:
