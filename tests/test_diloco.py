@@ -227,7 +227,7 @@ def _errors(rank, world):
         lambda: DiLoCo(net, opt, sync_every=4, fragments=two if rank == 0 else 1), Exception, "rank 0", "0.weight")
     out["configurations differ"] = _expect(
         lambda: DiLoCo(net, opt, sync_every=4 * (rank + 1)), RuntimeError, "configuration", "[0]", "[1]")
-    out["weights differ"] = _expect(lambda: DiLoCo(_net(seed=rank), opt, sync_every=4), RuntimeError, "master")
+    out["weights differ"] = _expect(lambda: DiLoCo(_net(seed=rank), opt, sync_every=4), RuntimeError, "initial weights")
     # a load that fails on one rank changes nothing on any rank
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     outer = DiLoCo(net, opt, sync_every=4, codec="int8", fragments=2, fragment_sync_delay=1)

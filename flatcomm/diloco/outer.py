@@ -140,7 +140,8 @@ class DiLoCo:
                 fragment_update_alpha, group, error_feedback, residual_dtype, verify_every, topology),
             Config.fingerprint, "the DiLoCo configuration")
         self.fragments = self.config.fragments
-        replicas.verify(self.group, self.device, [f.master for f in self.fragments], 0)
+        replicas.verify(self.group, self.device, [f.master for f in self.fragments],
+                        "the initial weights (seed every replica alike, or load one checkpoint everywhere)")
         self.step = 0  # inner steps taken
         self.syncs = 0  # outer syncs applied (all fragments)
         self.pending: Optional[sync.Pending] = None
@@ -182,7 +183,7 @@ class DiLoCo:
         st.wire_bytes += p.stats.wire_bytes
         st.sync_s += time.perf_counter() - p.launched
         if cfg.verify_every and self.syncs % cfg.verify_every == 0:
-            replicas.verify(self.group, self.device, [g.master for g in self.fragments], self.syncs)
+            self.verify()
 
     def drain(self) -> None:
         """Wait for a fragment's all-reduce in flight; its result stays held, applied on schedule."""
@@ -195,7 +196,8 @@ class DiLoCo:
 
     def verify(self) -> int:
         """Compare the replicas' fp32 masters now (a collective); returns the 64-bit hash."""
-        return replicas.verify(self.group, self.device, [f.master for f in self.fragments], self.syncs)
+        return replicas.verify(self.group, self.device, [f.master for f in self.fragments],
+                               f"the fp32 master after {self.syncs} outer syncs")
 
     def close(self) -> None:
         """Remove the hook from the inner optimizer (a sync in flight is waited for first)."""

@@ -64,8 +64,9 @@ def differing(values: List[int], what: str) -> None:
                        f"(replicas {sorted(r for rs in sets[1:] for r in rs)} differ from replicas {sets[0]})")
 
 
-def verify(group, device: torch.device, masters: Sequence[torch.Tensor], sync: int) -> int:
-    """Gather every replica's master hash; raise on every replica if any differs. Returns it."""
+def verify(group, device: torch.device, masters: Sequence[torch.Tensor], what: str) -> int:
+    """Gather every replica's master hash; raise on every replica if any differs (``what``: which
+    master, for the message). Returns the hash."""
     h = master_hash(masters)
-    differing(_gather64(h, group, device), f"the fp32 master after outer sync {sync}")
+    differing(_gather64(h, group, device), what)
     return h
