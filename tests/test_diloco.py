@@ -169,7 +169,8 @@ def _codecs(rank, world):
             # after a sync (k = 1, no delay) the weights are the master: the same bits everywhere
             flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
             equal.append(_hash_all(flat) and torch.equal(flat, outer.fragments[0].master))
-        moved = (outer.fragments[0].master - torch.cat([p.detach().reshape(-1) for p in _net().parameters()])).abs().max()
+        init = torch.cat([p.detach().reshape(-1) for p in _net().parameters()])
+        moved = (outer.fragments[0].master - init).abs().max()
         st = outer.stats
         out[codec] = (all(equal), outer.syncs, float(moved), st["wire_bytes"], st["fragments"][0]["bytes_per_sync"])
     # a replica whose master differs is named on every rank
@@ -183,7 +184,8 @@ def _codecs(rank, world):
     _train(net, opt, STEPS, rank)
     f = outer.fragments[0]
     flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    out["bf16 params"] = (f.master.dtype, [r.dtype for r in f.residuals], torch.equal(flat, f.master.to(torch.bfloat16)),
+    out["bf16 params"] = (f.master.dtype, [r.dtype for r in f.residuals],
+                          torch.equal(flat, f.master.to(torch.bfloat16)),
                    _hash_all(f.master), bool((f.master != f.master.to(torch.bfloat16).float()).any()))
     return out
 

@@ -55,9 +55,10 @@ class Config:
     verify_every: int
 
     def fingerprint(self) -> int:
-        c = self.plan.codec
-        desc = repr((self.schedule, c.name, getattr(c, "block_size", None), self.plan.mode, self.plan.feedback,
-                     self.plan.world, self.lr, self.momentum, self.nesterov, self.alpha, self.verify_every,
+        p = self.plan
+        local = p.topology.local_size if p.two_level else 0
+        desc = repr((self.schedule, p.codec, p.mode, p.feedback, p.world, local, self.lr, self.momentum,
+                     self.nesterov, self.alpha, self.verify_every,
                      [(f.names, f.sizes, str(f.residual_dtype)) for f in self.fragments]))
         return int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=8).digest(), "little")
 
@@ -84,7 +85,8 @@ def _configure(model, sync_every, codec, mode, outer_lr, outer_momentum, nestero
         if not isinstance(v, bool):
             raise TypeError(f"flatcomm.diloco: {what} must be True or False, got {v!r}")
     if residual_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"flatcomm.diloco: residual_dtype must be torch.float32 or torch.bfloat16, got {residual_dtype}")
+        raise ValueError(f"flatcomm.diloco: residual_dtype must be torch.float32 or torch.bfloat16, "
+                         f"got {residual_dtype}")
     if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
         raise ValueError(f"flatcomm.diloco: verify_every must be an int >= 0, got {verify_every!r}")
     if topology is not None and not isinstance(topology, Topology):
