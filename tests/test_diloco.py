@@ -186,7 +186,7 @@ def _codecs(rank, world):
     flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     out["bf16 params"] = (f.master.dtype, [r.dtype for r in f.residuals],
                           torch.equal(flat, f.master.to(torch.bfloat16)),
-                   _hash_all(f.master), bool((f.master != f.master.to(torch.bfloat16).float()).any()))
+                          _hash_all(f.master), bool((f.master != f.master.to(torch.bfloat16).float()).any()))
     return out
 
 
