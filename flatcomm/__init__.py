@@ -9,7 +9,8 @@ The package is built in layers, each importing only those below it (``docs/archi
 * :mod:`flatcomm.autotune`: ``codec="auto"``;
 * :mod:`flatcomm.collectives`: the public collectives, re-exported here;
 * the parallel layer: :mod:`flatcomm.ddp`, :mod:`flatcomm.fsdp`, :mod:`flatcomm.optim`,
-  :mod:`flatcomm.reproducible`, :mod:`flatcomm.stats` (imported on first use);
+  :mod:`flatcomm.reproducible`, :mod:`flatcomm.stats`,
+  :mod:`flatcomm.diloco` (imported on first use);
 * :mod:`flatcomm.rank_states`: every rank's state in one dict, for frameworks that save from rank 0;
 * :mod:`flatcomm.integrations`: adapters for Lightning, Accelerate and transformers (never imported
   by the library); :mod:`flatcomm.tools`: benchmarks, tuner and demo.
@@ -61,8 +62,8 @@ def build_info() -> dict:
     return info
 
 
-_SUBMODULES = ("ddp", "fsdp", "hierarchical", "reproducible", "optim", "stats", "autotune", "rank_states",
-               "integrations")
+_SUBMODULES = ("ddp", "fsdp", "hierarchical", "reproducible", "optim", "stats", "diloco",
+               "autotune", "rank_states", "integrations")
 
 
 def __getattr__(name: str):

@@ -37,7 +37,9 @@ FLOORS: List[Tuple[str, List[str]]] = [
                       "flatcomm.ddp.checkpoint", "flatcomm.ddp.traffic", "flatcomm.ddp.state",
                       "flatcomm.fsdp.frames", "flatcomm.fsdp.adapt", "flatcomm.fsdp.backend", "flatcomm.fsdp.weights",
                       "flatcomm.fsdp.fsdp1", "flatcomm.fsdp.fsdp2", "flatcomm.fsdp.hybrid",
-                      "flatcomm.optim", "flatcomm.reproducible", "flatcomm.stats"]),
+                      "flatcomm.optim", "flatcomm.reproducible", "flatcomm.stats",
+                      "flatcomm.diloco.schedule", "flatcomm.diloco.state", "flatcomm.diloco.sync",
+                      "flatcomm.diloco.replicas", "flatcomm.diloco.checkpoint", "flatcomm.diloco.outer"]),
     ("checkpoints", ["flatcomm.rank_states"]),
     ("adapters", ["flatcomm.integrations._common", "flatcomm.integrations.lightning",
                   "flatcomm.integrations.accelerate", "flatcomm.integrations.transformers"]),
@@ -46,7 +48,8 @@ FLOORS: List[Tuple[str, List[str]]] = [
 # flatcomm.bench|tune|demo` (import their tool only when run), the tools.
 ENTRY_POINTS = {"flatcomm.bench", "flatcomm.tune", "flatcomm.demo"}
 # Subpackages whose modules stand side by side on one floor and must not import each other.
-SIBLINGS = ("flatcomm.ddp", "flatcomm.fsdp", "flatcomm.optim", "flatcomm.reproducible", "flatcomm.stats")
+SIBLINGS = ("flatcomm.ddp", "flatcomm.fsdp", "flatcomm.optim", "flatcomm.reproducible", "flatcomm.stats",
+            "flatcomm.diloco")
 
 
 def _library_modules() -> Dict[str, Path]:

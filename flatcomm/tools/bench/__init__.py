@@ -8,6 +8,7 @@
     python -m flatcomm.bench fsdp        [--ranks N] [--link 1gbit] [--codecs default,int8]
     python -m flatcomm.bench fsdp --nodes N --ranks-per-node G --link 1gbit --weights int8,int4 [--param-dtype bf16]
     python -m flatcomm.bench backend     [--ranks 4] [--sizes 4K,1M,100M] (the flatcomm backend vs gloo)
+    python -m flatcomm.bench diloco      [--link 100mbit] [--params 25e6] [--sync-every 40] [--replicas 2,4]
     python -m flatcomm.bench convergence [--quick] [--workloads lm,cnn,mlp_sgd,lm_recipe] [--seeds 3] [--codecs ...]
     common: [--json PATH] [--plot PATH.png] [--timeout S]; --version
 
@@ -754,6 +755,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return importlib.import_module(".convergence", __name__).main(args[1:])
     if args[:1] == ["backend"]:  # its own CLI: one spawn on init_process_group("flatcomm")
         return importlib.import_module(".backend", __name__).main(args[1:])
+    if args[:1] == ["diloco"]:  # its own CLI: runs on its own links
+        return importlib.import_module(".diloco", __name__).main(args[1:])
     a = build_parser().parse_args(argv)
     t0 = time.perf_counter()
     import torch

@@ -16,6 +16,8 @@ seed and per row:
 * ``lm_recipe``: ``lm``'s model and text with a GPT-style recipe: AdamW betas (0.9, 0.95), weight
   decay 0.1 on the matrices, gradient clipping at norm 1, gradient accumulation over 2
   micro-batches (DDP's ``no_sync``, FSDP2's paused gradient sync).
+* ``lm_diloco`` (not in the default list): ``lm_recipe`` over 300 steps, for the DiLoCo rows
+  (``diloco:codec=int4,H=50``, :mod:`flatcomm.tools.bench.convergence_diloco`).
 
 Every workload warms its learning rate up linearly and decays it along a cosine to a tenth.
 
@@ -259,7 +261,14 @@ class LMRecipe(LM):
         torch.nn.utils.clip_grad_norm_(list(params), 1.0)
 
 
-WORKLOAD_CLASSES = {c.name: c for c in (LM, CNN, MLPSGD, LMRecipe)}
+class LMDiLoCo(LMRecipe):
+    """``lm_recipe`` trained longer (300 steps: 6 syncs at H = 50, 3 at H = 100), for the DiLoCo rows
+    (:mod:`flatcomm.tools.bench.convergence_diloco`) against DDP every step at the same tokens."""
+
+    name, steps = "lm_diloco", 300
+
+
+WORKLOAD_CLASSES = {c.name: c for c in (LM, CNN, MLPSGD, LMRecipe, LMDiLoCo)}
 
 
 def forward_backward(w: Workload, model, step: int, rank: int, pause_sync) -> torch.Tensor:
@@ -359,6 +368,10 @@ def _applies(row: str, w: Workload) -> bool:
 
 
 def _train(w: Workload, row: str, rank: int, world: int, seed: int) -> dict:
+    if parse_row(row)[0] == "diloco":
+        from .convergence_diloco import train_diloco
+
+        return train_diloco(w, row, rank, world, seed)
     if parse_row(row)[0] == "fsdp":
         from .convergence_fsdp import train_fsdp
 
@@ -392,10 +405,15 @@ def _rank_main(rank: int, world: int, workloads: List[str], rows: List[str], see
 # ---- summary ---------------------------------------------------------------------------------------
 
 def baseline(row: str, runs: Dict[str, List[dict]]) -> Optional[str]:
-    """The row a row is compared with: plain FSDP2 (``fsdp``) for the FSDP2 rows with options,
-    torch's DDP all-reduce for the others (``fsdp`` itself included); None when it did not run."""
+    """The row a row is compared with: plain FSDP2 (``fsdp``) for the FSDP2 rows with options, fp32
+    DiLoCo at the same H for the lossy DiLoCo rows, torch's DDP all-reduce for the others (``fsdp``
+    and fp32 DiLoCo included); None when it did not run."""
     name, opts = parse_row(row)
     base = "fsdp" if name == "fsdp" and opts else "torch"
+    if name == "diloco" and opts.get("codec", "int4") != "fp32":
+        from .convergence_diloco import baseline_row
+
+        base = baseline_row(opts)  # a lossy DiLoCo row against fp32 DiLoCo at the same H
     return base if runs.get(base) else None
 
 
@@ -528,11 +546,12 @@ def main(argv=None) -> int:
             ap.error(f"unknown workload {wname!r}; expected some of {', '.join(WORKLOADS)}")
     for r in rows:
         name, opts = parse_row(r)
-        if name == "fsdp":
-            from .convergence_fsdp import check_options
+        if name in ("fsdp", "diloco"):
+            import importlib
 
+            check = importlib.import_module(f".convergence_{name}", __package__).check_options
             try:
-                check_options(opts)
+                check(opts)
             except ValueError as e:
                 ap.error(f"row {r!r}: {e}")
     if args.seeds < 1:

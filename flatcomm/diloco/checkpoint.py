@@ -1,0 +1,138 @@
+"""Checkpoints of :class:`flatcomm.diloco.DiLoCo`: everything the next sync needs, bit for bit.
+
+The state holds the step counters, the configuration's fingerprint, per fragment the fp32 master,
+the outer momentum and the error-feedback residuals, and a sync in flight: its all-reduce is
+waited for (drained) and its result saved, to be applied at the same inner step after a resume.
+Plain tensors, ints and strings (``torch.load(weights_only=True)``). The model's and the inner
+optimizer's states are the caller's to save beside it.
+
+A load is checked in full (keys, configuration, shapes, dtypes, finiteness, the schedule of the
+sync in flight) on every replica, the replicas agree (:func:`flatcomm.diloco.replicas.agree`:
+same step and same masters everywhere), and only then is anything changed: a load that fails on
+any replica changes nothing on any replica.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .._training import checks as check
+from . import replicas, sync
+
+__all__ = ["STATE_DICT_VERSION", "load_state_dict", "state_dict"]
+
+STATE_DICT_VERSION = 1
+
+
+def state_dict(outer) -> Dict[str, Any]:
+    """The state of ``outer`` (a DiLoCo); drains a sync in flight (its result is kept and saved)."""
+    outer.drain()
+    p = outer.pending
+    return {
+        "version": STATE_DICT_VERSION,
+        "config": f"{outer.config.fingerprint():016x}",
+        "step": outer.step,
+        "syncs": outer.syncs,
+        "fragments": [{"names": list(f.names), "master": f.master.detach().cpu().clone(),
+                       "momentum": f.momentum.detach().cpu().clone(),
+                       "residuals": [r.detach().cpu().clone() for r in f.residuals]} for f in outer.fragments],
+        "in_flight": None if p is None else {
+            "fragment": p.fragment, "started": p.started,
+            "delta": p.wait(outer.config.plan.world).detach().cpu().clone(),
+            "residuals": [r.detach().cpu().clone() for r in p.residuals]},
+    }
+
+
+def _tensor(t: Any, what: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"flatcomm.diloco: checkpoint {what} is a {type(t).__name__}, not a tensor")
+    if t.dtype != dtype:
+        raise TypeError(f"flatcomm.diloco: checkpoint {what} is {t.dtype}; this run keeps it in {dtype}")
+    if tuple(t.shape) != (n,):
+        raise ValueError(f"flatcomm.diloco: checkpoint {what} has shape {tuple(t.shape)}, this run needs ({n},) "
+                         f"(the model, the fragments or the replicas differ from the saved run)")
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
+        raise ValueError(f"flatcomm.diloco: checkpoint {what} holds {bad} inf/NaN values")
+    return t.detach()
+
+
+def _int(sd: Dict[str, Any], key: str) -> int:
+    v = check.field(sd, key, int)
+    if isinstance(v, bool) or v < 0:
+        raise ValueError(f"flatcomm.diloco: checkpoint field {key!r} must be an int >= 0, got {v!r}")
+    return v
+
+
+def _prepare(outer, sd: Dict[str, Any]) -> Dict[str, Any]:
+    """Every tensor of ``sd`` checked and copied to where it lives in this run (changes nothing)."""
+    version = check.field(sd, "version", int)
+    if version != STATE_DICT_VERSION:
+        raise ValueError(f"flatcomm.diloco: checkpoint version {version}, this flatcomm reads {STATE_DICT_VERSION}")
+    cfg = outer.config
+    want = f"{cfg.fingerprint():016x}"
+    if check.field(sd, "config", str) != want:
+        raise ValueError("flatcomm.diloco: the checkpoint was saved with another DiLoCo configuration (sync_every, "
+                         "fragments, codec, mode, outer optimizer, replicas or model layout differ)")
+    step, syncs = _int(sd, "step"), _int(sd, "syncs")
+    saved = check.field(sd, "fragments", list)
+    if len(saved) != len(outer.fragments):
+        raise ValueError(f"flatcomm.diloco: checkpoint has {len(saved)} fragments, this run {len(outer.fragments)}")
+    frags: List[Dict[str, Any]] = []
+    for i, (f, s) in enumerate(zip(outer.fragments, saved)):
+        if check.field(s, "names", list) != f.names:
+            raise ValueError(f"flatcomm.diloco: checkpoint fragment {i} holds other parameters than this model's")
+        res = check.field(s, "residuals", list)
+        if len(res) != len(f.residuals):
+            raise ValueError(f"flatcomm.diloco: checkpoint fragment {i} has {len(res)} residuals, this run needs "
+                             f"{len(f.residuals)}")
+        frags.append({
+            "master": _tensor(s.get("master"), f"fragment {i} master", f.numel, torch.float32).to(f.state_device),
+            "momentum": _tensor(s.get("momentum"), f"fragment {i} momentum", f.numel, torch.float32).to(f.state_device),
+            "residuals": [_tensor(r, f"fragment {i} residual {j}", mine.numel(), mine.dtype).to(f.device)
+                          for j, (r, mine) in enumerate(zip(res, f.residuals))]})
+    return {"step": step, "syncs": syncs, "fragments": frags, "in_flight": _in_flight(outer, sd, step)}
+
+
+def _in_flight(outer, sd: Dict[str, Any], step: int) -> Optional[sync.Pending]:
+    """The saved sync in flight as a finished :class:`Pending`, checked against the schedule."""
+    if "in_flight" not in sd:
+        raise KeyError("flatcomm.diloco: checkpoint has no 'in_flight' field")
+    s, sch = sd["in_flight"], outer.config.schedule
+    due = next((t for t in range(step - sch.delay + 1, step + 1) if sch.delay and sch.starts(t) is not None), None)
+    if s is None:
+        if due is not None:
+            raise ValueError(f"flatcomm.diloco: checkpoint at inner step {step} lacks the sync started at step {due}")
+        return None
+    i, started = check.field(s, "fragment", int), check.field(s, "started", int)
+    if due is None or started != due or sch.starts(started) != i:
+        raise ValueError(f"flatcomm.diloco: checkpoint's sync in flight (fragment {i}, started at step {started}) "
+                         f"does not fit the schedule at inner step {step}")
+    f = outer.fragments[i]
+    delta = _tensor(s.get("delta"), f"in-flight fragment {i} delta", f.numel, torch.float32).to(f.device)
+    res = check.field(s, "residuals", list)
+    if len(res) != len(f.residuals):
+        raise ValueError(f"flatcomm.diloco: checkpoint's sync in flight has {len(res)} residuals, this run needs "
+                         f"{len(f.residuals)}")
+    work = [_tensor(r, f"in-flight fragment {i} residual {j}", mine.numel(), torch.float32).to(f.device)
+            for j, (r, mine) in enumerate(zip(res, f.residuals))]
+    return sync.Pending.done(i, started, delta.clone(), [w.clone() for w in work])
+
+
+def _fingerprint(prepared: Dict[str, Any]) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr((prepared["step"], prepared["syncs"])).encode())
+    h.update(replicas.master_hash([f["master"] for f in prepared["fragments"]]).to_bytes(8, "little"))
+    return int.from_bytes(h.digest(), "little")
+
+
+def load_state_dict(outer, sd: Dict[str, Any]) -> None:
+    """Load ``sd`` into ``outer`` on every replica of the outer group, or on none (a collective)."""
+    outer.drain()  # a sync in flight from before is a collective every replica started: finish it
+    prepared = replicas.agree(outer.group, outer.device, lambda: _prepare(outer, sd), _fingerprint,
+                              "the loaded checkpoint (inner step, syncs and fp32 master)")
+    for f, s in zip(outer.fragments, prepared["fragments"]):
+        f.commit(s["master"], s["momentum"], s["residuals"])
+    outer.step, outer.syncs, outer.pending = prepared["step"], prepared["syncs"], prepared["in_flight"]

@@ -1,0 +1,111 @@
+"""The outer all-reduce of one fragment's pseudo-gradient, through :mod:`flatcomm.collectives`.
+
+``mode="ordered"``: one all-reduce (avg) with ``codec``, flat on ``group`` or two-level on a
+``topology``, with error feedback (:class:`flatcomm.ErrorFeedback`; a two-level call's is the
+inter tier's, :class:`flatcomm.hierarchical.TieredFeedback`): the same bits on every replica.
+
+``mode="exact"``: the average must not depend on the replicas' order. fp32 runs flatcomm's exact
+all-reduce (int64 fixed point). A lossy codec cannot be re-encoded mid-way without depending on
+who reduces what, so each replica's payload is all-gathered encoded (its client residual keeps
+what was not sent), every replica decodes every payload and sums the rows in exact fixed point
+(:func:`flatcomm.ops.sums.exact_sum`): any permutation of the replicas gives the same bits.
+
+The call works on copies (the pseudo-gradient is fresh, the residuals are fp32 copies) and returns
+a :class:`Pending`; nothing of the fragment's state changes until the caller commits the result.
+"""
+from __future__ import annotations
+
+import time
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import collectives as C
+from .. import hierarchical as H
+from ..ops.codecs import Codec
+from ..ops.sums import exact_sum
+
+__all__ = ["Pending", "Plan", "launch"]
+
+
+class Plan:
+    """How every outer all-reduce of this run is made (codec, mode, where, error feedback)."""
+
+    def __init__(self, codec: Codec, mode: str, group, topology, error_feedback: bool) -> None:
+        self.codec, self.mode, self.topology = codec, mode, topology
+        self.group = topology.group if topology is not None else group
+        self.two_level = topology is not None and not topology.flat
+        self.feedback = bool(error_feedback) and not codec.lossless
+        self.gathered = mode == "exact" and not codec.lossless  # all-gather + exact sum
+        self.world = dist.get_world_size(self.group)
+
+    def where(self) -> dict:
+        return {"topology": self.topology} if self.topology is not None else {"group": self.group}
+
+    def residual_shapes(self, numel: int) -> List[int]:
+        """Numels of the residual tensors one fragment of ``numel`` values keeps."""
+        if not self.feedback:
+            return []
+        if self.gathered:
+            return [numel]  # the sender's encoding only
+        if self.two_level:
+            n = H.shard_numel(numel, self.topology, self.codec)
+            return [n, n]
+        return [numel, numel]
+
+    def feedback_of(self, residuals: List[torch.Tensor]):
+        if not residuals:
+            return None
+        if self.gathered:
+            return residuals[0]
+        fb = C.ErrorFeedback(residuals[0], residuals[1])
+        return H.TieredFeedback(fb, None) if self.two_level else fb
+
+
+class Pending:
+    """One fragment's outer all-reduce in flight (or finished and held, e.g. after a checkpoint)."""
+
+    def __init__(self, fragment: int, started: int, handle, delta: torch.Tensor, residuals: List[torch.Tensor],
+                 rows: Optional[torch.Tensor], stats: C.CommStats) -> None:
+        self.fragment, self.started = fragment, started
+        self._handle, self._delta, self.residuals = handle, delta, residuals
+        self._rows, self.stats = rows, stats
+        self.launched = time.perf_counter()
+        self.waited_s = 0.0
+
+    @classmethod
+    def done(cls, fragment: int, started: int, delta: torch.Tensor, residuals: List[torch.Tensor]) -> "Pending":
+        """A finished all-reduce (restored from a checkpoint)."""
+        return cls(fragment, started, None, delta, residuals, None, C.CommStats())
+
+    @property
+    def finished(self) -> bool:
+        return self._handle is None
+
+    def wait(self, world: int) -> torch.Tensor:
+        """The averaged pseudo-gradient (raises the collective's error on every replica)."""
+        if self._handle is not None:
+            t0 = time.perf_counter()
+            try:
+                self._handle.wait()
+            finally:
+                self.waited_s += time.perf_counter() - t0
+            self._handle = None
+            if self._rows is not None:  # exact mode, lossy codec: sum the decoded rows
+                self._delta = exact_sum(self._rows.view(world, -1)).div_(world)
+                self._rows = None
+        return self._delta
+
+
+def launch(plan: Plan, fragment: int, started: int, delta: torch.Tensor, residuals: List[torch.Tensor]) -> Pending:
+    """Start the all-reduce of ``delta`` (consumed) with the fp32 working ``residuals``."""
+    stats = C.CommStats()
+    fb = plan.feedback_of(residuals)
+    if plan.gathered:
+        rows = torch.empty(plan.world * delta.numel(), dtype=torch.float32, device=delta.device)
+        h = C.all_gather(rows, delta, codec=plan.codec, residual=fb, async_op=True, stats=stats, **plan.where())
+        return Pending(fragment, started, h, delta, residuals, rows, stats)
+    h = C.all_reduce(delta, codec=plan.codec, mode=plan.mode, residual=fb, async_op=True, stats=stats,
+                     **plan.where())
+    return Pending(fragment, started, h, delta, residuals, None, stats)

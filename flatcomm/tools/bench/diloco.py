@@ -1,0 +1,281 @@
+"""DiLoCo over a slow link: bytes off a node per sync, inner-step time, DDP every step (a tool).
+
+    python -m flatcomm.bench diloco [--link 100mbit] [--params 25e6] [--sync-every 40] [--rounds 2]
+        [--bytes-params 5e6] [--replicas 2,4] [--codecs fp32,int8,int4,sign] [--json PATH]
+
+Every run is on :class:`flatcomm.tools.netlink.Link` (network namespaces, tc tbf at ``--link``;
+this machine's kernel has no netem, so no delay): each replica is a node of one gloo rank.
+
+* **bytes**: per codec and replica count, ``DiLoCo(fragments=1, sync_every=1)`` on an MLP of
+  ``--bytes-params``; the node's ``fc0`` tx counter (kernel, headers included) over ``--syncs``
+  syncs, divided by syncs x parameters: the bytes per parameter that left a node per sync.
+* **time** (2 replicas, MLP of ``--params``, AdamW inner, batch ``--batch``): the same model's
+  compute-only step (no communication at all), DiLoCo int4 + error feedback with ``fragments=4,
+  fragment_sync_delay=1`` (mean wall time per inner step over whole rounds of ``--sync-every``
+  steps, the syncs included), and DDP every step (torch's default gloo all-reduce) over the same
+  link. Compute-only and DiLoCo alternate round by round and each keeps its fastest round (the
+  machine is shared); the spread over rounds is reported.
+* **torchft** (when ``import torchft`` works, e.g. ``PYTHONPATH`` holding torchft 0.2 and its
+  opentelemetry dependencies): torchft's ``DiLoCo`` on the same link and model, fp32 pseudo-
+  gradients (its ``should_quantize`` path imports triton, i.e. needs CUDA), one fragment, one
+  lighthouse on replica 0, a Manager per replica; step time and bytes off a node per sync.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from .ddp import mlp
+
+
+def _tx() -> int:
+    from flatcomm.tools import netlink
+
+    return netlink.interface_bytes()[0]
+
+
+def _model(params: float, seed: int = 0):
+    torch.manual_seed(seed)
+    return mlp(params)
+
+
+def _batch(model, rank: int, step: int, batch: int):
+    g = torch.Generator().manual_seed(7919 * rank + step)
+    w = model[0].in_features
+    return torch.randn(batch, w, generator=g), torch.randn(batch, w, generator=g)
+
+
+def _step(model, opt, rank, step, batch):
+    x, y = _batch(model, rank, step, batch)
+    opt.zero_grad(set_to_none=False)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _bytes_rank(rank: int, world: int, cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
+    from flatcomm.diloco import DiLoCo
+
+    out = []
+    for codec in cfg["codecs"]:
+        model = _model(cfg["bytes_params"])
+        n = sum(p.numel() for p in model.parameters())
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        outer = DiLoCo(model, opt, sync_every=1, codec=codec, verify_every=0)
+        _step(model, opt, rank, 0, 8)  # the first sync: groups and buffers made
+        dist.barrier()
+        tx0 = _tx()
+        for s in range(cfg["syncs"]):
+            _step(model, opt, rank, 1 + s, 8)
+        dist.barrier()
+        tx = _tx() - tx0
+        out.append({"codec": codec, "params": n, "syncs": cfg["syncs"], "tx_bytes": tx,
+                    "bytes_per_param": tx / (cfg["syncs"] * n),
+                    "flatcomm_wire_bytes_per_sync": outer.stats["wire_bytes"] / outer.syncs})
+    return out
+
+
+def _time_rank(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    from flatcomm.diloco import DiLoCo
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    h, batch = cfg["sync_every"], cfg["batch"]
+    models = {}
+    for name in ("compute", "diloco"):
+        m = _model(cfg["params"])
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        models[name] = (m, opt)
+    m, opt = models["diloco"]
+    outer = DiLoCo(m, opt, sync_every=h, codec="int4", fragments=4, fragment_sync_delay=1)
+    rounds: Dict[str, List[float]] = {"compute": [], "diloco": []}
+    tx: Dict[str, List[int]] = {"compute": [], "diloco": []}
+    step = {"compute": 0, "diloco": 0}
+    for name in ("compute", "diloco"):  # warm-up (page faults, first sync's buffers)
+        for _ in range(2):
+            _step(*models[name], rank, step[name], batch)
+            step[name] += 1
+    while outer.step % h:  # round boundaries at multiples of H
+        _step(*models["diloco"], rank, step["diloco"], batch)
+        step["diloco"] += 1
+    for r in range(cfg["rounds"]):
+        for name in (("compute", "diloco") if r % 2 == 0 else ("diloco", "compute")):
+            dist.barrier()
+            t0, b0 = time.perf_counter(), _tx()
+            for _ in range(h):
+                _step(*models[name], rank, step[name], batch)
+                step[name] += 1
+            rounds[name].append((time.perf_counter() - t0) / h)
+            tx[name].append(_tx() - b0)
+    res = {"params": sum(p.numel() for p in m.parameters()), "rounds": rounds, "tx": tx,
+           "diloco_stats": outer.stats}
+    outer.close()
+    del models
+    ddp = DDP(_model(cfg["params"]), bucket_cap_mb=25)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    times = []
+    for s in range(cfg["ddp_steps"] + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        x, y = _batch(ddp.module, rank, s, batch)
+        opt.zero_grad(set_to_none=False)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        if s:  # the first step builds DDP's buckets
+            times.append(time.perf_counter() - t0)
+    res["ddp"] = times
+    return res
+
+
+def _torchft_rank(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """torchft's DiLoCo (0.2, fp32 path: its quantization needs triton/CUDA) on the same link and
+    model: one lighthouse on replica 0, a TCPStore and a Manager per replica (group of one rank)."""
+    import socket
+    from datetime import timedelta
+
+    from torchft import Manager, ProcessGroupGloo
+    from torchft._torchft import LighthouseServer
+    from torchft.checkpointing.http_transport import HTTPTransport
+    from torchft.local_sgd import DiLoCo as TorchftDiLoCo
+
+    class Transport(HTTPTransport):
+        def address(self) -> str:  # torchft advertises socket.gethostname(): not routable between namespaces
+            port = self._server.socket.getsockname()[1]
+            return f"http://{addrs[rank]}:{port}/checkpoint/"
+
+    addrs = [None] * world
+    dist.all_gather_object(addrs, _my_address())
+    lighthouse = LighthouseServer(bind="[::]:29610", min_replicas=world) if rank == 0 else None
+    dist.barrier()
+    store = torch.distributed.TCPStore(addrs[rank], 29620, is_master=True, wait_for_workers=False)
+    model = _model(cfg["params"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    outer_opt = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=300)), min_replica_size=world,
+                      use_async_quorum=False, load_state_dict=lambda sd: None, state_dict=lambda: {},
+                      replica_id=str(rank), store_addr=addrs[rank], store_port=29620, rank=0, world_size=1,
+                      lighthouse_addr=f"http://{addrs[0]}:29610", hostname=addrs[rank], port=29630,
+                      timeout=timedelta(seconds=300), quorum_timeout=timedelta(seconds=300),
+                      checkpoint_transport=Transport(timeout=timedelta(seconds=300), num_chunks=0))
+    h = cfg["sync_every"]
+    times, tx = [], []
+    with TorchftDiLoCo(manager, [model], opt, outer_opt, sync_every=h, backup_device=torch.device("cpu"),
+                       fragment_sync_delay=0):
+        step = 0
+        for r in range(cfg["rounds"] + 1):
+            t0, b0 = time.perf_counter(), _tx()
+            for _ in range(h):
+                _step(model, opt, rank, step, cfg["batch"])
+                step += 1
+            if r:  # the first round: quorum, recovery
+                times.append((time.perf_counter() - t0) / h)
+                tx.append(_tx() - b0)
+    manager.shutdown(wait=False)
+    del store, lighthouse
+    return {"step_s": times, "tx": tx, "params": sum(p.numel() for p in model.parameters())}
+
+
+def _my_address() -> str:
+    """This rank's address on the link (fc0), from the kernel."""
+    import fcntl
+    import socket
+    import struct
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", b"fc0"))  # SIOCGIFADDR
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _spread(xs: List[float]) -> str:
+    return f"{min(xs) * 1e3:.0f}-{max(xs) * 1e3:.0f}"
+
+
+def _torchft(a, Link) -> Dict[str, Any]:
+    """torchft 0.2's DiLoCo on the same link and model (fp32: its quantized path imports triton)."""
+    try:
+        import torchft.local_sgd  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - report why, keep the rest of the run
+        print(f"\ntorchft: not run: {type(e).__name__}: {e}")
+        return {"failed": f"{type(e).__name__}: {e}"}
+    cfg = {"params": a.params, "batch": a.batch, "sync_every": a.sync_every, "rounds": 1}
+    with Link(2, a.link) as link:
+        res = link.run(2, _torchft_rank, cfg, timeout_s=1800)
+    r0 = res[0]
+    bpp = statistics.mean(r0["tx"]) / r0["params"]
+    print(f"\ntorchft 0.2 DiLoCo (fp32 pseudo-gradients, 1 fragment, H={a.sync_every}), {r0['params'] / 1e6:.1f}M "
+          f"params, {a.link}: {min(r0['step_s']) * 1e3:.1f} ms per inner step, {bpp:.3f} B/param per sync off a node "
+          f"(fc0 tx)")
+    return {**r0, "bytes_per_param_per_sync": bpp}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flatcomm.bench diloco", description=__doc__.split("\n")[0])
+    ap.add_argument("--link", default="100mbit")
+    ap.add_argument("--params", type=float, default=25e6)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--sync-every", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ddp-steps", type=int, default=2)
+    ap.add_argument("--bytes-params", type=float, default=5e6)
+    ap.add_argument("--syncs", type=int, default=2)
+    ap.add_argument("--replicas", default="2,4")
+    ap.add_argument("--codecs", default="fp32,int8,int4,sign")
+    ap.add_argument("--skip", default="", help="comma-separated: bytes, time, torchft")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    from flatcomm.tools.netlink import Link
+
+    t0 = time.perf_counter()
+    skip = set(a.skip.split(","))
+    out: Dict[str, Any] = {"link": a.link, "bytes": {}, "note": "timings on a shared (loaded) 2-core box"}
+    codecs = [c for c in a.codecs.split(",") if c]
+    if "bytes" not in skip:
+        for w in [int(x) for x in a.replicas.split(",") if x]:
+            with Link(w, a.link) as link:
+                cfg = {"codecs": codecs, "bytes_params": a.bytes_params, "syncs": a.syncs}
+                rows = link.run(w, _bytes_rank, cfg, timeout_s=900)
+            out["bytes"][w] = rows
+            print(f"\nbytes off a node per parameter per sync, {w} replicas x 1 rank, {a.link} (fc0 tx counter, "
+                  f"mean over nodes):")
+            for i, c in enumerate(codecs):
+                per_node = [rows[r][i]["bytes_per_param"] for r in range(w)]
+                print(f"  {c:6s} {statistics.mean(per_node):6.3f} B/param (nodes {min(per_node):.3f}-"
+                      f"{max(per_node):.3f}; flatcomm's own count "
+                      f"{rows[0][i]['flatcomm_wire_bytes_per_sync'] / rows[0][i]['params']:.3f})", flush=True)
+    if "time" not in skip:
+        cfg = {"params": a.params, "batch": a.batch, "sync_every": a.sync_every, "rounds": a.rounds,
+               "ddp_steps": a.ddp_steps}
+        with Link(2, a.link) as link:
+            res = link.run(2, _time_rank, cfg, timeout_s=1800)
+        r0 = res[0]
+        comp, dl, ddp = min(r0["rounds"]["compute"]), min(r0["rounds"]["diloco"]), statistics.median(r0["ddp"])
+        out["time"] = {**r0, "compute_s": comp, "diloco_s": dl, "ddp_s": ddp,
+                       "diloco_vs_compute": dl / comp, "diloco_vs_ddp": dl / ddp}
+        fr = r0["diloco_stats"]["fragments"]
+        print(f"\ninner step, {r0['params'] / 1e6:.1f}M params, 2 replicas, {a.link}, AdamW, batch {a.batch}, "
+              f"H={a.sync_every}, fragments=4, delay 1 (best of {a.rounds} rounds, spread in ms):")
+        print(f"  compute only     {comp * 1e3:8.1f} ms   ({_spread(r0['rounds']['compute'])})")
+        print(f"  DiLoCo int4+EF   {dl * 1e3:8.1f} ms   ({_spread(r0['rounds']['diloco'])})   "
+              f"x{dl / comp:.3f} of compute-only; waited {r0['diloco_stats']['wait_s']:.2f} s over "
+              f"{r0['diloco_stats']['syncs']} fragment syncs")
+        print(f"  DDP every step   {ddp * 1e3:8.1f} ms   ({_spread(r0['ddp'])})   DiLoCo/DDP = {dl / ddp:.4f}")
+        print(f"  fragment bytes per sync (flatcomm): {[round(f['bytes_per_sync'] / f['numel'], 3) for f in fr]} "
+              f"B/param; tx per round {statistics.mean(r0['tx']['diloco']) / r0['params']:.3f} B/param")
+    if "torchft" not in skip:
+        out["torchft"] = _torchft(a, Link)
+    out["seconds"] = time.perf_counter() - t0
+    print(f"\n(timings taken on a shared, loaded box; {out['seconds']:.0f} s)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
