@@ -34,9 +34,11 @@ FLOORS: List[Tuple[str, List[str]]] = [
                   "flatcomm._training.options"]),
     ("integrations", ["flatcomm.ddp.accordion", "flatcomm.ddp.stats", "flatcomm.ddp.tiers", "flatcomm.ddp.residuals",
                       "flatcomm.ddp.checkpoint", "flatcomm.ddp.traffic", "flatcomm.ddp.state",
-                      "flatcomm.fsdp.frames", "flatcomm.fsdp.adapt", "flatcomm.fsdp.backend", "flatcomm.fsdp.weights",
+                      "flatcomm.fsdp.frames", "flatcomm.fsdp.adapt", "flatcomm.fsdp.residuals", "flatcomm.fsdp.backend",
+                      "flatcomm.fsdp.quantized", "flatcomm.fsdp.weights",
                       "flatcomm.fsdp.fsdp1", "flatcomm.fsdp.fsdp2", "flatcomm.fsdp.hybrid",
-                      "flatcomm.optim", "flatcomm.reproducible", "flatcomm.stats"]),
+                      "flatcomm.optim", "flatcomm.reproducible.determinism", "flatcomm.reproducible.layout",
+                      "flatcomm.reproducible.accumulator", "flatcomm.stats"]),
     ("checkpoints", ["flatcomm.rank_states"]),
     ("adapters", ["flatcomm.integrations._common", "flatcomm.integrations.lightning",
                   "flatcomm.integrations.accelerate", "flatcomm.integrations.transformers"]),
@@ -264,8 +266,8 @@ def test_old_module_paths_still_import():
     assert p.returncode == 0 and p.stdout.startswith("ok"), p.stdout[-2000:] + p.stderr[-3000:]
 
 
-def test_no_library_module_is_over_600_lines():
-    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 600}
+def test_no_library_module_is_over_400_lines():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long
 
 
