@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 import threading
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -20,13 +21,23 @@ from . import stats as _stats
 from ..ops.codecs import Codec
 from .residuals import Residuals
 
-__all__ = ["CODEC_DEFAULTS", "State", "hook", "register"]
+__all__ = ["CODEC_DEFAULTS", "State", "StatsDict", "hook", "register"]
 
 # What register(ddp, "sign") uses unless block_size= / start_step= say otherwise. Sign sends every
 # value of a block at the block's mean magnitude, which inflates Adam's second moment and, early in
 # training, the residual; smaller blocks and lossless first steps keep both close (measured by
 # tools/bench/adam_probe.py and convergence.py: docs/benchmarks.md, "Why sign lost under Adam").
 CODEC_DEFAULTS = {"sign": {"block_size": 64, "start_step": 20}}
+
+
+class StatsDict(dict):
+    """What :attr:`State.stats` returns: a plain dict. Calling it, the spelling of flatcomm 0.1
+    (``state.stats()``, when ``stats`` was a method), returns it too, with a DeprecationWarning."""
+
+    def __call__(self) -> "StatsDict":
+        warnings.warn("flatcomm: State.stats is a property: write state.stats, not state.stats()",
+                      DeprecationWarning, stacklevel=2)
+        return self
 
 
 class State:
@@ -43,14 +54,14 @@ class State:
         (``ddp.register_comm_hook(State(...), hook)`` does not: then :meth:`attach` it, or
         :meth:`state_dict` raises once the State holds residuals it could not name).
     grad_scaler: a GradScaler whose scale changes rescale the residuals.
-    track_norms: compute the residual/gradient norms for :meth:`stats` (two dot products over the
+    track_norms: compute the residual/gradient norms for :attr:`stats` (two dot products over the
         bucket before sending and one norm of each residual after).
-    history: how many steps :meth:`stats` keeps.
+    history: how many steps :attr:`stats` keeps.
     topology: a :class:`flatcomm.Topology`, ``"flat"``, or None (default: from torchrun's
         ``LOCAL_WORLD_SIZE``, flat when unset; built at the first hook call). Hierarchical: see
         :mod:`flatcomm.ddp.tiers` for where the residuals live.
     codec="auto": a :class:`flatcomm.autotune.Tuner` (``tuner=``, default error budget int8) picks the
-        codec of each bucket at its first hook call; ``decisions`` / ``stats()["decisions"]`` say what
+        codec of each bucket at its first hook call; ``decisions`` / ``stats["decisions"]`` say what
         and why. With a hierarchical topology the inter-node codec (or the backend's all-reduce) is
         chosen by the two-level cost model (:mod:`flatcomm.autotune.tiers`; the node tier stays
         fp32). A parameter that moves (bucket rebuild) from a lossy bucket into one where fp32 was
@@ -66,7 +77,7 @@ class State:
         per kind, each over a copy of its parameters' ranges (the kept part first-class fp32).
     backoff: ``codec="auto"`` only: a :class:`flatcomm.ddp.Backoff` (default ``Backoff()``,
         every 50 steps; ``False`` turns it off) that moves a bucket to a more precise codec when the
-        error measured in training exceeds the budget; ``adaptations`` / ``stats()`` say when and why.
+        error measured in training exceeds the budget; ``adaptations`` / ``stats`` say when and why.
     accordion: adaptive switching (:mod:`flatcomm.ddp.accordion`): a precise codec (``"int8"``, or an
         :class:`~flatcomm.ddp.accordion.Accordion`; ``True``: its defaults) in intervals where the
         gradient norm changes fast, this State's codec otherwise. Not with ``codec="auto"``.
@@ -136,8 +147,11 @@ class State:
 
     # ---- statistics ------------------------------------------------------------------------------
 
-    def stats(self) -> dict:
-        """Per step and per bucket, on this rank (plain dicts; the last ``history`` steps).
+    @property
+    def stats(self) -> "StatsDict":
+        """Per step and per bucket, on this rank (plain dicts; the last ``history`` steps), read
+        once every launched all-reduce has finished. A read-only property, like
+        ``ReduceScatter.stats``; the old call ``state.stats()`` still works, with a DeprecationWarning.
 
         Per bucket: ``wire_bytes`` (this rank put on the wire), ``fp32_bytes`` (a plain fp32 ring
         all-reduce: 2(W-1)/W * 4 * numel), seconds in ``encode_s`` / ``exchange_s`` (waiting for
@@ -151,7 +165,7 @@ class State:
         """
         self.wait()
         out = self.recorder.steps()
-        return {"codec": "auto" if self.auto else self.codec.name, "block_size": self.codec.block_size,
+        return StatsDict({"codec": "auto" if self.auto else self.codec.name, "block_size": self.codec.block_size,
                 "mode": self.mode, "error_feedback": self.error_feedback,
                 # codec="auto": per bucket, what the tuner chose and why
                 "decisions": [{"codec": d.codec, "chunks": d.chunks, "reason": d.reason,
@@ -161,7 +175,7 @@ class State:
                 "adaptations": [dict(a) for a in self.adaptations],
                 "world_size": dist.get_world_size(self.group) if self.group is not None else None,
                 "topology": self.topology.describe() if self.topology is not None else None,
-                "steps": out}
+                "steps": out})
 
     # ---- checkpoints (flatcomm.ddp.checkpoint) --------------------------------------------------
 
@@ -285,7 +299,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: Any = 
     ``"ordered"`` or ``"exact"`` (fp32 only) asks for determinism: auto then chooses among
     flatcomm's own collectives only.
 
-    Returns the :class:`State` (for ``state_dict()``, ``stats()``, ``decisions``).
+    Returns the :class:`State` (for ``state_dict()``, ``stats``, ``decisions``).
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"flatcomm.ddp.register needs a DistributedDataParallel model, got "

@@ -194,7 +194,7 @@ def _reduce(state, group, tensor: torch.Tensor, key: Tuple[int, ...], params, la
         # ||g + client_old||^2 = g.g + 2 g.r + r.r (r.r kept from the last step): two read passes,
         # queued on the group's worker thread just before the all-reduce, off the backward thread.
         # The norms stay 0-dim tensors (float64 sums of the fp32 dots, as Python floats would
-        # be) until stats() reads them: on CUDA no host sync per bucket.
+        # be) until stats reads them: on CUDA no host sync per bucket.
         def pre():
             flat = tensor.reshape(-1).float()
             g = v = flat.dot(flat).double()
