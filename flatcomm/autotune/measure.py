@@ -23,6 +23,7 @@ from .decide import KINDS, predict
 from ..comm import flat, pipeline, worker
 from ..comm.args import ErrorFeedback
 from ..comm.groups import private_group
+from ..comm.spec import CallSpec
 from ..ops.codecs import PRECISION, Codec
 
 __all__ = ["BENCH_NUMEL", "measure", "on_worker"]
@@ -70,11 +71,11 @@ def _time_codecs(codecs, numel: int, world: int, group, device: torch.device, re
             lossy = not Codec(c).lossless
             if kind == "all_reduce":
                 ef = ErrorFeedback.zeros(numel, device) if lossy else None
-                fn = lambda: flat.all_reduce(x, codec=c, residual=ef, group=group, validate=False)  # noqa: E731
+                fn = lambda: flat.all_reduce(x, CallSpec(codec=c, residual=ef, validate=False), group)  # noqa: E731
             else:
                 r = torch.zeros(src.numel(), device=device) if lossy else None
-                fn = lambda: flat.reduce_scatter(shard, src, codec=c, residual=r, group=group,  # noqa: E731
-                                                 validate=False)
+                fn = lambda: flat.reduce_scatter(shard, src, CallSpec(codec=c, residual=r, validate=False),  # noqa: E731
+                                                 group)
             out.append(_best_of(fn, device, reps))
     return out
 
