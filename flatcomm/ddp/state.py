@@ -83,6 +83,24 @@ class State:
         gradient norm changes fast, this State's codec otherwise. Not with ``codec="auto"``.
     """
 
+    # The declared shape (grouped like torch's PowerSGDState): every attribute a State holds.
+    # Options: what the caller asked for, resolved once by flatcomm._training.options.
+    _OPTIONS = ("codec", "auto", "backend_allowed", "block_size", "mode", "error_feedback", "start_step",
+                "backoff", "accordion", "tuner", "keep_fn", "chunks", "topology_arg", "model", "grad_scaler",
+                "track_norms", "history")
+    # Where the traffic goes: flatcomm's private group and the topology (both set at the first call).
+    _GROUPS = ("group", "topology")
+    # Per-bucket state, keyed by the bucket's parameter ids: residuals, auto's decisions, the saved
+    # layout to replay after a load; internal: keep_fp32 answers, auto keys' buckets, layouts seen.
+    _BUCKETS = ("residuals", "decisions", "replay", "replay_tiered", "_kept", "_key_where", "_seen_layouts")
+    # The step: hook rounds so far, whether the next bucket starts one, the GradScaler scale seen.
+    _STEP = ("step", "_new_step", "scale_seen")
+    # Statistics: the per-step records, auto's measured errors and moves.
+    _STATS = ("recorder", "monitor", "adaptations")
+    # Internal: parameter names, the all-reduces in flight and their condition.
+    _INTERNAL = ("_names", "_inflight", "_cond")
+    __slots__ = _OPTIONS + _GROUPS + _BUCKETS + _STEP + _STATS + _INTERNAL
+
     def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: Optional[str] = None,
                  group=None, chunks: Optional[int] = None, block_size: Optional[int] = None,
                  ratio: Optional[float] = None, model: Optional[torch.nn.Module] = None,
@@ -92,46 +110,48 @@ class State:
         o = _options.resolve(codec, error_feedback=error_feedback, mode=mode, block_size=block_size,
                              ratio=ratio, tuner=tuner, start_step=start_step, keep_fp32=keep_fp32,
                              backoff=backoff, defaults=CODEC_DEFAULTS)
-        # codec="auto": flatcomm.autotune picks a codec per bucket key at its first hook call (the same
-        # on every rank); self.decisions[key] holds the Decision (codec, chunks, reason, predicted_s).
-        # mode None: the caller did not ask for determinism (see register()): auto may use the backend.
-        self.auto, self.backend_allowed, self.block_size = o.auto, o.open, o.block_size
+        # -- options. codec="auto": flatcomm.autotune picks a codec per bucket key at its first hook
+        # call (the same on every rank); decisions[key] holds the Decision. mode None: the caller
+        # did not ask for determinism (see register()): auto may use the backend's all-reduce.
         self.codec: Codec = o.codec
-        self.mode = o.mode
-        self.error_feedback = o.error_feedback
-        self.start_step = o.start_step
+        self.auto, self.backend_allowed, self.block_size = o.auto, o.open, o.block_size
+        self.mode, self.error_feedback, self.start_step = o.mode, o.error_feedback, o.start_step
         self.backoff = o.backoff
         self.accordion = _accordion.policy(accordion)
         if self.accordion is not None and o.auto:
             raise ValueError("flatcomm: accordion= picks between two fixed codecs; it does not combine with codec='auto'")
-        if o.auto:
-            self.tuner = o.tuner
-        self.decisions: Dict[Tuple[int, ...], Any] = {}
+        self.tuner = o.tuner if o.auto else None
         self.keep_fn = o.keep_fn
-        self.kept: Dict[int, bool] = {}  # id(p) -> keep_fp32(name, p), asked once per parameter
-        self.monitor = _adapt.Monitor(self.backoff or _adapt.Backoff(every=0))
-        self.adaptations: List[dict] = self.monitor.adaptations  # the moves, with their numbers
-        self.key_where: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # auto key -> (DDP bucket index, numel)
         self.chunks = chunks
-        self.group = group
         self.topology_arg = topology
-        self.topology = None  # resolved at the first hook call (creating groups is collective)
         self.model = model
         self.grad_scaler = grad_scaler
         self.track_norms = track_norms
         self.history = history
+        # -- groups: resolved at the first hook call (creating groups is collective)
+        self.group = group
+        self.topology = None
+        # -- per-bucket state
         self.residuals = Residuals(track_norms)  # error feedback, per bucket, owned by parameters
-        # After a same-world-size load: the saved buffer keys, replayed by the first step (_launch).
+        self.decisions: Dict[Tuple[int, ...], Any] = {}
+        # After a same-world-size load: the saved buffer keys, replayed by the first step.
         self.replay: Optional[List[Tuple[int, ...]]] = None
         self.replay_tiered = False  # whether the replayed buffers were saved by a hierarchical State
+        self._kept: Dict[int, bool] = {}  # id(p) -> keep_fp32(name, p), asked once per parameter
+        self._key_where: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # auto key -> (DDP bucket index, numel)
+        self._seen_layouts: set = set()  # bucket keys whose call header was validated
+        # -- the step
+        self.step = 0
+        self._new_step = True
+        self.scale_seen: Optional[float] = None
+        # -- statistics
+        self.recorder = _stats.Recorder(history, track_norms)
+        self.monitor = _adapt.Monitor(self.backoff or _adapt.Backoff(every=0))
+        self.adaptations: List[dict] = self.monitor.adaptations  # the moves, with their numbers
+        # -- internal
         self._names: Optional[Dict[int, str]] = None
-        self.seen_layouts: set = set()
         self._inflight = 0
         self._cond = threading.Condition()
-        self.step = 0
-        self.new_step = True
-        self.scale_seen: Optional[float] = None
-        self.recorder = _stats.Recorder(history, track_norms)
 
     def attach(self, model: torch.nn.Module) -> None:
         """Give the State its DDP model (``ddp.register_comm_hook(State(...), hook)`` creates it
@@ -258,7 +278,23 @@ class State:
         return self.topology is not None and not self.topology.flat
 
     def _launch(self, bucket) -> torch.futures.Future:
-        return _comm.launch(self, bucket)
+        """The hook's work for one bucket (the steps of :mod:`flatcomm.ddp.traffic`); the future
+        holds the bucket buffer, averaged in place."""
+        group = self.ensure_group()
+        if self.topology is None:
+            _comm.first_call(self, group)
+        if self._new_step:
+            self._new_step = False
+            _comm.new_step(self, group, bucket.buffer().device)
+        step, index, tensor = self.step, bucket.index(), bucket.buffer()
+        whole, layout, parts = _comm.plan_parts(self, bucket)
+        if bucket.is_last():
+            self.step += 1
+            self._new_step = True
+            self.replay = None  # only the first step after a load can have DDP's initial layout
+        if parts is None:
+            return _comm.reduce(self, group, _comm.Piece(tensor, whole, layout, step, index, f"bucket{index}"))
+        return _comm.reduce_parts(self, group, tensor, layout, parts, step, index)
 
     def started(self) -> None:
         """One more all-reduce in flight (:meth:`wait` waits for it; :meth:`finished` ends it)."""
