@@ -229,7 +229,7 @@ def collectives_section(device: torch.device, seed: int, max_seconds: float, sel
                 model.zero_grad()
                 (net(xb.to(dev)) * tb.to(dev)).sum().backward()
                 grads += [p.grad.detach().clone().cpu() for p in model.parameters()]
-            steps = len(st.stats()["steps"])
+            steps = len(st.stats["steps"])
             if steps != len(batches):  # the hook must have run (and finished) on every step
                 raise RuntimeError(f"the flatcomm hook recorded {steps} steps on {dev}, expected {len(batches)}")
             return grads

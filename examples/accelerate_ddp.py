@@ -50,7 +50,7 @@ def main():
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     digest = hashlib.sha256(weights.numpy().tobytes()).hexdigest()[:16]
     loss = accelerator.reduce(loss.detach(), reduction="mean")
-    steps = state.stats()["steps"]
+    steps = state.stats["steps"]
     if accelerator.is_main_process:
         print(f"accelerate {args.codec}: step {args.steps}, loss {float(loss):.4f}, {len(steps)} flatcomm steps, "
               f"compression {steps[-1]['compression']:.2f}x, weights {digest}")

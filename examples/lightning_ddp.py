@@ -58,7 +58,7 @@ def main():
 
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     digest = hashlib.sha256(weights.numpy().tobytes()).hexdigest()[:16]
-    steps = flatcomm_cb.state.stats()["steps"]  # per step: wire bytes, compression, error
+    steps = flatcomm_cb.state.stats["steps"]  # per step: wire bytes, compression, error
     if trainer.is_global_zero:
         print(f"lightning {args.codec}: step {trainer.global_step}, loss {float(trainer.callback_metrics['loss']):.4f}, "
               f"{len(steps)} flatcomm steps, compression {steps[-1]['compression']:.2f}x, weights {digest}")

@@ -57,7 +57,7 @@ def main():
 
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     digest = hashlib.sha256(weights.numpy().tobytes()).hexdigest()[:16]
-    steps = callback.state.stats()["steps"]
+    steps = callback.state.stats["steps"]
     if trainer.is_world_process_zero():
         print(f"trainer {args.codec}: step {trainer.state.global_step}, {len(steps)} flatcomm steps, "
               f"compression {steps[-1]['compression']:.2f}x, weights {digest}")

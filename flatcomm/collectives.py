@@ -8,7 +8,8 @@ moves, and the CUDA stream discipline: the docstrings of those modules and ``doc
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+import dataclasses
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -17,8 +18,9 @@ from .autotune import Decision, tuner_for
 from .comm import flat, two_level
 from .comm.args import ErrorFeedback, OpLike, in_step
 from .comm.groups import group_timeout, private_group
-from .comm.header import MODES
+from .comm.header import KIND_IDS, MODES
 from .comm.pipeline import CommStats, shard_bounds
+from .comm.spec import CallSpec
 from .comm.worker import Handle
 from .ops.codecs import Codec, CodecLike, resolve
 from .ops.sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM
@@ -27,9 +29,6 @@ __all__ = [
     "CommStats", "ErrorFeedback", "Handle", "MODES", "OpLike", "all_gather", "all_reduce", "group_timeout",
     "private_group", "reduce_scatter", "shard_bounds"
 ]
-
-_KIND = {"reduce_scatter": 1, "all_gather": 2, "all_reduce": 3}  # header.KINDS
-
 
 def all_reduce(
     tensor: torch.Tensor,
@@ -61,27 +60,26 @@ def all_reduce(
     exchange ``codec`` across nodes (``residual``: that tier's, see :mod:`flatcomm.hierarchical`).
     A plain Tensor as ``residual`` raises ``TypeError``: an all-reduce has two residuals.
     """
+    spec = CallSpec(codec=codec, op=op, mode=mode, async_op=async_op, residual=residual, chunks=chunks, stats=stats,
+                    validate=validate, exact_block=exact_block, headroom=headroom, intra_codec=intra_codec)
     decision = None
     if topology is not None:
         group = _topology_group(topology, group)
         if not topology.flat:
-            decision = _tiered_auto(codec, mode, tuner, tensor, topology, residual)
+            decision = _tiered_auto(spec, tuner, tensor, topology)
             if decision is None or decision.path == "hierarchical":
                 if decision is not None:  # and its pipeline segments (unless the caller gave some)
-                    codec, intra_codec, chunks = decision.codec, decision.intra_codec, chunks or decision.chunks
-                return _with_decision(two_level.all_reduce(
-                    tensor, topology, codec=codec, intra_codec=intra_codec, op=op, mode=mode,
-                    async_op=async_op, residual=residual, chunks=chunks, stats=stats, validate=validate,
-                    exact_block=exact_block, headroom=headroom, choose=_chooser(tuner)), decision)
-            codec = decision.codec  # the flat path was predicted faster on this topology
+                    spec = dataclasses.replace(spec, codec=decision.codec, intra_codec=decision.intra_codec,
+                                               chunks=chunks or decision.chunks)
+                return _with_decision(two_level.all_reduce(tensor, topology, spec, _chooser(tuner)), decision)
+            spec = dataclasses.replace(spec, codec=decision.codec)  # the flat path was predicted faster here
     group = private_group(group)
     if decision is None:
-        codec, decision = _flat_auto(codec, tuner, tensor, group, mode, "all_reduce", async_op)
-        if isinstance(codec, Handle):  # the tuner failed somewhere: every rank's wait() raises why
-            return codec
-    return _with_decision(flat.all_reduce(
-        tensor, codec=codec, op=op, mode=mode, group=group, async_op=async_op, residual=residual, chunks=chunks,
-        stats=stats, validate=validate, exact_block=exact_block, headroom=headroom), decision)
+        resolved, decision = _flat_auto(spec, tuner, tensor, group, "all_reduce")
+        if isinstance(resolved, Handle):  # the tuner failed somewhere: every rank's wait() raises why
+            return resolved
+        spec = resolved
+    return _with_decision(flat.all_reduce(tensor, spec, group), decision)
 
 
 def reduce_scatter(
@@ -111,21 +109,17 @@ def reduce_scatter(
     ``topology`` (a :class:`flatcomm.Topology`): two levels, see :mod:`flatcomm.hierarchical`.
     ``residual`` may also be an :class:`ErrorFeedback` (its ``client`` is used).
     """
+    spec = CallSpec(codec=codec, op=op, mode=mode, async_op=async_op, residual=residual, chunks=chunks, stats=stats,
+                    validate=validate, exact_block=exact_block, headroom=headroom, intra_codec=intra_codec)
     if topology is not None:
         group = _topology_group(topology, group)
         if not topology.flat:
-            return two_level.reduce_scatter(
-                output, input, topology, codec=codec, intra_codec=intra_codec, op=op, mode=mode,
-                async_op=async_op, residual=residual, chunks=chunks,
-                stats=stats, validate=validate, exact_block=exact_block, headroom=headroom,
-                choose=_chooser(tuner))
+            return two_level.reduce_scatter(output, input, topology, spec, _chooser(tuner))
     group = private_group(group)
-    codec, decision = _flat_auto(codec, tuner, input, group, mode, "reduce_scatter", async_op)
-    if isinstance(codec, Handle):
-        return codec
-    return _with_decision(flat.reduce_scatter(
-        output, input, codec=codec, op=op, mode=mode, group=group, async_op=async_op, residual=residual,
-        chunks=chunks, stats=stats, validate=validate, exact_block=exact_block, headroom=headroom), decision)
+    resolved, decision = _flat_auto(spec, tuner, input, group, "reduce_scatter")
+    if isinstance(resolved, Handle):
+        return resolved
+    return _with_decision(flat.reduce_scatter(output, input, resolved, group), decision)
 
 
 def all_gather(
@@ -148,14 +142,13 @@ def all_gather(
     ``topology`` (a :class:`flatcomm.Topology`): two levels, see :mod:`flatcomm.hierarchical`.
     ``residual`` may also be an :class:`ErrorFeedback` (its ``client`` is used).
     """
+    spec = CallSpec(codec=codec, async_op=async_op, residual=residual, stats=stats, validate=validate,
+                    intra_codec=intra_codec)
     if topology is not None:
         group = _topology_group(topology, group)
         if not topology.flat:
-            return two_level.all_gather(output, input, topology, codec=codec, intra_codec=intra_codec,
-                                        async_op=async_op, residual=residual,
-                                        stats=stats, validate=validate)
-    return flat.all_gather(output, input, codec=codec, group=group, async_op=async_op, residual=residual,
-                           stats=stats, validate=validate)
+            return two_level.all_gather(output, input, topology, spec)
+    return flat.all_gather(output, input, spec, group)
 
 
 # ---- auto and topology ------------------------------------------------------------------------------
@@ -175,19 +168,20 @@ def _topology_group(topology, group):
     return topology.group
 
 
-def _flat_auto(codec: CodecLike, tuner, tensor, group, mode: str, kind: str, async_op):
-    """``codec="auto"`` on one group: (codec, decision) from the tuner (default: one per group), the
-    same on every rank; other codecs pass through with decision None, and so does ``"auto"`` with a
-    tensor or mode it cannot take (the collective's argument layer rejects them on every rank).
-    The tuner's own errors reach every rank of the call too (its header still goes out)."""
-    if not _is_auto(codec) or mode != "ordered" or not isinstance(tensor, torch.Tensor):
-        return codec, None
+def _flat_auto(spec: CallSpec, tuner, tensor, group, kind: str) -> Tuple[Union[CallSpec, Handle], Optional[Decision]]:
+    """``codec="auto"`` on one group: (spec with the tuner's codec, decision) (default tuner: one
+    per group), the same on every rank; other codecs pass through with decision None, and so does
+    ``"auto"`` with a tensor or mode it cannot take (the collective's argument layer rejects them on
+    every rank). The tuner's own errors reach every rank of the call too (its header still goes
+    out): then (a Handle that raises them, None)."""
+    if not _is_auto(spec.codec) or spec.mode != "ordered" or not isinstance(tensor, torch.Tensor):
+        return spec, None
     t = tuner if tuner is not None else tuner_for(group)
-    d = in_step(group, _KIND[kind], async_op,
+    d = in_step(group, KIND_IDS[kind], spec.async_op,
                 lambda: t.choose(tensor.numel(), group=group, device=tensor.device, kind=kind))
     if isinstance(d, Handle):
         return d, None
-    return d.codec, d  # d.chunks is what the collective's default picks for d.codec
+    return dataclasses.replace(spec, codec=d.codec), d  # d.chunks: what the collective's default picks
 
 
 def _chooser(tuner) -> two_level.Chooser:
@@ -199,14 +193,14 @@ def _chooser(tuner) -> two_level.Chooser:
     return choose
 
 
-def _tiered_auto(codec: CodecLike, mode: str, tuner, tensor: torch.Tensor, topology, residual) -> Optional[Decision]:
+def _tiered_auto(spec: CallSpec, tuner, tensor: torch.Tensor, topology) -> Optional[Decision]:
     """``codec="auto"`` with a hierarchical topology: the tuner of the topology's group picks the
-    path and a codec per tier (a Decision), or None for a named codec. A ``residual`` is laid out
+    path and a codec per tier (a Decision), or None for a named codec. A residual is laid out
     for the hierarchical path (the inter tier's shard), so with one only that path competes."""
-    if not _is_auto(codec) or mode != "ordered" or not isinstance(tensor, torch.Tensor):
+    if not _is_auto(spec.codec) or spec.mode != "ordered" or not isinstance(tensor, torch.Tensor):
         return None  # the two-level call's argument layer rejects what "auto" cannot take
     t = tuner if tuner is not None else tuner_for(topology.group)
-    paths = ("hierarchical",) if residual is not None else None
+    paths = ("hierarchical",) if spec.residual is not None else None
     return t.choose(tensor.numel(), group=topology.group, device=tensor.device, topology=topology, paths=paths)
 
 

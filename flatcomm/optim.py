@@ -70,8 +70,7 @@ STATE_KEY = "flatcomm_onebit"  # the extra entry of OnebitAdam.state_dict()
 def _check_number(name: str, v: Any, lo: float, hi: float, hi_open: bool = False) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo \
             or (v >= hi if hi_open else v > hi):
-        raise ValueError(f"flatcomm.optim: {name} must be a finite number in [{lo}, {hi}{')' if hi_open else ']'}, "
-                         f"got {v!r}")
+        raise ValueError(f"flatcomm.optim: {name} must be a finite number in [{lo}, {hi}{')' if hi_open else ']'}, got {v!r}")
     return float(v)
 
 
@@ -117,8 +116,7 @@ class OnebitAdam(torch.optim.Optimizer):
             raise ValueError(f"flatcomm.optim: chunks must be an int >= 1 or None, got {chunks!r}")
         if space not in ("momentum", "update"):
             raise ValueError(f"flatcomm.optim: space must be 'momentum' or 'update', got {space!r}")
-        self.space = space
-        self.variance_floor = _check_number("variance_floor", variance_floor, 0.0, 1.0)
+        self.space, self.variance_floor = space, _check_number("variance_floor", variance_floor, 0.0, 1.0)
         defaults = dict(lr=lr, betas=tuple(float(b) for b in betas), eps=float(eps),
                         weight_decay=float(weight_decay))
         super().__init__(params, defaults)
@@ -129,19 +127,22 @@ class OnebitAdam(torch.optim.Optimizer):
                                     f"{' sparse' if p.is_sparse else ''}; OnebitAdam needs dense fp32 parameters")
         self.warmup_steps = warmup_steps
         self.error_feedback = bool(error_feedback) and not self.codec.lossless
-        self.chunks = chunks
-        self._group_arg = group
-        self._comm_group = None
+        self.chunks, self._group_arg, self._comm_group = chunks, group, None
         self._ddp_group: Any = None  # register(): DDP's group, where the warm-up averages gradients
         self.steps_done = 0
         self._residuals: List[Optional[C.ErrorFeedback]] = []
         self.last_wire_bytes = 0  # bytes this rank sent in the last compressed step's all-reduces
+        self._stats = C.CommStats()  # all the compressed steps' all-reduces (read: .stats)
 
     @property
     def compressing(self) -> bool:
-        """True once the warm-up is over: the next step sends compressed momentum (and the DDP hook
-        leaves gradients local)."""
+        """True after the warm-up: the next step sends compressed momentum (the DDP hook leaves grads local)."""
         return self.steps_done >= self.warmup_steps
+
+    @property
+    def stats(self) -> C.CommStats:
+        """This rank's compressed-phase all-reduces so far: bytes, calls, seconds (read-only)."""
+        return self._stats
 
     def _group(self):
         if self._comm_group is None:
@@ -221,7 +222,7 @@ class OnebitAdam(torch.optim.Optimizer):
         if self.steps_done == self.warmup_steps:
             self._freeze()
         group = self._group()
-        wire = 0
+        sent_before = self._stats.wire_bytes
         for gi, g in enumerate(self.param_groups):
             params = g["params"]
             if not params:
@@ -245,10 +246,9 @@ class OnebitAdam(torch.optim.Optimizer):
                 flat = torch.cat([(st["exp_avg"] / d).reshape(-1) for st, d in zip(states, denoms)])
             else:
                 flat = torch.cat([st["exp_avg"].reshape(-1) for st in states])
-            cs = C.CommStats()
             C.all_reduce(flat, codec=self.codec, op="avg", mode="ordered", group=group,
-                         residual=self._residual(gi, flat.numel(), flat.device), chunks=self.chunks, stats=cs)
-            wire += cs.wire_bytes
+                         residual=self._residual(gi, flat.numel(), flat.device), chunks=self.chunks,
+                         stats=self._stats)
             o = 0
             for p, st, d in zip(params, states, denoms):
                 m = st["exp_avg"]
@@ -261,7 +261,7 @@ class OnebitAdam(torch.optim.Optimizer):
                 else:
                     m.copy_(part)
                     p.addcdiv_(m, d, value=-(lr / bc1))
-        self.last_wire_bytes = wire
+        self.last_wire_bytes = self._stats.wire_bytes - sent_before
 
     # ---- checkpoints ------------------------------------------------------------------------------
 

@@ -141,13 +141,13 @@ def from_comm_stats(cs, *, numel: int, step: int = 0, name: str = "", codec: str
 
 
 def from_ddp_state(state, *, per_step: bool = False) -> List[Record]:
-    """Records from a :class:`flatcomm.ddp.State` (or the dict its ``stats()`` returns).
+    """Records from a :class:`flatcomm.ddp.State` (or the dict its ``stats`` returns).
 
     One record per bucket and step (``name="bucket<i>"``, ``total_s`` = the hook's ``comm_s``,
     ``residual_norm`` = sqrt(client^2 + server^2)); with ``per_step=True`` one per step
     (``name="step"``, sums over the buckets, the step's ``rel_error`` and ``residual_norm``).
     """
-    st = state.stats() if hasattr(state, "stats") else state
+    st = state.stats if hasattr(state, "stats") else state
     codec, world = st.get("codec", ""), st.get("world_size") or 1
     out: List[Record] = []
     for s in st.get("steps", []):

@@ -123,7 +123,7 @@ def _ddp_rank(rank, world, which):
     params = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     if state is None:
         return params, None
-    st = state.stats()
+    st = state.stats
     return params, {"decisions": [d["codec"] for d in st["decisions"]],
                     "buckets": [b["codec"] for s in st["steps"] for b in s["buckets"]],
                     "wire": [s["wire_bytes"] for s in st["steps"]]}

@@ -109,7 +109,7 @@ def _sec_ddp_move(rank, world):
     mean /= world
     res = state._launch(_Bucket(1, [model.a], [g2])).wait()
     after = state.total_residual()
-    codecs = [[b["codec"] for b in s["buckets"]] for s in state.stats()["steps"]]
+    codecs = [[b["codec"] for b in s["buckets"]] for s in state.stats["steps"]]
     return {"T": t_before["a"], "expected": mean + t_before["a"], "got": res.clone(), "plain_mean": mean,
             "after_keys": sorted(after), "a_spent": not after["a"].any(), "b_kept": torch.equal(after["b"], t_before["b"]), "codecs": codecs}
 

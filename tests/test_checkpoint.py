@@ -297,7 +297,7 @@ def _w_alone(rank, world):
     ga, gb = torch.randn(3, 100, generator=g), torch.randn(77, generator=g)
     got = state._launch(_Bucket(0, [m.a, m.b], [ga, gb])).wait()
     out["ddp"] = {"equal": torch.equal(got, torch.cat([ga.reshape(-1), gb])),
-                  "rel_error": state.stats()["steps"][-1]["rel_error"]}
+                  "rel_error": state.stats["steps"][-1]["rel_error"]}
     return out
 
 

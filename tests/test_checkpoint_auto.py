@@ -80,7 +80,7 @@ def _one(rank, choice, topology) -> dict:
     saved = _roundtrip({"model": ddp.module.state_dict(), "opt": opt.state_dict(), "flatcomm": state.state_dict()})
     _steps(rank, ddp, opt, CUT, STEPS)  # the uninterrupted run (state_dict() changes nothing)
     straight = _bits(ddp)
-    sent = {b["codec"] for s in state.stats()["steps"] for b in s["buckets"]}
+    sent = {b["codec"] for s in state.stats["steps"] for b in s["buckets"]}
     ddp, state, opt = _make(choice, topology)  # a fresh process would build exactly this
     ddp.module.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])

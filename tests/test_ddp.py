@@ -65,7 +65,7 @@ def _fp32_run(rank, world, steps):
             errs.append(worst)
             grads.append({n: p.grad.clone() for n, p in ddp.module.named_parameters() if p.grad is not None})
             opt.step()
-            nbuckets.append(len(state.stats()["steps"][-1]["buckets"]))
+            nbuckets.append(len(state.stats["steps"][-1]["buckets"]))
         out[name] = {"grads": grads, "errs": errs, "params": {n: p.detach().clone()
                                                               for n, p in ddp.module.named_parameters()},
                      "nbuckets": nbuckets}
@@ -116,7 +116,7 @@ def _ef_save(rank, world, codec, steps):
     buf = io.BytesIO()
     torch.save(sd, buf)
     params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
-    nb = [len(s["buckets"]) for s in state.stats()["steps"]]
+    nb = [len(s["buckets"]) for s in state.stats["steps"]]
     return {"dec": dec, "true": true, "sd": buf.getvalue(), "params": params, "nbuckets": nb,
             "per_rank": per_rank}
 
@@ -199,7 +199,7 @@ def _w_train(rank, world, steps):
             loss.backward()
             opt.step()
             losses.append(loss.item())
-        out[codec] = {"losses": losses, "stats": state.stats()}
+        out[codec] = {"losses": losses, "stats": state.stats}
     return out
 
 

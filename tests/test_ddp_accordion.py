@@ -86,7 +86,7 @@ def _w_accordion(rank, world, steps):
                 p.add_(p.grad, alpha=-1e-3)
         if step == 10:
             sd = state.state_dict()
-    codecs = [s["buckets"][0]["codec"] for s in state.stats()["steps"]]
+    codecs = [s["buckets"][0]["codec"] for s in state.stats["steps"]]
     norms = [math.sqrt(sum(float(g.dot(g)) for g in grads[i:i + EVERY])) for i in range(0, steps, EVERY)]
     weights = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     # a fresh State loaded at step 11 takes the same decision for the interval it is in

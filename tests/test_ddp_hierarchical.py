@@ -45,7 +45,7 @@ def _fp32_bitwise(rank, topo):
             if not torch.equal(p.grad.view(torch.int32), want.view(torch.int32)):
                 bad.append((step, n))
         opt.step()
-    return {"bad": bad, "topology": state.stats()["topology"]}
+    return {"bad": bad, "topology": state.stats["topology"]}
 
 
 def _from_env(rank):
@@ -54,12 +54,12 @@ def _from_env(rank):
         ddp, state = _make("int8")
         x, y = _data(0, rank)
         torch.nn.functional.mse_loss(ddp(x), y).backward()
-        with_env = state.stats()["topology"]
+        with_env = state.stats["topology"]
     finally:
         del os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"]
     ddp, state = _make("int8")
     torch.nn.functional.mse_loss(ddp(x), y).backward()
-    return {"with_env": with_env, "without": state.stats()["topology"]}
+    return {"with_env": with_env, "without": state.stats["topology"]}
 
 
 def _ef_save(rank, topo):
@@ -69,7 +69,7 @@ def _ef_save(rank, topo):
     mine = state.state_dict()  # this rank's own: loads only into the same topology
     buf = io.BytesIO()
     torch.save(sd, buf)
-    nb = [len(s["buckets"]) for s in state.stats()["steps"]]
+    nb = [len(s["buckets"]) for s in state.stats["steps"]]
     return {"dec": dec, "true": true, "sd": buf.getvalue(), "nbuckets": nb, "mine_tiered": mine["tiered"],
             "params": {n: p.detach().clone() for n, p in ddp.module.named_parameters()}}
 

@@ -74,7 +74,7 @@ def _w_keep(rank, world, steps, more):
     torch.save(sd, buf)
     params = {n: p.detach().clone() for n, p in net.named_parameters()}
     _steps(ddp, state, steps, more, world)
-    codecs = sorted({b["codec"] for s in state.stats()["steps"] for b in s["buckets"]})
+    codecs = sorted({b["codec"] for s in state.stats["steps"] for b in s["buckets"]})
     final = {n: p.detach().clone() for n, p in net.named_parameters()}
     return {"kept": kept, "lossy": lossy, "sd": buf.getvalue(), "params": params, "final": final,
             "codecs": codecs}
@@ -147,7 +147,7 @@ def _w_backoff(rank, world, steps):
     state = fddp.register(ddp, "auto", mode="ordered", tuner=Tuner("int8", pinned={"-": "sign"}),
                           backoff=Backoff(every=2))
     _steps(ddp, state, 0, steps, world)
-    st = state.stats()
+    st = state.stats
     per_step = [sorted({b["codec"] for b in s["buckets"]}) for s in st["steps"]]
     sd = state.state_dict()
     return {"adapt": st["adaptations"], "decisions": st["decisions"], "per_step": per_step,

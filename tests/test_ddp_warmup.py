@@ -46,7 +46,7 @@ def _w_warmup(rank, world, start, steps):
         with torch.no_grad():
             for p in net.parameters():
                 p.add_(p.grad, alpha=-0.1)
-    st = state.stats()["steps"]
+    st = state.stats["steps"]
     codecs = [{b["codec"] for b in s["buckets"]} for s in st]
     sizes = [s["wire_bytes"] for s in st]
     res = [s["residual_norm"] for s in st]
@@ -77,7 +77,7 @@ def _w_resume(rank, world):
         x = torch.randn(5, 19)
         ddp.zero_grad(set_to_none=True)
         ddp(x).sum().backward()
-    return [{b["codec"] for b in s["buckets"]} for s in state.stats()["steps"]]
+    return [{b["codec"] for b in s["buckets"]} for s in state.stats["steps"]]
 
 
 def test_start_step_counts_from_the_checkpointed_step():

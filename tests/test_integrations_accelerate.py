@@ -66,12 +66,12 @@ def _run(rank, world, tmp):
     out["fp32"], _, _ = train("fp32")
     saved = os.path.join(tmp, "ckpt")
     out["int8"], out["int8_losses"], st = train("int8", save_dir=saved)
-    steps = st.stats()["steps"]
+    steps = st.stats["steps"]
     out["hook_steps"] = len(steps)
     out["wire"], out["fp32_bytes"] = sum(s["wire_bytes"] for s in steps), sum(s["fp32_bytes"] for s in steps)
     out["files"] = sorted(os.listdir(saved))
     out["resumed"], _, st = train("int8", load_dir=saved)
-    out["resumed_hook_steps"] = len(st.stats()["steps"])
+    out["resumed_hook_steps"] = len(st.stats["steps"])
     # the same checkpoint without flatcomm's state: the residuals start from zero
     dropped = os.path.join(tmp, "dropped")
     if rank == 0:

@@ -50,7 +50,7 @@ def _bits(module) -> torch.Tensor:
 
 
 def _used(state) -> dict:
-    st = state.stats()
+    st = state.stats
     return {"sent": sorted({b["codec"] for s in st["steps"] for b in s["buckets"]}),
             "restored": all("restored from a checkpoint" in d["reason"] for d in st["decisions"])}
 

@@ -65,14 +65,14 @@ def _run(rank, world, tmp):
     out["fp32"], _ = fit([FlatcommCallback("fp32")], STEPS)
     cb = FlatcommCallback("int8")
     out["int8"], out["int8_losses"] = fit([cb], STEPS, save_dir=os.path.join(tmp, "a"))
-    st = cb.state.stats()
+    st = cb.state.stats
     out["hook_steps"] = len(st["steps"])
     out["wire"] = sum(s["wire_bytes"] for s in st["steps"])
     out["fp32_bytes"] = sum(s["fp32_bytes"] for s in st["steps"])
     path = os.path.join(tmp, "a", f"step={SAVE_AT}.ckpt")
     resumed_cb = FlatcommCallback("int8")
     out["resumed"], _ = fit([resumed_cb], STEPS, ckpt_path=path, save_dir=os.path.join(tmp, "b"))
-    out["resumed_hook_steps"] = len(resumed_cb.state.stats()["steps"])
+    out["resumed_hook_steps"] = len(resumed_cb.state.stats["steps"])
     if rank == 0:  # the same checkpoint without flatcomm's state
         ckpt = torch.load(path, weights_only=True)
         out["saved_ranks"] = len(ckpt["callbacks"]["flatcomm"]["gathered"]["ranks"])

@@ -71,7 +71,7 @@ def _run(rank, world, tmp):
     out["plain"], out["plain_losses"], _ = train("plain")
     out["fp32"], _, _ = train("fp32", "fp32")
     out["int8"], out["int8_losses"], cb = train("int8", "int8")
-    steps = cb.state.stats()["steps"]
+    steps = cb.state.stats["steps"]
     out["hook_steps"] = len(steps)
     out["wire"], out["fp32_bytes"] = sum(s["wire_bytes"] for s in steps), sum(s["fp32_bytes"] for s in steps)
     ck4 = os.path.join(tmp, "int8", "checkpoint-4")
@@ -80,7 +80,7 @@ def _run(rank, world, tmp):
         shutil.copytree(ck4, os.path.join(tmp, "resumed", "checkpoint-4"))
     torch.distributed.barrier()
     out["resumed"], _, cb = train("resumed", "int8", resume=True)
-    out["resumed_hook_steps"] = len(cb.state.stats()["steps"])
+    out["resumed_hook_steps"] = len(cb.state.stats["steps"])
     if rank == 0:
         shutil.copytree(ck4, os.path.join(tmp, "dropped"))
         os.remove(os.path.join(tmp, "dropped", FILE))

@@ -130,6 +130,7 @@ def _w_phases(rank, world, codec, bs, warm, steps, space):
         # the variance stayed frozen
         assert all(torch.equal(opt.state[p]["exp_avg_sq"], vv) for p, vv in zip(net.parameters(), v))
     out["weights"] = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    out["stats"] = (opt.stats.wire_bytes, opt.stats.calls, len(opt.param_groups))
     return out
 
 
@@ -144,6 +145,9 @@ def test_warmup_is_adamw_then_compressed_momentum_matches_the_reference(codec, b
         # the same operations in the same order: the weights match the reference to the last bit
         assert max(r["w_maxdiff"]) == 0.0, r["w_maxdiff"]
         assert all(0 < w < 930 * 4 for w in r["wire"])
+        # .stats: every compressed step's all-reduces (one per parameter group), summed
+        wire, calls, ngroups = r["stats"]
+        assert wire == sum(r["wire"]) and calls == ngroups * (steps - warm)
     assert torch.equal(outs[0]["weights"], outs[1]["weights"]), "ranks must keep identical weights"
 
 

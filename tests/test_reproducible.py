@@ -241,7 +241,7 @@ def test_chunked_conversion_same_bits(block, monkeypatch):
 
     with deterministic():
         whole = digests()
-        monkeypatch.setattr(rp, "TO_EXACT_CHUNK", 3 * block + 5)  # several chunks per tensor group
+        monkeypatch.setattr(rp.accumulator, "TO_EXACT_CHUNK", 3 * block + 5)  # several chunks per tensor group
         assert digests() == whole
 
 

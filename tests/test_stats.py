@@ -359,3 +359,31 @@ def test_from_step_stats():
     r = fs.from_step_stats(st, numel=1000, world=4)
     assert (r.step, r.digest, r.rel_error, r.total_s, r.wire_bytes) == (4, "d" * 64, 0.0, 0.5, 8000)
     assert r.busbw == pytest.approx(4000 / 0.5 / 1e9 * 1.5)
+
+
+# ---- one convention: .stats is a read-only property -----------------------------------------------
+
+
+def test_stats_is_a_property_everywhere_and_the_old_ddp_call_warns():
+    import warnings
+
+    import flatcomm.ddp
+    import flatcomm.optim
+    from flatcomm import reproducible
+
+    state = flatcomm.ddp.State("int8", track_norms=False)
+    st = state.stats  # no step yet: nothing recorded
+    assert isinstance(st, dict) and st["steps"] == [] and st["codec"] == "int8"
+    with pytest.warns(DeprecationWarning, match="state.stats, not state.stats"):
+        old = state.stats()
+    assert old == st
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert state.stats["codec"] == "int8"  # the new spelling does not warn
+    opt = flatcomm.optim.OnebitAdam(torch.nn.Linear(3, 2).parameters(), warmup_steps=1)
+    assert isinstance(opt.stats, C.CommStats) and opt.stats.wire_bytes == 0
+    acc = reproducible.ExactGradAccumulator(torch.nn.Linear(3, 2), micro_batches=1)
+    assert isinstance(acc.stats, reproducible.StepStats)
+    for obj in (state, opt):
+        with pytest.raises(AttributeError):
+            obj.stats = None  # read-only

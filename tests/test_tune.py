@@ -134,7 +134,7 @@ def _ddp_auto_rank(rank, world):
         opt.zero_grad()
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
-    st = state.stats()
+    st = state.stats
     params = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     return st["codec"], st["decisions"], [[b["codec"] for b in s["buckets"]] for s in st["steps"]], params
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..comm import flat
 from ..comm.args import ErrorFeedback
+from ..comm.spec import CallSpec
 from ..ops.codecs import Codec
 
 __all__ = ["MARGIN", "MAX_NUMEL", "MAX_ROUNDS", "MIN_ROUNDS", "Race", "race", "safe_choice"]
@@ -65,11 +66,11 @@ def _runner(codec: str, kind: str, numel: int, world: int, group, device: torch.
     lossy = not Codec(codec).lossless
     if kind == "all_reduce":
         ef = ErrorFeedback.zeros(numel, device) if lossy else None
-        return lambda: flat.all_reduce(x, codec=codec, residual=ef, group=group, validate=False)
+        return lambda: flat.all_reduce(x, CallSpec(codec=codec, residual=ef, validate=False), group)
     shard = torch.empty(numel // world, device=device)
     src = x[:shard.numel() * world]
     r = torch.zeros(src.numel(), device=device) if lossy else None
-    return lambda: flat.reduce_scatter(shard, src, codec=codec, residual=r, group=group, validate=False)
+    return lambda: flat.reduce_scatter(shard, src, CallSpec(codec=codec, residual=r, validate=False), group)
 
 
 def _timed(fn: Callable[[], object], device: torch.device) -> float:

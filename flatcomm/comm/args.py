@@ -26,10 +26,11 @@ import torch.distributed as dist
 from . import groups, header, worker
 from .header import DTYPES, MODES
 from .pipeline import CommStats, Plan, default_chunks, plan, shard_bounds
+from .spec import CallSpec
 from ..ops.codecs import Codec, CodecLike, resolve
 
 __all__ = ["Call", "ErrorFeedback", "MAX_EXACT_BLOCK", "MAX_HEADROOM", "OpLike", "align_of", "all_gather_call",
-           "all_reduce_call", "alone", "as_flat", "bool_arg", "capped_chunks", "check_residual", "chunks_arg",
+           "all_reduce_call", "alone", "as_flat", "bool_arg", "capped_chunks", "check_residual", "chunks_arg", "common_args",
            "exact_args", "gather_shapes", "in_step", "int_arg", "one_stage_residual", "reduce_scale",
            "reduce_scatter_call", "scatter_shapes", "setup", "stats_arg", "tensor_arg", "two_stage_residual"]
 
@@ -276,10 +277,11 @@ class Call:
     headroom: int = 0
 
 
-def _common(async_op: Any, validate: Any, stats: Any) -> None:
-    bool_arg(async_op, "async_op")
-    bool_arg(validate, "validate")
-    stats_arg(stats)
+def common_args(spec: CallSpec, stats_kinds: Tuple[type, ...] = (CommStats,)) -> None:
+    """The fields every collective takes: ``async_op``, ``validate``, ``stats``."""
+    bool_arg(spec.async_op, "async_op")
+    bool_arg(spec.validate, "validate")
+    stats_arg(spec.stats, stats_kinds)
 
 
 def scatter_shapes(src: torch.Tensor, out: torch.Tensor, world: int) -> None:
@@ -300,14 +302,14 @@ def gather_shapes(src: torch.Tensor, out: torch.Tensor, world: int) -> None:
         raise ValueError(f"flatcomm: output is on {out.device} but input on {src.device}")
 
 
-def all_reduce_call(group, tensor, codec, op, mode, async_op, residual, chunks, stats, validate,
-                    exact_block, headroom, kind: int) -> Call:
-    _common(async_op, validate, stats)
-    c, world, rank, scale = setup(group, codec, mode, op)
-    block, room = exact_args(mode, exact_block, headroom, world)
+def all_reduce_call(group, tensor, spec: CallSpec) -> Call:
+    common_args(spec)
+    mode, residual = spec.mode, spec.residual
+    c, world, rank, scale = setup(group, spec.codec, mode, spec.op)
+    block, room = exact_args(mode, spec.exact_block, spec.headroom, world)
     flat = tensor_arg(tensor, "tensor", written=True)
     two_stage_residual(residual, None)
-    k = chunks_arg(chunks)
+    k = chunks_arg(spec.chunks)
     c = alone(c, world, flat.dtype)
     n = flat.numel()
     if residual is not None:
@@ -316,40 +318,42 @@ def all_reduce_call(group, tensor, codec, op, mode, async_op, residual, chunks, 
     bounds = shard_bounds(n, world, align)
     longest = max(bounds[d + 1] - bounds[d] for d in range(world))
     nchunks = capped_chunks(k or default_chunks(max(1, n // world), c, world, mode, flat.dtype), longest, align)
-    fields = header.signature(kind, n, c, mode, scale, flat.dtype, nchunks,
+    fields = header.signature(header.KIND_IDS["all_reduce"], n, c, mode, scale, flat.dtype, nchunks,
                               header.exact_fields(mode, block, room) + [header.device_field(flat.device)])
     return Call(c, world, rank, scale, flat, flat, fields, plan(bounds, nchunks, align, rank), nchunks,
                 feedback=residual, exact_block=block, headroom=room)
 
 
-def reduce_scatter_call(group, output, input, codec, op, mode, async_op, residual, chunks, stats, validate,
-                        exact_block, headroom, kind: int) -> Call:
-    _common(async_op, validate, stats)
-    r = one_stage_residual(residual, "reduce_scatter's")
-    c, world, rank, scale = setup(group, codec, mode, op)
-    block, room = exact_args(mode, exact_block, headroom, world)
+def reduce_scatter_call(group, output, input, spec: CallSpec) -> Call:
+    common_args(spec)
+    mode = spec.mode
+    r = one_stage_residual(spec.residual, "reduce_scatter's")
+    c, world, rank, scale = setup(group, spec.codec, mode, spec.op)
+    block, room = exact_args(mode, spec.exact_block, spec.headroom, world)
     src, out = tensor_arg(input, "input"), tensor_arg(output, "output", written=True)
-    k = chunks_arg(chunks)
+    k = chunks_arg(spec.chunks)
     c = alone(c, world, src.dtype)
     scatter_shapes(src, out, world)
     check_residual(r, src.numel(), src, "residual")
     align = align_of(c, mode, block)
     nchunks = capped_chunks(k or default_chunks(out.numel(), c, world, mode, src.dtype, "reduce_scatter"),
                             out.numel(), align)
-    fields = header.signature(kind, src.numel(), c, mode, scale, src.dtype, nchunks,
+    fields = header.signature(header.KIND_IDS["reduce_scatter"], src.numel(), c, mode, scale, src.dtype, nchunks,
                               header.exact_fields(mode, block, room) + [header.device_field(src.device)])
     p = plan([d * out.numel() for d in range(world + 1)], nchunks, align, rank)
     return Call(c, world, rank, scale, src, out, fields, p, nchunks, residual=r, exact_block=block, headroom=room)
 
 
-def all_gather_call(group, output, input, codec, async_op, residual, stats, validate, kind: int) -> Call:
-    _common(async_op, validate, stats)
-    r = one_stage_residual(residual, "all_gather's")
+def all_gather_call(group, output, input, spec: CallSpec) -> Call:
+    """(``spec``'s op, mode, chunks and exact grid have no role in a gather.)"""
+    common_args(spec)
+    r = one_stage_residual(spec.residual, "all_gather's")
     world = dist.get_world_size(group)
     src, out = tensor_arg(input, "input"), tensor_arg(output, "output", written=True)
-    c = alone(codec_arg(codec, "ordered"), world, src.dtype)
+    c = alone(codec_arg(spec.codec, "ordered"), world, src.dtype)
     n = src.numel()
     gather_shapes(src, out, world)
     check_residual(r, n, src, "residual")
-    fields = header.signature(kind, n, c, "ordered", 1.0, src.dtype, 1, [header.device_field(src.device)])
+    fields = header.signature(header.KIND_IDS["all_gather"], n, c, "ordered", 1.0, src.dtype, 1,
+                              [header.device_field(src.device)])
     return Call(c, world, dist.get_rank(group), 1.0, src, out, fields, residual=r)

@@ -32,35 +32,30 @@ of enqueueing the work on CUDA (``exchange_s`` is then about 0). CPU tensors tak
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from . import args, exact, groups, worker
-from .args import ErrorFeedback, OpLike
+from .args import ErrorFeedback
 from . import pipeline
-from .pipeline import CommStats, Pipeline, Plan, zero_copy
-from ..ops.codecs import Codec, CodecLike, decode, encode, reencode_sum
-from ..ops.sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM
+from .header import KIND_IDS
+from .pipeline import Pipeline, Plan, zero_copy
+from .spec import CallSpec
+from ..ops.codecs import Codec, decode, encode, reencode_sum
 
 __all__ = ["all_gather", "all_reduce", "reduce_scatter", "rounding_into"]
 
-_REDUCE_SCATTER, _ALL_GATHER, _ALL_REDUCE = 1, 2, 3  # header.KINDS
 
-
-def all_reduce(tensor: torch.Tensor, *, codec: CodecLike = "fp32", op: OpLike = "avg", mode: str = "ordered",
-               group=None, async_op: bool = False, residual: Optional[ErrorFeedback] = None,
-               chunks: Optional[int] = None, stats: Optional[CommStats] = None, validate: bool = True,
-               exact_block: int = DEFAULT_EXACT_BLOCK, headroom: int = DEFAULT_HEADROOM) -> Optional[worker.Handle]:
+def all_reduce(tensor: torch.Tensor, spec: CallSpec = CallSpec(), group=None) -> Optional[worker.Handle]:
     """All-reduce ``tensor`` in place (see :func:`flatcomm.collectives.all_reduce`)."""
     group = groups.private_group(group)
-    a = args.in_step(group, _ALL_REDUCE, async_op, lambda: args.all_reduce_call(
-        group, tensor, codec, op, mode, async_op, residual, chunks, stats, validate, exact_block, headroom,
-        _ALL_REDUCE))
+    a = args.in_step(group, KIND_IDS["all_reduce"], spec.async_op, lambda: args.all_reduce_call(group, tensor, spec))
     if isinstance(a, worker.Handle):
         return a
     flat, c, n = a.src, a.codec, a.src.numel()
+    mode, residual, stats, validate = spec.mode, spec.residual, spec.stats, spec.validate
 
     def body():
         with Pipeline(group, stats, a.fields, flat.device, validate) as pipe:
@@ -71,24 +66,20 @@ def all_reduce(tensor: torch.Tensor, *, codec: CodecLike = "fp32", op: OpLike = 
                 _ordered_all_reduce(pipe, flat, a.plan, a.chunks, c, a.scale, residual)
 
     keep = (flat,) if residual is None else (flat, residual.client, residual.server)
-    return worker.run(worker.key_of(group), body, tensor, async_op, keep, f"all_reduce of {n} values ({c.name})",
-                      group)
+    return worker.run(worker.key_of(group), body, tensor, spec.async_op, keep,
+                      f"all_reduce of {n} values ({c.name})", group)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, codec: CodecLike = "fp32", op: OpLike = "avg",
-                   mode: str = "ordered", group=None, async_op: bool = False,
-                   residual: Union[None, torch.Tensor, ErrorFeedback] = None, chunks: Optional[int] = None,
-                   stats: Optional[CommStats] = None, validate: bool = True,
-                   exact_block: int = DEFAULT_EXACT_BLOCK,
-                   headroom: int = DEFAULT_HEADROOM) -> Optional[worker.Handle]:
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, spec: CallSpec = CallSpec(),
+                   group=None) -> Optional[worker.Handle]:
     """Reduce ``input`` across ranks; rank r gets shard r (see :func:`flatcomm.collectives.reduce_scatter`)."""
     group = groups.private_group(group)
-    a = args.in_step(group, _REDUCE_SCATTER, async_op, lambda: args.reduce_scatter_call(
-        group, output, input, codec, op, mode, async_op, residual, chunks, stats, validate, exact_block, headroom,
-        _REDUCE_SCATTER))
+    a = args.in_step(group, KIND_IDS["reduce_scatter"], spec.async_op,
+                     lambda: args.reduce_scatter_call(group, output, input, spec))
     if isinstance(a, worker.Handle):
         return a
     src, out, c, r = a.src, a.out, a.codec, a.residual
+    mode, stats, validate = spec.mode, spec.stats, spec.validate
 
     def body():
         with Pipeline(group, stats, a.fields, src.device, validate) as pipe:
@@ -98,20 +89,20 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, codec: CodecLik
             else:
                 _ordered_reduce_scatter(pipe, src, out, a.plan, a.chunks, c, a.scale, r)
 
-    return worker.run(worker.key_of(group), body, output, async_op, (src, out, r),
+    return worker.run(worker.key_of(group), body, output, spec.async_op, (src, out, r),
                       f"reduce_scatter of {src.numel()} values ({c.name})", group)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, *, codec: CodecLike = "fp32", group=None,
-               async_op: bool = False, residual: Union[None, torch.Tensor, ErrorFeedback] = None,
-               stats: Optional[CommStats] = None, validate: bool = True) -> Optional[worker.Handle]:
+def all_gather(output: torch.Tensor, input: torch.Tensor, spec: CallSpec = CallSpec(),
+               group=None) -> Optional[worker.Handle]:
     """Gather every rank's ``input`` into ``output`` (see :func:`flatcomm.collectives.all_gather`)."""
     group = groups.private_group(group)
-    a = args.in_step(group, _ALL_GATHER, async_op, lambda: args.all_gather_call(
-        group, output, input, codec, async_op, residual, stats, validate, _ALL_GATHER))
+    a = args.in_step(group, KIND_IDS["all_gather"], spec.async_op,
+                     lambda: args.all_gather_call(group, output, input, spec))
     if isinstance(a, worker.Handle):
         return a
     src, out, c, r, world = a.src, a.out, a.codec, a.residual, a.world
+    stats, validate = spec.stats, spec.validate
     n = src.numel()
 
     def body():
@@ -131,7 +122,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, codec: CodecLike = 
 
             pipe.timed("decode_s", dec)
 
-    return worker.run(worker.key_of(group), body, output, async_op, (src, out, r),
+    return worker.run(worker.key_of(group), body, output, spec.async_op, (src, out, r),
                       f"all_gather of {n} values ({c.name})", group)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import struct
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from . import groups, worker
 from ..ops.codecs import CODECS, Codec
 
-__all__ = ["AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "MAGIC", "MODES", "REASON_BYTES", "call_numbers",
+__all__ = ["AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "KIND_IDS", "MAGIC", "MODES", "REASON_BYTES", "call_numbers",
            "check", "check_consistent", "codec_fields", "device_field", "error_of", "exact_fields", "fail_in_step",
            "float_bits", "header_device", "length", "row", "signature"]
 
@@ -45,6 +45,7 @@ _FIXED = 3  # magic, call number, status
 OK, FAILED_VALUE, FAILED_TYPE = 0, 1, 2
 KINDS = {1: "reduce_scatter", 2: "all_gather", 3: "all_reduce",
          4: "two-level reduce_scatter", 5: "two-level all_gather", 6: "two-level all_reduce"}
+KIND_IDS = {name: kind for kind, name in KINDS.items()}  # the one place a collective's id comes from
 AUTO_CODEC = len(CODECS)  # the codec field of a two-level call whose inter codec is "auto"
 
 
@@ -279,7 +280,7 @@ def device_field(device: torch.device) -> Tuple[str, int]:
     return ("device", DEVICE_TYPES.index(t) if t in DEVICE_TYPES else len(DEVICE_TYPES))
 
 
-def signature(kind: int, numel: int, codec: Codec, mode: str, scale: float, dtype: torch.dtype,
+def signature(kind: int, numel: int, codec: Union[Codec, str], mode: str, scale: float, dtype: torch.dtype,
               chunks: int, extra: Sequence[Tuple[str, int]] = ()) -> List[Tuple[str, int]]:
     return [("collective", kind), ("numel", numel)] + codec_fields(codec) + [
         ("mode", MODES.index(mode)),

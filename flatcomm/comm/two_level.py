@@ -39,18 +39,18 @@ own worker, so every rank issues every group's collectives in the same order.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import flat as one_hop, node as _node, two_level_args as _args, two_level_ordered as _ordered, worker
-from .args import ErrorFeedback, OpLike
 from .two_level_args import TierStats, TieredFeedback, padded_shard, shard_numel, shard_range
 from .pipeline import BufferPool, CommStats, shard_bounds
+from .spec import CallSpec
 from .topology import Topology
 from ..ops.codecs import Codec, CodecLike, resolve
-from ..ops.sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM, exact_exponents, from_exact, to_exact
+from ..ops.sums import exact_exponents, from_exact, to_exact
 
 # codec="auto" for the inter-node tier: choose(numel, group, device, kind) -> Codec, given by the
 # caller (flatcomm.collectives resolves it with the tuner, a layer above this one).
@@ -111,37 +111,29 @@ def _padded(flat: torch.Tensor, total: int) -> torch.Tensor:
 # ---- all-reduce ----------------------------------------------------------------------------------
 
 
-def all_reduce(tensor: torch.Tensor, topology: Topology, *, codec: CodecLike = "fp32",
-               intra_codec: CodecLike = "fp32", op: OpLike = "avg", mode: str = "ordered",
-               async_op: bool = False, residual: Union[None, ErrorFeedback, TieredFeedback] = None,
-               chunks: Optional[int] = None, stats=None, validate: bool = True,
-               exact_block: int = DEFAULT_EXACT_BLOCK, headroom: int = DEFAULT_HEADROOM,
+def all_reduce(tensor: torch.Tensor, topology: Topology, spec: CallSpec = CallSpec(),
                choose: Optional[Chooser] = None) -> Optional[worker.Handle]:
-    """Hierarchical all-reduce of ``tensor`` in place (see the module docstring). ``codec``: the
-    inter-node codec (``"auto"``: chosen by ``choose``, see :data:`Chooser`);
-    ``intra_codec``: the node's. ``chunks``: pipeline segments (:func:`segments_of`; keep it the
-    same from call to call with error feedback). ``stats``: a CommStats (totals) or a
+    """Hierarchical all-reduce of ``tensor`` in place (see the module docstring). ``spec.codec``:
+    the inter-node codec (``"auto"``: chosen by ``choose``, see :data:`Chooser`);
+    ``spec.intra_codec``: the node's. ``spec.chunks``: pipeline segments (:func:`segments_of`; keep
+    it the same from call to call with error feedback). ``spec.stats``: a CommStats (totals) or a
     :class:`TierStats`."""
     topo = _args.hierarchical(topology)
-    a = _args.in_step(topo, _args.ALL_REDUCE, async_op, lambda: _args.all_reduce_call(
-        topo, tensor, codec, intra_codec, op, mode, async_op, residual, chunks, stats, validate, exact_block,
-        headroom, choose))
+    a = _args.in_step(topo, _args.ALL_REDUCE, spec.async_op, lambda: _args.all_reduce_call(topo, tensor, spec, choose))
     if isinstance(a, worker.Handle):
         return a
-    agreed = _args.agreement(topo, a, validate)
-    flat, ci, m, scale = a.src, a.intra, a.m, a.scale
-    tiers = _stats_of(stats)
+    agreed = _args.agreement(topo, a, spec.validate)
+    tiers = _stats_of(spec.stats)
 
     def body():
         _args.wait_agreed(agreed)
-        if mode == "exact":
-            _exact_all_reduce(topo, flat, m, scale, a.exact_block, a.headroom, tiers)
+        if spec.mode == "exact":
+            _exact_all_reduce(topo, a, tiers)
         else:
-            _ordered_all_reduce(topo, flat, m, a.align, codec, ci, scale, a.inter_fb, a.intra_fb, a.chunks,
-                                validate, tiers, choose)
-        _report(stats, tiers)
+            _ordered_all_reduce(topo, a, spec.validate, tiers, choose)
+        _report(spec.stats, tiers)
 
-    return _run(topo, body, tensor, async_op)
+    return _run(topo, body, tensor, spec.async_op)
 
 
 SEGMENT_BYTES = 4 << 20  # fp32 bytes of a shard per pipeline segment, by default
@@ -168,8 +160,9 @@ def default_segments(m: int, nodes: int) -> int:
     return int(min(8, max(1, k)))
 
 
-def _ordered_all_reduce(topo, flat, m, align, codec, ci, scale, inter_fb, intra_fb, chunks, validate,
-                        tiers, choose):
+def _ordered_all_reduce(topo: Topology, a: _args.Call, validate: bool, tiers: TierStats,
+                        choose: Optional[Chooser]) -> None:
+    flat, m, align = a.src, a.m, a.align
     # Staging buffers come from a pool kept per topology: a fresh buffer of this size is fresh
     # pages, and first-touch page faults cost as much as the node's transfers on a CPU host.
     pool = _staging.setdefault(_key(topo), BufferPool())
@@ -180,15 +173,12 @@ def _ordered_all_reduce(topo, flat, m, align, codec, ci, scale, inter_fb, intra_
         taken.append(t)
         return t
 
-    inter = codec if codec == "auto" else resolve(codec)
-    if _ordered.forwards_payloads(inter, ci, flat.dtype):
-        seg = segments_of(m, align, chunks, nodes=topo.nodes)
-        _ordered.all_reduce(topo, flat, m, align, seg, inter, scale, inter_fb, validate, tiers, empty)
+    if _ordered.forwards_payloads(a.inter, a.intra, flat.dtype):
+        seg = segments_of(m, align, a.chunks, nodes=topo.nodes)
+        _ordered.all_reduce(topo, a, seg, validate, tiers, empty)
     else:  # every segment past one costs the staged path two copies of the tensor
-        seg = segments_of(m, align, chunks or 1, nodes=topo.nodes)
-        _ordered.staged(topo, flat, m, align, seg, inter_codec(codec, choose), ci, scale, inter_fb, intra_fb,
-                        validate, tiers,
-                        empty)
+        seg = segments_of(m, align, a.chunks or 1, nodes=topo.nodes)
+        _ordered.staged(topo, a, seg, inter_codec(a.inter, choose), validate, tiers, empty)
     for t in taken:  # not after a failure: a collective still in flight may write to them
         pool.give(t)
 
@@ -213,7 +203,8 @@ def _exact_node_sum(topo: Topology, rows_out: torch.Tensor, send: torch.Tensor, 
     return acc
 
 
-def _exact_all_reduce(topo, flat, m, scale, block, headroom, tiers):
+def _exact_all_reduce(topo: Topology, a: _args.Call, tiers: TierStats) -> None:
+    flat, m, scale, block, headroom = a.src, a.m, a.scale, a.exact_block, a.headroom
     g, lr = topo.local_size, topo.local_rank
     src = _padded(flat, g * m)
     exps = _agreed_exponents(topo, src, block, tiers)
@@ -241,48 +232,44 @@ def _by_local_rank(x: torch.Tensor, topo: Topology, width: int) -> torch.Tensor:
     return x.view(topo.nodes, topo.local_size, width).transpose(0, 1).contiguous()
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology, *,
-                   codec: CodecLike = "fp32", intra_codec: CodecLike = "fp32", op: OpLike = "avg",
-                   mode: str = "ordered", async_op: bool = False,
-                   residual: Union[None, torch.Tensor, ErrorFeedback] = None,
-                   chunks: Optional[int] = None, stats=None, validate: bool = True,
-                   exact_block: int = DEFAULT_EXACT_BLOCK, headroom: int = DEFAULT_HEADROOM,
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, topology: Topology, spec: CallSpec = CallSpec(),
                    choose: Optional[Chooser] = None) -> Optional[worker.Handle]:
-    """Hierarchical reduce-scatter: rank r gets shard r of the sum, as the flat one. ``residual``
+    """Hierarchical reduce-scatter: rank r gets shard r of the sum, as the flat one. ``spec.residual``
     (the inter-node tier's, fp32): input numel / G values (the N shards this rank reduces)."""
     topo = _args.hierarchical(topology)
-    a = _args.in_step(topo, _args.REDUCE_SCATTER, async_op, lambda: _args.reduce_scatter_call(
-        topo, output, input, codec, intra_codec, op, mode, async_op, residual, chunks, stats, validate,
-        exact_block, headroom, choose))
+    a = _args.in_step(topo, _args.REDUCE_SCATTER, spec.async_op,
+                      lambda: _args.reduce_scatter_call(topo, output, input, spec, choose))
     if isinstance(a, worker.Handle):
         return a
+    validate = spec.validate
     agreed = _args.agreement(topo, a, validate)
     src, out, ci, scale, residual = a.src, a.out, a.intra, a.scale, a.residual
     width = out.numel()
-    tiers = _stats_of(stats)
+    tiers = _stats_of(spec.stats)
 
     def body():
         _args.wait_agreed(agreed)
         grouped = _by_local_rank(src, topo, width).view(-1)
-        if mode == "exact":
-            _exact_reduce_scatter(topo, src, grouped, out, width, scale, a.exact_block, a.headroom, tiers)
+        if spec.mode == "exact":
+            _exact_reduce_scatter(topo, a, grouped, tiers)
         else:
             part = torch.empty(topo.nodes * width, dtype=torch.float32, device=src.device)
-            one_hop.reduce_scatter(part, grouped, codec=ci, op="sum", group=topo.intra_group, validate=validate,
-                                   stats=tiers.intra)
+            one_hop.reduce_scatter(part, grouped, CallSpec(codec=ci, op="sum", validate=validate, stats=tiers.intra),
+                                   topo.intra_group)
             mine = out if (scale == 1.0 and out.dtype == torch.float32) else torch.empty(
                 width, dtype=torch.float32, device=src.device)
-            c = inter_codec(codec, choose)(part.numel(), topo.inter_group, part.device, "reduce_scatter")
-            one_hop.reduce_scatter(mine, part, codec=c, op="sum", group=topo.inter_group, residual=residual,
-                                   chunks=a.chunks, validate=validate, stats=tiers.inter)
+            c = inter_codec(a.inter, choose)(part.numel(), topo.inter_group, part.device, "reduce_scatter")
+            one_hop.reduce_scatter(mine, part, CallSpec(codec=c, op="sum", residual=residual, chunks=a.chunks,
+                                                        validate=validate, stats=tiers.inter), topo.inter_group)
             if mine is not out:
                 out.copy_(mine * scale if scale != 1.0 else mine)
-        _report(stats, tiers)
+        _report(spec.stats, tiers)
 
-    return _run(topo, body, output, async_op)
+    return _run(topo, body, output, spec.async_op)
 
 
-def _exact_reduce_scatter(topo, src, grouped, out, width, scale, block, headroom, tiers):
+def _exact_reduce_scatter(topo: Topology, a: _args.Call, grouped: torch.Tensor, tiers: TierStats) -> None:
+    src, out, width, scale, block, headroom = a.src, a.out, a.out.numel(), a.scale, a.exact_block, a.headroom
     g, nodes, lr = topo.local_size, topo.nodes, topo.local_rank
     # Exponents per destination shard (blocks start at each shard's start, as in the flat path).
     rows = src.view(topo.world, width)
@@ -318,34 +305,32 @@ def _agree_max(topo: Topology, e: torch.Tensor, tiers: TierStats) -> torch.Tenso
     return e
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, topology: Topology, *,
-               codec: CodecLike = "fp32", intra_codec: CodecLike = "fp32", async_op: bool = False,
-               residual: Union[None, torch.Tensor, ErrorFeedback] = None, stats=None,
-               validate: bool = True) -> Optional[worker.Handle]:
-    """Hierarchical all-gather: across nodes with ``codec`` (each rank's input crosses the network
-    once, ``residual`` = the sender's, input numel), then inside the node with ``intra_codec``.
-    Every rank receives the decoded values, the same as the flat all-gather's."""
+def all_gather(output: torch.Tensor, input: torch.Tensor, topology: Topology,
+               spec: CallSpec = CallSpec()) -> Optional[worker.Handle]:
+    """Hierarchical all-gather: across nodes with ``spec.codec`` (each rank's input crosses the
+    network once, ``spec.residual`` = the sender's, input numel), then inside the node with
+    ``spec.intra_codec``. Every rank receives the decoded values, the same as the flat all-gather's."""
     topo = _args.hierarchical(topology)
-    a = _args.in_step(topo, _args.ALL_GATHER, async_op, lambda: _args.all_gather_call(
-        topo, output, input, codec, intra_codec, async_op, residual, stats, validate))
+    a = _args.in_step(topo, _args.ALL_GATHER, spec.async_op, lambda: _args.all_gather_call(topo, output, input, spec))
     if isinstance(a, worker.Handle):
         return a
+    validate = spec.validate
     agreed = _args.agreement(topo, a, validate)
     src, out, n = a.src, a.out, a.src.numel()
-    tiers = _stats_of(stats)
+    tiers = _stats_of(spec.stats)
 
     def body():
         _args.wait_agreed(agreed)
         across = torch.empty(topo.nodes * n, dtype=out.dtype, device=out.device)
-        one_hop.all_gather(across, src, codec=a.inter, group=topo.inter_group, residual=a.residual,
-                           validate=validate, stats=tiers.inter)
+        one_hop.all_gather(across, src, CallSpec(codec=a.inter, residual=a.residual, validate=validate,
+                                                 stats=tiers.inter), topo.inter_group)
         inside = torch.empty(topo.world * n, dtype=out.dtype, device=out.device)
-        one_hop.all_gather(inside, across, codec=a.intra, group=topo.intra_group, validate=validate,
-                           stats=tiers.intra)
+        one_hop.all_gather(inside, across, CallSpec(codec=a.intra, validate=validate, stats=tiers.intra),
+                           topo.intra_group)
         out.view(topo.nodes, topo.local_size, n).copy_(inside.view(topo.local_size, topo.nodes, n).transpose(0, 1))
-        _report(stats, tiers)
+        _report(spec.stats, tiers)
 
-    return _run(topo, body, output, async_op)
+    return _run(topo, body, output, spec.async_op)
 
 
 def inter_codec(codec: CodecLike, choose: Optional[Chooser]) -> Chooser:

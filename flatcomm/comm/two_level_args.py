@@ -27,6 +27,7 @@ import torch.distributed as dist
 from . import args, groups, header, worker
 from .args import ErrorFeedback
 from .pipeline import CommStats
+from .spec import CallSpec
 from .topology import Topology
 from ..ops.codecs import Codec, CodecLike, resolve
 from ..ops.sums import DEFAULT_EXACT_BLOCK
@@ -103,7 +104,8 @@ def shard_range(numel: int, topology: Topology, codec: CodecLike = "fp32",
     return lo, lo + shard_numel(numel, topology, codec, intra_codec)
 
 
-REDUCE_SCATTER, ALL_GATHER, ALL_REDUCE = 4, 5, 6  # header.KINDS: the two-level calls
+REDUCE_SCATTER, ALL_GATHER, ALL_REDUCE = (header.KIND_IDS[f"two-level {k}"]
+                                          for k in ("reduce_scatter", "all_gather", "all_reduce"))
 
 
 # ---- the argument layer ---------------------------------------------------------------------------
@@ -187,12 +189,6 @@ def wait_agreed(agreed) -> None:
         agreed.result()
 
 
-def _common(async_op, validate, stats) -> None:
-    args.bool_arg(async_op, "async_op")
-    args.bool_arg(validate, "validate")
-    args.stats_arg(stats, (CommStats, TierStats))
-
-
 def _inter_arg(codec, mode: str, choose) -> Union[str, Codec]:
     if isinstance(codec, str) and codec == "auto":
         if mode != "ordered":
@@ -204,67 +200,79 @@ def _inter_arg(codec, mode: str, choose) -> Union[str, Codec]:
     return resolve(codec)
 
 
-def _reduction(topo: Topology, codec, intra_codec, mode, op, exact_block, headroom, choose):
-    """(inter codec, intra codec, scale, exact block, headroom) of a reduction, checked."""
-    mode = args.mode_arg(mode)
-    inter = _inter_arg(codec, mode, choose)
-    ci = args.codec_arg(intra_codec, mode, "intra_codec")
+_STATS = (CommStats, TierStats)  # what stats= may be
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reduction:
+    """A two-level call's checked codecs, mode, op scale and exact-mode grid."""
+
+    inter: Union[str, Codec]
+    intra: Codec
+    mode: str = "ordered"
+    scale: float = 1.0
+    block: int = 0
+    room: int = 0
+
+    def fields(self, kind: int, n: int, t: torch.Tensor, chunks: Optional[int]) -> List[Tuple[str, int]]:
+        extra = (header.exact_fields(self.mode, self.block, self.room) + [header.device_field(t.device)]
+                 + header.codec_fields(self.intra, "intra "))
+        return header.signature(kind, n, self.inter, self.mode, self.scale, t.dtype, chunks or 0, extra)
+
+
+def _reduction(topo: Topology, spec: CallSpec, choose) -> _Reduction:
+    """The reduction fields of ``spec``, checked."""
+    mode = args.mode_arg(spec.mode)
+    inter = _inter_arg(spec.codec, mode, choose)
+    ci = args.codec_arg(spec.intra_codec, mode, "intra_codec")
     if mode == "exact" and (not ci.lossless or not (isinstance(inter, Codec) and inter.lossless)):
         raise ValueError("flatcomm: mode='exact' sums exact fixed point of the values; use codec='fp32' "
                          "and intra_codec='fp32' with it")
-    block, room = args.exact_args(mode, exact_block, headroom, topo.world)
-    return inter, ci, args.reduce_scale(op, topo.world), block, room
+    block, room = args.exact_args(mode, spec.exact_block, spec.headroom, topo.world)
+    return _Reduction(inter, ci, mode, args.reduce_scale(spec.op, topo.world), block, room)
 
 
-def _fields(kind: int, n: int, inter, ci: Codec, mode: str, scale: float, t: torch.Tensor, chunks: Optional[int],
-            block: int, room: int) -> List[Tuple[str, int]]:
-    extra = header.exact_fields(mode, block, room) + [header.device_field(t.device)] + header.codec_fields(ci, "intra ")
-    return header.signature(kind, n, inter, mode, scale, t.dtype, chunks or 0, extra)
-
-
-def all_reduce_call(topo, tensor, codec, intra_codec, op, mode, async_op, residual, chunks, stats, validate,
-                     exact_block, headroom, choose) -> Call:
-    _common(async_op, validate, stats)
-    inter, ci, scale, block, room = _reduction(topo, codec, intra_codec, mode, op, exact_block, headroom, choose)
+def all_reduce_call(topo, tensor, spec: CallSpec, choose) -> Call:
+    args.common_args(spec, _STATS)
+    r = _reduction(topo, spec, choose)
     flat = args.tensor_arg(tensor, "tensor", written=True)
-    args.two_stage_residual(residual, topo)
-    k = args.chunks_arg(chunks)
+    args.two_stage_residual(spec.residual, topo)
+    k = args.chunks_arg(spec.chunks)
     n = flat.numel()
-    align = shard_align(inter, ci, mode, block)
+    align = shard_align(r.inter, r.intra, r.mode, r.block)
     m = padded_shard(n, topo.local_size, align)
-    inter_fb, intra_fb = _tiers(residual, m, shard_numel(n, topo, inter, ci, mode, block), topo.local_size,
-                                not ci.lossless, flat)
+    inter_fb, intra_fb = _tiers(spec.residual, m, shard_numel(n, topo, r.inter, r.intra, r.mode, r.block),
+                                topo.local_size, not r.intra.lossless, flat)
     k = args.capped_chunks(k, m, align) if k else None
-    return Call(_fields(ALL_REDUCE, n, inter, ci, mode, scale, flat, k, block, room), flat, flat, inter, ci,
-                 scale, m, align, k, None, inter_fb, intra_fb, block, room)
+    return Call(r.fields(ALL_REDUCE, n, flat, k), flat, flat, r.inter, r.intra, scale=r.scale, m=m, align=align,
+                chunks=k, inter_fb=inter_fb, intra_fb=intra_fb, exact_block=r.block, headroom=r.room)
 
 
-def reduce_scatter_call(topo, output, input, codec, intra_codec, op, mode, async_op, residual, chunks, stats,
-                         validate, exact_block, headroom, choose) -> Call:
-    _common(async_op, validate, stats)
-    r = args.one_stage_residual(residual, "reduce_scatter's")
-    inter, ci, scale, block, room = _reduction(topo, codec, intra_codec, mode, op, exact_block, headroom, choose)
+def reduce_scatter_call(topo, output, input, spec: CallSpec, choose) -> Call:
+    args.common_args(spec, _STATS)
+    res = args.one_stage_residual(spec.residual, "reduce_scatter's")
+    r = _reduction(topo, spec, choose)
     src, out = args.tensor_arg(input, "input"), args.tensor_arg(output, "output", written=True)
-    k = args.chunks_arg(chunks)
+    k = args.chunks_arg(spec.chunks)
     width = out.numel()
     args.scatter_shapes(src, out, topo.world)
-    args.check_residual(r, topo.nodes * width, src, "hierarchical residual",
+    args.check_residual(res, topo.nodes * width, src, "hierarchical residual",
                         " (the inter-node tier's: input numel / local_size)")
-    k = args.capped_chunks(k, width, shard_align(inter, ci, mode, block)) if k else None
-    return Call(_fields(REDUCE_SCATTER, src.numel(), inter, ci, mode, scale, src, k, block, room), src, out,
-                 inter, ci, scale, chunks=k, residual=r, exact_block=block, headroom=room)
+    k = args.capped_chunks(k, width, shard_align(r.inter, r.intra, r.mode, r.block)) if k else None
+    return Call(r.fields(REDUCE_SCATTER, src.numel(), src, k), src, out, r.inter, r.intra, scale=r.scale,
+                chunks=k, residual=res, exact_block=r.block, headroom=r.room)
 
 
-def all_gather_call(topo, output, input, codec, intra_codec, async_op, residual, stats, validate) -> Call:
-    _common(async_op, validate, stats)
-    r = args.one_stage_residual(residual, "all_gather's")
-    inter, ci = args.codec_arg(codec, "ordered"), args.codec_arg(intra_codec, "ordered", "intra_codec")
+def all_gather_call(topo, output, input, spec: CallSpec) -> Call:
+    """(``spec``'s op, mode, chunks and exact grid have no role in a gather.)"""
+    args.common_args(spec, _STATS)
+    res = args.one_stage_residual(spec.residual, "all_gather's")
+    r = _Reduction(args.codec_arg(spec.codec, "ordered"), args.codec_arg(spec.intra_codec, "ordered", "intra_codec"))
     src, out = args.tensor_arg(input, "input"), args.tensor_arg(output, "output", written=True)
     n = src.numel()
     args.gather_shapes(src, out, topo.world)
-    args.check_residual(r, n, src, "hierarchical residual", " (the input's numel)")
-    return Call(_fields(ALL_GATHER, n, inter, ci, "ordered", 1.0, src, None, 0, 0), src, out, inter, ci,
-                 residual=r)
+    args.check_residual(res, n, src, "hierarchical residual", " (the input's numel)")
+    return Call(r.fields(ALL_GATHER, n, src, None), src, out, r.inter, r.intra, residual=res)
 
 
 def _tiers(residual, m: int, real: int, local_size: int, intra_lossy: bool, ref: torch.Tensor):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, cast
 
 import torch
 
@@ -32,6 +32,8 @@ from . import flat as one_hop, header, node as _node
 from .args import ErrorFeedback
 from . import pipeline
 from .pipeline import CommStats, Pipeline, Plan, drain, shard_bounds
+from .spec import CallSpec
+from .two_level_args import Call
 from .topology import Topology
 from ..ops.codecs import Codec, decode_sum, reencode_sum
 
@@ -39,6 +41,7 @@ __all__ = ["all_reduce", "forwards_payloads", "staged"]
 
 
 _NO_EXACT = header.exact_fields("ordered", 0, 0)
+_ALL_REDUCE = header.KIND_IDS["all_reduce"]  # each tier's own header: a one-hop all-reduce's
 
 
 def forwards_payloads(codec, intra: Codec, dtype: torch.dtype) -> bool:
@@ -60,10 +63,11 @@ def _padded_src(flat: torch.Tensor, g: int, m: int, empty: Callable) -> torch.Te
     return src
 
 
-def all_reduce(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List[int], codec: Codec,
-               scale: float, inter_fb: Optional[ErrorFeedback], validate: bool, tiers, empty: Callable) -> None:
-    """Ordered two-level all-reduce of ``flat`` in place, forwarding payloads (module docstring).
+def all_reduce(topo: Topology, call: Call, seg: List[int], validate: bool, tiers, empty: Callable) -> None:
+    """Ordered two-level all-reduce of ``call.src`` in place, forwarding payloads (module docstring).
     ``seg``: segment boundaries within the shard; ``empty(numel, dtype)``: pooled staging."""
+    flat, m, align, scale, inter_fb = call.src, call.m, call.align, call.scale, call.inter_fb
+    codec = cast(Codec, call.inter)  # forwards_payloads: a named inter codec, not "auto"
     g, n, nodes, me, dev = topo.local_size, flat.numel(), topo.nodes, topo.local_rank, flat.device
     k = len(seg) - 1
     if k == 0:  # no values (every rank agreed on numel 0 in the call's header): nothing to exchange
@@ -84,7 +88,7 @@ def all_reduce(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List
     if inter_fb is not None and codec.lossless:  # nothing re-encodes: the server residual goes out now
         inter_fb.client.add_(inter_fb.server)
         inter_fb.server.zero_()
-    fields = header.signature(3, n, codec, "ordered", scale, flat.dtype, k, _NO_EXACT)
+    fields = header.signature(_ALL_REDUCE, n, codec, "ordered", scale, flat.dtype, k, _NO_EXACT)
 
     node_agrees: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -107,7 +111,7 @@ def all_reduce(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List
         # rank's error, in the call's header among all ranks); a failure here is a broken node.
         node_agrees.result()
         pipe = Pipeline(topo.inter_group, tiers.inter,
-                        header.signature(3, real[me], codec, "ordered", 1.0, torch.float32, k, _NO_EXACT), dev,
+                        header.signature(_ALL_REDUCE, real[me], codec, "ordered", 1.0, torch.float32, k, _NO_EXACT), dev,
                         validate)
         tiers.inter.calls += 1
 
@@ -193,11 +197,12 @@ def _timed_into(st: CommStats, field: str, fn: Callable[[], None]) -> None:
     setattr(st, field, getattr(st, field) + time.perf_counter() - t0)
 
 
-def staged(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List[int], codec, ci: Codec,
-           scale: float, inter_fb, intra_fb, validate: bool, tiers, empty: Callable) -> None:
+def staged(topo: Topology, call: Call, seg: List[int], codec: Callable, validate: bool, tiers,
+           empty: Callable) -> None:
     """The two-level all-reduce with codec collectives in the node and the one-hop all-reduce
-    across nodes (any intra codec, dtype, and ``codec="auto"``: ``codec`` is then the chooser of
-    :func:`flatcomm.comm.two_level.inter_codec`, asked per segment)."""
+    across nodes (any intra codec, dtype, and ``codec="auto"``): ``codec`` is the chooser of
+    :func:`flatcomm.comm.two_level.inter_codec`, asked per segment."""
+    flat, m, ci, scale, inter_fb, intra_fb = call.src, call.m, call.intra, call.scale, call.inter_fb, call.intra_fb
     g, n = topo.local_size, flat.numel()
     src = _padded_src(flat, g, m, empty)
     rows = src.view(g, m)
@@ -212,16 +217,18 @@ def staged(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List[int
             a, b = seg[j], seg[j + 1]
             piece = src if k == 1 else empty(g * (b - a), src.dtype).view(g, b - a).copy_(rows[:, a:b]).view(-1)
             res = intra_fb.client[g * a:g * b] if intra_fb is not None else None
-            rs.append(one_hop.reduce_scatter(shard[a:b], piece, codec=ci, op="sum", group=topo.intra_group,
-                                             validate=validate, residual=res, stats=tiers.intra, async_op=True))
+            rs.append(one_hop.reduce_scatter(shard[a:b], piece, CallSpec(
+                codec=ci, op="sum", validate=validate, residual=res, stats=tiers.intra, async_op=True),
+                topo.intra_group))
         for j in range(k):
             rs[j].wait()
             a, b = seg[j], min(seg[j + 1], real)
             if b > a:
                 fb = ErrorFeedback(inter_fb.client[a:b], inter_fb.server[a:b]) if inter_fb is not None else None
                 c = codec(b - a, topo.inter_group, shard.device, "all_reduce")
-                ar.append(one_hop.all_reduce(shard[a:b], codec=c, op="sum", group=topo.inter_group, residual=fb,
-                                             validate=validate, stats=tiers.inter, async_op=True))
+                ar.append(one_hop.all_reduce(shard[a:b], CallSpec(
+                    codec=c, op="sum", residual=fb, validate=validate, stats=tiers.inter, async_op=True),
+                    topo.inter_group))
             else:
                 ar.append(None)
         whole = k == 1 and src is flat
@@ -245,8 +252,8 @@ def staged(topo: Topology, flat: torch.Tensor, m: int, align: int, seg: List[int
                                              functools.partial(_node.gather, topo, out, shard[a:b]))))
                 continue
             res = intra_fb.server[a:b] if intra_fb is not None else None
-            ag.append((out, one_hop.all_gather(out, shard[a:b], codec=ci, group=topo.intra_group, validate=validate,
-                                               residual=res, stats=tiers.intra, async_op=True)))
+            ag.append((out, one_hop.all_gather(out, shard[a:b], CallSpec(
+                codec=ci, validate=validate, residual=res, stats=tiers.intra, async_op=True), topo.intra_group)))
         for j, (out, h) in enumerate(ag):
             h.wait()  # a Handle or a node Job
             if whole:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 import threading
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -20,13 +21,23 @@ from . import stats as _stats
 from ..ops.codecs import Codec
 from .residuals import Residuals
 
-__all__ = ["CODEC_DEFAULTS", "State", "hook", "register"]
+__all__ = ["CODEC_DEFAULTS", "State", "StatsDict", "hook", "register"]
 
 # What register(ddp, "sign") uses unless block_size= / start_step= say otherwise. Sign sends every
 # value of a block at the block's mean magnitude, which inflates Adam's second moment and, early in
 # training, the residual; smaller blocks and lossless first steps keep both close (measured by
 # tools/bench/adam_probe.py and convergence.py: docs/benchmarks.md, "Why sign lost under Adam").
 CODEC_DEFAULTS = {"sign": {"block_size": 64, "start_step": 20}}
+
+
+class StatsDict(dict):
+    """What :attr:`State.stats` returns: a plain dict. Calling it, the spelling of flatcomm 0.1
+    (``state.stats()``, when ``stats`` was a method), returns it too, with a DeprecationWarning."""
+
+    def __call__(self) -> "StatsDict":
+        warnings.warn("flatcomm: State.stats is a property: write state.stats, not state.stats()",
+                      DeprecationWarning, stacklevel=2)
+        return self
 
 
 class State:
@@ -43,14 +54,14 @@ class State:
         (``ddp.register_comm_hook(State(...), hook)`` does not: then :meth:`attach` it, or
         :meth:`state_dict` raises once the State holds residuals it could not name).
     grad_scaler: a GradScaler whose scale changes rescale the residuals.
-    track_norms: compute the residual/gradient norms for :meth:`stats` (two dot products over the
+    track_norms: compute the residual/gradient norms for :attr:`stats` (two dot products over the
         bucket before sending and one norm of each residual after).
-    history: how many steps :meth:`stats` keeps.
+    history: how many steps :attr:`stats` keeps.
     topology: a :class:`flatcomm.Topology`, ``"flat"``, or None (default: from torchrun's
         ``LOCAL_WORLD_SIZE``, flat when unset; built at the first hook call). Hierarchical: see
         :mod:`flatcomm.ddp.tiers` for where the residuals live.
     codec="auto": a :class:`flatcomm.autotune.Tuner` (``tuner=``, default error budget int8) picks the
-        codec of each bucket at its first hook call; ``decisions`` / ``stats()["decisions"]`` say what
+        codec of each bucket at its first hook call; ``decisions`` / ``stats["decisions"]`` say what
         and why. With a hierarchical topology the inter-node codec (or the backend's all-reduce) is
         chosen by the two-level cost model (:mod:`flatcomm.autotune.tiers`; the node tier stays
         fp32). A parameter that moves (bucket rebuild) from a lossy bucket into one where fp32 was
@@ -66,11 +77,30 @@ class State:
         per kind, each over a copy of its parameters' ranges (the kept part first-class fp32).
     backoff: ``codec="auto"`` only: a :class:`flatcomm.ddp.Backoff` (default ``Backoff()``,
         every 50 steps; ``False`` turns it off) that moves a bucket to a more precise codec when the
-        error measured in training exceeds the budget; ``adaptations`` / ``stats()`` say when and why.
+        error measured in training exceeds the budget; ``adaptations`` / ``stats`` say when and why.
     accordion: adaptive switching (:mod:`flatcomm.ddp.accordion`): a precise codec (``"int8"``, or an
         :class:`~flatcomm.ddp.accordion.Accordion`; ``True``: its defaults) in intervals where the
         gradient norm changes fast, this State's codec otherwise. Not with ``codec="auto"``.
     """
+
+    # The declared shape (grouped like torch's PowerSGDState): every attribute a State holds.
+    # Options: what the caller asked for, resolved once by flatcomm._training.options.
+    _OPTIONS = ("codec", "auto", "backend_allowed", "block_size", "mode", "error_feedback", "start_step",
+                "backoff", "accordion", "tuner", "keep_fn", "chunks", "topology_arg", "model", "grad_scaler",
+                "track_norms", "history")
+    # Where the traffic goes: flatcomm's private group and the topology (both set at the first call).
+    _GROUPS = ("group", "topology")
+    # Per-bucket state, keyed by the bucket's parameter ids: residuals, auto's decisions, the saved
+    # layout to replay after a load, auto's buckets sent by the backend; internal: keep_fp32 answers, auto keys' buckets, layouts seen.
+    _BUCKETS = ("residuals", "decisions", "replay", "replay_tiered", "backend_sent", "replay_backend", "_kept",
+                "_key_where", "_seen_layouts")
+    # The step: hook rounds so far, whether the next bucket starts one, the GradScaler scale seen.
+    _STEP = ("step", "_new_step", "scale_seen")
+    # Statistics: the per-step records, auto's measured errors and moves.
+    _STATS = ("recorder", "monitor", "adaptations")
+    # Internal: parameter names, the all-reduces in flight and their condition.
+    _INTERNAL = ("_names", "_inflight", "_cond")
+    __slots__ = _OPTIONS + _GROUPS + _BUCKETS + _STEP + _STATS + _INTERNAL
 
     def __init__(self, codec: Any = "int8", *, error_feedback: bool = True, mode: Optional[str] = None,
                  group=None, chunks: Optional[int] = None, block_size: Optional[int] = None,
@@ -81,36 +111,31 @@ class State:
         o = _options.resolve(codec, error_feedback=error_feedback, mode=mode, block_size=block_size,
                              ratio=ratio, tuner=tuner, start_step=start_step, keep_fp32=keep_fp32,
                              backoff=backoff, defaults=CODEC_DEFAULTS)
-        # codec="auto": flatcomm.autotune picks a codec per bucket key at its first hook call (the same
-        # on every rank); self.decisions[key] holds the Decision (codec, chunks, reason, predicted_s).
-        # mode None: the caller did not ask for determinism (see register()): auto may use the backend.
-        self.auto, self.backend_allowed, self.block_size = o.auto, o.open, o.block_size
+        # -- options. codec="auto": flatcomm.autotune picks a codec per bucket key at its first hook
+        # call (the same on every rank); decisions[key] holds the Decision. mode None: the caller
+        # did not ask for determinism (see register()): auto may use the backend's all-reduce.
         self.codec: Codec = o.codec
-        self.mode = o.mode
-        self.error_feedback = o.error_feedback
-        self.start_step = o.start_step
+        self.auto, self.backend_allowed, self.block_size = o.auto, o.open, o.block_size
+        self.mode, self.error_feedback, self.start_step = o.mode, o.error_feedback, o.start_step
         self.backoff = o.backoff
         self.accordion = _accordion.policy(accordion)
         if self.accordion is not None and o.auto:
             raise ValueError("flatcomm: accordion= picks between two fixed codecs; it does not combine with codec='auto'")
-        if o.auto:
-            self.tuner = o.tuner
-        self.decisions: Dict[Tuple[int, ...], Any] = {}
+        self.tuner = o.tuner if o.auto else None
         self.keep_fn = o.keep_fn
-        self.kept: Dict[int, bool] = {}  # id(p) -> keep_fp32(name, p), asked once per parameter
-        self.monitor = _adapt.Monitor(self.backoff or _adapt.Backoff(every=0))
-        self.adaptations: List[dict] = self.monitor.adaptations  # the moves, with their numbers
-        self.key_where: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # auto key -> (DDP bucket index, numel)
         self.chunks = chunks
-        self.group = group
         self.topology_arg = topology
-        self.topology = None  # resolved at the first hook call (creating groups is collective)
         self.model = model
         self.grad_scaler = grad_scaler
         self.track_norms = track_norms
         self.history = history
+        # -- groups: resolved at the first hook call (creating groups is collective)
+        self.group = group
+        self.topology = None
+        # -- per-bucket state
         self.residuals = Residuals(track_norms)  # error feedback, per bucket, owned by parameters
-        # After a same-world-size load: the saved buffer keys, replayed by the first step (_launch).
+        self.decisions: Dict[Tuple[int, ...], Any] = {}
+        # After a same-world-size load: the saved buffer keys, replayed by the first step.
         self.replay: Optional[List[Tuple[int, ...]]] = None
         self.replay_tiered = False  # whether the replayed buffers were saved by a hierarchical State
         # auto's buckets handed to the backend: key -> the step it last sent (a checkpoint saves the
@@ -118,14 +143,21 @@ class State:
         # over more than two ranks depends on where a value sits in the bucket).
         self.backend_sent: Dict[Tuple[int, ...], int] = {}
         self.replay_backend: set = set()  # the replayed keys among them (after a load)
+        self._kept: Dict[int, bool] = {}  # id(p) -> keep_fp32(name, p), asked once per parameter
+        self._key_where: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # auto key -> (DDP bucket index, numel)
+        self._seen_layouts: set = set()  # bucket keys whose call header was validated
+        # -- the step
+        self.step = 0
+        self._new_step = True
+        self.scale_seen: Optional[float] = None
+        # -- statistics
+        self.recorder = _stats.Recorder(history, track_norms)
+        self.monitor = _adapt.Monitor(self.backoff or _adapt.Backoff(every=0))
+        self.adaptations: List[dict] = self.monitor.adaptations  # the moves, with their numbers
+        # -- internal
         self._names: Optional[Dict[int, str]] = None
-        self.seen_layouts: set = set()
         self._inflight = 0
         self._cond = threading.Condition()
-        self.step = 0
-        self.new_step = True
-        self.scale_seen: Optional[float] = None
-        self.recorder = _stats.Recorder(history, track_norms)
 
     def attach(self, model: torch.nn.Module) -> None:
         """Give the State its DDP model (``ddp.register_comm_hook(State(...), hook)`` creates it
@@ -141,8 +173,11 @@ class State:
 
     # ---- statistics ------------------------------------------------------------------------------
 
-    def stats(self) -> dict:
-        """Per step and per bucket, on this rank (plain dicts; the last ``history`` steps).
+    @property
+    def stats(self) -> "StatsDict":
+        """Per step and per bucket, on this rank (plain dicts; the last ``history`` steps), read
+        once every launched all-reduce has finished. A read-only property, like
+        ``ReduceScatter.stats``; the old call ``state.stats()`` still works, with a DeprecationWarning.
 
         Per bucket: ``wire_bytes`` (this rank put on the wire), ``fp32_bytes`` (a plain fp32 ring
         all-reduce: 2(W-1)/W * 4 * numel), seconds in ``encode_s`` / ``exchange_s`` (waiting for
@@ -156,7 +191,7 @@ class State:
         """
         self.wait()
         out = self.recorder.steps()
-        return {"codec": "auto" if self.auto else self.codec.name, "block_size": self.codec.block_size,
+        return StatsDict({"codec": "auto" if self.auto else self.codec.name, "block_size": self.codec.block_size,
                 "mode": self.mode, "error_feedback": self.error_feedback,
                 # codec="auto": per bucket, what the tuner chose and why
                 "decisions": [{"codec": d.codec, "chunks": d.chunks, "reason": d.reason,
@@ -166,7 +201,7 @@ class State:
                 "adaptations": [dict(a) for a in self.adaptations],
                 "world_size": dist.get_world_size(self.group) if self.group is not None else None,
                 "topology": self.topology.describe() if self.topology is not None else None,
-                "steps": out}
+                "steps": out})
 
     # ---- checkpoints (flatcomm.ddp.checkpoint) --------------------------------------------------
 
@@ -249,7 +284,24 @@ class State:
         return self.topology is not None and not self.topology.flat
 
     def _launch(self, bucket) -> torch.futures.Future:
-        return _comm.launch(self, bucket)
+        """The hook's work for one bucket (the steps of :mod:`flatcomm.ddp.traffic`); the future
+        holds the bucket buffer, averaged in place."""
+        group = self.ensure_group()
+        if self.topology is None:
+            _comm.first_call(self, group)
+        if self._new_step:
+            self._new_step = False
+            _comm.new_step(self, group, bucket.buffer().device)
+        step, index, tensor = self.step, bucket.index(), bucket.buffer()
+        whole, layout, parts = _comm.plan_parts(self, bucket)
+        if bucket.is_last():
+            self.step += 1
+            self._new_step = True
+            self.replay = None  # only the first step after a load can have DDP's initial layout
+            self.replay_backend = set()
+        if parts is None:
+            return _comm.reduce(self, group, _comm.Piece(tensor, whole, layout, step, index, f"bucket{index}"))
+        return _comm.reduce_parts(self, group, tensor, layout, parts, step, index)
 
     def started(self) -> None:
         """One more all-reduce in flight (:meth:`wait` waits for it; :meth:`finished` ends it)."""
@@ -290,7 +342,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: Any = 
     ``"ordered"`` or ``"exact"`` (fp32 only) asks for determinism: auto then chooses among
     flatcomm's own collectives only.
 
-    Returns the :class:`State` (for ``state_dict()``, ``stats()``, ``decisions``).
+    Returns the :class:`State` (for ``state_dict()``, ``stats``, ``decisions``).
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"flatcomm.ddp.register needs a DistributedDataParallel model, got "

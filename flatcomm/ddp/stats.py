@@ -2,7 +2,7 @@
 
 The hook records from the collective's completion callback (a worker thread), so records are
 appended under a lock, and residual norms stay 0-dim tensors until :meth:`Recorder.steps` reads
-them (on CUDA: no host sync per bucket). What each field means: :meth:`flatcomm.ddp.State.stats`.
+them (on CUDA: no host sync per bucket). What each field means: :attr:`flatcomm.ddp.State.stats`.
 """
 from __future__ import annotations
 

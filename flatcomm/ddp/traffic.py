@@ -1,20 +1,22 @@
-"""The DDP hook's communication: one bucket in, one future out (see :mod:`flatcomm.ddp`).
+"""The DDP hook's traffic: one bucket in, one future out (see :mod:`flatcomm.ddp`).
 
-:func:`launch` is what :func:`flatcomm.ddp.hook` runs for each bucket: it resolves the group and
-topology at the first call, runs the per-step work at a step's first bucket (GradScaler rescale,
-the ``auto`` backoff check), splits the bucket where it must (the first step after a load replays
-the saved buckets; ``keep_fp32`` parameters go in their own lossless all-reduce), picks each
-part's codec (fixed, ``auto``'s decision, lossless during ``start_step``) and its residual buffer,
-and submits the all-reduce. flatcomm runs every collective of a group on that group's worker
-thread in submission order, so all ranks issue them in the same order; nothing blocks inside a
-future callback (the statistics callback only reads norms).
+:meth:`flatcomm.ddp.State._launch` is what :func:`flatcomm.ddp.hook` runs for each bucket, as
+named steps from this module: :func:`first_call` (the group and topology, once), :func:`new_step`
+(at a step's first bucket: GradScaler rescale, the ``auto`` backoff check and revisits),
+:func:`plan_parts` (where the bucket must be split: the first step after a load replays the saved
+buckets; ``keep_fp32`` parameters go in their own lossless all-reduce), then :func:`reduce` per
+part (its codec: fixed, ``auto``'s decision, lossless during ``start_step``; its residual buffer;
+the all-reduce) and, for a split bucket, :func:`reduce_parts` (each part over a copy, copied back).
+flatcomm runs every collective of a group on that group's worker thread in submission order, so
+all ranks issue them in the same order; nothing blocks inside a future callback (the statistics
+callback only reads norms).
 """
 from __future__ import annotations
 
 import inspect
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,70 +28,95 @@ from ..autotune import BACKEND as _BACKEND
 from ..ops.codecs import Codec, resolve
 from .residuals import bucket_layout
 
-__all__ = ["launch"]
+__all__ = ["Part", "Piece", "first_call", "new_step", "plan_parts", "reduce", "reduce_parts"]
 
 # all_reduce(validate=False) skips only a call header that costs a host sync (NCCL-only group).
 _HAS_VALIDATE = "validate" in inspect.signature(C.all_reduce).parameters
 
+Layout = List[Tuple[int, int, int]]  # (id(p), offset, numel) of each parameter in a flat tensor
 
-def launch(state, bucket) -> torch.futures.Future:
-    """The hook's work for one bucket of a :class:`flatcomm.ddp.State`; the future holds the
-    bucket buffer, averaged in place."""
-    group = state.ensure_group()
-    if state.topology is None:
-        if state.model is None and (state.auto or (state.error_feedback and not state.codec.lossless)):
-            warnings.warn("flatcomm: this DDP State has no model (ddp.register_comm_hook(State(...), hook)): "
-                          "its error-feedback residuals cannot be named in a checkpoint, and state_dict() "
-                          "raises until you call state.attach(ddp_model) (or use flatcomm.ddp.register)",
-                          stacklevel=2)
-        state.topology = _tiers.resolve_topology(state.topology_arg, group)
-        if state.replay is not None and state.replay_tiered != state.tiered():
-            raise ValueError(
-                "flatcomm: this rank's state_dict() was saved with a "
-                f"{'hierarchical' if state.replay_tiered else 'flat'} topology and this State is "
-                f"{'hierarchical' if state.tiered() else 'flat'}: the residuals live in other places. "
-                "Load the list of every rank's state_dict() (or a resharded_state_dict()) instead")
-    if state.new_step:
-        state.new_step = False
-        if state.grad_scaler is not None and state.error_feedback:
-            state.rescale_for_scaler()
-        if state.backoff is not None and state.monitor.due(state.step):
-            _check_errors(state, group, bucket.buffer().device)
-        if state.auto and _revisit_due(state.step):
-            _revisit(state, group, bucket.buffer().device)
-    step, index = state.step, bucket.index()
+
+class Part(NamedTuple):
+    """A group of a bucket's parameters sent as one all-reduce: its residual key (the parameter
+    ids), the parameters, and the codec forced on it (keep_fp32: lossless fp32) or None."""
+
+    key: Tuple[int, ...]
+    params: list
+    force: Optional[Codec] = None
+
+
+class Piece(NamedTuple):
+    """One all-reduce of the hook: the values (the bucket's buffer or a copy of a part's ranges),
+    their layout, and where they come from (step, DDP bucket index, the tuner's key)."""
+
+    tensor: torch.Tensor
+    part: Part
+    layout: Layout
+    step: int
+    bucket: int  # DDP's bucket index
+    name: str
+
+
+def first_call(state, group) -> None:
+    """At the hook's first call: warn about a State without a model, resolve the topology
+    (creating its groups is collective: every rank's first bucket), check a replayed load."""
+    if state.model is None and (state.auto or (state.error_feedback and not state.codec.lossless)):
+        warnings.warn("flatcomm: this DDP State has no model (ddp.register_comm_hook(State(...), hook)): "
+                      "its error-feedback residuals cannot be named in a checkpoint, and state_dict() "
+                      "raises until you call state.attach(ddp_model) (or use flatcomm.ddp.register)",
+                      stacklevel=2)
+    state.topology = _tiers.resolve_topology(state.topology_arg, group)
+    if state.replay is not None and state.replay_tiered != state.tiered():
+        raise ValueError(
+            "flatcomm: this rank's state_dict() was saved with a "
+            f"{'hierarchical' if state.replay_tiered else 'flat'} topology and this State is "
+            f"{'hierarchical' if state.tiered() else 'flat'}: the residuals live in other places. "
+            "Load the list of every rank's state_dict() (or a resharded_state_dict()) instead")
+
+
+def new_step(state, group, device: torch.device) -> None:
+    """At a step's first bucket (the same point on every rank): the GradScaler's scale change
+    into the residuals, the ``auto`` backoff check and the revisits of raced decisions when due."""
+    if state.grad_scaler is not None and state.error_feedback:
+        state.rescale_for_scaler()
+    if state.backoff is not None and state.monitor.due(state.step):
+        _check_errors(state, group, device)
+    if state.auto and _revisit_due(state.step):
+        _revisit(state, group, device)
+
+
+def plan_parts(state, bucket) -> Tuple[Part, Layout, Optional[List[Part]]]:
+    """The bucket as a whole (its key and parameters), its layout in DDP's buffer, and the parts
+    it must be sent as, or None when it goes as one all-reduce of the buffer itself."""
     params = list(bucket.parameters())
-    key = tuple(id(p) for p in params)
-    known = state.residuals.bufs.get(key)
+    whole = Part(tuple(id(p) for p in params), params)
+    known = state.residuals.bufs.get(whole.key)
     layout = known.layout if known is not None and not state.replay else bucket_layout(bucket)
-    tensor = bucket.buffer()
-    parts = _replay_parts(state, params, layout) if state.replay else None
+    parts = _replay_parts(state, params) if state.replay else None
     if state.keep_fn is not None:
-        parts = _split_kept(state, parts if parts is not None else [(key, params, None)])
-    if bucket.is_last():
-        state.step += 1
-        state.new_step = True
-        state.replay = None  # only the first step after a load can have DDP's initial layout
-        state.replay_backend = set()
-    if parts is None:
-        return _reduce(state, group, tensor, key, params, layout, step, index, f"bucket{index}")
-    if len(parts) == 1 and parts[0][0] == key:  # the whole bucket is one kind: no copy
-        return _reduce(state, group, tensor, key, params, layout, step, index, f"bucket{index}", parts[0][2])
-    # The first step after a same-world-size load: DDP's first iteration puts every parameter in
-    # one bucket, the saved buffers are its rebuilt buckets. Reduce each saved bucket's values as
-    # they were laid out then (a copy), so the codec's blocks and shards, hence the bits, are
-    # those of an uninterrupted run; then copy the results back into DDP's buffer.
+        parts = _split_kept(state, parts if parts is not None else [whole])
+    if parts is not None and len(parts) == 1 and parts[0].key == whole.key:  # one kind: no copy
+        whole, parts = parts[0], None
+    return whole, layout, parts
+
+
+def reduce_parts(state, group, tensor: torch.Tensor, layout: Layout, parts: List[Part], step: int,
+                 index: int) -> torch.futures.Future:
+    """Each part's values reduced in a copy laid out as the part alone (after a same-world-size
+    load: DDP's first iteration puts every parameter in one bucket, and the saved buffers are its
+    rebuilt buckets; reduced as they were laid out then, the codec's blocks and shards, hence the
+    bits, are those of an uninterrupted run), then copied back into DDP's buffer."""
     flat = tensor.view(-1)
-    offs = {pid: (off, ln) for pid, off, ln in layout}
+    offs = {pid: off for pid, off, _ in layout}
     futs, temps = [], []
-    for j, (key, ps, force) in enumerate(parts):
-        tmp = torch.cat([flat[offs[id(p)][0]:offs[id(p)][0] + p.numel()] for p in ps])
+    for j, part in enumerate(parts):
+        tmp = torch.cat([flat[offs[id(p)]:offs[id(p)] + p.numel()] for p in part.params])
         lay, o = [], 0
-        for p in ps:
+        for p in part.params:
             lay.append((id(p), o, p.numel()))
             o += p.numel()
-        futs.append(_reduce(state, group, tmp, key, ps, lay, step, index, f"bucket{index}.{j}", force))
-        temps.append((tmp, ps))
+        futs.append(reduce(state, group, Piece(tmp, part, lay, step, index, f"bucket{index}.{j}")))
+        temps.append((tmp, part.params))
 
     def scatter(fut: torch.futures.Future) -> torch.Tensor:
         for f in fut.value():
@@ -97,7 +124,7 @@ def launch(state, bucket) -> torch.futures.Future:
         for tmp, ps in temps:
             o = 0
             for p in ps:
-                a = offs[id(p)][0]
+                a = offs[id(p)]
                 flat[a:a + p.numel()].copy_(tmp[o:o + p.numel()])
                 o += p.numel()
         return tensor
@@ -106,30 +133,30 @@ def launch(state, bucket) -> torch.futures.Future:
 
 
 def _is_kept(state, p) -> bool:
-    k = state.kept.get(id(p))
+    k = state._kept.get(id(p))
     if k is None:
         name = state.name_map().get(id(p), "")
-        k = state.kept[id(p)] = bool(state.keep_fn(name, p))
+        k = state._kept[id(p)] = bool(state.keep_fn(name, p))
     return k
 
 
-def _split_kept(state, parts):
+def _split_kept(state, parts: List[Part]) -> List[Part]:
     """Each part split into its codec parameters and its keep_fp32 ones (forced lossless fp32),
     in that order on every rank (DDP's bucket order is the same everywhere)."""
     out = []
-    for key, ps, force in parts:
-        kept = [p for p in ps if _is_kept(state, p)]
+    for part in parts:
+        kept = [p for p in part.params if _is_kept(state, p)]
         if not kept:
-            out.append((key, ps, force))
+            out.append(part)
             continue
-        rest = [p for p in ps if not _is_kept(state, p)]
+        rest = [p for p in part.params if not _is_kept(state, p)]
         if rest:
-            out.append((tuple(id(p) for p in rest), rest, force))
-        out.append((tuple(id(p) for p in kept), kept, resolve("fp32")))
+            out.append(Part(tuple(id(p) for p in rest), rest, part.force))
+        out.append(Part(tuple(id(p) for p in kept), kept, resolve("fp32")))
     return out
 
 
-def _replay_parts(state, params, layout) -> Optional[List[Tuple[Tuple[int, ...], list, Any]]]:
+def _replay_parts(state, params) -> Optional[List[Part]]:
     """The saved buckets wholly inside this bucket (in saved parameter order), plus one part for
     the remaining parameters; None when the bucket is itself a saved one or holds none."""
     key = tuple(id(p) for p in params)
@@ -140,20 +167,20 @@ def _replay_parts(state, params, layout) -> Optional[List[Tuple[Tuple[int, ...],
     parts, used = [], set()
     for skey in state.replay:
         if skey in saved and all(pid in by_id for pid in skey):
-            parts.append((skey, [by_id[pid] for pid in skey], None))
+            parts.append(Part(skey, [by_id[pid] for pid in skey]))
             used.update(skey)
     if not parts:
         return None
     rest = [p for p in params if id(p) not in used]
     if rest:
-        parts.append((tuple(id(p) for p in rest), rest, None))
+        parts.append(Part(tuple(id(p) for p in rest), rest))
     return parts
 
 
-def _reduce(state, group, tensor: torch.Tensor, key: Tuple[int, ...], params, layout, step: int,
-            index: int, tuner_key: str, force: Optional[Codec] = None) -> torch.futures.Future:
-    """One flatcomm all-reduce of a bucket's values (``layout``: (id(p), offset, numel));
-    ``force``: the codec of keep_fp32 parameters, whatever the State's codec."""
+def reduce(state, group, piece: Piece) -> torch.futures.Future:
+    """One flatcomm all-reduce of a piece of a bucket; ``piece.part.force``: the codec of keep_fp32
+    parameters, whatever the State's codec."""
+    tensor, (key, params, force), layout, step, index = piece.tensor, piece.part, piece.layout, piece.step, piece.bucket
     codec, chunks = state.codec, state.chunks
     if force is not None:
         codec = force
@@ -163,10 +190,10 @@ def _reduce(state, group, tensor: torch.Tensor, key: Tuple[int, ...], params, la
             # A hierarchical topology: the tuner picks the inter-node codec (or the backend) by
             # the two-level model; the State's residual layout is tiered, so the path stays.
             tiers = dict(topology=state.topology, paths=("hierarchical",)) if state.tiered() else {}
-            d = state.decisions[key] = state.tuner.choose(tensor.numel(), key=tuner_key, group=group,
+            d = state.decisions[key] = state.tuner.choose(tensor.numel(), key=piece.name, group=group,
                                                           device=tensor.device, deterministic=not state.backend_allowed,
                                                           **tiers)
-        state.key_where[key] = (index, tensor.numel())
+        state._key_where[key] = (index, tensor.numel())
         if d.codec == _BACKEND and not (state.error_feedback and state.residuals.carries(params, state.name_of)):
             state.backend_sent[key] = step
             return _backend(state, tensor, step, index)
@@ -187,8 +214,8 @@ def _reduce(state, group, tensor: torch.Tensor, key: Tuple[int, ...], params, la
         _tiers.add_carry(tensor, res)
     kwargs: Dict[str, Any] = {}
     if _HAS_VALIDATE:  # the consistency round trip only for a bucket layout not seen before
-        kwargs["validate"] = key not in state.seen_layouts
-    state.seen_layouts.add(key)
+        kwargs["validate"] = key not in state._seen_layouts
+    state._seen_layouts.add(key)
     t0 = time.perf_counter()
     v_sq: List[float] = []
     g_sq: List[float] = []
@@ -196,7 +223,7 @@ def _reduce(state, group, tensor: torch.Tensor, key: Tuple[int, ...], params, la
         # ||g + client_old||^2 = g.g + 2 g.r + r.r (r.r kept from the last step): two read passes,
         # queued on the group's worker thread just before the all-reduce, off the backward thread.
         # The norms stay 0-dim tensors (float64 sums of the fp32 dots, as Python floats would
-        # be) until stats() reads them: on CUDA no host sync per bucket.
+        # be) until stats reads them: on CUDA no host sync per bucket.
         def pre():
             flat = tensor.reshape(-1).float()
             g = v = flat.dot(flat).double()
@@ -253,7 +280,7 @@ def _check_errors(state, group, device) -> None:
     keys = [k for k, d in state.decisions.items() if d.codec in PRECISION[1:]]
 
     def where(k) -> dict:
-        index, numel = state.key_where.get(k, (None, None))
+        index, numel = state._key_where.get(k, (None, None))
         return {"bucket": index, "numel": numel}
 
     state.monitor.check(state.decisions, keys, state.tuner.error_budget, state.step,
@@ -276,7 +303,7 @@ def _revisit(state, group, device) -> None:
     same on every rank): race each raced decision's two candidates again at its bucket's size."""
     state.wait()
     for key, d in list(state.decisions.items()):
-        index, numel = state.key_where.get(key, (None, None))
+        index, numel = state._key_where.get(key, (None, None))
         if not d.raced or numel is None:
             continue
         new = state.tuner.revisit(d, numel, group=group, device=device, key=f"bucket{index}")

@@ -1,6 +1,6 @@
 """The machinery flatcomm's FSDP backends share (FSDP2: :mod:`flatcomm.fsdp`, FSDP1:
 :mod:`flatcomm.fsdp.fsdp1`): :class:`Stats`, the residual storage keyed by parameter name
-(``_Residuals``, on :class:`flatcomm._training.residual_store.Store`), the reduce call with its op scaling, and
+(:mod:`flatcomm.fsdp.residuals`), the reduce call with its op scaling, and
 ``Backend``: codec choice (``auto``), warm-up, ``keep_fp32``, backoff and ``state_dict``. The
 semantics are described in :mod:`flatcomm.fsdp`.
 """
@@ -14,17 +14,15 @@ import torch
 import torch.distributed as dist
 
 from .._training import options as _options
-from .._training import checks as check
 from .. import collectives as C
 from .._training import adapt as _adapt
 from . import adapt as _fadapt
-from .._training.residual_store import Store
 from ..autotune import PRECISION
 from ..ops.codecs import Codec, resolve
+from .residuals import Pieces, Residuals
 
 __all__ = ["Backend", "Done", "Pieces", "Stats", "group_sig", "reduce", "wire_codec"]
 
-Pieces = List[Tuple[str, int]]  # (name, values per rank) in the input's row layout
 _RANK_KEY = re.compile(r"rank(\d+)\.")
 _STEP_KEY = "__step__"  # per-rank warm-up step count in state_dict() (with start_step only)
 _DECISIONS_KEY = "__decisions__"  # per-rank codec="auto" decisions in state_dict() (fsdp_adapt.encode)
@@ -57,96 +55,6 @@ class Stats(C.CommStats):
         for k in ("weights_forward_bytes", "weights_backward_bytes"):
             setattr(self, k, getattr(self, k) + getattr(other, k, 0))
         self.decisions.update(getattr(other, "decisions", {}))
-
-
-# ---- residual storage, keyed by parameter name --------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Group:
-    """One parameter group's residuals: ``buf[r]`` is this rank's residual of rank r's chunk."""
-    buf: torch.Tensor  # [world, values per rank of the group]
-    layout: List[Tuple[Any, int, int]]  # (name, offset, values per rank)
-
-
-class _Residuals:
-    """Flat fp32 residual buffers, one per distinct parameter group (a :class:`flatcomm._training.residual_store.Store`
-    keyed by parameter name), addressable per parameter, plus the model's sizes when known."""
-
-    def __init__(self) -> None:
-        self._store: Store[_Group] = Store()
-        self.templates: Dict[str, int] = {}  # name -> padded unsharded numel (known in advance)
-
-    def view(self, name: str) -> Optional[torch.Tensor]:
-        """This rank's residual of ``name`` as a [world, c] view (None if never seen)."""
-        loc = self._store.locate(name)
-        if loc is None:
-            return None
-        group, off, c = loc
-        return group.buf[:, off:off + c]
-
-    def holds(self, pieces: Pieces) -> bool:
-        """Whether any of these parameters has a residual (placed or loaded)."""
-        names = [n for n, _ in pieces]
-        return self._store.holds(names, names)
-
-    def get(self, pieces: Pieces, world: int, device: torch.device) -> torch.Tensor:
-        key = tuple(n for n, _ in pieces)
-        total = sum(c for _, c in pieces)
-        hit = self._store.get(key)
-        if hit is not None and hit.buf.shape == (world, total) and hit.buf.device == device:
-            return hit.buf.view(-1)
-        buf = torch.zeros(world, total, dtype=torch.float32, device=device)
-        layout, off = [], 0
-        for name, c in pieces:
-            layout.append((name, off, c))
-            off += c
-
-        def move(old: _Group, ooff: int, oc: int, off: int, c: int) -> None:
-            if oc == c and old.buf.shape[0] == world:  # else another world size: nothing carries over
-                buf[:, off:off + c].copy_(old.buf[:, ooff:ooff + oc])
-
-        def load(src: torch.Tensor, name: str, off: int, c: int) -> None:
-            if src.numel() != world * c:
-                raise ValueError(
-                    f"flatcomm: loaded residual for {name!r} has {src.numel()} values but this "
-                    f"run needs {world} x {c} (residuals load at the world size they were saved at)")
-            buf[:, off:off + c].copy_(src.view(world, c))
-
-        self._store.place(key, _Group(buf, layout), move, load, name_of=str)
-        return buf.view(-1)
-
-    def names(self) -> List[str]:
-        return sorted({str(n) for n in self._store.ids()} | set(self._store.pending) | set(self.templates))
-
-    def state_dict(self, prefix: str) -> Dict[str, torch.Tensor]:
-        out = {}
-        for name in self.names():
-            v = self.view(name)
-            if v is not None:
-                t = v.reshape(-1).clone()
-            elif name in self._store.pending:
-                t = self._store.pending[name].clone()
-            else:
-                t = torch.zeros(self.templates[name], dtype=torch.float32)
-            out[prefix + name] = t
-        return out
-
-    def load_state_dict(self, sd: Dict[str, torch.Tensor], prefix: str) -> None:
-        loaded = {}
-        for k, v in sd.items():
-            if not k.startswith(prefix):
-                continue
-            name = k[len(prefix):]
-            n = self.templates.get(name)
-            shape = (n,) if n is not None else tuple(getattr(v, "shape", ()))
-            if n is not None and isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() != n:
-                raise ValueError(f"flatcomm: loaded residual for {name!r} has {v.numel()} values, "
-                                 f"this model needs {n} (same world size required)")
-            loaded[name] = check.residual(name, v, shape).reshape(-1).clone()
-        if self.templates:  # the model is known: every parameter must come back
-            check.keys([n for n in loaded if n in self.templates], self.templates, f"{prefix[:-1]} residuals")
-        self._store.clear(loaded)
 
 
 def _op_scale(op: Any, world: int) -> Tuple[str, Optional[float]]:
@@ -289,7 +197,7 @@ class Backend:
         self._reductions: Dict[Tuple[str, int], int] = {}  # auto key -> reductions so far (backoff)
         self.chunks = chunks
         self.stats = Stats()
-        self._res = _Residuals()
+        self._res = Residuals()
         self._validated: set = set()
 
     def _first_call(self, *signature) -> bool:

@@ -15,7 +15,7 @@ callback calls :func:`flatcomm.ddp.register` on the ``DistributedDataParallel`` 
 pass both on CUDA: DDP refuses a second hook). With ``ModelParallelStrategy`` (FSDP2: the
 LightningModule calls ``fully_shard`` in ``configure_model``) it calls :func:`flatcomm.fsdp.apply`
 on the LightningModule. ``callback.state`` is the :class:`flatcomm.ddp.State` /
-:class:`flatcomm.fsdp.ReduceScatter` (``stats()``, ``decisions``) during and after the fit.
+:class:`flatcomm.fsdp.ReduceScatter` (``stats``, ``decisions``) during and after the fit.
 
 **Checkpoints.** Lightning writes callback state from rank 0 only, and flatcomm's state differs per
 rank, so :meth:`FlatcommCallback.state_dict` gathers every rank's state

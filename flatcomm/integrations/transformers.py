@@ -13,7 +13,7 @@
 ``trainer.model_wrapped``, built before ``on_train_begin``. :func:`register` adds a
 :class:`FlatcommCallback` that knows the trainer, and its ``on_train_begin`` calls
 :func:`flatcomm.ddp.register` on ``trainer.model_wrapped`` (:func:`flatcomm.fsdp.apply` on an FSDP2
-model). ``callback.state`` is the flatcomm state (``stats()``).
+model). ``callback.state`` is the flatcomm state (``stats``).
 
 **Checkpoints.** The Trainer writes its checkpoint folder (``checkpoint-<step>``) from rank 0 and
 ``trainer_state.json`` is JSON, so flatcomm's tensors go to a file of their own in that folder,

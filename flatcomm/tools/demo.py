@@ -123,7 +123,7 @@ def _train(rank: int, world: int, steps: int, log_every: int):
                 print(f"  [{label:17s}] step {step:4d}/{steps}  loss {losses[-1]:.4f}  "
                       f"{time.perf_counter() - t_run:6.1f}s", file=sys.stderr, flush=True)
         if state is not None:
-            st = state.stats()["steps"]
+            st = state.stats["steps"]
             wire = [s["wire_bytes"] for s in st]
         # held-out loss (same batches on every rank; averaged over ranks)
         with torch.no_grad():

@@ -89,7 +89,7 @@ def _measure(step, model, opt, true, m_true, v_true, eps, state) -> dict:
     ratio = (v_c / v_t.clamp_min(1e-30)).sqrt()
     q = torch.quantile(ratio[v_t > 0].float(), torch.tensor([0.1, 0.5, 0.9])).tolist()
     u_c, u_t = m_c / (v_c.sqrt() + eps), m_t / (v_t.sqrt() + eps)
-    st = state.stats()["steps"]
+    st = state.stats["steps"]
     res = st[-1].get("residual_norm", 0.0) if st else 0.0
     return {"step": step,
             "grad_cos": float(torch.nn.functional.cosine_similarity(g_c, g_t, dim=0)),

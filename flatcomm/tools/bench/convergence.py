@@ -61,7 +61,7 @@ import torch.distributed as dist
 DEFAULT_ROWS = ("torch", "fp32", "bf16", "int8", "int4", "sign", "fsdp", "fsdp:grads=int8",
                 "fsdp:grads=int8,weights=int8", "fsdp:grads=int8,weights=int4")
 WORKLOADS = ("lm", "cnn", "mlp_sgd", "lm_recipe")
-TRACK_EVERY = 5  # steps between residual-norm samples (stats() reads are cheap but not free)
+TRACK_EVERY = 5  # steps between residual-norm samples (stats reads are cheap but not free)
 
 
 # ---- rows ------------------------------------------------------------------------------------------
@@ -333,7 +333,7 @@ def _train_one(w: Workload, row: str, rank: int, world: int, seed: int) -> dict:
         val = sum(float(w.loss(model(x), y)) for x, y in w.held_out()) / len(w.held_out())
     out = {"row": row, "codec": name, "options": opts, "val": val, "curve": curve}
     if state is not None:
-        steps = state.stats()["steps"]
+        steps = state.stats["steps"]
         out["residual_norm"] = [s.get("residual_norm", 0.0) for s in steps][::TRACK_EVERY]
         out["rel_error"] = [s.get("rel_error", 0.0) for s in steps][::TRACK_EVERY]
         out["wire_bytes_per_step"] = statistics.fmean(s["wire_bytes"] for s in steps) if steps else 0.0

@@ -107,12 +107,12 @@ def _bench_one(name, rank, world, args):
            "buckets_per_step": len(hook_times) / (args.warmup + args.steps), "final_loss": losses[-1],
            "grads_finite": grads_finite}
     if state is not None:
-        st = state.stats()["steps"][args.warmup:]
+        st = state.stats["steps"][args.warmup:]
         res["wire_bytes"] = statistics.mean(s["wire_bytes"] for s in st)
         res["encode_s"] = statistics.median(s["encode_s"] for s in st)
         res["exchange_s"] = statistics.median(s["exchange_s"] for s in st)
         res["decode_s"] = statistics.median(s["decode_s"] for s in st)
-        full = state.stats()
+        full = state.stats
         if full["decisions"]:  # codec="auto": what it chose per bucket, and the predicted times
             res["decisions"] = [{"codec": d["codec"], "chunks": d["chunks"], "reason": d["reason"],
                                  "predicted_s": d["predicted_s"]} for d in full["decisions"]]

@@ -1,84 +1,18 @@
-"""Reproducible data-parallel training: the same weights, bit for bit, on 1, 2 or 4 ranks.
-
-A fixed global batch per step is split into a fixed number ``M`` of micro-batches. Rank r of W
-processes micro-batches r, r + W, r + 2W, ... (``M`` must be a multiple of W). Each micro-batch
-gradient is turned into int64 fixed point (:func:`flatcomm.to_exact`) on per-block exponents that
-are fixed for the step, the integers are added locally and then across ranks (integer addition is
-associative, so neither the grouping into ranks nor the order matters), and the sum is converted
-back to fp32 once (:func:`flatcomm.from_exact`), divided by ``M`` once and cast to the parameter
-dtype once. The gradient the optimizer sees is therefore a function of the global batch only::
-
-    from flatcomm import reproducible
-
-    reproducible.configure()                       # deterministic kernels, 1 intra-op thread
-    model = Net()                                  # same init on every rank; NOT wrapped in DDP
-    acc = reproducible.ExactGradAccumulator(model, micro_batches=8)
-    for batch in batches:                          # the global batch, the same on every rank
-        for i in acc.micro_batches():              # this rank's share; backward() in the body
-            x, y = batch.micro(i)
-            loss_fn(model(x), y).backward()
-        if acc.stats.applied:                      # False when a gradient was inf/NaN
-            opt.step()                             # p.grad: exact mean over the 8 micro-batches
-        print(acc.stats.step, acc.stats.digest)    # sha256 of the reduced gradient bits
-
-**How the exponents are chosen (and why that is rank-count independent).** The exact sum needs one
-exponent E per block (|v| < 2^E for every contribution) *before* the first contribution is
-converted, and the choice must not depend on which rank saw which micro-batch. Each step uses
-exponents predicted from the previous step: ``E = min(128, max(G_b, G_p - span) + margin)`` where
-``G_b`` is the previous step's largest exponent of block b over *all* micro-batches (a MAX
-all-reduce), ``G_p`` the largest over the block's parameter tensor, ``margin`` (default 4) the
-growth in binades tolerated before a replay and ``span`` (default 0: one exponent per tensor)
-how far below its tensor's maximum a block's exponent may drop. While accumulating, every
-micro-batch's block exponents are compared with E (a cheap integer comparison, so
-:func:`flatcomm.to_exact` never sees a value beyond its bound) and their running MAX is kept. After
-the last local micro-batch one MAX all-reduce of the block exponents (``numel / block`` int32s)
-gives G for this step, identical on every rank and every rank count since it is a max over the
-same micro-batch gradients:
-
-* a block with inf/NaN (``G == NONFINITE_EXPONENT``): the step is skipped on every rank (grads
-  set to ``None`` so ``opt.step()`` does nothing; ``on_nonfinite="raise"`` raises
-  ``FloatingPointError`` naming the parameters, ``"nan"`` fills the grads with NaN for an AMP
-  ``GradScaler`` to see);
-* ``G > E`` somewhere (the gradient grew by more than ``2^margin``, or the very first step, which
-  has no prediction): E becomes ``max(E, G)`` and the iterator replays this rank's micro-batches
-  (the body runs again). No contribution has been committed across ranks yet, and the decision and
-  the new exponents depend only on the global batch, so every rank count replays the same steps
-  with the same exponents;
-* otherwise the SUM all-reduce of the int64 accumulators (issued together with the MAX, so a
-  step costs one round trip; its result is discarded on the rare steps above) is final:
-  ``from_exact``, ``/ M``, cast.
-
-All exponents are thus functions of the global batch history (and this module's state, see
-:meth:`ExactGradAccumulator.state_dict`), never of the rank count. Contributions are rounded to the
-grid ``2^(E - P)`` (P = 62 - headroom = 50 by default): values within ``P - 23 - margin`` binades
-(23 by default) of their tensor's largest gradient of the previous step are exact, smaller ones are
-rounded far below the fp32 resolution of that largest gradient; either way the result is the same
-function of the global batch for every W. The alternatives cost more: storing every micro-batch
-gradient to take the exact max first costs M gradient copies; two backward passes per step double
-the compute on every step, not only on the rare steps whose gradient jumps.
-
-**What the caller must keep identical across rank counts** (the per-micro-batch gradient must be
-the same bits whichever rank computes it): the model's initial weights (seed before building it),
-the micro-batch contents and shapes (fixed global batch, fixed split), the kernels (call
-:func:`configure`: deterministic algorithms and a fixed intra-op thread count), and randomness
-inside the forward (dropout): the iterator seeds the RNG for each micro-batch from
-``(seed, step, micro-batch index)`` and restores it afterwards, so dropout masks do not depend on
-the rank either. Per-rank state updated in forward (BatchNorm running statistics) is not covered.
-"""
+"""The :class:`ExactGradAccumulator` and its :class:`StepStats` (how and why: :mod:`flatcomm.reproducible`)."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import hashlib
-import os
 import time
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from .comm.header import check_consistent
-from .ops.sums import (
+from ..comm.header import check_consistent
+from .layout import GRAD_DTYPES, layout
+from ..ops.sums import (
     DEFAULT_EXACT_BLOCK,
     DEFAULT_HEADROOM,
     NONFINITE_EXPONENT,
@@ -91,51 +25,9 @@ from .ops.sums import (
 # Every finite fp32 value is below 2^128: an exponent above it would only waste grid bits.
 MAX_EXPONENT = 128
 _ON_NONFINITE = ("skip", "raise", "nan")
-_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TO_EXACT_CHUNK = 1 << 20  # about this many values per to_exact call (rounded to whole blocks)
 
-__all__ = ["ExactGradAccumulator", "StepStats", "configure"]
-
-
-def configure(threads: int = 1, *, warn_only: bool = False) -> Dict[str, object]:
-    """Make PyTorch's kernels deterministic, so a micro-batch gradient is the same on every rank.
-
-    Call it first thing in every process (before any CUDA work). It sets:
-
-    * ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (unless already set to ``:4096:8`` or ``:16:8``): cuBLAS
-      picks its split-K reduction from a workspace pool, and without a fixed configuration
-      ``use_deterministic_algorithms`` raises on CUDA matmuls. It is read when cuBLAS creates its
-      handle, hence "before any CUDA work";
-    * ``torch.use_deterministic_algorithms(True, warn_only=warn_only)``: ops with only a
-      nondeterministic kernel (atomic-add scatter and index backward on CUDA, ...) raise instead of
-      silently varying run to run;
-    * ``torch.backends.cudnn.deterministic = True`` and ``cudnn.benchmark = False``: cuDNN must not
-      pick a convolution algorithm by timing (the choice, hence the bits, would vary run to run);
-    * ``torch.set_num_threads(threads)`` (default 1): some CPU kernels split a reduction into one
-      partial sum per thread, so their bits depend on the intra-op thread count, and the default
-      count differs between launches (``torchrun`` sets ``OMP_NUM_THREADS=1`` only when it starts
-      more than one process per node; otherwise torch uses every core). Any fixed count works as
-      long as it is the same for every run that is compared.
-
-    TF32 settings are left alone: they are deterministic; keep them equal across the runs compared.
-    Returns what was set.
-    """
-    if threads < 1:
-        raise ValueError(f"flatcomm.reproducible.configure: threads must be >= 1, got {threads}")
-    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    torch.use_deterministic_algorithms(True, warn_only=warn_only)
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
-    torch.set_num_threads(threads)
-    return {
-        "CUBLAS_WORKSPACE_CONFIG": os.environ["CUBLAS_WORKSPACE_CONFIG"],
-        "deterministic_algorithms": True,
-        "warn_only": warn_only,
-        "cudnn.deterministic": True,
-        "cudnn.benchmark": False,
-        "num_threads": threads,
-    }
+__all__ = ["ExactGradAccumulator", "StepStats"]
 
 
 @dataclasses.dataclass
@@ -153,17 +45,6 @@ class StepStats:
     accumulate_s: float = 0.0      # exponents + to_exact + integer adds
     reduce_s: float = 0.0          # collectives, from_exact, digest
     wire_bytes: int = 0            # bytes this rank put into collectives (payload, not protocol)
-
-
-@dataclasses.dataclass
-class _Group:
-    """Parameters of one dtype: their grads are views of ``flat``, each tensor starting on a block."""
-
-    dtype: torch.dtype
-    params: List[torch.nn.Parameter]
-    offsets: List[int]             # start of each parameter in ``flat``
-    flat: torch.Tensor             # grad storage, numel a multiple of the block
-    start: int                     # position of ``flat`` in the global index space
 
 
 class ExactGradAccumulator:
@@ -229,26 +110,12 @@ class ExactGradAccumulator:
         if len(devices) != 1:
             raise ValueError(f"flatcomm.reproducible: parameters on several devices {sorted(map(str, devices))}")
         self.device = devices.pop()
-        bad = sorted({str(p.dtype) for _, p in named if p.dtype not in _GRAD_DTYPES})
+        bad = sorted({str(p.dtype) for _, p in named if p.dtype not in GRAD_DTYPES})
         if bad:
             raise TypeError(f"flatcomm.reproducible: parameter dtypes must be float32, bfloat16 or float16, got {bad}")
         self.names = [n for n, _ in named]
-        self._groups: List[_Group] = []
-        block_param: List[int] = []
-        start = 0
-        for dtype in _GRAD_DTYPES:
-            idx = [i for i, (_, p) in enumerate(named) if p.dtype == dtype]
-            if not idx:
-                continue
-            offsets, off = [], 0
-            for i in idx:
-                offsets.append(off)
-                nb = -(-named[i][1].numel() // block_size)
-                block_param.extend([i] * nb)
-                off += nb * block_size
-            flat = torch.zeros(off, dtype=dtype, device=self.device)
-            self._groups.append(_Group(dtype, [named[i][1] for i in idx], offsets, flat, start))
-            start += off
+        self._groups, block_param = layout(named, block_size, self.device)
+        start = sum(g.flat.numel() for g in self._groups)
         self.numel = start                      # padded
         nblocks = start // block_size
         self._block_param = torch.tensor(block_param, dtype=torch.int64, device=self.device)
