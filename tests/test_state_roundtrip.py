@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from flatcomm.tools import spawn
-from _support.rank_states import same
+from _support.rank_states import same as same_state
 
 K = 3  # snapshots at steps 0, 1, 2, 3
 
@@ -207,7 +207,7 @@ def _kind(make: Callable[[], Run]) -> dict:
         if opt_state is not None:
             fresh.opt.load_state_dict(opt_state)
         fresh.load(sd)
-        saved_back.append(same(_roundtrip(fresh.save()), sd))
+        saved_back.append(same_state(_roundtrip(fresh.save()), sd))
         for t in range(s, K):
             fresh.step(t)
         same.append(torch.equal(_bits(fresh), final))

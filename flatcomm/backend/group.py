@@ -40,14 +40,14 @@ def _inner_backends(store, rank: int, size: int, timeout: datetime.timedelta, gr
     """(device, backend type, backend) of the inner transports: gloo for CPU, NCCL for CUDA."""
     gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout=timeout)
     gloo.options.global_ranks_in_group = ranks
-    gloo.options.group_name = group_name
+    gloo.options.group_name = group_name  # type: ignore[assignment]  # (a str at run time)
     gloo._set_sequence_number_for_group()
-    out = [(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)]
+    out: list = [(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)]
     if torch.cuda.is_available() and dist.is_nccl_available():
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         opts.global_ranks_in_group = ranks
-        opts.group_name = group_name
+        opts.group_name = group_name  # type: ignore[assignment]
         nccl = dist.ProcessGroupNCCL(PrefixStore("nccl/", store), rank, size, opts)
         out.append((torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl))
     return out
@@ -59,7 +59,7 @@ class FlatcommGroup(dist.ProcessGroup):
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, group_name: str = "",
                  ranks: Optional[List[int]] = None):
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # (torch's stub lists only the store form)
         self._timeout = timeout
         for device, kind, backend in _inner_backends(store, rank, size, timeout, group_name,
                                                      ranks if ranks is not None else list(range(size))):

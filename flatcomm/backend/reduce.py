@@ -57,7 +57,7 @@ def _staged(tensors: Sequence[torch.Tensor], factor) -> torch.Tensor:
     return buf
 
 
-def _copy_back(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+def _copy_back(pairs: List[Tuple[List[torch.Tensor], torch.Tensor]]) -> Callable[[], None]:
     def finish():
         for dst, flat in pairs:
             off = 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 from ..collectives import MODES
 from ..comm.topology import Topology
@@ -75,7 +75,7 @@ def configure(group=None, *, mode: Optional[str] = None, codec: Optional[str] = 
     on every rank: the call header compares mode and codec). Returns the group's new settings."""
     with _lock:
         old = _lookup(group)
-        changes = {k: v for k, v in dict(mode=mode, codec=codec, topology=topology, local_size=local_size).items()
+        changes: Dict[str, Any] = {k: v for k, v in dict(mode=mode, codec=codec, topology=topology, local_size=local_size).items()
                    if v is not None}
         new = dataclasses.replace(old, **changes)
         _by_group[id(group)] = (group, new)

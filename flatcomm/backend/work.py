@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 import threading
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ class ReductionWork(dist.Work):
             try:
                 errors = [h.exception() for h in self._handles if h.exception() is not None]
                 if errors:
-                    raise errors[0]
+                    raise cast(BaseException, errors[0])
                 if self._finish is not None:
                     self._finish()
             except BaseException as e:  # noqa: BLE001 - the waiter re-raises it

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -190,7 +190,7 @@ def _read(state, sd, allow_codec_change: bool, as_rank: Optional[int] = None) ->
     decisions: Optional[dict] = _decisions(params, saved_decisions)  # checked whether or not this State uses them
     if not (state.auto and not changed and form == "per_rank"):
         decisions = None
-    elif not state.backend_allowed and any(d.codec == BACKEND for d in decisions.values()):
+    elif decisions is not None and not state.backend_allowed and any(d.codec == BACKEND for d in decisions.values()):
         if not allow_codec_change:
             raise ValueError("flatcomm: this DDP state was saved by codec='auto' without a mode, which handed "
                              "buckets to the backend's own all-reduce; this State asked for determinism (mode="
@@ -224,7 +224,7 @@ def _scale_seen(v) -> Optional[float]:
     return float(v)
 
 
-def _buckets(saved: list, client: Dict[str, torch.Tensor]) -> List[List[str]]:
+def _buckets(saved: list, client: Mapping[str, Optional[torch.Tensor]]) -> List[List[str]]:
     """The saved bucket layout: lists of parameter names, each name once and holding residuals."""
     placed: set = set()
     out = []

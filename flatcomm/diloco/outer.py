@@ -64,8 +64,8 @@ class Config:
 
 
 def _number(v: Any, what: str, lo: float, hi: float, hi_open: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < lo or v > hi \
-            or (hi_open and v == hi):
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or float(v) < lo \
+            or float(v) > hi or (hi_open and float(v) == hi):
         raise ValueError(f"flatcomm.diloco: {what} must be a finite number in [{lo}, {hi}{')' if hi_open else ']'}, "
                          f"got {v!r}")
     return float(v)
@@ -167,6 +167,7 @@ class DiLoCo:
 
     def _apply(self) -> None:
         p, cfg = self.pending, self.config
+        assert p is not None  # (called only with a sync pending)
         f, st = self.fragments[p.fragment], self.fragment_stats[p.fragment]
         try:
             delta = p.wait(cfg.plan.world).to(f.state_device)

@@ -9,7 +9,7 @@ model) all raise naming them. :func:`master_hash` is the 64-bit hash ``verify_ev
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, List, Sequence, TypeVar
+from typing import Callable, List, Sequence, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ def agree(group, device: torch.device, checks: Callable[[], T], fingerprint: Cal
     """``checks()``'s result on every replica, or the same error on every replica: a check that
     raised on some replica, or fingerprints that differ (``what`` names the compared thing)."""
     private = C.private_group(group)
-    result = in_step(private, _ALL_GATHER, False, checks)
+    result = cast(T, in_step(private, _ALL_GATHER, False, checks))  # synchronous: never a Handle
     values = _gather64(fingerprint(result), group, device)
     differing(values, what)
     return result

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Dict, Optional, Union, overload
+from typing import Any, Dict, Optional, Union, overload
 
 import torch
 
@@ -49,7 +49,7 @@ class CodecFacts:
 # at the block's mean magnitude: sqrt(1 - 2/pi)); only codecs with one are candidates of
 # codec="auto" and the backoffs. weights: the decoded weights stay usable (sign and topk would
 # replace them).
-_POLICY = {
+_POLICY: Dict[str, Dict[str, Any]] = {
     "fp32": {"nominal_rel_error": 0.0, "weights": True},
     "bf16": {"nominal_rel_error": 0.0023, "weights": True},
     "fp16": {"nominal_rel_error": None, "weights": True},
@@ -78,9 +78,9 @@ TABLE = _table()
 CODECS = tuple(TABLE)
 BLOCKWISE = tuple(c for c, f in TABLE.items() if f.kind in ("scaled_int", "scaled_sign"))  # one scale per block
 # The codecs the auto-tuner and the backoffs choose from, most precise first.
-PRECISION = tuple(sorted((c for c, f in TABLE.items() if f.nominal_rel_error is not None),
-                         key=lambda c: TABLE[c].nominal_rel_error))
-NOMINAL_REL_ERROR = {c: TABLE[c].nominal_rel_error for c in PRECISION}
+_ERRORS: Dict[str, float] = {c: f.nominal_rel_error for c, f in TABLE.items() if f.nominal_rel_error is not None}
+PRECISION = tuple(sorted(_ERRORS, key=_ERRORS.__getitem__))
+NOMINAL_REL_ERROR = {c: _ERRORS[c] for c in PRECISION}
 WEIGHT_CODECS = tuple(c for c, f in TABLE.items() if f.weights)  # fsdp.weights
 STOCHASTIC = tuple(c for c, f in TABLE.items() if f.stochastic)
 # Shards of a non-blockwise codec start on multiples of this many values (16-byte payload pieces).
