@@ -271,6 +271,21 @@ class LMDiLoCo(LMRecipe):
 WORKLOAD_CLASSES = {c.name: c for c in (LM, CNN, MLPSGD, LMRecipe, LMDiLoCo)}
 
 
+def record_loss(curve: List[float], loss: torch.Tensor, world: int) -> bool:
+    """Append the step's loss averaged over the ranks; False once it is no longer finite."""
+    lt = loss.detach().reshape(1)
+    dist.all_reduce(lt)
+    curve.append(lt.item() / world)
+    return math.isfinite(curve[-1])
+
+
+def held_out_loss(w: "Workload", model: torch.nn.Module) -> float:
+    """The mean loss on the workload's held-out batches (the same data on every rank)."""
+    model.eval()
+    with torch.no_grad():
+        return sum(float(w.loss(model(x), y)) for x, y in w.held_out()) / len(w.held_out())
+
+
 def forward_backward(w: Workload, model, step: int, rank: int, pause_sync) -> torch.Tensor:
     """Forward and backward over the step's micro-batches, the gradient sync only after the last
     (``pause_sync()``: a context without it); the mean loss."""
@@ -323,14 +338,9 @@ def _train_one(w: Workload, row: str, rank: int, world: int, seed: int) -> dict:
             onebit_warm += not compressing
         if sched is not None:
             sched.step()
-        lt = loss.detach().reshape(1)
-        dist.all_reduce(lt)
-        curve.append(lt.item() / world)
-        if not math.isfinite(curve[-1]):
+        if not record_loss(curve, loss, world):
             break
-    model.eval()
-    with torch.no_grad():  # the same held-out data on every rank; the weights are equal everywhere
-        val = sum(float(w.loss(model(x), y)) for x, y in w.held_out()) / len(w.held_out())
+    val = held_out_loss(w, model)  # the weights are equal on every rank
     out = {"row": row, "codec": name, "options": opts, "val": val, "curve": curve}
     if state is not None:
         steps = state.stats["steps"]

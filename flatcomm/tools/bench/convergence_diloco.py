@@ -13,13 +13,11 @@ weights of the last sync, the same on every replica.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Dict, List
 
 import torch
-import torch.distributed as dist
 
-from .convergence import Workload, forward_backward, parse_row
+from .convergence import Workload, forward_backward, held_out_loss, parse_row, record_loss
 
 OPTIONS = ("codec", "H", "ef", "fragments", "delay", "outer_lr")
 
@@ -56,15 +54,10 @@ def train_diloco(w: Workload, row: str, rank: int, world: int, seed: int) -> dic
         opt.step()  # DiLoCo's hook: the outer sync every H steps
         if sched is not None:
             sched.step()
-        lt = loss.detach().reshape(1)
-        dist.all_reduce(lt)
-        curve.append(lt.item() / world)
-        if not math.isfinite(curve[-1]):
+        if not record_loss(curve, loss, world):
             break
     outer.verify()  # the replicas' masters are the same bits
-    model.eval()
-    with torch.no_grad():
-        val = sum(float(w.loss(model(x), y)) for x, y in w.held_out()) / len(w.held_out())
+    val = held_out_loss(w, model)
     st = outer.stats
     return {"row": row, "codec": f"diloco {opts.get('codec', 'int4')}", "options": opts, "val": val, "curve": curve,
             "params": sum(p.numel() for p in model.parameters()),
