@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from flatcomm.tools import spawn
-from _support.rank_states import ddp_trained, fresh_ddp, model, same
+from _support.rank_states import ddp_trained, fresh_ddp, fsdp_model, fsdp_trained, same
 
 
 def _nonzero(sd) -> bool:
@@ -84,18 +84,7 @@ def _w_ddp_fsdp(rank, world, tmp):
     assert same(rank_states.gathered_state_dict(state)["ranks"][rank], own)
 
     # FSDP2: rank-keyed residuals, same world size only
-    from torch.distributed.fsdp import fully_shard
-
-    def fsdp_model():
-        m = model()
-        fully_shard(m[0])
-        fully_shard(m)
-        return m
-    m = fsdp_model()
-    rs = flatcomm.fsdp.apply(m, "int8")
-    g = torch.Generator().manual_seed(7 + rank)
-    for _ in range(2):
-        m(torch.randn(5, 7, generator=g)).square().mean().backward()
+    _, rs = fsdp_trained(rank)
     fs_own = rs.state_dict()
     assert any(bool(t.any()) for t in fs_own.values())
     fs_gathered = rank_states.gathered_state_dict(rs)

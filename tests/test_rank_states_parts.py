@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flatcomm.tools import spawn
-from _support.rank_states import ddp_trained, fresh_ddp, model, same
+from _support.rank_states import ddp_trained, fresh_ddp, fsdp_model, fsdp_trained, same
 
 
 def _ddp_cases(g: dict) -> dict:
@@ -62,7 +62,6 @@ def _try(state, bad) -> dict:
 
 def _w(rank, world):
     import flatcomm.fsdp
-    from torch.distributed.fsdp import fully_shard
 
     from flatcomm import rank_states
 
@@ -74,16 +73,7 @@ def _w(rank, world):
     assert same(state.state_dict(), trained.state_dict())
     out["ddp"] = {name: _try(state, bad) for name, bad in _ddp_cases(g).items()}
 
-    def fsdp_model():
-        m = model()
-        fully_shard(m[0])
-        fully_shard(m)
-        return m
-    m = fsdp_model()
-    rs = flatcomm.fsdp.apply(m, "int8")
-    gen = torch.Generator().manual_seed(7 + rank)
-    for _ in range(2):
-        m(torch.randn(5, 7, generator=gen)).square().mean().backward()
+    _, rs = fsdp_trained(rank)
     fg = rank_states.gathered_state_dict(rs)
     rs2 = flatcomm.fsdp.apply(fsdp_model(), "int8")
     rank_states.load_gathered_state_dict(rs2, fg)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ddp_trained", "fresh_ddp", "model", "same"]
+__all__ = ["ddp_trained", "fresh_ddp", "fsdp_model", "fsdp_trained", "model", "same"]
 
 
 def model():
@@ -39,3 +39,25 @@ def same(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def fsdp_model():
+    """model() under FSDP2: its first layer and the whole as two FSDP modules."""
+    from torch.distributed.fsdp import fully_shard
+
+    m = model()
+    fully_shard(m[0])
+    fully_shard(m)
+    return m
+
+
+def fsdp_trained(rank, steps=2):
+    """An FSDP2 model with an int8 flatcomm.fsdp state, trained ``steps`` steps: (model, state)."""
+    import flatcomm.fsdp
+
+    m = fsdp_model()
+    rs = flatcomm.fsdp.apply(m, "int8")
+    g = torch.Generator().manual_seed(7 + rank)
+    for _ in range(steps):
+        m(torch.randn(5, 7, generator=g)).square().mean().backward()
+    return m, rs
