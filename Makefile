@@ -35,21 +35,25 @@ build: $(EXT)
 demo: build
 	$(PY) -m flatcomm.demo
 
-test: test-cpp test-py typecheck
+# The C++ tests and mypy are mostly one thread each: they share the two cores, then pytest runs.
+test: build
+	$(MAKE) --no-print-directory -j2 test-cpp typecheck
+	$(MAKE) --no-print-directory test-py
 
 test-cpp:
 	cmake -S . -B build-cmake -DFLATCOMM_CUDA=OFF -DCMAKE_BUILD_TYPE=Release > /dev/null
 	cmake --build build-cmake -j2
-	ctest --test-dir build-cmake --output-on-failure
+	ctest --test-dir build-cmake --output-on-failure -j2
 
-# Everything, with the 20 slowest tests listed (where the time goes).
+# Everything, with the 20 slowest tests listed (where the time goes). tests/test_nvrtc.py (CUDA
+# source compiled by NVRTC, ~35 s) runs in `make cuda-check`, with the CUDA compile checks.
 test-py: build
-	$(PY) -m pytest tests --durations=20
+	$(PY) -m pytest tests --durations=20 --ignore=tests/test_nvrtc.py
 
 # The loop while editing (about 3 minutes on 2 cores): the single-process tests and a few multi-rank
 # smoke tests (markers: pyproject.toml). `make test` still runs everything.
 test-fast: build
-	$(PY) -m pytest tests -m "not multiprocess and not slow or smoke" --durations=10
+	$(PY) -m pytest tests -m "not multiprocess and not slow or smoke" --durations=10 --ignore=tests/test_nvrtc.py
 
 typecheck: $(DEPS)
 	$(PY) -m mypy flatcomm

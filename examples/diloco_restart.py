@@ -7,7 +7,8 @@ Every rank is a replica (Streaming DiLoCo: ``sync_every=8, fragments=2, fragment
 int4 with error feedback, AdamW inside). At each ``--save-at`` step every rank writes its own
 checkpoint (model, inner optimizer, ``DiLoCo.state_dict()``: a sync in flight is drained into it),
 then rank 0 marks the step complete. ``--crash-at S`` kills rank 1 (SIGKILL) at step S of the
-first attempt; torchrun restarts both, they resume from the last complete checkpoint. Rank 0
+first attempt (``--crash-at 6,7,9``: attempt k dies at the k-th step listed; give torchrun as many
+restarts); torchrun restarts both, they resume from the last complete checkpoint. Rank 0
 saves the final weights and fp32 masters to ``--out``/weights.pt. CPU, gloo.
 """
 from __future__ import annotations
@@ -50,7 +51,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--save-at", default="5,7,8", help="steps after which to checkpoint")
     ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--crash-at", type=int, default=-1, help="rank 1 dies at this step, first attempt only")
+    ap.add_argument("--crash-at", default="", help="rank 1 dies at this step of the first attempt "
+                    "(a list: attempt k at the k-th step)")
     ap.add_argument("--out")
     ap.add_argument("--timeout", type=float, default=30.0)
     args = ap.parse_args()
@@ -70,10 +72,14 @@ def main() -> None:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         outer.load_state_dict(ckpt["diloco"])
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if rank == 0:
+        print(f"diloco: resumed at step {start}", flush=True)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    crashes = [int(s) for s in args.crash_at.split(",") if s]
+    crash_at = crashes[attempt] if attempt < len(crashes) else -1
     save_at = {int(s) for s in args.save_at.split(",") if s}
     for t in range(start, args.steps):
-        if t == args.crash_at and rank == 1 and first_attempt:
+        if t == crash_at and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         step(model, opt, t, rank)
         if t + 1 in save_at:
@@ -88,7 +94,7 @@ def main() -> None:
                     f.write(str(t + 1))
                 os.replace(latest + ".tmp", latest)
     if rank == 0:
-        print(f"diloco: resumed at step {start}, {outer.syncs} syncs", flush=True)
+        print(f"diloco: {outer.syncs} syncs since step {start}", flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             torch.save({"weights": [p.detach() for p in model.parameters()],

@@ -3,6 +3,7 @@
 exist."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,28 +24,38 @@ def test_spawning_functions_follow_the_call_graph():
         "def test_single():\n    assert 1\n"
         "def test_link():\n    with Link(2, '1gbit') as link:\n        pass\n"
         "def test_cli():\n    subprocess.run([sys.executable, '-m', \"flatcomm.bench\", 'ddp'])\n"
+        "def test_torchrun():\n    subprocess.run(['torchrun', '--standalone', 'train.py'])\n"
     )
     found = markers.spawning_functions(src)
-    assert found == {"_results", "ranks", "any_world", "test_b", "test_link", "test_cli"}
+    assert found == {"_results", "ranks", "any_world", "test_b", "test_link", "test_cli", "test_torchrun"}
     # A module that starts nothing has no spawning functions, getfixturevalue or not.
     assert markers.spawning_functions("def f(request):\n    request.getfixturevalue('x')\n") == set()
 
 
-def _collected(*args: str) -> set:
+def _collected(*args: str) -> dict:
+    """{"KEPT"/"DROPPED": {node id: markers}} of one ``--collect-only`` run (tests/_support/collected.py)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     p = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "--collect-only", "-p", "no:cacheprovider",
-                        *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+                        "-p", "_support.collected", *args],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return {line.strip() for line in p.stdout.splitlines() if "::" in line}
+    out: dict = {"KEPT": {}, "DROPPED": {}}
+    for line in p.stdout.splitlines():
+        tag, _, rest = line.partition(" ")
+        if tag in out:
+            node, _, marks = rest.rpartition(" ")
+            out[tag][node] = set(marks.split(",")) - {""}
+    return out
 
 
 def test_the_fast_loop_keeps_the_smoke_set_and_drops_the_spawning_tests():
     files = ["tests/test_ddp.py", "tests/test_collectives.py", "tests/test_encode_decode.py"]
-    everything = _collected(*files)
-    fast = _collected(*files, "-m", "not multiprocess and not slow or smoke")
-    smoke = _collected(*files, "-m", "smoke")
-    dropped = everything - fast
-    assert smoke and smoke <= fast and dropped
+    got = _collected(*files, "-m", "not multiprocess and not slow or smoke")  # make test-fast's selection
+    fast, dropped = set(got["KEPT"]), set(got["DROPPED"])
+    everything = fast | dropped
+    smoke = {t for t, marks in got["KEPT"].items() if "smoke" in marks}
+    assert smoke and dropped and not smoke & dropped
+    assert all("multiprocess" in got["DROPPED"][t] for t in dropped)
     assert all(t.startswith(("tests/test_ddp.py", "tests/test_collectives.py")) for t in dropped)
     assert {t for t in everything if t.startswith("tests/test_encode_decode.py")} <= fast
     assert "tests/test_ddp.py::test_fp32_matches_float64_average_and_is_bitwise_reproducible[2]" in smoke

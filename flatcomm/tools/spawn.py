@@ -2,6 +2,11 @@
 
 Each rank runs ``fn(rank, world, *args)``; the return values come back as a list in rank order and
 an exception on any rank is re-raised in the parent with that rank's traceback.
+
+Ranks are forked from one forkserver that has imported torch and flatcomm once: a rank starts in
+~0.1 s instead of the 2-4 s a fresh interpreter takes to import torch on a small machine (the test
+suite starts a few hundred ranks). Each rank gets the caller's environment as it is at the call, as
+a fresh interpreter would.
 """
 from __future__ import annotations
 
@@ -19,10 +24,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, world, init_file, timeout_s, threads, fn, args, queue, backend="gloo"):
-    import torch
+_PRELOAD = ["torch", "torch.distributed", "flatcomm", "flatcomm.tools.spawn"]
+_context = None
 
+
+def _forkserver():
+    """The one forkserver context of this process, preloading torch and flatcomm."""
+    global _context
+    if _context is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        _context = ctx
+    return _context
+
+
+def _entry(rank, world, init_file, timeout_s, threads, fn, args, queue, backend="gloo", env=None):
     try:
+        if env is not None:  # the caller's environment now, not the forkserver's at its start
+            os.environ.clear()
+            os.environ.update(env)
         torch.set_num_threads(threads)
         if "flatcomm" in backend:
             import flatcomm.backend  # noqa: F401 - registers the backend
@@ -46,11 +66,12 @@ def run(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0
     ``timeout_s``: the process group's timeout; ``run_s``: how long the whole run may take
     (default ``timeout_s`` + 60 s); ``backend``: of the default group (``"flatcomm"``: the
     backend of :mod:`flatcomm.backend`)."""
-    ctx = mp.get_context("spawn")
+    ctx = _forkserver()
     queue = ctx.Queue()
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_entry, args=(r, world, init_file, timeout_s, threads, fn, args, queue, backend))
+        procs = [ctx.Process(target=_entry, args=(r, world, init_file, timeout_s, threads, fn, args, queue, backend, env))
                  for r in range(world)]
         for p in procs:
             p.start()

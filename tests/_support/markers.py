@@ -6,7 +6,7 @@ import ast
 # Source that starts processes: gloo ranks (flatcomm.tools.spawn), torchrun, network namespaces, the
 # hardening runs, and the command-line tools that start ranks run as subprocesses (as ast.unparse
 # writes them: single quotes).
-_STARTS_PROCESSES = ("spawn.run(", "TORCHRUN", "Link(", "hardening.fuzz(", "hardening.kills(",
+_STARTS_PROCESSES = ("spawn.run(", "TORCHRUN", "'torchrun'", "'torch.distributed.run'", "Link(", "hardening.fuzz(", "hardening.kills(",
                      "'flatcomm.bench'", "'flatcomm.tune'")
 
 
