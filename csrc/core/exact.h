@@ -116,6 +116,37 @@ FC_HD int64_t to_fixed_in_block(float v, int64_t offset) {
 
 // from_fixed's scaling steps for a block: f * s1 * s2 * s3 with s1, s2 in {1, 2^-126}, the same
 // products in the same order as from_fixed's loops (multiplying by 1 changes no bits).
+// to_fixed_in_block by float arithmetic, for a value within its block's bound (|v| < 2^E, as
+// every value of a block whose E is the max over its rows): v * 2^(P - E) is exact (a power-of-two
+// scaling whose result is below 2^P, or so small that it rounds to 0 either way), and rounding it
+// to the nearest integer, ties to even, is to_fixed's shift-and-round. A multiply or two and a
+// convert: it vectorises where the integer form does not (exact_sum: 163 -> ~30 ms for 2 x 12.5M
+// values, one AVX-512 thread).
+struct ToFixedScale {
+  float a, b;
+};
+
+FC_HD ToFixedScale to_fixed_scale(int32_t E, int32_t precision) {
+  int32_t k = precision - E;  // in [-129, 210] for the exponents a finite block can have
+  ToFixedScale s{1.0f, 1.0f};
+  if (k > 127) { s.a = pow2_float(127); k -= 127; }
+  if (k < -126) { s.a = pow2_float(-126); k += 126; }
+  s.b = pow2_float(k);
+  return s;
+}
+
+FC_HD float rint_(float y) {  // to the nearest integer, ties to even (the default rounding mode)
+#if defined(__CUDA_ARCH__)
+  return rintf(y);
+#else
+  return __builtin_rintf(y);
+#endif
+}
+
+FC_HD int64_t to_fixed_scaled(float v, const ToFixedScale& s) {
+  return static_cast<int64_t>(rint_((v * s.a) * s.b));
+}
+
 struct FixedScale {
   float s1, s2, s3;
 };

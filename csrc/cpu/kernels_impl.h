@@ -466,11 +466,11 @@ static void exact_sum_t(const ExactArgs& a, int64_t i0, int64_t i1) {
     if (a.exponents) a.exponents[i / a.block] = E;
     for (int64_t j = i; j < e; ++j) acc[j - i] = 0;
     if (!exp_is_special(E)) {
-      const int64_t off = fixed_shift_offset(E, a.precision);
+      const ToFixedScale sc = to_fixed_scale(E, a.precision);  // every value is below the block's max
       for (int64_t r = 0; r < a.rows; ++r)
         for (int64_t j = i; j < e; ++j)  // wrapping unsigned adds: the bits of the int64 sum
           acc[j - i] = static_cast<int64_t>(static_cast<uint64_t>(acc[j - i]) +
-                                            static_cast<uint64_t>(to_fixed_in_block(Elem<DT>::load(x[r * a.row_stride + j]), off)));
+                                            static_cast<uint64_t>(to_fixed_scaled(Elem<DT>::load(x[r * a.row_stride + j]), sc)));
     }
     from_fixed_block(acc, e - i, E, a.precision, a.out + i);
   }

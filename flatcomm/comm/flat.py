@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import args, exact, groups, worker
+from . import args, exact, groups, p2p, worker
 from .args import ErrorFeedback
 from . import pipeline
 from .header import KIND_IDS
@@ -176,8 +176,9 @@ def _ordered_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, chunks: int
     # bf16/fp16 data: the output rounds the fp32 sum; what that drops is kept, in the server
     # residual of the shard's owner (the next step adds it once), as a lossy codec keeps its error.
     keeps_rounding = residual is not None and c.lossless and flat.dtype != torch.float32
-    if zero_copy(c, flat.dtype, p, chunks, client, gathers=True):
-        _raw_all_reduce(pipe, flat, p, c, scale)
+    on_cpu = p2p.used_for(flat)
+    if zero_copy(c, flat.dtype, p, chunks, client, gathers=True, on_cpu=on_cpu):
+        (_raw_all_reduce_p2p(pipe, flat, p, c, scale, chunks) if on_cpu else _raw_all_reduce(pipe, flat, p, c, scale))
         return
 
     def send(j):
@@ -200,6 +201,12 @@ def _ordered_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, chunks: int
         pipe.timed("decode_s", lambda: reencode_sum(rows, c, b - a, scale=scale, residual=r, out=send_buf[:nbytes]))
         if keeps_rounding:  # (the fp32 payload is the sum itself)
             rounding_into(send_buf[:nbytes].view(torch.float32), flat.dtype, residual.server[a:b])
+        if on_cpu:  # each piece at its own size, as the zero-copy path of a peer sends it
+            recv = pipe.empty(world * width, torch.uint8, flat.device)
+            rows_out = recv.view(world, width)
+            outs = [rows_out[d, :c.wire_bytes(y - x)] for d, (x, y) in enumerate(p.piece(d, j) for d in range(world))]
+            outs[me].copy_(send_buf[:nbytes])
+            return pipe.gather_pieces(send_buf[:nbytes], outs), recv
         return pipe.all_gather(send_buf, world)
 
     def finish(j, state):
@@ -218,6 +225,27 @@ def _ordered_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, chunks: int
     pipe.run(chunks, send, reduce, finish)
 
 
+def _raw_all_reduce_p2p(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale: float, chunks: int) -> None:
+    """Lossless all-reduce on point-to-point transfers (CPU), chunk by chunk, without staging:
+    each destination's piece of ``flat`` is sent as it is, the sum lands in this rank's own
+    piece (its values were copied into the receive rows when the exchange was posted) and the
+    peers' pieces gather in place."""
+    me, world = p.rank, p.world
+
+    def send(j):
+        a, b = p.piece(me, j)
+        return pipe.all_to_all_pieces([flat[slice(*p.piece(d, j))] for d in range(world)], b - a, world)
+
+    def reduce(j, state):
+        work, recv = state
+        pipe.wait(work)
+        a, b = p.piece(me, j)
+        pipe.decode_sum_to(recv.view(torch.uint8).view(world, -1), world, c, b - a, scale, flat[a:b])
+        return pipe.gather_pieces(flat[a:b], [flat[slice(*p.piece(d, j))] for d in range(world)])
+
+    pipe.run(chunks, send, reduce, lambda j, work: pipe.wait(work))
+
+
 def rounding_into(total: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> None:
     """``out = total - dtype(total)`` (exact in fp32), 0 where the rounding overflows (an inf
     output is the overflow's signal; the residual stays finite)."""
@@ -232,13 +260,13 @@ def _raw_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale
     me, world = p.rank, p.world
     sizes = [p.bounds[d + 1] - p.bounds[d] for d in range(world)]
     width = max(sizes)
+    pipe.stats.wire_bytes += width * flat.element_size() * (world - 1)
     send_buf = pipe.empty(width, flat.dtype, flat.device)  # padding past this shard is never read
     _raw_reduce(pipe, flat, p, c, scale, send_buf[:sizes[me]])
     # The all-to-all has completed, so flat may be overwritten: gather straight into it, in pieces
     # (gloo's all-gather slows down on large single calls: docs/benchmarks.md, Collectives).
     # zero_copy keeps it to one piece, and one gather even of nothing: the staged path of a peer
     # holding a residual makes exactly that exchange.
-    pipe.stats.wire_bytes += width * flat.element_size() * (world - 1)
     step = max(1, pipeline.GATHER_PIECE_BYTES // (world * flat.element_size()))
     for off in range(0, max(width, 1), step):
         m = min(step, width - off)

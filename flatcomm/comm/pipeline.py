@@ -11,7 +11,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import groups, header
+from . import groups, header, p2p
 from ..ops.codecs import Codec, decode_sum, encode
 
 __all__ = ["CHUNK_TARGET_BYTES", "CommStats", "GATHER_PIECE_BYTES", "MAX_AUTO_CHUNKS", "MIN_PIPELINE_BYTES",
@@ -95,7 +95,8 @@ def plan(bounds: List[int], chunks: int, align: int, rank: int) -> Plan:
     return Plan(world, rank, bounds, cbs)
 
 
-def zero_copy(codec: Codec, dtype: torch.dtype, p: Plan, chunks: int, residual, gathers: bool = False) -> bool:
+def zero_copy(codec: Codec, dtype: torch.dtype, p: Plan, chunks: int, residual, gathers: bool = False,
+              on_cpu: bool = False) -> bool:
     """Send and receive without staging: one chunk, raw payload, no error feedback (a residual
     would change what is sent), and every piece a whole payload (16-byte multiple), so the
     received rows are valid payload rows for the fused decode-sum.
@@ -103,11 +104,18 @@ def zero_copy(codec: Codec, dtype: torch.dtype, p: Plan, chunks: int, residual, 
     Whether a rank holds a residual may differ between ranks (a checkpoint restores only nonzero
     ones), so both paths must make the same exchanges with the same sizes: one all-to-all and, for
     an all-reduce (``gathers``), one all-gather of the widest shard, which the zero-copy path does
-    only while that gather fits one piece of :data:`GATHER_PIECE_BYTES`."""
-    if chunks != 1 or residual is not None or not sends_raw(codec, dtype, "ordered"):
+    only while that gather fits one piece of :data:`GATHER_PIECE_BYTES`. ``on_cpu`` (an all-reduce
+    on point-to-point transfers, :mod:`flatcomm.comm.p2p`): any size and chunk count, every piece
+    sent and gathered at its own size, on the staged path too."""
+    if residual is not None or not sends_raw(codec, dtype, "ordered"):
+        return False
+    if gathers and on_cpu:  # any chunk count: every piece goes as it is, point to point
+        return all((b - a) * dtype.itemsize % 16 == 0
+                   for d in range(p.world) for a, b in (p.piece(d, j) for j in range(chunks)))
+    if chunks != 1:
         return False
     sizes = [p.bounds[d + 1] - p.bounds[d] for d in range(p.world)]
-    if gathers and max(sizes) * dtype.itemsize * p.world > GATHER_PIECE_BYTES:
+    if gathers and not on_cpu and max(sizes) * dtype.itemsize * p.world > GATHER_PIECE_BYTES:
         return False
     return all(n * dtype.itemsize % 16 == 0 for n in sizes)
 
@@ -175,6 +183,7 @@ class Pipeline:
         self.stats = stats if stats is not None else CommStats()
         self.pool = _pools.setdefault(id(group) if group is not None else None, BufferPool())
         self.taken: List[torch.Tensor] = []
+        self.tags = 0  # of this call's point-to-point exchanges (flatcomm.comm.p2p)
         self.header: Optional[header.CallHeader] = None
         if groups.exchanges(group):
             where = header.header_device(group, device, validate)
@@ -221,6 +230,10 @@ class Pipeline:
         if work is not None:
             self.timed("exchange_s", work.wait)
 
+    def next_tag(self) -> int:
+        self.tags += 1
+        return self.tags
+
     def all_to_all(self, send: torch.Tensor, send_sizes: List[int], recv_row: int, world: int):
         self.checked()
         recv = self.empty(world * recv_row, send.dtype, send.device)
@@ -228,9 +241,23 @@ class Pipeline:
         if not groups.exchanges(self.group):
             recv.copy_(send)
             return None, recv
+        if p2p.used_for(send):
+            pieces = list(torch.split(send, send_sizes))
+            return p2p.all_to_all(self.group, pieces, recv, recv_row, self.next_tag()), recv
         work = dist.all_to_all_single(recv, send, [recv_row] * world, send_sizes, group=self.group,
                                       async_op=True)
         return work, recv
+
+    def all_to_all_pieces(self, pieces: List[torch.Tensor], recv_row: int, world: int):
+        """:meth:`all_to_all` of ``pieces[d]`` to rank d: sent as they are on CPU, else staged."""
+        if p2p.used_for(pieces[0]) and groups.exchanges(self.group):
+            self.checked()
+            recv = self.empty(world * recv_row, pieces[0].dtype, pieces[0].device)
+            me = dist.get_rank(self.group)
+            self.stats.wire_bytes += sum(t.numel() for d, t in enumerate(pieces) if d != me) * pieces[0].element_size()
+            return p2p.all_to_all(self.group, pieces, recv, recv_row, self.next_tag()), recv
+        buf = self.timed("encode_s", lambda: torch.cat(pieces))
+        return self.all_to_all(buf, [t.numel() for t in pieces], recv_row, world)
 
     def all_gather(self, send: torch.Tensor, world: int):
         self.checked()
@@ -239,7 +266,20 @@ class Pipeline:
         if not groups.exchanges(self.group):
             recv.copy_(send)
             return None, recv
+        if p2p.used_for(send):
+            n, me = send.numel(), dist.get_rank(self.group)
+            outs = [recv[r * n:(r + 1) * n] for r in range(world)]
+            outs[me].copy_(send)
+            return p2p.all_gather(self.group, send, outs, self.next_tag()), recv
         return header.all_gather_single(recv, send, group=self.group, async_op=True), recv
+
+    def gather_pieces(self, send: torch.Tensor, outs: Sequence[Optional[torch.Tensor]]) -> p2p.Exchange:
+        """Point-to-point (CPU) all-gather with a size per rank, posted: ``send`` (this rank's
+        piece) to every other rank, rank r's piece into ``outs[r]`` (``outs[me]`` is not read).
+        Both ends take the sizes from the call's plan."""
+        self.checked()
+        self.stats.wire_bytes += send.numel() * send.element_size() * (len(outs) - 1)
+        return p2p.all_gather(self.group, send, outs, self.next_tag())
 
     def run(self, chunks: int, send: Callable, reduce: Callable, finish: Optional[Callable]) -> None:
         """send(j) -> state; reduce(j, state) -> state2; finish(j, state2). Stages overlap.

@@ -104,7 +104,7 @@ static void test_exponents_and_fixed() {
 // kernels can see plus out-of-range ones, every precision of headroom 0..62.
 static void test_fixed_in_block() {
   std::uniform_int_distribution<uint32_t> bits;
-  int bad_fixed = 0, bad_from = 0;
+  int bad_fixed = 0, bad_from = 0, bad_scaled = 0;
   const uint32_t edge[] = {0u, 0x80000000u, 1u, 0x007fffffu, 0x00800000u, 0x7f7fffffu, kInfBits, 0xff800000u,
                            0x7fc00000u, 0xffffffffu, 0x3f800000u, 0x3fc00000u};
   for (int32_t E = -160; E <= 140; ++E) {
@@ -120,6 +120,8 @@ static void test_fixed_in_block() {
         }
         const float v = u2f(u);
         bad_fixed += to_fixed_in_block(v, off) != to_fixed(v, E, P);
+        if (std::isfinite(v) && exponent_of_abs_bits(abs_bits(v)) <= E)  // within the block's bound
+          bad_scaled += to_fixed_scaled(v, to_fixed_scale(E, P)) != to_fixed(v, E, P);
         const int64_t m = static_cast<int64_t>((uint64_t{bits(rng)} << 32 | bits(rng)) >> (bits(rng) % 64));
         const float a = from_fixed_in_block(t % 2 ? m : -m, sc), b = from_fixed(t % 2 ? m : -m, E, P);
         bad_from += f2u(a) != f2u(b);
@@ -127,6 +129,7 @@ static void test_fixed_in_block() {
     }
   }
   CHECK(bad_fixed == 0, "%d to_fixed_in_block results differ from to_fixed", bad_fixed);
+  CHECK(bad_scaled == 0, "%d to_fixed_scaled results differ from to_fixed", bad_scaled);
   CHECK(bad_from == 0, "%d from_fixed_in_block results differ from from_fixed", bad_from);
 }
 
