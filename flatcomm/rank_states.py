@@ -40,9 +40,10 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["FORMAT", "VERSION", "check_gathered", "gathered_state_dict", "kind_of", "load_gathered_state_dict"]
+__all__ = ["FORMAT", "KINDS", "VERSION", "check_gathered", "gathered_state_dict", "kind_of", "load_gathered_state_dict"]
 
 FORMAT = "flatcomm.rank_states"
+KINDS = ("ddp", "fsdp", "diloco")
 VERSION = 1
 _OK, _FAILED = 0, 1
 _MAX_BYTES = 1 << 40  # a length beyond this from a peer is garbage, not a state
@@ -52,15 +53,18 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 def kind_of(state: Any) -> str:
     """``"ddp"`` for a :class:`flatcomm.ddp.State`, ``"fsdp"`` for the FSDP backends
-    (:class:`flatcomm.fsdp.ReduceScatter`, :class:`flatcomm.fsdp.FSDP1State`)."""
-    from . import ddp, fsdp
+    (:class:`flatcomm.fsdp.ReduceScatter`, :class:`flatcomm.fsdp.FSDP1State`), ``"diloco"`` for a
+    :class:`flatcomm.diloco.DiLoCo` (its residuals and any sync in flight differ per replica)."""
+    from . import ddp, diloco, fsdp
 
     if isinstance(state, ddp.State):
         return "ddp"
     if isinstance(state, (fsdp.ReduceScatter, fsdp.FSDP1State)):
         return "fsdp"
-    raise TypeError(f"flatcomm.rank_states: expected a flatcomm.ddp.State or a flatcomm.fsdp backend, "
-                    f"got {type(state).__name__}")
+    if isinstance(state, diloco.DiLoCo):
+        return "diloco"
+    raise TypeError(f"flatcomm.rank_states: expected a flatcomm.ddp.State, a flatcomm.fsdp backend or a "
+                    f"flatcomm.diloco.DiLoCo, got {type(state).__name__}")
 
 
 def _to_cpu(x: Any) -> Any:
@@ -84,8 +88,9 @@ def gathered_state_dict(state: Any, group: Optional[dist.ProcessGroup] = None, *
                         dst: Optional[int] = None) -> Optional[Dict[str, Any]]:
     """Every rank's ``state.state_dict()``, in rank order, on every rank (or only on ``dst``, a
     rank of ``group``; the others get None). A collective on ``group`` (default: the world): call it
-    on every rank at the same point. ``state``: a :class:`flatcomm.ddp.State` or a flatcomm FSDP
-    backend. Returns ``{"format", "version", "kind", "world_size", "ranks": [dict of rank 0, ...]}``.
+    on every rank at the same point. ``state``: a :class:`flatcomm.ddp.State`, a flatcomm FSDP
+    backend or a :class:`flatcomm.diloco.DiLoCo` (each part then ``{"rank", "world_size", "diloco"}``).
+    Returns ``{"format", "version", "kind", "world_size", "ranks": [dict of rank 0, ...]}``.
     """
     if not dist.is_initialized():
         raise RuntimeError("flatcomm.rank_states.gathered_state_dict needs an initialised process group")
@@ -106,6 +111,8 @@ def gathered_state_dict(state: Any, group: Optional[dist.ProcessGroup] = None, *
     if parts is None:
         return None
     ranks = [_decode(r, p, world, kind) for r, p in enumerate(parts)]
+    if kind == "diloco":  # its state_dict() does not name the replica: the part says whose it is
+        ranks = [{"rank": r, "world_size": world, "diloco": sd} for r, sd in enumerate(ranks)]
     return {"format": FORMAT, "version": VERSION, "kind": kind, "world_size": world, "ranks": ranks}
 
 
@@ -172,7 +179,7 @@ def check_gathered(gathered: Any) -> Dict[str, Any]:
     if not isinstance(ranks, (list, tuple)) or len(ranks) != world or not all(isinstance(s, dict) for s in ranks):
         raise ValueError(f"flatcomm.rank_states: gathered state of {world} ranks must hold {world} state dicts, "
                          f"got {type(ranks).__name__} of {len(ranks) if isinstance(ranks, (list, tuple)) else '?'}")
-    if gathered.get("kind") not in ("ddp", "fsdp"):
+    if gathered.get("kind") not in KINDS:
         raise ValueError(f"flatcomm.rank_states: gathered state of unknown kind {gathered.get('kind')!r}")
     return dict(gathered)
 
@@ -183,9 +190,10 @@ def load_gathered_state_dict(state: Any, gathered: Any, group: Optional[dist.Pro
 
     Same world size: this rank's own dict (the run continues bit for bit). Another world size: the
     DDP hook's state is resharded from every rank's dict (:func:`flatcomm.ddp.reshard`: the total
-    residual is kept, not the bits); FSDP state raises (its residuals are per shard). No
-    communication; ``group`` (default: the world) only gives this rank and the world size. Raises
-    before changing anything when the container or a part does not fit.
+    residual is kept, not the bits); FSDP and DiLoCo state raise (their residuals are per shard or
+    replica). No communication of its own (a DiLoCo's load is a collective of its outer group: call
+    this on every rank); ``group`` (default: the world) only gives this rank and the world size.
+    Raises before changing anything when the container or a part does not fit.
     """
     g = check_gathered(gathered)
     kind = kind_of(state)
@@ -200,16 +208,20 @@ def load_gathered_state_dict(state: Any, gathered: Any, group: Optional[dist.Pro
         part: Any = ranks[rank]
     elif kind == "ddp":
         part = ranks  # load_state_dict reshards a list of every rank's dicts
-    else:
+    elif kind == "fsdp":
         raise ValueError(f"flatcomm.rank_states: this FSDP state was saved by {g['world_size']} ranks and this run "
                          f"has {world}: FSDP residuals are per shard and load only at the world size they were "
                          f"saved at. Leave flatcomm's state out of the load to restart error feedback from zero")
+    else:
+        raise ValueError(f"flatcomm.rank_states: this DiLoCo state was saved by {g['world_size']} replicas and this "
+                         f"run has {world}: its residuals are per replica and load only at the replica count "
+                         f"they were saved at")
     kwargs = {"allow_codec_change": allow_codec_change} if kind == "ddp" else {}
-    if kind == "fsdp" and allow_codec_change:
+    if kind != "ddp" and allow_codec_change:
         raise ValueError("flatcomm.rank_states: allow_codec_change applies to DDP state only")
     _check_parts(state, kind, ranks, group, same_world=g["world_size"] == world,
                  allow_codec_change=allow_codec_change)
-    state.load_state_dict(part, **kwargs)
+    state.load_state_dict(part["diloco"] if kind == "diloco" else part, **kwargs)
 
 
 def _check_parts(state: Any, kind: str, ranks: List[dict], group, *, same_world: bool,
@@ -235,6 +247,17 @@ def _check_parts(state: Any, kind: str, ranks: List[dict], group, *, same_world:
                     checkpoint.check_state_dict(state, sd, rank=r, allow_codec_change=allow_codec_change)
                 except (ValueError, TypeError, KeyError) as e:
                     raise type(e)(f"{where}: {e}") from None
+            continue
+        if kind == "diloco":
+            from .diloco import checkpoint as diloco_checkpoint
+
+            if sd.get("rank") != r or sd.get("world_size") != world or not isinstance(sd.get("diloco"), dict):
+                raise ValueError(f"{where} says it is rank {sd.get('rank')!r} of {sd.get('world_size')!r}: the "
+                                 f"parts are swapped, duplicated, of another kind or from another save")
+            try:  # the replicas hold the same model layout: every part fits every replica's checks
+                diloco_checkpoint.check_state_dict(state, sd["diloco"])
+            except (ValueError, TypeError, KeyError) as e:
+                raise type(e)(f"{where}: {e}") from None
             continue
         own = f"rank{dist.get_global_rank(group, r) if group is not None else r}."
         stray = [k for k in sd if not (isinstance(k, str) and k.startswith(own))]

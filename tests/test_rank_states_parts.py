@@ -3,9 +3,12 @@
 Every rank holds the whole gathered container, so a corrupt part (swapped, duplicated, missing, of
 another world size or kind, a wrong rank field, a NaN in another rank's residual) must make every
 rank raise, and leave every rank's state as it was: a load that succeeds on one rank and fails on
-another leaves the ranks with different states. 2 gloo ranks, DDP (int8) and FSDP2 (int8).
+another leaves the ranks with different states. 2 gloo ranks, DDP (int8), FSDP2 (int8) and DiLoCo
+(int4 with error feedback, two fragments, one sync in flight at the save).
 """
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -48,6 +51,39 @@ def _fsdp_cases(g: dict, ddp_part: dict) -> dict:
     }
 
 
+def _diloco_cases(g: dict, ddp_part: dict) -> dict:
+    r0, r1 = g["ranks"]
+    sd = r1["diloco"]
+    frag = sd["fragments"][0]
+    nan = {**frag, "residuals": [torch.full_like(frag["residuals"][0], float("nan"))] + frag["residuals"][1:]}
+    return {
+        "swapped": {**g, "ranks": [r1, r0]},
+        "duplicated": {**g, "ranks": [r0, r0]},
+        "missing": {**g, "ranks": [r0]},
+        "missing_part": {**g, "ranks": [r0, {}]},
+        "wrong_world_size": {**g, "world_size": 3, "ranks": [r0, r1, {**r1, "rank": 2}]},
+        "wrong_kind": {**g, "ranks": [r0, ddp_part]},
+        "wrong_rank_field": {**g, "ranks": [r0, {**r1, "rank": 0}]},
+        "nan_in_other_part": {**g, "ranks": [r0, {**r1, "diloco": {**sd, "fragments": [nan] + sd["fragments"][1:]}}]},
+    }
+
+
+def _diloco(seed: int = 0):
+    from flatcomm.diloco import DiLoCo
+
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(13, 31), torch.nn.Tanh(), torch.nn.Linear(31, 3))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    return net, opt, DiLoCo(net, opt, sync_every=4, codec="int4", fragments=2, fragment_sync_delay=1)
+
+
+def _diloco_step(net, opt, rank: int, t: int) -> None:
+    g = torch.Generator().manual_seed(1000 * rank + t)
+    opt.zero_grad()
+    net(torch.randn(8, 13, generator=g)).pow(2).mean().backward()
+    opt.step()
+
+
 def _try(state, bad) -> dict:
     from flatcomm import rank_states
 
@@ -79,6 +115,22 @@ def _w(rank, world):
     rank_states.load_gathered_state_dict(rs2, fg)
     assert same(rs2.state_dict(), rs.state_dict())
     out["fsdp"] = {name: _try(rs2, bad) for name, bad in _fsdp_cases(fg, g["ranks"][1]).items()}
+
+    net, opt, outer = _diloco()
+    for t in range(7):  # fragment 1 started its sync at step 6: in flight, drained into the save
+        _diloco_step(net, opt, rank, t)
+    dg = rank_states.gathered_state_dict(outer)
+    saved = copy.deepcopy({"net": net.state_dict(), "opt": opt.state_dict()})
+    for t in range(7, 12):
+        _diloco_step(net, opt, rank, t)
+    net2, opt2, outer2 = _diloco(seed=1)  # other weights: what continues must come from the loads
+    out["diloco"] = {name: _try(outer2, bad) for name, bad in _diloco_cases(dg, g["ranks"][1]).items()}
+    net2.load_state_dict(saved["net"])
+    opt2.load_state_dict(saved["opt"])
+    rank_states.load_gathered_state_dict(outer2, dg)
+    for t in range(7, 12):
+        _diloco_step(net2, opt2, rank, t)
+    out["diloco_resumed"] = [p.detach() for p in net2.parameters()] , [p.detach() for p in net.parameters()]
     return out
 
 
@@ -93,10 +145,24 @@ FSDP_CASES = ["swapped", "duplicated", "missing", "missing_part", "wrong_world_s
               "wrong_rank_field", "nan_in_other_part"]
 
 
-@pytest.mark.parametrize("kind,case", [("ddp", c) for c in DDP_CASES] + [("fsdp", c) for c in FSDP_CASES])
+DILOCO_CASES = FSDP_CASES
+
+
+@pytest.mark.parametrize("kind,case", [("ddp", c) for c in DDP_CASES] + [("fsdp", c) for c in FSDP_CASES]
+                         + [("diloco", c) for c in DILOCO_CASES])
 def test_a_corrupt_part_fails_on_every_rank_and_changes_nothing(ranks, kind, case):
     for rank, r in enumerate(ranks):
         got = r[kind][case]
         assert got["error"] is not None, f"rank {rank} loaded the corrupt ({case}) gathered state"
         assert got["unchanged"], f"rank {rank}: the failed load ({case}) changed the state"
     assert ranks[0][kind][case]["error"] == ranks[1][kind][case]["error"], "the ranks give different reasons"
+
+
+def test_diloco_state_gathered_on_every_rank_resumes_bit_for_bit(ranks):
+    """Each replica's DiLoCo state (residuals, a sync in flight) comes back to that replica from the
+    one gathered container and the run continues with the uninterrupted run's bits."""
+    for rank, r in enumerate(ranks):
+        resumed, straight = r["diloco_resumed"]
+        assert len(resumed) == len(straight) == 4
+        for a, b in zip(resumed, straight):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"rank {rank}: the resumed run differs"

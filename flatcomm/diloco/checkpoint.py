@@ -21,7 +21,7 @@ import torch
 from .._training import checks as check
 from . import replicas, sync
 
-__all__ = ["STATE_DICT_VERSION", "load_state_dict", "state_dict"]
+__all__ = ["STATE_DICT_VERSION", "check_state_dict", "load_state_dict", "state_dict"]
 
 STATE_DICT_VERSION = 1
 
@@ -126,6 +126,12 @@ def _fingerprint(prepared: Dict[str, Any]) -> int:
     h.update(repr((prepared["step"], prepared["syncs"])).encode())
     h.update(replicas.master_hash([f["master"] for f in prepared["fragments"]]).to_bytes(8, "little"))
     return int.from_bytes(h.digest(), "little")
+
+
+def check_state_dict(outer, sd: Dict[str, Any]) -> None:
+    """Raise as :func:`load_state_dict` would for ``sd`` on this replica; no communication, changes
+    nothing (:mod:`flatcomm.rank_states` checks every replica's part on every rank)."""
+    _prepare(outer, sd)
 
 
 def load_state_dict(outer, sd: Dict[str, Any]) -> None:
