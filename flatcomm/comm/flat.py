@@ -178,7 +178,10 @@ def _ordered_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, chunks: int
     keeps_rounding = residual is not None and c.lossless and flat.dtype != torch.float32
     on_cpu = p2p.used_for(flat)
     if zero_copy(c, flat.dtype, p, chunks, client, gathers=True, on_cpu=on_cpu):
-        (_raw_all_reduce_p2p(pipe, flat, p, c, scale, chunks) if on_cpu else _raw_all_reduce(pipe, flat, p, c, scale))
+        if on_cpu:
+            _raw_all_reduce_p2p(pipe, flat, p, c, scale, chunks)
+        else:
+            _raw_all_reduce(pipe, flat, p, c, scale)
         return
 
     def send(j):
@@ -204,7 +207,8 @@ def _ordered_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, chunks: int
         if on_cpu:  # each piece at its own size, as the zero-copy path of a peer sends it
             recv = pipe.empty(world * width, torch.uint8, flat.device)
             rows_out = recv.view(world, width)
-            outs = [rows_out[d, :c.wire_bytes(y - x)] for d, (x, y) in enumerate(p.piece(d, j) for d in range(world))]
+            sizes = [c.wire_bytes(y - x) for x, y in (p.piece(d, j) for d in range(world))]
+            outs = [rows_out[d, :sizes[d]] for d in range(world)]
             outs[me].copy_(send_buf[:nbytes])
             return pipe.gather_pieces(send_buf[:nbytes], outs), recv
         return pipe.all_gather(send_buf, world)
