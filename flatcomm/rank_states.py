@@ -224,40 +224,43 @@ def load_gathered_state_dict(state: Any, gathered: Any, group: Optional[dist.Pro
     state.load_state_dict(part["diloco"] if kind == "diloco" else part, **kwargs)
 
 
+_NAMES = {"ddp": "DDP state_dict()", "diloco": "DiLoCo"}
+
+
+def _check_own_load(state: Any, kind: str, sd: dict, r: int, allow_codec_change: bool) -> None:
+    """The checks part ``r``'s own load makes (the model is the same on every rank)."""
+    if kind == "ddp":
+        from .ddp import checkpoint
+
+        checkpoint.check_state_dict(state, sd, rank=r, allow_codec_change=allow_codec_change)
+    else:
+        from .diloco import checkpoint as diloco_checkpoint
+
+        diloco_checkpoint.check_state_dict(state, sd["diloco"])
+
+
 def _check_parts(state: Any, kind: str, ranks: List[dict], group, *, same_world: bool,
                  allow_codec_change: bool) -> None:
     """Every part of the container checked on every rank (each rank holds all of it), so that a
     corrupt part makes every rank raise the same error before any rank loads its own: part ``r``
-    must be rank ``r``'s, of the container's world size and kind. DDP parts get every check of
-    their load too (the model is the same on every rank); an FSDP part's shard sizes are its own
-    rank's, so its own load checks those."""
+    must be rank ``r``'s, of the container's world size and kind. DDP and DiLoCo parts get every
+    check of their load too (the model is the same on every rank); an FSDP part's shard sizes are
+    its own rank's, so its own load checks those."""
     world = len(ranks)
     for r, sd in enumerate(ranks):
         where = f"flatcomm.rank_states: the gathered state's part {r} (of {world})"
-        if kind == "ddp":
-            if sd.get("form") != "per_rank" or "client" not in sd:
-                raise ValueError(f"{where} is not a DDP state_dict() (kind): it has fields {sorted(map(str, sd))[:6]}")
+        if kind in ("ddp", "diloco"):  # parts that name their rank
+            fits = sd.get("form") == "per_rank" and "client" in sd if kind == "ddp" else isinstance(sd.get("diloco"), dict)
+            if not fits:
+                raise ValueError(f"{where} is not a {_NAMES[kind]} part (kind): it has fields {sorted(map(str, sd))[:6]}")
             if sd.get("rank") != r or sd.get("world_size") != world:
                 raise ValueError(f"{where} says it is rank {sd.get('rank')!r} of {sd.get('world_size')!r}: the "
                                  f"parts are swapped, duplicated or from another save")
             if same_world:
-                from .ddp import checkpoint
-
                 try:
-                    checkpoint.check_state_dict(state, sd, rank=r, allow_codec_change=allow_codec_change)
+                    _check_own_load(state, kind, sd, r, allow_codec_change)
                 except (ValueError, TypeError, KeyError) as e:
                     raise type(e)(f"{where}: {e}") from None
-            continue
-        if kind == "diloco":
-            from .diloco import checkpoint as diloco_checkpoint
-
-            if sd.get("rank") != r or sd.get("world_size") != world or not isinstance(sd.get("diloco"), dict):
-                raise ValueError(f"{where} says it is rank {sd.get('rank')!r} of {sd.get('world_size')!r}: the "
-                                 f"parts are swapped, duplicated, of another kind or from another save")
-            try:  # the replicas hold the same model layout: every part fits every replica's checks
-                diloco_checkpoint.check_state_dict(state, sd["diloco"])
-            except (ValueError, TypeError, KeyError) as e:
-                raise type(e)(f"{where}: {e}") from None
             continue
         own = f"rank{dist.get_global_rank(group, r) if group is not None else r}."
         stray = [k for k in sd if not (isinstance(k, str) and k.startswith(own))]

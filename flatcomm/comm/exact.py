@@ -59,12 +59,12 @@ def all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, chunks: int, scale: 
     # On CPU (fp32) that buffer is this rank's own shard of ``flat`` (each chunk's own piece is
     # copied into the receive rows when its exchange is posted) and the shards gather in place,
     # each at its own size.
-    width = max(p.bounds[d + 1] - p.bounds[d] for d in range(world))
     shards = [flat[p.bounds[d]:p.bounds[d + 1]] for d in range(world)]
     if p2p.used_for(flat) and flat.dtype == torch.float32:
         reduce_scatter(pipe, flat, shards[me], p, chunks, scale, block, headroom)
         pipe.wait(pipe.gather_pieces(shards[me], shards))
         return
+    width = max(t.numel() for t in shards)
     send_buf = pipe.empty(width, torch.float32, flat.device)
     reduce_scatter(pipe, flat, send_buf[:shards[me].numel()], p, chunks, scale, block, headroom)
     work, recv = pipe.all_gather(send_buf, world)

@@ -264,13 +264,13 @@ def _raw_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale
     me, world = p.rank, p.world
     sizes = [p.bounds[d + 1] - p.bounds[d] for d in range(world)]
     width = max(sizes)
-    pipe.stats.wire_bytes += width * flat.element_size() * (world - 1)
     send_buf = pipe.empty(width, flat.dtype, flat.device)  # padding past this shard is never read
     _raw_reduce(pipe, flat, p, c, scale, send_buf[:sizes[me]])
     # The all-to-all has completed, so flat may be overwritten: gather straight into it, in pieces
     # (gloo's all-gather slows down on large single calls: docs/benchmarks.md, Collectives).
     # zero_copy keeps it to one piece, and one gather even of nothing: the staged path of a peer
     # holding a residual makes exactly that exchange.
+    pipe.stats.wire_bytes += width * flat.element_size() * (world - 1)
     step = max(1, pipeline.GATHER_PIECE_BYTES // (world * flat.element_size()))
     for off in range(0, max(width, 1), step):
         m = min(step, width - off)

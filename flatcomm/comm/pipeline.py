@@ -115,7 +115,7 @@ def zero_copy(codec: Codec, dtype: torch.dtype, p: Plan, chunks: int, residual, 
     if chunks != 1:
         return False
     sizes = [p.bounds[d + 1] - p.bounds[d] for d in range(p.world)]
-    if gathers and not on_cpu and max(sizes) * dtype.itemsize * p.world > GATHER_PIECE_BYTES:
+    if gathers and max(sizes) * dtype.itemsize * p.world > GATHER_PIECE_BYTES:
         return False
     return all(n * dtype.itemsize % 16 == 0 for n in sizes)
 
@@ -235,15 +235,14 @@ class Pipeline:
         return self.tags
 
     def all_to_all(self, send: torch.Tensor, send_sizes: List[int], recv_row: int, world: int):
+        if p2p.used_for(send) and groups.exchanges(self.group):
+            return self.all_to_all_pieces(list(torch.split(send, send_sizes)), recv_row, world)
         self.checked()
         recv = self.empty(world * recv_row, send.dtype, send.device)
         self.stats.wire_bytes += (send.numel() - send_sizes[dist.get_rank(self.group)]) * send.element_size()
         if not groups.exchanges(self.group):
             recv.copy_(send)
             return None, recv
-        if p2p.used_for(send):
-            pieces = list(torch.split(send, send_sizes))
-            return p2p.all_to_all(self.group, pieces, recv, recv_row, self.next_tag()), recv
         work = dist.all_to_all_single(recv, send, [recv_row] * world, send_sizes, group=self.group,
                                       async_op=True)
         return work, recv
@@ -262,7 +261,6 @@ class Pipeline:
     def all_gather(self, send: torch.Tensor, world: int):
         self.checked()
         recv = self.empty(world * send.numel(), send.dtype, send.device)
-        self.stats.wire_bytes += send.numel() * send.element_size() * (world - 1)
         if not groups.exchanges(self.group):
             recv.copy_(send)
             return None, recv
@@ -270,7 +268,8 @@ class Pipeline:
             n, me = send.numel(), dist.get_rank(self.group)
             outs = [recv[r * n:(r + 1) * n] for r in range(world)]
             outs[me].copy_(send)
-            return p2p.all_gather(self.group, send, outs, self.next_tag()), recv
+            return self.gather_pieces(send, outs), recv
+        self.stats.wire_bytes += send.numel() * send.element_size() * (world - 1)
         return header.all_gather_single(recv, send, group=self.group, async_op=True), recv
 
     def gather_pieces(self, send: torch.Tensor, outs: Sequence[Optional[torch.Tensor]]) -> p2p.Exchange:
