@@ -328,7 +328,7 @@ def test_resume_bit_for_bit_at_three_kill_points():
 
 # ---- faults: a replica that stops or dies during a sync ----------------------------------------------
 
-FAULT_TIMEOUT_S = 6.0
+FAULT_TIMEOUT_S = 4.0
 
 
 def _fault(rank, world, how, flag, result):

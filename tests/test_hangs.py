@@ -189,7 +189,7 @@ def test_hangs(section: str) -> None:
 
 # ---- a stopped peer: the DDP hook fails at the process-group timeout -----------------------------
 
-STOP_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 4.0
 
 
 def _stopped_peer(rank: int, world: int, flag: str) -> float:
