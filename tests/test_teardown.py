@@ -61,3 +61,44 @@ def test_pipeline_settles_its_header_exchange_on_failure() -> None:
         with pipe:
             raise ValueError("an argument the body rejected")
     assert Header.work.waited and pipe.header is None
+
+
+def _groups_released(rank: int, world: int) -> dict:
+    """flatcomm keeps no process group alive: a group only the program still holds (as a DDP
+    model holds its group after ``destroy_process_group``) would keep gloo's threads running into
+    interpreter exit, where a thread finishing an op's clean-up needs the GIL and aborts."""
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    from flatcomm import collectives as C
+
+    sub = dist.new_group(list(range(world)))  # the world's backend (gloo, or flatcomm's)
+    x = torch.arange(7, dtype=torch.float32)
+    C.all_reduce(x, group=sub)
+    private = C.private_group(sub)
+    refs = {"parent": weakref.ref(sub), "private": weakref.ref(private)}
+    dist.destroy_process_group(sub)  # the program still holds sub
+    dist.destroy_process_group(private)  # torch lets go of the private group too
+    del private
+    gc.collect()
+    out = {"mean": x.tolist(), "private_freed_while_parent_held": refs["private"]() is None}
+    del sub
+    gc.collect()
+    out["private_freed"] = refs["private"]() is None
+    out["parent_freed"] = refs["parent"]() is None
+    return out
+
+
+@pytest.mark.parametrize("backend", ["gloo", "flatcomm"])
+def test_flatcomm_keeps_no_destroyed_group_alive(backend: str) -> None:
+    from flatcomm.tools import spawn
+
+    for r in spawn.run(2, _groups_released, backend=backend):
+        assert r["mean"] == [float(i) for i in range(7)]  # the average of equal tensors
+        assert r["parent_freed"] and r["private_freed"], r
+        # A flatcomm group's shutdown (what destroy_process_group calls) drops its private group;
+        # a plain gloo group has no such hook: its private group goes with the parent.
+        assert r["private_freed_while_parent_held"] == (backend == "flatcomm"), r

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore
 
 from ..collectives import group_timeout
+from ..comm.groups import forget
 from . import reduce as _reduce
 from .work import InnerWorks
 
@@ -68,6 +69,12 @@ class FlatcommGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return NAME
+
+    def shutdown(self) -> None:
+        """What ``destroy_process_group`` calls: also drop flatcomm's private copy of this group,
+        so nothing of flatcomm's keeps its gloo threads alive (see :mod:`flatcomm.comm.groups`)."""
+        forget(self)
+        super().shutdown()
 
     def _inner(self, t: torch.Tensor):
         return self._get_backend(t.device)

@@ -12,21 +12,33 @@ every rank reaches in the same order, as torch requires of group creation. Never
 
 The private group inherits G's timeout (``dist.new_group`` would otherwise use torch's 30-minute
 default, far above the ``init_process_group`` timeout a user chose), or takes ``timeout=``.
+
+The cache holds the parents weakly and forgets a private group when its parent is destroyed
+(:func:`forget`) or at exit: a gloo group's worker threads are joined only by its destructor, and a
+thread still dropping a finished op's tensors needs the GIL, which it cannot take once the
+interpreter is finalizing (torch 2.13 aborts the process: "terminate called without an active
+exception"). So flatcomm keeps no group alive past ``destroy_process_group`` or the atexit handlers.
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import threading
+import time
+import weakref
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["EXCHANGE_ALONE", "exchanges", "group_timeout", "is_private", "private_group"]
+__all__ = ["EXCHANGE_ALONE", "exchanges", "forget", "group_timeout", "is_private", "private_group",
+           "settle_at_exit"]
 
 _lock = threading.Lock()
-_private: dict = {}  # id(parent) -> (parent, private): the parent is kept alive, so its id is not reused
-_owned: dict = {}    # id(private) -> private
+_private: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # parent -> its private group
+_owned: "weakref.WeakSet" = weakref.WeakSet()  # the private groups
+_used = False  # whether this process made a private group (settle_at_exit has work to do)
 on_worker = threading.local()  # .key and .active set on flatcomm's worker threads (flatcomm.comm.worker)
 # Tests only: exchange through torch.distributed even with one rank (normally a local copy), so a
 # one-GPU machine runs the NCCL calls and their stream hand-offs (benchmarks/gpu_check.py).
@@ -68,7 +80,31 @@ def _alive(pg) -> bool:
 
 
 def is_private(group) -> bool:
-    return group is not None and id(group) in _owned
+    return group is not None and group in _owned
+
+
+def forget(group) -> None:
+    """Drop the private group made for ``group`` (called when ``group`` is destroyed)."""
+    with _lock:
+        _private.pop(group, None)
+
+
+def settle_at_exit() -> None:
+    """Before finalization: drop every cached private group and give gloo's threads the GIL.
+
+    Groups only flatcomm referenced are destroyed here (their destructors release the GIL and join
+    the threads); a thread of a group the program still holds that is finishing an op's clean-up
+    gets the GIL while this sleeps. Plain gloo has the same exit race (1 of 40 torchrun runs of a
+    DDP script aborted here); 20 ms at exit closes it for the threads already waiting."""
+    if not _used:
+        return
+    with _lock:
+        _private.clear()
+    gc.collect()
+    time.sleep(0.02)
+
+
+atexit.register(settle_at_exit)
 
 
 def private_group(group=None, *, timeout: Optional[timedelta] = None):
@@ -86,12 +122,13 @@ def private_group(group=None, *, timeout: Optional[timedelta] = None):
     parent = _parent(group)
     if dist.get_world_size(parent) == 1:
         return group
+    global _used
     with _lock:
-        entry = _private.get(id(parent))
-        if entry is not None and entry[0] is parent and _alive(entry[1]):
+        cached = _private.get(parent)
+        if cached is not None and _alive(cached):
             if timeout is not None:
-                entry[1].set_timeout(timeout)
-            return entry[1]
+                cached.set_timeout(timeout)
+            return cached
         if getattr(on_worker, "active", False):
             raise RuntimeError(
                 "flatcomm: the private group of a process group must be created on the caller's thread "
@@ -102,6 +139,7 @@ def private_group(group=None, *, timeout: Optional[timedelta] = None):
         # Members only synchronise when the parent is a subgroup: non-members never get here.
         pg = dist.new_group(ranks, timeout=t, use_local_synchronization=len(ranks) != dist.get_world_size(),
                             group_desc="flatcomm")
-        _private[id(parent)] = (parent, pg)
-        _owned[id(pg)] = pg
+        _private[parent] = pg
+        _owned.add(pg)
+        _used = True
         return pg
