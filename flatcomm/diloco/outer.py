@@ -23,7 +23,7 @@ from ..comm.topology import Topology
 from ..ops.codecs import resolve
 from . import checkpoint, replicas, sync
 from .schedule import Schedule, split
-from .state import Fragment, local_tensor, outer_step
+from .state import Fragment, Workspace, local_tensor, outer_step
 
 __all__ = ["Config", "DiLoCo", "FragmentStats"]
 
@@ -147,6 +147,7 @@ class DiLoCo:
         self.step = 0  # inner steps taken
         self.syncs = 0  # outer syncs applied (all fragments)
         self.pending: Optional[sync.Pending] = None
+        self._work = Workspace()
         self.fragment_stats = [FragmentStats() for _ in self.fragments]
         self._hook = inner_optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_inner_step())
 
@@ -160,8 +161,9 @@ class DiLoCo:
             self._apply()
         i = sch.starts(self.step)
         if i is not None:
-            f = self.fragments[i]
-            self.pending = sync.launch(self.config.plan, i, self.step, f.pseudo_gradient(), f.residual_copies())
+            f, w = self.fragments[i], self._work
+            delta = f.pseudo_gradient(w.take("delta", f.numel, f.device))
+            self.pending = sync.launch(self.config.plan, i, self.step, delta, f.residual_copies(w))
             if sch.delay == 0:
                 self._apply()
 
@@ -171,8 +173,12 @@ class DiLoCo:
         f, st = self.fragments[p.fragment], self.fragment_stats[p.fragment]
         try:
             delta = p.wait(cfg.plan.world).to(f.state_device)
-            master, momentum = outer_step(f.master, f.momentum, delta, cfg.lr, cfg.momentum, cfg.nesterov)
-            if not bool(torch.isfinite(master).all()):
+            pin = f.master.is_pinned()
+            master, momentum = outer_step(f.master, f.momentum, delta, cfg.lr, cfg.momentum, cfg.nesterov,
+                                          self._work.take("master", f.numel, f.state_device, pin),
+                                          self._work.take("momentum", f.numel, f.state_device, pin))
+            # A sum is non-finite when any value is (or the weights near 3e38): one pass, no mask.
+            if not bool(torch.isfinite(master.sum())):
                 raise FloatingPointError(
                     f"flatcomm.diloco: fragment {p.fragment}'s outer step at inner step {self.step} is not finite "
                     f"(a replica's weights diverged); master, momentum and residuals are left as before")

@@ -13,8 +13,11 @@ this machine's kernel has no netem, so no delay): each replica is a node of one 
   compute-only step (no communication at all), DiLoCo int4 + error feedback with ``fragments=4,
   fragment_sync_delay=1`` (mean wall time per inner step over whole rounds of ``--sync-every``
   steps, the syncs included), and DDP every step (torch's default gloo all-reduce) over the same
-  link. Compute-only and DiLoCo alternate round by round and each keeps its fastest round (the
-  machine is shared); the spread over rounds is reported.
+  link. A round's time is the slower replica's (both start it at a barrier): replicas that drift
+  apart wait for each other at DiLoCo's syncs, and a compute-only run, never synced, would
+  otherwise be timed by whichever replica got the faster core. Compute-only and DiLoCo alternate
+  round by round and each keeps its fastest round (the machine is shared); the spread over rounds
+  is reported.
 * **torchft** (when ``import torchft`` works, e.g. ``PYTHONPATH`` holding torchft 0.2 and its
   opentelemetry dependencies): torchft's ``DiLoCo`` on the same link and model, fp32 pseudo-
   gradients (its ``should_quantize`` path imports triton, i.e. needs CUDA), one fragment, one
@@ -254,12 +257,15 @@ def main(argv=None) -> int:
         with Link(2, a.link) as link:
             res = link.run(2, _time_rank, cfg, timeout_s=1800)
         r0 = res[0]
+        r0["rounds_per_replica"] = [r["rounds"] for r in res]
+        r0["rounds"] = {k: [max(r["rounds"][k][i] for r in res) for i in range(len(r0["rounds"][k]))]
+                        for k in r0["rounds"]}  # the slower replica's time, round by round
         comp, dl, ddp = min(r0["rounds"]["compute"]), min(r0["rounds"]["diloco"]), statistics.median(r0["ddp"])
         out["time"] = {**r0, "compute_s": comp, "diloco_s": dl, "ddp_s": ddp,
                        "diloco_vs_compute": dl / comp, "diloco_vs_ddp": dl / ddp}
         fr = r0["diloco_stats"]["fragments"]
         print(f"\ninner step, {r0['params'] / 1e6:.1f}M params, 2 replicas, {a.link}, AdamW, batch {a.batch}, "
-              f"H={a.sync_every}, fragments=4, delay 1 (best of {a.rounds} rounds, spread in ms):")
+              f"H={a.sync_every}, fragments=4, delay 1 (the slower replica's time, best of {a.rounds} rounds, spread in ms):")
         print(f"  compute only     {comp * 1e3:8.1f} ms   ({_spread(r0['rounds']['compute'])})")
         print(f"  DiLoCo int4+EF   {dl * 1e3:8.1f} ms   ({_spread(r0['rounds']['diloco'])})   "
               f"x{dl / comp:.3f} of compute-only; waited {r0['diloco_stats']['wait_s']:.2f} s over "
