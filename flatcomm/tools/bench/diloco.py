@@ -265,7 +265,8 @@ def main(argv=None) -> int:
                        "diloco_vs_compute": dl / comp, "diloco_vs_ddp": dl / ddp}
         fr = r0["diloco_stats"]["fragments"]
         print(f"\ninner step, {r0['params'] / 1e6:.1f}M params, 2 replicas, {a.link}, AdamW, batch {a.batch}, "
-              f"H={a.sync_every}, fragments=4, delay 1 (the slower replica's time, best of {a.rounds} rounds, spread in ms):")
+              f"H={a.sync_every}, fragments=4, delay 1 (the slower replica's time, best of {a.rounds} rounds, "
+              f"spread in ms):")
         print(f"  compute only     {comp * 1e3:8.1f} ms   ({_spread(r0['rounds']['compute'])})")
         print(f"  DiLoCo int4+EF   {dl * 1e3:8.1f} ms   ({_spread(r0['rounds']['diloco'])})   "
               f"x{dl / comp:.3f} of compute-only; waited {r0['diloco_stats']['wait_s']:.2f} s over "
