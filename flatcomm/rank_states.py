@@ -54,17 +54,18 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 def kind_of(state: Any) -> str:
     """``"ddp"`` for a :class:`flatcomm.ddp.State`, ``"fsdp"`` for the FSDP backends
     (:class:`flatcomm.fsdp.ReduceScatter`, :class:`flatcomm.fsdp.FSDP1State`), ``"diloco"`` for a
-    :class:`flatcomm.diloco.DiLoCo` (its residuals and any sync in flight differ per replica)."""
+    :class:`flatcomm.diloco.DiLoCo` (its residuals and any sync in flight differ per replica) or a
+    :class:`flatcomm.diloco.ReplicaState` (the same with the replica's model and inner optimizer)."""
     from . import ddp, diloco, fsdp
 
     if isinstance(state, ddp.State):
         return "ddp"
     if isinstance(state, (fsdp.ReduceScatter, fsdp.FSDP1State)):
         return "fsdp"
-    if isinstance(state, diloco.DiLoCo):
+    if isinstance(state, (diloco.DiLoCo, diloco.ReplicaState)):
         return "diloco"
-    raise TypeError(f"flatcomm.rank_states: expected a flatcomm.ddp.State, a flatcomm.fsdp backend or a "
-                    f"flatcomm.diloco.DiLoCo, got {type(state).__name__}")
+    raise TypeError(f"flatcomm.rank_states: expected a flatcomm.ddp.State, a flatcomm.fsdp backend, a "
+                    f"flatcomm.diloco.DiLoCo or ReplicaState, got {type(state).__name__}")
 
 
 def _to_cpu(x: Any) -> Any:
@@ -234,9 +235,7 @@ def _check_own_load(state: Any, kind: str, sd: dict, r: int, allow_codec_change:
 
         checkpoint.check_state_dict(state, sd, rank=r, allow_codec_change=allow_codec_change)
     else:
-        from .diloco import checkpoint as diloco_checkpoint
-
-        diloco_checkpoint.check_state_dict(state, sd["diloco"])
+        state.check_state_dict(sd["diloco"])  # a DiLoCo or a ReplicaState
 
 
 def _check_parts(state: Any, kind: str, ranks: List[dict], group, *, same_world: bool,

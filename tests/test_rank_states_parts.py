@@ -3,8 +3,9 @@
 Every rank holds the whole gathered container, so a corrupt part (swapped, duplicated, missing, of
 another world size or kind, a wrong rank field, a NaN in another rank's residual) must make every
 rank raise, and leave every rank's state as it was: a load that succeeds on one rank and fails on
-another leaves the ranks with different states. 2 gloo ranks, DDP (int8), FSDP2 (int8) and DiLoCo
-(int4 with error feedback, two fragments, one sync in flight at the save).
+another leaves the ranks with different states. 2 gloo ranks, DDP (int8), FSDP2 (int8), DiLoCo
+(int4 with error feedback, two fragments, one sync in flight at the save) and a DiLoCo replica's
+whole state (flatcomm.diloco.ReplicaState: the DiLoCo state, the weights, the inner optimizer's).
 """
 from __future__ import annotations
 
@@ -68,6 +69,29 @@ def _diloco_cases(g: dict, ddp_part: dict) -> dict:
     }
 
 
+def _replica_cases(g: dict, ddp_part: dict) -> dict:
+    r0, r1 = g["ranks"]
+    sd = r1["diloco"]
+    w = next(iter(sd["model"]))
+    adam = sd["inner_optimizer"]
+    state0 = adam["state"][0]
+    return {
+        "swapped": {**g, "ranks": [r1, r0]},
+        "missing_part": {**g, "ranks": [r0, {}]},
+        "wrong_kind": {**g, "ranks": [r0, ddp_part]},
+        "outer_only": {**g, "ranks": [r0, {**r1, "diloco": sd["outer"]}]},
+        "nan_weight": {**g, "ranks": [r0, {**r1, "diloco": {**sd, "model": {
+            **sd["model"], w: torch.full_like(sd["model"][w], float("nan"))}}}]},
+        "weight_shape": {**g, "ranks": [r0, {**r1, "diloco": {**sd, "model": {**sd["model"], w: torch.zeros(3)}}}]},
+        "missing_weight": {**g, "ranks": [r0, {**r1, "diloco": {**sd, "model": {
+            k: v for k, v in sd["model"].items() if k != w}}}]},
+        "optimizer_state_shape": {**g, "ranks": [r0, {**r1, "diloco": {**sd, "inner_optimizer": {
+            **adam, "state": {**adam["state"], 0: {**state0, "exp_avg": torch.zeros(2)}}}}}]},
+        "optimizer_groups": {**g, "ranks": [r0, {**r1, "diloco": {**sd, "inner_optimizer": {
+            **adam, "param_groups": adam["param_groups"] * 2}}}]},
+    }
+
+
 def _diloco(seed: int = 0):
     from flatcomm.diloco import DiLoCo
 
@@ -87,7 +111,7 @@ def _diloco_step(net, opt, rank: int, t: int) -> None:
 def _try(state, bad) -> dict:
     from flatcomm import rank_states
 
-    before = state.state_dict()
+    before = copy.deepcopy(state.state_dict())  # (a ReplicaState's holds live tensors)
     try:
         rank_states.load_gathered_state_dict(state, bad)
         error = None
@@ -131,6 +155,23 @@ def _w(rank, world):
     for t in range(7, 12):
         _diloco_step(net2, opt2, rank, t)
     out["diloco_resumed"] = [p.detach() for p in net2.parameters()] , [p.detach() for p in net.parameters()]
+
+    from flatcomm.diloco import ReplicaState
+
+    net, opt, outer = _diloco()
+    for t in range(7):
+        _diloco_step(net, opt, rank, t)
+    rg = rank_states.gathered_state_dict(ReplicaState(outer, net, opt))
+    for t in range(7, 12):
+        _diloco_step(net, opt, rank, t)
+    net3, opt3, outer3 = _diloco(seed=1)
+    _diloco_step(net3, opt3, rank, 0)  # the optimizer has state of its own to keep or replace
+    replica = ReplicaState(outer3, net3, opt3)
+    out["replica"] = {name: _try(replica, bad) for name, bad in _replica_cases(rg, g["ranks"][1]).items()}
+    rank_states.load_gathered_state_dict(replica, rg)  # weights, optimizer and DiLoCo state in one load
+    for t in range(7, 12):
+        _diloco_step(net3, opt3, rank, t)
+    out["replica_resumed"] = [p.detach() for p in net3.parameters()], [p.detach() for p in net.parameters()]
     return out
 
 
@@ -146,10 +187,12 @@ FSDP_CASES = ["swapped", "duplicated", "missing", "missing_part", "wrong_world_s
 
 
 DILOCO_CASES = FSDP_CASES
+REPLICA_CASES = ["swapped", "missing_part", "wrong_kind", "outer_only", "nan_weight", "weight_shape", "missing_weight",
+                 "optimizer_state_shape", "optimizer_groups"]
 
 
 @pytest.mark.parametrize("kind,case", [("ddp", c) for c in DDP_CASES] + [("fsdp", c) for c in FSDP_CASES]
-                         + [("diloco", c) for c in DILOCO_CASES])
+                         + [("diloco", c) for c in DILOCO_CASES] + [("replica", c) for c in REPLICA_CASES])
 def test_a_corrupt_part_fails_on_every_rank_and_changes_nothing(ranks, kind, case):
     for rank, r in enumerate(ranks):
         got = r[kind][case]
@@ -160,9 +203,12 @@ def test_a_corrupt_part_fails_on_every_rank_and_changes_nothing(ranks, kind, cas
 
 def test_diloco_state_gathered_on_every_rank_resumes_bit_for_bit(ranks):
     """Each replica's DiLoCo state (residuals, a sync in flight) comes back to that replica from the
-    one gathered container and the run continues with the uninterrupted run's bits."""
+    one gathered container and the run continues with the uninterrupted run's bits; with a
+    ReplicaState, the weights and the inner optimizer come back in the same load."""
     for rank, r in enumerate(ranks):
-        resumed, straight = r["diloco_resumed"]
-        assert len(resumed) == len(straight) == 4
-        for a, b in zip(resumed, straight):
-            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"rank {rank}: the resumed run differs"
+        for key in ("diloco_resumed", "replica_resumed"):
+            resumed, straight = r[key]
+            assert len(resumed) == len(straight) == 4
+            for a, b in zip(resumed, straight):
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"rank {rank}: {key} differs"
+

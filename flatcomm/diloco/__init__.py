@@ -13,6 +13,7 @@ See docs/diloco.md for when it pays off, the options and the measurements.
 """
 from .checkpoint import STATE_DICT_VERSION
 from .outer import DiLoCo, FragmentStats
+from .replica_state import ReplicaState
 from .schedule import Schedule, split
 
-__all__ = ["DiLoCo", "FragmentStats", "STATE_DICT_VERSION", "Schedule", "split"]
+__all__ = ["DiLoCo", "FragmentStats", "ReplicaState", "STATE_DICT_VERSION", "Schedule", "split"]

@@ -227,6 +227,10 @@ class DiLoCo:
         :mod:`flatcomm.diloco.checkpoint`."""
         return checkpoint.state_dict(self)
 
+    def check_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Raise as :meth:`load_state_dict` would for ``sd`` on this replica; changes nothing."""
+        checkpoint.check_state_dict(self, sd)
+
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Load on every replica or on none (a collective of the outer group)."""
         checkpoint.load_state_dict(self, sd)

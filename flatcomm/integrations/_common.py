@@ -27,3 +27,34 @@ def register(model: torch.nn.Module, codec: Any, options: Dict[str, Any], fsdp_m
     raise TypeError(f"flatcomm: the framework's model is a {type(model).__name__}, neither "
                     f"DistributedDataParallel nor fully_shard-ed (FSDP2): nothing to register on. Run with "
                     f"more than one process and a DDP or FSDP2 strategy")
+
+
+def _local_gradients(_, bucket):
+    # Each rank is its own DiLoCo replica: DDP keeps this rank's gradient (no all-reduce, no division).
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def diloco_replica(wrapped: torch.nn.Module, module: torch.nn.Module, optimizer: Any, options: Dict[str, Any]):
+    """A :class:`flatcomm.diloco.ReplicaState` of a new DiLoCo on ``module`` (the model a framework
+    wrapped as ``wrapped``) trained by ``optimizer``: every rank is one replica. A
+    ``DistributedDataParallel`` ``wrapped`` keeps its local gradients from now on (DiLoCo syncs
+    every ``sync_every`` steps instead of DDP every step)."""
+    from .. import diloco
+
+    if fsdp_root(module) is not None:
+        raise TypeError("flatcomm: the framework adapters run DiLoCo with every rank its own replica (a DDP or "
+                        "plain model); an FSDP2 replica syncs its shards over a group of its own: build "
+                        "flatcomm.diloco.DiLoCo(model, opt, group=mesh['replicate'].get_group(), ...) and "
+                        "checkpoint flatcomm.diloco.ReplicaState with flatcomm.rank_states")
+    inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps the torch one
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"flatcomm: DiLoCo needs the framework's torch optimizer, got {type(optimizer).__name__}")
+    if "group" in options:
+        raise ValueError("flatcomm: the framework adapters make every rank a DiLoCo replica of the world; "
+                         "group= is for flatcomm.diloco.DiLoCo used directly (topology= is taken)")
+    if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        wrapped.register_comm_hook(None, _local_gradients)
+    outer = diloco.DiLoCo(module, inner, **options)
+    return diloco.ReplicaState(outer, module, inner)

@@ -25,6 +25,16 @@ dict on every rank) into the checkpoint. On ``fit(ckpt_path=...)`` each rank tak
 resharded total (:func:`flatcomm.rank_states.load_gathered_state_dict`). Lightning restores
 callbacks before ``DDPStrategy`` wraps the model, so the state is kept until ``on_fit_start``
 registers flatcomm and loaded then; ``ModelParallelStrategy`` restores after, and it loads at once.
+
+**DiLoCo.** :class:`DiLoCoCallback` trains every rank as its own DiLoCo replica
+(:class:`flatcomm.diloco.DiLoCo` on the LightningModule and its one optimizer, made at
+``on_fit_start``): DDP's gradient all-reduce is replaced by a hook that keeps the local gradient,
+and the replicas sync every ``sync_every`` steps. Lightning saves the model and the optimizer from
+rank 0 only, and between syncs each replica's differ, so the callback's checkpoint state is every
+rank's :class:`flatcomm.diloco.ReplicaState` (DiLoCo state, weights, optimizer state), loaded at
+``on_train_start``, after Lightning restored rank 0's model and optimizer: every replica resumes bit
+for bit, also from a checkpoint taken with a fragment's sync in flight. ``DDPStrategy`` only (an
+FSDP2 replica needs a group of its own: use :class:`flatcomm.diloco.DiLoCo` directly).
 """
 from __future__ import annotations
 
@@ -35,7 +45,7 @@ import lightning.pytorch as pl
 from .. import rank_states
 from . import _common
 
-__all__ = ["FlatcommCallback"]
+__all__ = ["DiLoCoCallback", "FlatcommCallback"]
 
 
 class FlatcommCallback(pl.Callback):
@@ -82,3 +92,53 @@ class FlatcommCallback(pl.Callback):
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if self.state is not None and hasattr(self.state, "wait"):
             self.state.wait()  # nothing of the hook in flight once fit returns
+
+
+class DiLoCoCallback(pl.Callback):
+    """Every rank a DiLoCo replica of the fit; checkpoints every replica's whole state.
+
+    **options: :class:`flatcomm.diloco.DiLoCo`'s (``sync_every=`` is required; ``codec=``,
+        ``fragments=``, ``fragment_sync_delay=``, ``verify_every=``, ...), but not ``group=``.
+    ``callback.outer`` is the DiLoCo (``stats``) from ``on_fit_start`` on.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        if "sync_every" not in options:
+            raise TypeError("flatcomm: DiLoCoCallback needs sync_every= (inner steps between two syncs)")
+        self.options = options
+        self.replica: Optional[Any] = None  # flatcomm.diloco.ReplicaState, from on_fit_start
+        self._pending: Optional[Dict[str, Any]] = None
+
+    @property
+    def outer(self) -> Optional[Any]:
+        return self.replica.outer if self.replica is not None else None
+
+    @property
+    def state_key(self) -> str:
+        return "flatcomm_diloco"
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"flatcomm: DiLoCoCallback needs exactly one optimizer, the LightningModule "
+                             f"configured {len(trainer.optimizers)}")
+        wrapped = trainer.strategy.model
+        self.replica = _common.diloco_replica(wrapped if wrapped is not None else pl_module, pl_module,
+                                              trainer.optimizers[0], self.options)
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # After Lightning restored rank 0's model and optimizer: each replica takes its own back.
+        if self._pending is not None and self.replica is not None:
+            pending, self._pending = self._pending, None
+            rank_states.load_gathered_state_dict(self.replica, pending)
+
+    def state_dict(self) -> Dict[str, Any]:
+        if self.replica is None:
+            return {}
+        return {"gathered": rank_states.gathered_state_dict(self.replica)}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._pending = rank_states.check_gathered(state_dict.get("gathered"))
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if self.replica is not None:
+            self.replica.outer.close()  # a sync in flight finished; the optimizer's hook removed
