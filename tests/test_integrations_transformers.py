@@ -106,3 +106,47 @@ def test_trainer_ddp(tmp_path):
     assert sum(losses[-3:]) < 0.5 * sum(losses[:3]), losses
     assert abs(sum(losses[-3:]) - sum(plain[-3:])) < 0.1 * sum(plain[-3:]), (losses, plain)
     assert torch.equal(r0["int8"], r1["int8"])
+
+
+def _run_diloco(rank, world, tmp):
+    """Every rank a DiLoCo replica (H=4, 2 fragments, delay 1, AdamW with warm-up and cosine decay),
+    a checkpoint every step; resumed from checkpoint-4 (fragment 0's sync in flight) and
+    checkpoint-5 (just after it was applied) to step 10."""
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")
+    from transformers import Trainer, TrainingArguments
+
+    from flatcomm.integrations.transformers import DILOCO_FILE, register_diloco
+
+    def train(name, resume=None):
+        args = TrainingArguments(output_dir=os.path.join(tmp, name), use_cpu=True, per_device_train_batch_size=8,
+                                 max_steps=STEPS, learning_rate=1e-2, lr_scheduler_type="cosine", warmup_steps=2,
+                                 weight_decay=0.1, adam_beta2=0.95, save_strategy="steps", save_steps=1,
+                                 logging_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+                                 ddp_backend="gloo", dataloader_num_workers=0)
+        model = _Net()
+        trainer = Trainer(model=model, args=args, train_dataset=_Data())
+        cb = register_diloco(trainer, sync_every=4, fragments=2, fragment_sync_delay=1, codec="int4", verify_every=1)
+        trainer.train(resume_from_checkpoint=resume)
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone(), cb.outer.stats
+
+    out = {}
+    out["full"], st = train("full")
+    out["syncs"] = st["syncs"]
+    for step in (4, 5):
+        ck = os.path.join(tmp, "full", f"checkpoint-{step}")
+        if rank == 0:
+            out[f"saved_{step}"] = [p["diloco"]["outer"]["in_flight"] is not None for p in
+                                    torch.load(os.path.join(ck, DILOCO_FILE), weights_only=True)["ranks"]]
+        out[step], _ = train(f"from{step}", resume=ck)
+    return out
+
+
+def test_trainer_diloco_resumes_every_replica(tmp_path):
+    r0, r1 = spawn.run(2, _run_diloco, str(tmp_path), timeout_s=150)
+    assert not torch.equal(r0["full"], r1["full"]), "the replicas trained alike: DDP still all-reduced"
+    assert r0["syncs"] == r1["syncs"] == 4  # fragment 1 at 2, 6, 10 (in flight at the end); fragment 0 at 4, 8
+    assert r0["saved_4"] == [True, True] and r0["saved_5"] == [False, False]
+    for r in (r0, r1):
+        for step in (4, 5):
+            assert torch.equal(r[step].view(torch.int32), r["full"].view(torch.int32)), f"resume from {step} differs"
