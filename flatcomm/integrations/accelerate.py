@@ -19,6 +19,18 @@ every rank's state (:func:`flatcomm.rank_states.gathered_state_dict`: ``save_sta
 rank) and loads this rank's part (same world size: bit for bit; DDP at another world size: resharded).
 Register flatcomm before ``load_state``, and in the same order among the other registered objects
 as in the run that saved (Accelerate matches custom objects by position).
+
+**DiLoCo.** :func:`register_diloco` makes every rank its own DiLoCo replica::
+
+    model, opt = accelerator.prepare(model, opt)
+    outer = register_diloco(accelerator, model, opt, sync_every=50)   # a flatcomm.diloco.DiLoCo
+
+A prepared ``DistributedDataParallel`` keeps its local gradients from then on (DiLoCo syncs every
+``sync_every`` steps instead; an unprepared model needs nothing). Accelerate saves the model and the
+optimizer from the main process only and between syncs every replica's differ, so the registered
+object is every rank's :class:`flatcomm.diloco.ReplicaState` (DiLoCo state, weights, optimizer
+state); ``load_state`` loads custom objects after the model and the optimizer, so each replica
+ends with its own and continues bit for bit.
 """
 from __future__ import annotations
 
@@ -30,7 +42,7 @@ import torch
 from .. import rank_states
 from . import _common
 
-__all__ = ["RankStates", "register"]
+__all__ = ["RankStates", "register", "register_diloco"]
 
 
 class RankStates:
@@ -59,3 +71,14 @@ def register(accelerator: Any, model: torch.nn.Module, codec: Any = "int8", **op
     state = _common.register(model, codec, options)
     accelerator.register_for_checkpointing(RankStates(state))
     return state
+
+
+def register_diloco(accelerator: Any, model: torch.nn.Module, optimizer: Any, **options: Any) -> Any:
+    """A :class:`flatcomm.diloco.DiLoCo` on ``model`` (as ``accelerator.prepare`` returned it, or
+    unprepared) trained by ``optimizer`` (prepared or not), every rank a replica, checkpointed with
+    ``accelerator``. options: :class:`flatcomm.diloco.DiLoCo`'s (``sync_every=`` required), not ``group=``.
+    """
+    module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    replica = _common.diloco_replica(model, module, optimizer, options)
+    accelerator.register_for_checkpointing(RankStates(replica))
+    return replica.outer
