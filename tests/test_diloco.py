@@ -64,19 +64,32 @@ def test_schedule_fragment_i_syncs_at_i_h_over_k():
         assert _expect(lambda: Schedule(*bad), ValueError, word) == ""
 
 
-def test_split_contiguous_about_equal_and_modules():
+def test_split_equal_runs_of_values_and_modules():
     net = torch.nn.Sequential(*[torch.nn.Linear(10, 10) for _ in range(4)])
     named = list(net.named_parameters())
-    parts = split(named, 4)
-    assert [[n for n, _ in p] for p in parts] == [[f"{i}.weight", f"{i}.bias"] for i in range(4)]
-    assert [len(p) for p in split(named, 8)] == [1] * 8
-    assert sum(len(p) for p in split(named, 3)) == 8
+    parts = split(named, 4)  # the cuts fall on parameter boundaries: whole parameters
+    assert [[x.label for x in p] for p in parts] == [[f"{i}.weight", f"{i}.bias"] for i in range(4)]
+    for k in (3, 7, 8, 440):
+        parts = split(named, k)
+        sizes = [sum(x.stop - x.start for x in p) for p in parts]
+        assert len(parts) == k and sum(sizes) == 440 and max(sizes) - min(sizes) <= 2 * 440 // (16 * k) + 1, sizes
+        flat = [(x.name, i) for p in parts for x in p for i in range(x.start, x.stop)]
+        assert flat == [(n, i) for n, q in named for i in range(q.numel())]  # every value once, in order
+    assert [x.label for x in split(named, 8)[0]] == ["0.weight[0:55]"]
+    # an MLP of a few large matrices: equal fragments, not 10.6M / 4.6K / 10.6M / 5.3M
+    big = torch.nn.Sequential(torch.nn.Linear(230, 460), torch.nn.Linear(460, 230), torch.nn.Linear(230, 230))
+    sizes = [sum(x.stop - x.start for x in p) for p in split(list(big.named_parameters()), 4)]
+    assert max(sizes) - min(sizes) <= 1, sizes
+    odd = torch.nn.Linear(10, 10)
+    odd.weight = torch.nn.Parameter(torch.randn(10, 10).t())  # non-contiguous: never cut
+    assert [x.label for p in split(list(odd.named_parameters()), 2) for x in p] == ["weight", "bias"]
     mods = split(named, [net[0], net[1], torch.nn.ModuleList([net[2], net[3]])])
     assert [len(p) for p in mods] == [2, 2, 4]
     assert _expect(lambda: split(named, [net[0], torch.nn.ModuleList([net[0], net[1]]), net[2], net[3]]),
                    ValueError, "0.weight", "one fragment") == ""
     assert _expect(lambda: split(named, [net[0], net[1]]), ValueError, "no fragment", "2.weight") == ""
-    assert _expect(lambda: split(named, 9), ValueError, "only 8") == ""
+    assert _expect(lambda: split(named, 441), ValueError, "only 440") == ""
+    assert _expect(lambda: split(list(odd.named_parameters()), 3), ValueError, "non-contiguous") == ""
 
 
 # ---- float64 reference ---------------------------------------------------------------------------

@@ -86,7 +86,9 @@ def _sharded(rank, world):
         else:
             model = net
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        outer = DiLoCo(model, opt, sync_every=H, codec="fp32", fragments=2, fragment_sync_delay=1,
+        # fragments=2 cuts each rank's own values in halves: an FSDP2 shard's halves hold other
+        # values than a whole replica's, and sync at other steps. By modules, every layout agrees.
+        outer = DiLoCo(model, opt, sync_every=H, codec="fp32", fragments=[net[0], net[2]], fragment_sync_delay=1,
                        group=outer_group, verify_every=1)
         for t in range(STEPS):
             opt.zero_grad()
@@ -97,6 +99,13 @@ def _sharded(rank, world):
         full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
         results[kind] = (torch.cat([p.detach().reshape(-1) for p in full]), outer.syncs,
                          sum(f.numel for f in outer.fragments))
+        outer.close()
+        if kind == "fsdp2":  # fragments=k on a shard: k equal runs of this rank's values
+            fresh = fully_shard(_net(), mesh=mesh["shard"])
+            halves = DiLoCo(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), sync_every=H, codec="fp32",
+                            fragments=2, group=outer_group)
+            results["fsdp2_halves"] = [f.numel for f in halves.fragments]
+            halves.close()
     return results
 
 
@@ -111,4 +120,6 @@ def test_ddp_and_fsdp2_replicas_match_a_plain_replica():
             assert s == syncs
             assert (w - ref).abs().max() < 1e-5, f"rank {rank} {kind}: differs from a plain replica"
         assert per["fsdp2"][2] < n, "FSDP2: the outer sync did not run on the local shards"
+        a, b = per["fsdp2_halves"]
+        assert a + b == per["fsdp2"][2] and abs(a - b) <= 1, per["fsdp2_halves"]
         assert torch.equal(per["ddp"][0], res[rank - rank % 2]["ddp"][0]), "DDP: a replica's ranks differ"

@@ -104,10 +104,10 @@ def _configure(model, sync_every, codec, mode, outer_lr, outer_momentum, nestero
                          "encoded payloads); drop topology= or use codec='fp32'")
     frags = []
     for i, part in enumerate(split(named, fragments)):
-        bad = [n for n, p in part if local_tensor(p).dtype not in (torch.float32, torch.bfloat16, torch.float16)]
+        bad = [x.name for x in part if local_tensor(x.param).dtype not in (torch.float32, torch.bfloat16, torch.float16)]
         if bad:
             raise TypeError(f"flatcomm.diloco: parameter {bad[0]!r} is not a floating-point tensor")
-        numel = sum(local_tensor(p).numel() for _, p in part)
+        numel = sum(x.stop - x.start for x in part)
         frags.append(Fragment(i, part, plan.residual_shapes(numel), residual_dtype))
     return Config(schedule, plan, frags, lr, mu, nesterov, a, verify_every)
 

@@ -19,13 +19,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .schedule import Piece, local_tensor
+
 __all__ = ["Fragment", "Workspace", "local_tensor", "outer_step"]
-
-
-def local_tensor(p: torch.Tensor) -> torch.Tensor:
-    """This rank's values of a parameter: a DTensor's local shard (written in place), else itself."""
-    local = getattr(p, "_local_tensor", None)  # torch.distributed.tensor.DTensor
-    return local if isinstance(local, torch.Tensor) else p
 
 
 class Workspace:
@@ -57,20 +53,21 @@ def outer_step(master: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor
 
 
 class Fragment:
-    """The parameters of one fragment (name, local tensor) and their outer state."""
+    """The values of one fragment (pieces of this rank's local tensors) and their outer state."""
 
-    def __init__(self, index: int, named: Sequence[Tuple[str, torch.Tensor]], residual_shapes: Sequence[int],
+    def __init__(self, index: int, pieces: Sequence[Piece], residual_shapes: Sequence[int],
                  residual_dtype: torch.dtype) -> None:
         self.index = index
-        self.names = [n for n, _ in named]
-        self.tensors = [local_tensor(p) for _, p in named]
+        self.names = [p.label for p in pieces]
+        self.tensors = [local_tensor(p.param) for p in pieces]
+        self.ranges = [(p.start, p.stop) for p in pieces]
         devices = {t.device for t in self.tensors}
         if len(devices) != 1:
             raise ValueError(f"flatcomm.diloco: fragment {index} has parameters on {sorted(map(str, devices))}; "
                              f"one device per fragment")
         self.device = devices.pop()
         self.state_device = torch.device("cpu") if self.device.type == "cuda" else self.device
-        self.sizes = [t.numel() for t in self.tensors]
+        self.sizes = [b - a for a, b in self.ranges]
         self.numel = sum(self.sizes)
         pin = self.state_device.type == "cpu" and self.device.type == "cuda"
         self.master = torch.empty(self.numel, dtype=torch.float32, device=self.state_device, pin_memory=pin)
@@ -82,11 +79,16 @@ class Fragment:
 
     # ---- weights <-> flat buffers -------------------------------------------------------------------
 
+    def _values(self) -> List[torch.Tensor]:
+        """Each piece's current values, flat (views, written in place: a cut parameter is
+        contiguous, see :func:`flatcomm.diloco.split`; a whole non-contiguous one is a copy)."""
+        return [t.detach().reshape(-1)[a:b] for t, (a, b) in zip(self.tensors, self.ranges)]
+
     def gather(self) -> torch.Tensor:
         """The fragment's current local weights as one flat fp32 tensor on the parameters' device."""
         flat = torch.empty(self.numel, dtype=torch.float32, device=self.device)
-        for t, piece in zip(self.tensors, flat.split(self.sizes)):
-            piece.copy_(t.detach().reshape(-1))
+        for now, piece in zip(self._values(), flat.split(self.sizes)):
+            piece.copy_(now)
         return flat
 
     def save_master(self) -> None:
@@ -99,10 +101,9 @@ class Fragment:
         master rounded to the parameters' dtypes (so a bf16 model's pseudo-gradient holds its inner
         steps only, not the rounding of the master)."""
         m = self.master.to(self.device, non_blocking=True)
-        for t, src, dst in zip(self.tensors, m.split(self.sizes), out.split(self.sizes)):
-            now = t.detach().reshape(-1)
-            if t.dtype != torch.float32:
-                dst.copy_(src.to(t.dtype)).sub_(now)
+        for now, src, dst in zip(self._values(), m.split(self.sizes), out.split(self.sizes)):
+            if now.dtype != torch.float32:
+                dst.copy_(src.to(now.dtype)).sub_(now)
             else:
                 torch.sub(src, now, out=dst)
         return out
@@ -111,12 +112,14 @@ class Fragment:
         """Parameters := the new master, mixed with the local weights by ``alpha`` (torchft's
         ``fragment_update_alpha``: ``p = master + alpha * (local - master)``)."""
         m = master.to(self.device, non_blocking=True)
-        for t, src in zip(self.tensors, m.split(self.sizes)):
-            src = src.view(t.shape)
+        for t, now, src in zip(self.tensors, self._values(), m.split(self.sizes)):
             if alpha:
-                src = src.lerp(t.detach().float(), alpha)
+                src = src.lerp(now.float(), alpha)
             with torch.no_grad():
-                t.copy_(src)
+                if t.is_contiguous():
+                    now.copy_(src)  # a view of the parameter
+                else:  # whole (never cut): write through its shape
+                    t.copy_(src.view(t.shape))
 
     # ---- residuals ----------------------------------------------------------------------------------
 
