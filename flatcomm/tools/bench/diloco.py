@@ -17,7 +17,10 @@ this machine's kernel has no netem, so no delay): each replica is a node of one 
   apart wait for each other at DiLoCo's syncs, and a compute-only run, never synced, would
   otherwise be timed by whichever replica got the faster core. Compute-only and DiLoCo alternate
   round by round and each keeps its fastest round (the machine is shared); the spread over rounds
-  is reported.
+  is reported. With ``--pin`` (the default when the machine has a core per replica) every thread
+  of replica r runs on core r, as a node has CPUs of its own: unpinned, the two replicas' compute
+  and comm threads share both cores and their steps drift apart by up to a second per 10 steps,
+  which DiLoCo's syncs turn into waits.
 * **torchft** (when ``import torchft`` works, e.g. ``PYTHONPATH`` holding torchft 0.2 and its
   opentelemetry dependencies): torchft's ``DiLoCo`` on the same link and model, fp32 pseudo-
   gradients (its ``should_quantize`` path imports triton, i.e. needs CUDA), one fragment, one
@@ -85,10 +88,18 @@ def _bytes_rank(rank: int, world: int, cfg: Dict[str, Any]) -> List[Dict[str, An
     return out
 
 
+def _pin(rank: int) -> None:
+    """Every thread of this process (gloo's included) onto core ``rank``; new threads inherit it."""
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), {rank % (os.cpu_count() or 1)})
+
+
 def _time_rank(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     from flatcomm.diloco import DiLoCo
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if cfg["pin"]:
+        _pin(rank)
     h, batch = cfg["sync_every"], cfg["batch"]
     models = {}
     for name in ("compute", "diloco"):
@@ -229,6 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--syncs", type=int, default=2)
     ap.add_argument("--replicas", default="2,4")
     ap.add_argument("--codecs", default="fp32,int8,int4,sign")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2,
+                    help="each replica's threads on a core of its own (time)")
     ap.add_argument("--skip", default="", help="comma-separated: bytes, time, torchft")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -253,7 +266,7 @@ def main(argv=None) -> int:
                       f"{rows[0][i]['flatcomm_wire_bytes_per_sync'] / rows[0][i]['params']:.3f})", flush=True)
     if "time" not in skip:
         cfg = {"params": a.params, "batch": a.batch, "sync_every": a.sync_every, "rounds": a.rounds,
-               "ddp_steps": a.ddp_steps}
+               "ddp_steps": a.ddp_steps, "pin": a.pin}
         with Link(2, a.link) as link:
             res = link.run(2, _time_rank, cfg, timeout_s=1800)
         r0 = res[0]
@@ -261,15 +274,18 @@ def main(argv=None) -> int:
         r0["rounds"] = {k: [max(r["rounds"][k][i] for r in res) for i in range(len(r0["rounds"][k]))]
                         for k in r0["rounds"]}  # the slower replica's time, round by round
         comp, dl, ddp = min(r0["rounds"]["compute"]), min(r0["rounds"]["diloco"]), statistics.median(r0["ddp"])
-        out["time"] = {**r0, "compute_s": comp, "diloco_s": dl, "ddp_s": ddp,
-                       "diloco_vs_compute": dl / comp, "diloco_vs_ddp": dl / ddp}
+        median = statistics.median(r0["rounds"]["diloco"]) / statistics.median(r0["rounds"]["compute"])
+        out["time"] = {**r0, "compute_s": comp, "diloco_s": dl, "ddp_s": ddp, "diloco_vs_compute": dl / comp,
+                       "diloco_vs_compute_median": median, "diloco_vs_ddp": dl / ddp}
         fr = r0["diloco_stats"]["fragments"]
+        waits = " and ".join(f"{r['diloco_stats']['wait_s']:.2f}" for r in res)
+        out["time"]["wait_s_per_replica"] = [r["diloco_stats"]["wait_s"] for r in res]
         print(f"\ninner step, {r0['params'] / 1e6:.1f}M params, 2 replicas, {a.link}, AdamW, batch {a.batch}, "
-              f"H={a.sync_every}, fragments=4, delay 1 (the slower replica's time, best of {a.rounds} rounds, "
-              f"spread in ms):")
+              f"H={a.sync_every}, fragments=4, delay 1{', a core per replica' if a.pin else ''} (the slower "
+              f"replica's time, best of {a.rounds} rounds, spread in ms):")
         print(f"  compute only     {comp * 1e3:8.1f} ms   ({_spread(r0['rounds']['compute'])})")
         print(f"  DiLoCo int4+EF   {dl * 1e3:8.1f} ms   ({_spread(r0['rounds']['diloco'])})   "
-              f"x{dl / comp:.3f} of compute-only; waited {r0['diloco_stats']['wait_s']:.2f} s over "
+              f"x{dl / comp:.3f} of compute-only (medians: x{median:.3f}); the replicas waited {waits} s over "
               f"{r0['diloco_stats']['syncs']} fragment syncs")
         print(f"  DDP every step   {ddp * 1e3:8.1f} ms   ({_spread(r0['ddp'])})   DiLoCo/DDP = {dl / ddp:.4f}")
         print(f"  fragment bytes per sync (flatcomm): {[round(f['bytes_per_sync'] / f['numel'], 3) for f in fr]} "
