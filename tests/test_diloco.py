@@ -358,6 +358,9 @@ def _fault(rank, world, how, flag, result):
     opt.register_step_post_hook(snapshot)
     outer = DiLoCo(net, opt, sync_every=4, codec="int4", fragments=2, fragment_sync_delay=tau)
     _train(net, opt, 5, rank)  # two syncs done (applied at 2 / 4, or 3 / 5)
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    peer = pids[1 - rank]
     if rank == 1:
         if how == "dies":
             _train(net, opt, 1, rank, start=5)  # starts fragment 1's all-reduce at step 6, then dies
@@ -366,6 +369,11 @@ def _fault(rank, world, how, flag, result):
         while not os.path.exists(flag) and time.monotonic() < deadline:
             time.sleep(0.1)
         return {}
+    if how == "dies":
+        # Rank 1's part of a tiny all-reduce could otherwise finish before it exits: let it die first.
+        deadline = time.monotonic() + 2 * FAULT_TIMEOUT_S
+        while _alive(peer) and time.monotonic() < deadline:
+            time.sleep(0.05)
     t0 = time.monotonic()
     err = ""
     try:
@@ -380,6 +388,14 @@ def _fault(rank, world, how, flag, result):
     torch.save(out, result)
     open(flag, "w").close()
     return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
 
 
 @pytest.mark.parametrize("how", ["stops", "dies"])
