@@ -236,7 +236,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.cupy:
                 print(f"\ncupy: {'ok' if cres.get('ok') else cres.get('skipped') or 'FAILED'}", flush=True)
         if args.collectives or args.self_test:
-            print("\n== collectives: streams, CUDA-aware futures, DDP hook (world size 1)", flush=True)
+            print("\n== collectives: streams, CUDA-aware futures, DDP hook, DiLoCo (world size 1)", flush=True)
             try:
                 kres = collectives_section(device, seed, max(args.max_seconds - (time.monotonic() - t_start), 20),
                                            self_test=args.self_test)

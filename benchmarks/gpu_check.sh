@@ -12,7 +12,7 @@
 #   4. cupy / NVRTC path, when cupy imports: gpu_check.py --cupy (NVRTC kernels vs CPU and vs the
 #      compiled kernels, bitwise; int8 encode+EF time of both) -> cupy_check.txt, cupy_check.json
 #   5. collectives over NCCL, world size 1 (<= 60 s): gpu_check.py --collectives (CUDA tensors vs CPU
-#      over gloo, bitwise; streams, CUDA-aware futures, a DDP step) -> collectives.txt, collectives.json
+#      over gloo, bitwise; streams, CUDA-aware futures, a DDP step, a DiLoCo run) -> collectives.txt, collectives.json
 #   6. compute-sanitizer memcheck on gpu_check.py --sanitize (tiny sizes, every op); racecheck and
 #      initcheck too when time is left -> sanitizer_<tool>.txt
 #   7. summary (also in summary.txt)

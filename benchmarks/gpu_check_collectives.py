@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.py --collectives: flatcomm.collectives on CUDA tensors over a world-size-1
 NCCL group against the same calls on CPU tensors over gloo, bitwise (streams, CUDA-aware futures, the
-DDP hook)."""
+DDP hook, a DiLoCo outer sync)."""
 from __future__ import annotations
 
 import time
@@ -236,6 +236,36 @@ def collectives_section(device: torch.device, seed: int, max_seconds: float, sel
 
         both_exchange_paths("DDP int8 hook, 3 steps [hook]", lambda label: compare(
             label, ddp_grads(device, dev_group), ddp_grads(torch.device("cpu"), cpu_group)))
+
+        # DiLoCo on the device's parameters (fp32 master pinned on the CPU, int8 + EF outer sync, two
+        # fragments, one in flight at the end, replicas verified): the weights and masters after 6
+        # inner SGD steps on the same dyadic batches must match the CPU run bitwise (the outer step
+        # runs on the CPU in both; the pseudo-gradient and the codec on the device).
+        def diloco_state(dev, group):
+            from flatcomm.diloco import DiLoCo
+
+            model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16))
+            with torch.no_grad():
+                for p, v in zip(model.parameters(), w):
+                    p.copy_(v)
+            model.to(dev)
+            opt = torch.optim.SGD(model.parameters(), lr=0.125)
+            outer = DiLoCo(model, opt, sync_every=4, codec="int8", fragments=2, fragment_sync_delay=1,
+                           group=group, verify_every=1)
+            for xb, tb in batches * 2:
+                opt.zero_grad()
+                (model(xb.to(dev)) * tb.to(dev)).sum().backward()
+                opt.step()
+            if outer.syncs != 2 or outer.pending is None:
+                raise RuntimeError(f"DiLoCo on {dev}: {outer.syncs} syncs applied and "
+                                   f"{'one' if outer.pending else 'none'} in flight, expected 2 and one")
+            state = outer.state_dict()  # drains the sync in flight
+            outer.close()
+            return ([p.detach().cpu().clone() for p in model.parameters()] + [f.master.clone() for f in outer.fragments]
+                    + [state["in_flight"]["delta"]])
+
+        both_exchange_paths("DiLoCo int8 +EF, 2 fragments, delay 1 [diloco]", lambda label: compare(
+            label, diloco_state(device, dev_group), diloco_state(torch.device("cpu"), cpu_group)))
     finally:
         groups.EXCHANGE_ALONE = False
         dist.destroy_process_group()

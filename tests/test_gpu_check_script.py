@@ -16,7 +16,7 @@ def test_gpu_check_self_test_passes():
     assert "encode+EF and decode of every codec: bitwise equal" in r.stdout
     # the collectives section runs too (gloo on CPU in place of NCCL: its harness and the CPU path)
     line = next((x for x in r.stdout.splitlines() if "collectives, cpu over gloo" in x), "")
-    assert " 0 failed, 0 skipped" in line and " 28 passed" in line, line or r.stdout[-3000:]
+    assert " 0 failed, 0 skipped" in line and " 30 passed" in line, line or r.stdout[-3000:]
 
 
 def test_gpu_check_shell_script_parses():
