@@ -216,12 +216,15 @@ def collectives_section(device: torch.device, seed: int, max_seconds: float, sel
         w = [dyadic((48, 64), 8), dyadic((48,), 8), dyadic((16, 48), 8), dyadic((16,), 8)]
         batches = [(dyadic((8, 64), 4), torch.randint(-2, 3, (8, 16), generator=g).float()) for _ in range(3)]
 
-        def ddp_grads(dev, group):
+        def model_on(dev):
             model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16))
             with torch.no_grad():
                 for p, v in zip(model.parameters(), w):
                     p.copy_(v)
-            model.to(dev)
+            return model.to(dev)
+
+        def ddp_grads(dev, group):
+            model = model_on(dev)
             net = torch.nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.01)
             st = fddp.register(net, "int8")
             grads = []
@@ -244,11 +247,7 @@ def collectives_section(device: torch.device, seed: int, max_seconds: float, sel
         def diloco_state(dev, group):
             from flatcomm.diloco import DiLoCo
 
-            model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16))
-            with torch.no_grad():
-                for p, v in zip(model.parameters(), w):
-                    p.copy_(v)
-            model.to(dev)
+            model = model_on(dev)
             opt = torch.optim.SGD(model.parameters(), lr=0.125)
             outer = DiLoCo(model, opt, sync_every=4, codec="int8", fragments=2, fragment_sync_delay=1,
                            group=group, verify_every=1)

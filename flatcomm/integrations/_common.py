@@ -54,7 +54,11 @@ def diloco_replica(wrapped: torch.nn.Module, module: torch.nn.Module, optimizer:
     if "group" in options:
         raise ValueError("flatcomm: the framework adapters make every rank a DiLoCo replica of the world; "
                          "group= is for flatcomm.diloco.DiLoCo used directly (topology= is taken)")
+    outer = diloco.DiLoCo(module, inner, **options)  # a configuration error raises before DDP changes
     if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
-        wrapped.register_comm_hook(None, _local_gradients)
-    outer = diloco.DiLoCo(module, inner, **options)
+        try:
+            wrapped.register_comm_hook(None, _local_gradients)
+        except BaseException:
+            outer.close()  # (DDP takes one hook: e.g. flatcomm's own DDP hook is registered already)
+            raise
     return diloco.ReplicaState(outer, module, inner)
