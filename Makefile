@@ -48,15 +48,10 @@ test-cpp:
 	cmake --build build-cmake -j2
 	ctest --test-dir build-cmake --output-on-failure -j2
 
-# Everything, with the 10 slowest tests of each shard listed (where the time goes), in two pytest
-# processes at once (every other test file each: one alone keeps 0.9 of the 2 cores busy, ~14.5
-# min). tests/test_nvrtc.py (CUDA source compiled by NVRTC, ~35 s) runs in `make cuda-check`.
-PYTEST_ALL = $(PY) -m pytest tests --durations=10 --ignore=tests/test_nvrtc.py
+# Everything, with the 20 slowest tests listed (where the time goes). tests/test_nvrtc.py (CUDA
+# source compiled by NVRTC, ~35 s) runs in `make cuda-check`, with the CUDA compile checks.
 test-py: build
-	@$(PYTEST_ALL) --shard 1/2 > build/pytest-shard-1.log 2>&1 & other=$$!; \
-	$(PYTEST_ALL) --shard 0/2; first=$$?; \
-	wait $$other; second=$$?; echo "---- pytest shard 1/2:"; cat build/pytest-shard-1.log; \
-	echo "pytest shards: rc $$first and $$second"; test $$first -eq 0 -a $$second -eq 0
+	$(PY) -m pytest tests --durations=20 --ignore=tests/test_nvrtc.py
 
 # The loop while editing (about 3 minutes on 2 cores): the single-process tests and a few multi-rank
 # smoke tests (markers: pyproject.toml). `make test` still runs everything.

@@ -49,28 +49,6 @@ SMOKE = (
 )
 
 
-def pytest_addoption(parser):
-    parser.addoption("--shard", default=None, metavar="I/N",
-                     help="run only the test files of shard I of N (every N-th of the sorted files, from the "
-                          "I-th): `make test` runs two shards at once, one core's worth each")
-
-
-def _keep_shard(config, items) -> None:
-    shard = config.getoption("--shard")
-    if not shard:
-        return
-    try:
-        i, n = (int(x) for x in shard.split("/"))
-        assert 0 <= i < n
-    except (ValueError, AssertionError):
-        raise pytest.UsageError(f"--shard takes I/N with 0 <= I < N, got {shard!r}") from None
-    files = sorted({item.nodeid.split("::")[0] for item in items})
-    mine = set(files[i::n])
-    keep = [item for item in items if item.nodeid.split("::")[0] in mine]
-    config.hook.pytest_deselected(items=[item for item in items if item.nodeid.split("::")[0] not in mine])
-    items[:] = keep
-
-
 def pytest_collection_modifyitems(config, items):
     """Mark a test ``multiprocess`` when it or a fixture of its module starts processes (found from
     the source, so a new test is marked without anyone remembering to), and ``smoke`` when
@@ -89,4 +67,3 @@ def pytest_collection_modifyitems(config, items):
         test_id = item.nodeid.rpartition("/")[2]
         if any(re.fullmatch(re.escape(pattern).replace(r"\*", ".*"), test_id) for pattern in SMOKE):
             item.add_marker(pytest.mark.smoke)
-    _keep_shard(config, items)
