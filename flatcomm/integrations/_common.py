@@ -46,8 +46,8 @@ def diloco_replica(wrapped: torch.nn.Module, module: torch.nn.Module, optimizer:
     if fsdp_root(module) is not None:
         raise TypeError("flatcomm: the framework adapters run DiLoCo with every rank its own replica (a DDP or "
                         "plain model); an FSDP2 replica syncs its shards over a group of its own: build "
-                        "flatcomm.diloco.DiLoCo(model, opt, group=mesh['replicate'].get_group(), ...) and "
-                        "checkpoint flatcomm.diloco.ReplicaState with flatcomm.rank_states")
+                        "flatcomm.diloco.DiLoCo(model, opt, group=mesh['replicate'].get_group(), ...) yourself "
+                        "and save each rank's own model and optimizer shards (docs/diloco.md, Frameworks)")
     inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps the torch one
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(f"flatcomm: DiLoCo needs the framework's torch optimizer, got {type(optimizer).__name__}")
