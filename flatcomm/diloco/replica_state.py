@@ -19,7 +19,6 @@ from typing import Any, Dict, Mapping
 import torch
 
 from .._training import checks as check
-from . import checkpoint
 
 __all__ = ["ReplicaState"]
 
@@ -49,7 +48,7 @@ class ReplicaState:
             fields = sorted(map(str, sd))[:6] if isinstance(sd, Mapping) else type(sd).__name__
             raise ValueError(f"flatcomm.diloco: a replica state has the fields outer, model and inner_optimizer; "
                              f"got {fields} (a DiLoCo state alone? load it with DiLoCo.load_state_dict)")
-        checkpoint.check_state_dict(self.outer, sd["outer"])
+        self.outer.check_state_dict(sd["outer"])
         self._check_model(sd["model"])
         self._check_optimizer(sd["inner_optimizer"])
 

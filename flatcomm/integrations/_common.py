@@ -36,6 +36,16 @@ def _local_gradients(_, bucket):
     return fut
 
 
+def check_diloco_options(options: Dict[str, Any]) -> Dict[str, Any]:
+    """``options`` for a DiLoCo of an adapter, checked when the adapter is made (not at the fit)."""
+    if "sync_every" not in options:
+        raise TypeError("flatcomm: DiLoCo needs sync_every= (inner steps between two syncs)")
+    if "group" in options:
+        raise ValueError("flatcomm: the framework adapters make every rank a DiLoCo replica of the world; "
+                         "group= is for flatcomm.diloco.DiLoCo used directly (topology= is taken)")
+    return options
+
+
 def diloco_replica(wrapped: torch.nn.Module, module: torch.nn.Module, optimizer: Any, options: Dict[str, Any]):
     """A :class:`flatcomm.diloco.ReplicaState` of a new DiLoCo on ``module`` (the model a framework
     wrapped as ``wrapped``) trained by ``optimizer``: every rank is one replica. A
@@ -51,9 +61,7 @@ def diloco_replica(wrapped: torch.nn.Module, module: torch.nn.Module, optimizer:
     inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps the torch one
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(f"flatcomm: DiLoCo needs the framework's torch optimizer, got {type(optimizer).__name__}")
-    if "group" in options:
-        raise ValueError("flatcomm: the framework adapters make every rank a DiLoCo replica of the world; "
-                         "group= is for flatcomm.diloco.DiLoCo used directly (topology= is taken)")
+    check_diloco_options(options)
     outer = diloco.DiLoCo(module, inner, **options)  # a configuration error raises before DDP changes
     if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
         try:

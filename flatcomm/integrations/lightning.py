@@ -103,9 +103,7 @@ class DiLoCoCallback(pl.Callback):
     """
 
     def __init__(self, **options: Any) -> None:
-        if "sync_every" not in options:
-            raise TypeError("flatcomm: DiLoCoCallback needs sync_every= (inner steps between two syncs)")
-        self.options = options
+        self.options = _common.check_diloco_options(options)
         self.replica: Optional[Any] = None  # flatcomm.diloco.ReplicaState, from on_fit_start
         self._pending: Optional[Dict[str, Any]] = None
 

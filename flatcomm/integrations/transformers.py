@@ -122,10 +122,8 @@ class DiLoCoCallback(_SavedPerRank):
     file = DILOCO_FILE
 
     def __init__(self, trainer: Any, *, missing_ok: bool = False, **options: Any) -> None:
-        if "sync_every" not in options:
-            raise TypeError("flatcomm: register_diloco needs sync_every= (inner steps between two syncs)")
         super().__init__(trainer, missing_ok=missing_ok)
-        self.options = options
+        self.options = _common.check_diloco_options(options)
 
     @property
     def outer(self) -> Optional[Any]:
