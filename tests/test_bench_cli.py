@@ -29,12 +29,12 @@ def _bench(tmp_path, *args, timeout=120):
         assert isinstance(r["step_s"], float) and r["step_s"] > 0
         assert isinstance(r["comm_s"], float) and r["comm_s"] >= 0 or r["name"] == "noop"
         assert isinstance(r["wire_bytes"], (int, float)) and r["wire_bytes"] >= 0
-    return doc, p.stdout
+    return doc, p.stdout, p.stderr
 
 
 def test_kernels_quick(tmp_path):
     png = tmp_path / "k.png"
-    doc, out = _bench(tmp_path, "kernels", "--quick", "--sizes", "64K", "--codecs", "int8,sign",
+    doc, out, err = _bench(tmp_path, "kernels", "--quick", "--sizes", "64K", "--codecs", "int8,sign",
                       "--reps", "2", "--no-ref", "--plot", str(png))
     names = {r["name"] for r in doc["results"]}
     assert {"int8", "sign", "copy_"} <= names
@@ -43,6 +43,12 @@ def test_kernels_quick(tmp_path):
     assert "int8" in out and "encode+EF" in out and " 64K " in out  # the table, sizes as written
     assert "[bench]" not in out and "Traceback" not in out  # progress goes to stderr
     assert all(r["min_s"] <= r["step_s"] <= r["max_s"] for r in doc["results"])
+    lines = [set(ln.split()) for ln in (out + err).splitlines()]
+    for r in doc["results"]:  # each result printed once (the table), not also as progress
+        words = {f"{r['step_s'] * 1e3:.3f}", *r["name"].split(), *r["op"].split()}
+        hits = [ln for ln in lines if words <= ln]
+        assert len(hits) == 1, (r, hits)
+    assert "copy_ 64K ..." in err and "encode+EF int8 64K ..." in err  # progress: what runs now
     try:
         import matplotlib  # noqa: F401
         assert png.stat().st_size > 0
@@ -51,7 +57,7 @@ def test_kernels_quick(tmp_path):
 
 
 def test_collectives_two_ranks(tmp_path):
-    doc, out = _bench(tmp_path, "collectives", "--quick", "--ranks", "2", "--sizes", "16K",
+    doc, out, err = _bench(tmp_path, "collectives", "--quick", "--ranks", "2", "--sizes", "16K",
                       "--codecs", "fp32,int8,auto")
     assert doc["world"] == 2 and doc["link"] is None
     names = {r["name"] for r in doc["results"]}
@@ -66,7 +72,7 @@ def test_collectives_two_ranks(tmp_path):
 
 
 def test_ddp_tiny(tmp_path):
-    doc, out = _bench(tmp_path, "ddp", "--quick", "--params", "2e5", "--hooks", "int8,int4,auto", "--timeout", "120")
+    doc, out, err = _bench(tmp_path, "ddp", "--quick", "--params", "2e5", "--hooks", "int8,int4,auto", "--timeout", "120")
     by = {r["name"]: r for r in doc["results"]}
     assert {"noop", "torch-allreduce", "int8", "int4", "auto"} <= set(by)
     assert by["int8"]["comm_ratio"] is not None and by["int8"]["comm_ratio"] > 0
@@ -77,7 +83,7 @@ def test_ddp_tiny(tmp_path):
 
 
 def test_fsdp_quick_with_auto(tmp_path):
-    doc, out = _bench(tmp_path, "fsdp", "--quick", "--codecs", "int8,auto", "--steps", "1", "--warmup", "1",
+    doc, out, err = _bench(tmp_path, "fsdp", "--quick", "--codecs", "int8,auto", "--steps", "1", "--warmup", "1",
                       "--timeout", "120")
     by = {r["name"]: r for r in doc["results"]}
     assert {"torch-reduce-scatter", "int8", "auto"} <= set(by)
@@ -89,3 +95,15 @@ def test_bad_link_refused(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "gbit" in p.stderr
 
+
+
+def test_backend_reports_progress(tmp_path):
+    """`bench backend` (tens of seconds at its defaults) says what it runs while it runs, on stderr."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "flatcomm.bench", "backend", "--ranks", "2", "--sizes", "4K",
+                        "--reps", "1", "--steps", "1", "--timeout", "120"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for step in ("2 ranks", "all_reduce 4KB", "reduce_scatter 4KB", "all_gather 4KB", "ddp steps", "fsdp2 steps"):
+        assert f"[bench] backend: {step}" in p.stderr, p.stderr
+    assert "[bench]" not in p.stdout and "all_reduce" in p.stdout  # the table alone on stdout

@@ -3,6 +3,8 @@ no traceback), every tool has --version, sizes read and print as 64K / 1M / 25M,
 repeat, and a noisy timing is flagged."""
 from __future__ import annotations
 
+import argparse
+import importlib
 import time
 
 import pytest
@@ -119,3 +121,39 @@ def test_kernel_table_columns_line_up():
     rows = [row, dict(row, op="ordered_sum W=4", name="ordered_sum W=4", vs_torch=None, wire_bytes=0)]
     lines = bench.table_kernels(rows).splitlines()
     assert lines[2].index(" 64K ") == lines[3].index(" 64K ") and len(lines[2]) == len(lines[3]) == len(lines[0])
+
+
+def _options_without_help(ap: argparse.ArgumentParser) -> list:
+    return [a.option_strings[0] for a in ap._actions
+            if a.option_strings and not isinstance(a, argparse._HelpAction) and not (a.help or "").strip()]
+
+
+def test_bench_help_lists_every_subcommand_and_every_option_has_help(capsys):
+    """`python -m flatcomm.bench --help` names every subcommand, also those with a CLI of their own
+    (backend, diloco, convergence); every option of every subcommand says what it does."""
+    ap = bench.build_parser()
+    sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == set(bench.COMMANDS) >= {"kernels", "collectives", "ddp", "scale", "fsdp",
+                                                       "backend", "diloco", "convergence"}
+    with pytest.raises(SystemExit) as e:
+        ap.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and all(c in out for c in bench.COMMANDS), out
+    assert not {name: _options_without_help(p) for name, p in sub.choices.items() if _options_without_help(p)}
+    for name in sub.choices:  # each subcommand's help renders (a stray % in a help text would raise)
+        with pytest.raises(SystemExit) as e:
+            ap.parse_args([name, "--help"])
+        assert e.value.code == 0 and capsys.readouterr().out.startswith("usage:")
+
+
+@pytest.mark.parametrize("name", ["backend", "convergence", "diloco"])
+def test_bench_own_cli_commands_share_the_listed_options(name, capsys):
+    """The commands main() hands to their module parse with the options --help lists, all with help."""
+    own = importlib.import_module(f"flatcomm.tools.bench.{name}").build_parser()
+    sub = next(a for a in bench.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert not _options_without_help(own)
+    listed = {s for a in sub.choices[name]._actions for s in a.option_strings}
+    assert {s for a in own._actions for s in a.option_strings} == listed
+    with pytest.raises(SystemExit) as e:
+        bench.main([name, "--help"])
+    assert e.value.code == 0 and f"python -m flatcomm.bench {name}" in capsys.readouterr().out

@@ -3,7 +3,7 @@
     python -m flatcomm.bench kernels     [--quick] [--sizes 1M,25M] [--codecs int8,int4] [--block-sizes]
     python -m flatcomm.bench collectives [--ranks N] [--link RATE[,DELAY]] [--sizes 1M] [--quick]
     python -m flatcomm.bench collectives --nodes N --ranks-per-node G --link 1gbit [--sizes 24M]
-    python -m flatcomm.bench scale       [--measured P.json ...] [--project 128x8] [--plot P.png]
+    python -m flatcomm.bench scale       [--measured P.json ...] [--project-nodes 128] [--project-gpus 8] [--plot P.png]
     python -m flatcomm.bench ddp         [--ranks N] [--link 1gbit] [--params 25e6] [--hooks ...]
     python -m flatcomm.bench fsdp        [--ranks N] [--link 1gbit] [--codecs default,int8]
     python -m flatcomm.bench fsdp --nodes N --ranks-per-node G --link 1gbit --weights int8,int4 [--param-dtype bf16]
@@ -48,7 +48,11 @@ from typing import Any, Callable, Dict, List, Optional
 from flatcomm.ops.codecs import CODECS
 from flatcomm.tools._cli import add_version, codecs, format_size, names, parse_size, positive, say, sizes
 
-COMMANDS = ("kernels", "collectives", "ddp", "fsdp", "scale")
+COMMANDS = ("kernels", "collectives", "ddp", "fsdp", "scale", "backend", "diloco", "convergence")
+# Commands with a CLI of their own (their modules' main); ``--help`` lists them through their add_arguments.
+OWN_CLI = {"backend": "the flatcomm backend vs gloo: collectives, a DDP and an FSDP2 step",
+           "diloco": "DiLoCo over a shaped slow link: bytes per sync, inner-step time (needs root)",
+           "convergence": "training runs per codec: held-out loss against torch's"}
 FIXED = CODECS
 # The team's targets for these numbers are in docs/bench/targets.md, not in users' tables.
 
@@ -671,7 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog="python -m flatcomm.bench", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(__doc__.split("\n")[2:8]))
+                                 epilog=__doc__.split("\n\n")[1])
     add_version(ap)
     sub = ap.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
@@ -701,7 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("collectives", parents=[common, dist_opts], help="flatcomm vs gloo collectives")
     c.add_argument("--sizes", type=sizes, help="fp32 element counts, comma separated (default 1M,25M; with --link 1M,4M)")
     c.add_argument("--codecs", type=names(lambda: (*codecs(), "auto"), "codec"), help="comma separated (default: all)")
-    c.add_argument("--reps", type=count, default=5)
+    c.add_argument("--reps", type=count, default=5, help="timed reps per collective (default 5; --quick 3)")
     c.add_argument("--no-exact", action="store_true", help="skip mode='exact'")
     c.add_argument("--nodes", type=positive(int), help="N namespaces ('nodes') of --ranks-per-node ranks each (needs --link)")
     c.add_argument("--ranks-per-node", type=positive(int), default=1, help="ranks per node with --nodes (default 1)")
@@ -711,13 +715,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("ddp", parents=[common, dist_opts], help="DDP comm hooks: comm time per step")
     d.add_argument("--nodes", type=positive(int), help="N namespaces of --ranks-per-node ranks (needs --link); "
                                                        "flatcomm hooks go two-level (topology from LOCAL_WORLD_SIZE)")
-    d.add_argument("--ranks-per-node", type=positive(int), default=1)
+    d.add_argument("--ranks-per-node", type=positive(int), default=1, help="ranks per node with --nodes (default 1)")
     d.add_argument("--auto-budget", choices=CODECS,
                    help="the auto hook's error budget (default sign; int8 = Tuner's default)")
     d.add_argument("--params", type=positive(float), default=25e6, help="MLP parameters (default 25e6)")
-    d.add_argument("--batch", type=count, default=32)
+    d.add_argument("--batch", type=count, default=32, help="samples per rank per step (default 32)")
     d.add_argument("--steps", type=count, help="timed steps per hook (default 4; --quick 2)")
-    d.add_argument("--warmup", type=count, default=2)
+    d.add_argument("--warmup", type=count, default=2, help="untimed steps per hook first (default 2)")
     d.add_argument("--rounds", type=count, help="repeat the hook list, keep the best (default 3; 2 with --link)")
     d.add_argument("--hooks", type=names(_hook_names, "hook"),
                    help="comma separated: noop, torch-allreduce, torch-quant-perchannel, torch-powersgd-r1, "
@@ -729,34 +733,40 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--codecs", type=codec_list, help="comma separated (default fp32,int8,int4,sign)")
     sc.add_argument("--kernel-numel", default=None,
                     help="values for the kernel probe (default: the measured file's largest size)")
-    sc.add_argument("--project-nodes", type=int, default=128)
+    sc.add_argument("--project-nodes", type=int, default=128, help="largest node count in the projection "
+                                                                   "(1, 2, 4, ... up to it; default 128)")
     sc.add_argument("--project-gpus", type=int, default=8, help="GPUs per node in the projection")
     sc.add_argument("--project-sizes", type=sizes, default=[25 << 20], help="fp32 values per all-reduce (default 25M)")
     sc.add_argument("--inter-gbps", type=float, default=PROJECT_INTER_GBPS, help="GB/s a node sends (default 8 x 400 Gbit/s)")
     sc.add_argument("--intra-gbps", type=float, default=PROJECT_INTRA_GBPS, help="GB/s per GPU inside a node (NVLink)")
-    sc.add_argument("--inter-latency-us", type=float, default=PROJECT_INTER_LATENCY_US)
-    sc.add_argument("--intra-latency-us", type=float, default=PROJECT_INTRA_LATENCY_US)
+    sc.add_argument("--inter-latency-us", type=float, default=PROJECT_INTER_LATENCY_US,
+                    help=f"latency between nodes, us (default {PROJECT_INTER_LATENCY_US:g})")
+    sc.add_argument("--intra-latency-us", type=float, default=PROJECT_INTRA_LATENCY_US,
+                    help=f"latency inside a node, us (default {PROJECT_INTRA_LATENCY_US:g})")
     sc.add_argument("--gpu-gbps", type=float, default=PROJECT_GPU_GBPS,
                     help="fp32 input GB/s of one GPU's flat pipeline per codec (assumed until measured)")
-    sc.add_argument("--gpu-reduce-gbps", type=float, default=PROJECT_GPU_REDUCE_GBPS)
+    sc.add_argument("--gpu-reduce-gbps", type=float, default=PROJECT_GPU_REDUCE_GBPS,
+                    help="fp32 input GB/s of one GPU's sum of received values (assumed; default "
+                         f"{PROJECT_GPU_REDUCE_GBPS:g})")
 
     f = sub.add_parser("fsdp", parents=[common, dist_opts], help="FSDP2 reduce-scatter: default vs codecs")
     f.add_argument("--codecs", type=names(lambda: ("default", *codecs(), "auto"), "codec"),
                    help="comma separated, 'default' = FSDP's own (default: default,fp32,int8,int4,sign,auto)")
     f.add_argument("--steps", type=count, help="timed steps (default 8; --quick 2)")
-    f.add_argument("--warmup", type=count, default=2)
+    f.add_argument("--warmup", type=count, default=2, help="untimed steps first (default 2)")
     importlib.import_module(".fsdp_steps", __name__).add_arguments(f)
+    for name, what in OWN_CLI.items():  # parsed by their own main (see main()); listed here for --help
+        own = sub.add_parser(name, help=what, description=what)
+        importlib.import_module(f".{name}", __name__).add_arguments(own)
     return ap
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["convergence"]:  # its own CLI: training runs, not timings
-        return importlib.import_module(".convergence", __name__).main(args[1:])
-    if args[:1] == ["backend"]:  # its own CLI: one spawn on init_process_group("flatcomm")
-        return importlib.import_module(".backend", __name__).main(args[1:])
-    if args[:1] == ["diloco"]:  # its own CLI: runs on its own links
-        return importlib.import_module(".diloco", __name__).main(args[1:])
+    # convergence: training runs, not timings; backend: one spawn on init_process_group("flatcomm");
+    # diloco: runs on links of its own. Each has its own CLI (also under --help via build_parser).
+    if args[:1] and args[0] in OWN_CLI:
+        return importlib.import_module(f".{args[0]}", __name__).main(args[1:])
     a = build_parser().parse_args(argv)
     t0 = time.perf_counter()
     import torch

@@ -18,7 +18,7 @@ import statistics
 import time
 from typing import Dict, List
 
-from flatcomm.tools._cli import parse_size
+from flatcomm.tools._cli import format_size, parse_size, say
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 VARIANTS = ("gloo", "ordered", "exact")
@@ -47,6 +47,8 @@ def _ops(groups: dict, sizes: List[int], reps: int, world: int) -> List[dict]:
     for nbytes in sizes:
         n = max(world, nbytes // 4 // world * world)
         for op in OPS:
+            if dist.get_rank() == 0:
+                say("bench", f"backend: {op} {format_size(4 * n)}B ...")
             x = torch.randn(n)
             out = torch.empty(n // world if op == "reduce_scatter" else n)
             src = x[:n // world].clone() if op == "all_gather" else x  # all_gather: n values out
@@ -75,6 +77,8 @@ def _steps(groups: dict, rank: int, steps: int) -> List[dict]:
     rows = []
     x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(rank))
     for kind in ("ddp", "fsdp2"):
+        if rank == 0:
+            say("bench", f"backend: {kind} steps ...")
         times: Dict[str, List[float]] = {}
         for v in VARIANTS:
             model = mlp()
@@ -136,24 +140,45 @@ def table(summaries: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of ``bench backend`` (on its own parser, or on ``bench --help``'s subparser).
+
+    Args:
+        ap: the parser to add them to.
+    """
+    from flatcomm.tools._cli import positive
+
+    ap.add_argument("--ranks", type=positive(int), default=4, help="ranks on the flatcomm backend (default 4)")
+    ap.add_argument("--sizes", default="4K,1M,100M", help="message bytes, comma separated (K/M suffixes; "
+                                                          "default 4K,1M,100M)")
+    ap.add_argument("--reps", type=positive(int), default=5,
+                    help="timed reps per op at least (small sizes: more; default 5)")
+    ap.add_argument("--steps", type=positive(int), default=3, help="timed DDP / FSDP2 steps per backend (default 3)")
+    ap.add_argument("--json", metavar="PATH", help="write the summaries and every rep's times here")
+    ap.add_argument("--timeout", type=positive(float), default=900.0,
+                    help="the process group's timeout, s (the whole run may take 60 s more; default 900)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m flatcomm.bench backend", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return ap
+
+
 def main(argv: List[str]) -> int:
     from flatcomm.tools import spawn
 
-    ap = argparse.ArgumentParser(prog="python -m flatcomm.bench backend", description=__doc__.split("\n")[0])
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--sizes", default="4K,1M,100M", help="message bytes, comma separated (K/M suffixes)")
-    ap.add_argument("--reps", type=int, default=5, help="timed reps per op at least (small sizes: more)")
-    ap.add_argument("--steps", type=int, default=3, help="timed DDP / FSDP2 steps per backend")
-    ap.add_argument("--json", help="write the summaries and every rep's times here")
-    ap.add_argument("--timeout", type=float, default=900.0)
-    a = ap.parse_args(argv)
+    a = build_parser().parse_args(argv)
     sizes = [parse_size(s) for s in a.sizes.split(",") if s]
     t0 = time.perf_counter()
+    say("bench", f"backend: {a.ranks} ranks, {len(sizes)} sizes x {len(OPS)} ops x {len(VARIANTS)} variants, "
+                 f"then DDP and FSDP2 steps (progress from rank 0)")
     rows = spawn.run(a.ranks, _rank_main, sizes, a.reps, a.steps, backend="flatcomm", timeout_s=a.timeout,
                      run_s=a.timeout + 60)[0]
     summaries = [_summary(r) for r in rows]
     print(f"flatcomm.bench backend: {a.ranks} ranks over loopback; median time, ratio to gloo [per-rep ratio range]")
     print(table(summaries), flush=True)
+    say("bench", f"{time.perf_counter() - t0:.0f} s")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"command": "backend", "world": a.ranks, "results": summaries, "raw": rows,

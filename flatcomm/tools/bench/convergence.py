@@ -389,8 +389,7 @@ def _train(w: Workload, row: str, rank: int, world: int, seed: int) -> dict:
     return _train_one(w, row, rank, world, seed)
 
 
-def _rank_main(rank: int, world: int, workloads: List[str], rows: List[str], seeds: int, scale: float,
-               log: bool) -> dict:
+def _rank_main(rank: int, world: int, workloads: List[str], rows: List[str], seeds: int, scale: float) -> dict:
     results: Dict[str, Dict[str, Any]] = {}
     t0 = time.perf_counter()
     for wname in workloads:
@@ -405,7 +404,7 @@ def _rank_main(rank: int, world: int, workloads: List[str], rows: List[str], see
                 r = _train(w, row, rank, world, seed)
                 runs[row].append(r)
                 meta["params"] = r["params"]
-                if log and rank == 0:
+                if rank == 0:  # progress: a run takes seconds to minutes
                     print(f"  [{wname} seed {seed}] {row:28s} val {r['val']:.4f}  "
                           f"{time.perf_counter() - t0:6.0f}s", file=sys.stderr, flush=True)
         results[wname] = {"meta": meta, "runs": runs}
@@ -530,18 +529,33 @@ def _smooth(xs: List[float], k: int) -> List[float]:
     return [statistics.fmean(xs[max(0, i - k + 1):i + 1]) for i in range(len(xs))]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flatcomm.bench convergence", description=__doc__.split("\n")[0])
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of ``bench convergence`` (on its own parser, or on ``bench --help``'s subparser).
+
+    Args:
+        ap: the parser to add them to.
+    """
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help=f"comma separated, of {', '.join(WORKLOAD_CLASSES)} (default {','.join(WORKLOADS)})")
     ap.add_argument("--codecs", default=",".join(DEFAULT_ROWS),
                     help="rows separated by ';' or ','; options after ':' (sign:block_size=32,start_step=50)")
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=int, default=3, help="training runs per row, each from other weights (default 3)")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every workload's step count")
     ap.add_argument("--quick", action="store_true", help="CI: 2 seeds, a few steps, torch/fp32/int8/sign")
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None)
-    ap.add_argument("--timeout", type=float, default=3600.0)
+    ap.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the curves and summaries as JSON")
+    ap.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot (needs matplotlib)")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="the process group's timeout, s (default 3600)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m flatcomm.bench convergence", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     sep = ";" if ";" in args.codecs else None
     rows = [r for r in (args.codecs.split(sep) if sep else _split_rows(args.codecs)) if r]
@@ -570,7 +584,9 @@ def main(argv=None) -> int:
     from flatcomm.tools import spawn
 
     t0 = time.perf_counter()
-    raw = spawn.run(args.world, _rank_main, workloads, rows, args.seeds, args.steps_scale, not args.quick,
+    print(f"[bench] convergence: {', '.join(workloads)} x {len(rows)} rows x {args.seeds} seeds on {args.world} "
+          f"ranks (a line per run)", file=sys.stderr, flush=True)
+    raw = spawn.run(args.world, _rank_main, workloads, rows, args.seeds, args.steps_scale,
                     timeout_s=args.timeout)[0]
     doc = {"command": "convergence", "world": args.world, "seeds": args.seeds, "quick": args.quick,
            "steps_scale": args.steps_scale, "workloads": summarize(raw, rows),

@@ -206,6 +206,10 @@ def _my_address() -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
+def _progress(msg: str) -> None:
+    print(f"[bench] diloco: {msg}", file=sys.stderr, flush=True)
+
+
 def _spread(xs: List[float]) -> str:
     return f"{min(xs) * 1e3:.0f}-{max(xs) * 1e3:.0f}"
 
@@ -218,6 +222,7 @@ def _torchft(a, Link) -> Dict[str, Any]:
         print(f"\ntorchft: not run: {type(e).__name__}: {e}")
         return {"failed": f"{type(e).__name__}: {e}"}
     cfg = {"params": a.params, "batch": a.batch, "sync_every": a.sync_every, "rounds": 1}
+    _progress("torchft's DiLoCo, 2 replicas ...")
     with Link(2, a.link) as link:
         res = link.run(2, _torchft_rank, cfg, timeout_s=1800)
     r0 = res[0]
@@ -228,23 +233,41 @@ def _torchft(a, Link) -> Dict[str, Any]:
     return {**r0, "bytes_per_param_per_sync": bpp}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flatcomm.bench diloco", description=__doc__.split("\n")[0])
-    ap.add_argument("--link", default="100mbit")
-    ap.add_argument("--params", type=float, default=27e6)  # the MLP rounds down: 26.6M
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--sync-every", type=int, default=40)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--ddp-steps", type=int, default=2)
-    ap.add_argument("--bytes-params", type=float, default=5e6)
-    ap.add_argument("--syncs", type=int, default=2)
-    ap.add_argument("--replicas", default="2,4")
-    ap.add_argument("--codecs", default="fp32,int8,int4,sign")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of ``bench diloco`` (on its own parser, or on ``bench --help``'s subparser).
+
+    Args:
+        ap: the parser to add them to.
+    """
+    ap.add_argument("--link", default="100mbit", metavar="RATE",
+                    help="the shaped link between replicas, e.g. 100mbit (needs root; default 100mbit)")
+    ap.add_argument("--params", type=float, default=27e6,  # the MLP rounds down: 26.6M
+                    help="MLP parameters of the time runs (default 27e6, rounded down by the MLP)")
+    ap.add_argument("--batch", type=int, default=16, help="samples per inner step in the time runs (default 16)")
+    ap.add_argument("--sync-every", type=int, default=40, help="inner steps between outer syncs, H (default 40)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds of --sync-every steps per variant; the fastest is kept (default 2)")
+    ap.add_argument("--ddp-steps", type=int, default=2, help="timed DDP-every-step steps (default 2)")
+    ap.add_argument("--bytes-params", type=float, default=5e6,
+                    help="MLP parameters of the bytes runs (default 5e6)")
+    ap.add_argument("--syncs", type=int, default=2, help="outer syncs per codec in the bytes runs (default 2)")
+    ap.add_argument("--replicas", default="2,4", help="replica counts of the bytes runs, comma separated (default 2,4)")
+    ap.add_argument("--codecs", default="fp32,int8,int4,sign",
+                    help="codecs of the bytes runs, comma separated (default fp32,int8,int4,sign)")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2,
-                    help="each replica's threads on a core of its own (time)")
-    ap.add_argument("--skip", default="", help="comma-separated: bytes, time, torchft")
-    ap.add_argument("--json")
-    a = ap.parse_args(argv)
+                    help="each replica's threads on a core of its own (time runs; default on with 2+ cores)")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: bytes, time, torchft")
+    ap.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m flatcomm.bench diloco", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     from flatcomm.tools.netlink import Link
 
     t0 = time.perf_counter()
@@ -253,6 +276,7 @@ def main(argv=None) -> int:
     codecs = [c for c in a.codecs.split(",") if c]
     if "bytes" not in skip:
         for w in [int(x) for x in a.replicas.split(",") if x]:
+            _progress(f"bytes per sync, {w} replicas, codecs {','.join(codecs)} ...")
             with Link(w, a.link) as link:
                 cfg = {"codecs": codecs, "bytes_params": a.bytes_params, "syncs": a.syncs}
                 rows = link.run(w, _bytes_rank, cfg, timeout_s=900)
@@ -267,6 +291,7 @@ def main(argv=None) -> int:
     if "time" not in skip:
         cfg = {"params": a.params, "batch": a.batch, "sync_every": a.sync_every, "rounds": a.rounds,
                "ddp_steps": a.ddp_steps, "pin": a.pin}
+        _progress(f"inner-step time, 2 replicas, {a.rounds} rounds of {a.sync_every} steps per variant ...")
         with Link(2, a.link) as link:
             res = link.run(2, _time_rank, cfg, timeout_s=1800)
         r0 = res[0]

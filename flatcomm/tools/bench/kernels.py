@@ -57,16 +57,13 @@ def _row(op: str, codec: Optional[str], n: int, nbytes: float, t: dict) -> dict:
             "spread": t["max_s"] / t["min_s"], "x_copy": 1.0, "vs_torch": None}
 
 
-def _progress(row: dict) -> None:
-    name = f"{row['op']} {row['codec'] or ''}".strip()
-    ref = f"{row['vs_torch']:7.1f}x torch" if row["vs_torch"] else ""
-    noisy = f"  NOISY (max/min {row['spread']:.1f})" if row["spread"] > NOISY_SPREAD else ""
-    print(f"  {name:<22} {format_size(row['numel']):>6} {row['median_s'] * 1e3:9.3f} ms "
-          f"(min {row['min_s'] * 1e3:.3f}, max {row['max_s'] * 1e3:.3f}) {row['gbps']:7.1f} GB/s "
-          f"{row['x_copy']:6.2f}x copy {ref}{noisy}", file=sys.stderr, flush=True)
+def _progress(op: str, codec: Optional[str], n: int) -> None:
+    """What is being measured now (stderr); the results go to the table only, once."""
+    print(f"  {' '.join(filter(None, (op, codec, format_size(n))))} ...", file=sys.stderr, flush=True)
 
 
 def run_case(op, codec, n, nbytes, fn, ref_fn, copy_gbps, reps, rows):
+    _progress(op, codec, n)
     row = _row(op, codec, n, nbytes, measure(fn, reps))
     row["x_copy"] = row["gbps"] / copy_gbps
     if ref_fn is not None:
@@ -74,7 +71,6 @@ def run_case(op, codec, n, nbytes, fn, ref_fn, copy_gbps, reps, rows):
         row["vs_torch"] = ref["min_s"] / row["min_s"]
         row["spread"] = max(row["spread"], ref["max_s"] / ref["min_s"])  # the ratio is as noisy as either
     rows.append(row)
-    _progress(row)
 
 
 def bench_size(n: int, codecs: List[str], reps: int, with_ref: bool, rows: list) -> None:
@@ -82,9 +78,9 @@ def bench_size(n: int, codecs: List[str], reps: int, with_ref: bool, rows: list)
     x = torch.randn(n, generator=gen)
     residual = torch.randn(n, generator=gen) * 0.01
     src, dst = torch.randn(n, generator=gen), torch.empty(n)
+    _progress("copy_", None, n)
     copy = _row("copy_", None, n, 8 * n, measure(lambda: dst.copy_(src), reps))
     rows.append(copy)
-    _progress(copy)
     copy_gbps = copy["gbps"]
     out = torch.empty(n)
     for codec in codecs:
@@ -120,11 +116,11 @@ def bench_block_sizes(n: int, reps: int) -> List[dict]:
     residual = torch.zeros(n)
     rows = []
     for b in (32, 64, 128, 256, 512, 1024, 4096):
+        print(f"  block {b:>5} ...", file=sys.stderr, flush=True)
         payload = torch.empty(flatcomm.wire_bytes("int8", n, block_size=b), dtype=torch.uint8)
         t = measure(lambda: flatcomm.encode(x, "int8", block_size=b, residual=residual, out=payload), reps)
         dec = flatcomm.decode(flatcomm.encode(x, "int8", block_size=b), "int8", n, block_size=b)
         err = ((dec.double() - x.double()).norm() / x.double().norm()).item()
         rows.append({"op": "encode+EF", "codec": "int8", "numel": n, "block_size": b, **t, "spread": t["max_s"] / t["min_s"],
                      "wire_bytes": payload.numel(), "rel_error": err})
-        print(f"  block {b:>5}: {t['median_s'] * 1e3:8.2f} ms, relative error {err:.2e}", file=sys.stderr, flush=True)
     return rows
