@@ -12,6 +12,7 @@ does; AVG divides the sum by the group size once, after the sum.
 from __future__ import annotations
 
 import datetime
+import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -30,6 +31,7 @@ def plan(op, tensors: Sequence[torch.Tensor]) -> Optional[Tuple[str, object]]:
     """(flatcomm op, pre-factor or None) when flatcomm reduces these tensors, None to pass through."""
     if not tensors or any(not isinstance(t, torch.Tensor) or t.dtype not in FLOATS or t.layout != torch.strided
                           or t.device.type not in ("cpu", "cuda") for t in tensors):
+        _warn_float64_sum(op, tensors)
         return None
     if op == dist.ReduceOp.SUM:
         return "sum", None
@@ -38,6 +40,22 @@ def plan(op, tensors: Sequence[torch.Tensor]) -> Optional[Tuple[str, object]]:
     if op == dist.ReduceOp.PREMUL_SUM:
         return "sum", op.factor
     return None
+
+
+_float64_warned = False
+
+
+def _warn_float64_sum(op, tensors: Sequence[torch.Tensor]) -> None:
+    """A float64 sum passes through to the inner backend (its order, not the same-bits sum): say so,
+    once per process, rather than silently."""
+    global _float64_warned
+    if _float64_warned or not any(op == o for o in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM)):
+        return  # (op == o, not `op in`: a PREMUL_SUM op compares equal only from its side)
+    if any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in tensors):
+        _float64_warned = True
+        warnings.warn("flatcomm backend: float64 sums run on the inner backend (gloo / NCCL), in its order: not "
+                      "flatcomm's same-bits sum (fp32, bf16 and fp16 only); cast to float32 for it. Said once.",
+                      RuntimeWarning, stacklevel=3)
 
 
 def _call_args(pg, dtype: torch.dtype) -> dict:

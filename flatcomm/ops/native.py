@@ -5,6 +5,10 @@ output shapes and dtypes, so that torch.compile and torch.library.opcheck can tr
 """
 from __future__ import annotations
 
+import os
+import warnings
+from typing import Optional
+
 import torch
 
 __all__ = ["extension", "ops"]
@@ -20,6 +24,41 @@ except ImportError as exc:  # pragma: no cover - exercised only on broken instal
 
 extension = _C  # the compiled module: wire_bytes, constants, build_info, ...
 ops = torch.ops.flatcomm
+
+SIMD_SETS = ("baseline", "avx2", "avx512")  # the kernel builds FLATCOMM_SIMD can name (csrc/cpu/dispatch.cpp)
+_simd_warned = False
+
+
+def simd_setting_warning(requested: Optional[str], info: dict) -> Optional[str]:
+    """Why ``FLATCOMM_SIMD=requested`` is not what runs, and what runs instead; None when it is honoured.
+
+    Args:
+        requested: the variable's value (None or empty: unset, the best supported set runs).
+        info: ``extension.build_info()``: ``simd`` (the set in use), ``simd_supported`` (comma separated).
+    """
+    want = (requested or "").strip()
+    if not want or want == info["simd"]:
+        return None
+    supported = info["simd_supported"].split(",")
+    if want in SIMD_SETS:
+        why = f"not supported by this CPU / build (supported: {', '.join(supported)})"
+    else:
+        close = [s for s in SIMD_SETS if s == want.lower()]
+        why = (f"not a kernel set (did you mean {close[0]!r}?)" if close else
+               f"not a kernel set of this build (one of {', '.join(SIMD_SETS)}; this CPU: {', '.join(supported)})")
+    return f"flatcomm: FLATCOMM_SIMD={want!r} is {why}: the {info['simd']!r} kernels run instead"
+
+
+def warn_ignored_simd() -> None:
+    """Warn (once per process) when $FLATCOMM_SIMD names kernels that do not run; the C++ falls back silently."""
+    global _simd_warned
+    msg = simd_setting_warning(os.environ.get("FLATCOMM_SIMD"), _C.build_info())
+    if msg and not _simd_warned:
+        _simd_warned = True
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
+
+warn_ignored_simd()
 
 
 def _same_device(ref: torch.Tensor, *named) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -110,7 +111,7 @@ class CupyLauncher:
 
 # ---- registration ---------------------------------------------------------------------------------
 
-_state: Dict[str, Any] = {"path": None, "lib": None, "ops": None, "reason": "not checked"}
+_state: Dict[str, Any] = {"path": None, "lib": None, "ops": None, "reason": "not checked", "warned": False}
 
 
 def should_register(build_devices: Sequence[str], torch_cuda: Optional[str], cupy_found: bool,
@@ -126,6 +127,27 @@ def should_register(build_devices: Sequence[str], torch_cuda: Optional[str], cup
         # Opt-in until benchmarks/gpu_check.sh has passed on a GPU with this path.
         return False, "the NVRTC path is opt-in until a GPU run has checked it: set FLATCOMM_CUPY=1"
     return True, "nvrtc (cupy)"
+
+
+def env_warning(env: Optional[str], ok: bool, reason: str) -> Optional[str]:
+    """Why ``FLATCOMM_CUPY=env`` is not honoured and what runs instead; None when it is (or asks nothing).
+
+    Args:
+        env: the variable's value (None: unset).
+        ok, reason: :func:`should_register`'s answer.
+    """
+    value = (env or "").strip()
+    if ok or value in ("", "0"):
+        return None
+    if value != "1":
+        return f"flatcomm: FLATCOMM_CUPY={value!r} is neither 1 (on) nor 0 (off): the cupy path stays off"
+    if reason.startswith("compiled"):
+        instead = "the compiled CUDA kernels run instead"
+    elif reason.startswith("torch has no CUDA"):
+        instead = f"this torch ({torch.__version__}) is a CPU build, so flatcomm runs on the CPU only"
+    else:
+        instead = "CUDA tensors get no flatcomm kernels (CPU tensors run as before)"
+    return f"flatcomm: FLATCOMM_CUPY=1 is ignored ({reason}): {instead}"
 
 
 def make_ops(launcher=None) -> Ops:
@@ -167,8 +189,12 @@ def auto_register(build_devices: Sequence[str]) -> str:
     if "cuda" in build_devices:
         _state.update(path="compiled", reason="compiled CUDA kernels present")
         return "compiled"
-    ok, reason = should_register(build_devices, torch.version.cuda, importlib.util.find_spec("cupy") is not None,
-                                 os.environ.get("FLATCOMM_CUPY"))
+    env = os.environ.get("FLATCOMM_CUPY")
+    ok, reason = should_register(build_devices, torch.version.cuda, importlib.util.find_spec("cupy") is not None, env)
+    ignored = env_warning(env, ok, reason)
+    if ignored and not _state["warned"]:  # once per process
+        _state["warned"] = True
+        warnings.warn(ignored, RuntimeWarning, stacklevel=2)
     if ok:
         _state.update(path="nvrtc (cupy)", lib=register(_LazyOps()), reason=reason)  # type: ignore[arg-type]  # an Ops by duck typing
     else:
