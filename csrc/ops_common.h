@@ -5,6 +5,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <cctype>
 #include <string>
 
 #include "core/codec.h"
@@ -31,8 +32,14 @@ std::string codec_names(Pred pred, const char* last_sep) {
 inline int32_t parse_codec(const std::string& name) {
   for (int32_t i = 0; i < core::kNumCodecs; ++i)
     if (name == core::kCodecNames[i]) return i;
+  // Names match exactly; another case gets the hint the Python API gives (flatcomm/ops/codecs.py).
+  std::string lower(name);
+  for (char& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  std::string hint;
+  for (int32_t i = 0; i < core::kNumCodecs; ++i)
+    if (lower == core::kCodecNames[i]) hint = std::string(" (did you mean '") + lower + "'? codec names are lower case)";
   TORCH_CHECK(false, "flatcomm: unknown codec '", name, "'; expected one of ",
-              codec_names([](int32_t) { return true; }, ", "));
+              codec_names([](int32_t) { return true; }, ", "), hint);
 }
 
 // The second-stage codec of decode_sum_encode: anything that encodes block by block.

@@ -45,6 +45,26 @@ _CUDA_PATH = _cupy_backend.auto_register(list(_C.build_info()["devices"]))
 _compat.install()
 
 
+def _create_backend(*args, **kwargs):
+    """The creator of the ``flatcomm`` torch.distributed backend, registered by a plain ``import flatcomm``
+    so that ``init_process_group("flatcomm")`` works without ``import flatcomm.backend``; the backend
+    itself (:mod:`flatcomm.backend`, the parallel layer) imports on the first group it creates."""
+    from .backend.group import create
+
+    return create(*args, **kwargs)
+
+
+def _register_backend_name() -> None:
+    import torch.distributed as dist
+
+    # "flatcomm" is flatcomm.backend.NAME; flatcomm.backend registers its own creator unless this ran first.
+    if dist.is_available() and "FLATCOMM" not in dist.Backend._plugins:
+        dist.Backend.register_backend("flatcomm", _create_backend, extended_api=True, devices=["cpu", "cuda"])
+
+
+_register_backend_name()
+
+
 def cuda_path() -> str:
     """Which CUDA implementation the flatcomm ops use: 'compiled', 'nvrtc (cupy)' or 'none (why)'."""
     return _CUDA_PATH

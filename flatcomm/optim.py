@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
+from ._training.checks import register_ddp_hook
 from .ops.codecs import Codec, resolve
 
 __all__ = ["OnebitAdam", "hook", "register"]
@@ -392,9 +393,8 @@ hook.__annotations__ = {"opt": OnebitAdam, "bucket": dist.GradBucket, "return": 
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: OnebitAdam) -> None:
     """Register :func:`hook` on ``ddp_model`` for ``optimizer`` (see the module docstring)."""
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(f"flatcomm.optim.register needs a DistributedDataParallel model, got "
-                        f"{type(ddp_model).__name__}")
+        raise TypeError(f"flatcomm.optim.register needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
     if not isinstance(optimizer, OnebitAdam):
         raise TypeError(f"flatcomm.optim.register needs a flatcomm.optim.OnebitAdam, got {type(optimizer).__name__}")
+    register_ddp_hook(ddp_model, optimizer, hook, "flatcomm.optim.register")
     optimizer._ddp_group = ddp_model.process_group
-    ddp_model.register_comm_hook(optimizer, hook)

@@ -1,4 +1,5 @@
-"""Checks shared by the checkpoint loaders of :mod:`flatcomm.ddp` and :mod:`flatcomm.fsdp`.
+"""Checks shared by the checkpoint loaders of :mod:`flatcomm.ddp` and :mod:`flatcomm.fsdp`, and the
+one-hook check of the DDP registrations (:func:`register_ddp_hook`).
 
 A residual is added to every later gradient, so a bad one (wrong size, integers, a NaN) silently
 ruins the run: everything a checkpoint brings is checked when it is loaded, and the error names the
@@ -10,7 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-__all__ = ["field", "keys", "residual"]
+__all__ = ["field", "keys", "register_ddp_hook", "residual"]
 
 
 def residual(name: str, t: Any, shape: Sequence[int], what: str = "residual") -> torch.Tensor:
@@ -54,3 +55,30 @@ def field(sd: Mapping[str, Any], name: str, kinds) -> Any:
     if not isinstance(v, kinds):
         raise TypeError(f"flatcomm: checkpoint field {name!r} is a {type(v).__name__}")
     return v
+
+
+def register_ddp_hook(ddp_model: Any, state: Any, hook: Any, who: str) -> None:
+    """``ddp_model.register_comm_hook(state, hook)``, with a flatcomm error when the model has a hook
+    already (DDP takes one, once; torch's own message names neither hook nor the way out).
+
+    Args:
+        ddp_model: a ``DistributedDataParallel``.
+        state, hook: what to register.
+        who: the caller, for the message (``flatcomm.ddp.register``).
+    """
+    existing = getattr(ddp_model, "_comm_hooks", None) or []  # torch appends (hook, state) per registration
+    if existing:
+        old_hook, old_state = existing[0]
+        what = getattr(old_hook, "__qualname__", repr(old_hook))
+        if type(old_state).__module__.startswith("flatcomm."):
+            what = f"flatcomm's ({type(old_state).__name__}; its stats and state_dict() stay on that object)"
+        raise RuntimeError(f"{who}: this DistributedDataParallel model has a communication hook already: {what}. "
+                           f"DDP takes one hook, once: keep the object the first registration returned, or wrap "
+                           f"the module in a new DistributedDataParallel to register another")
+    try:
+        ddp_model.register_comm_hook(state, hook)
+    except RuntimeError as e:
+        if "only be called once" not in str(e):  # a builtin hook (register_builtin_comm_hook) is not listed
+            raise
+        raise RuntimeError(f"{who}: this DistributedDataParallel model has a communication hook already "
+                           f"(DDP takes one, once): wrap the module in a new DistributedDataParallel") from e

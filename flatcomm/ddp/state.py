@@ -18,6 +18,7 @@ from .._training import adapt as _adapt
 from . import checkpoint as _ckpt
 from . import traffic as _comm
 from . import stats as _stats
+from .._training.checks import register_ddp_hook
 from ..ops.codecs import Codec
 from .residuals import Residuals
 
@@ -351,7 +352,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: Any = 
     if "model" in options:
         raise TypeError("flatcomm.ddp.register takes the model as its first argument, not model=")
     state = State(codec, model=ddp_model, **options)
-    ddp_model.register_comm_hook(state, hook)
+    register_ddp_hook(ddp_model, state, hook, "flatcomm.ddp.register")
     return state
 
 

@@ -38,8 +38,9 @@ class FragmentStats:
     sync_s: float = 0.0
 
     @property
-    def bytes_per_sync(self) -> float:
-        return self.wire_bytes / self.syncs if self.syncs else 0.0
+    def bytes_per_sync(self) -> int:
+        """Bytes this rank sent per sync of this fragment (each sends the same; 0 before the first)."""
+        return round(self.wire_bytes / self.syncs) if self.syncs else 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,7 +60,7 @@ def differing(values: List[int], what: str) -> None:
         by_value.setdefault(v, []).append(r)
     sets = sorted(by_value.values(), key=lambda rs: (-len(rs), rs))
     desc = "; ".join(f"replicas {rs} have {v:016x}" for v, rs in sorted(by_value.items(), key=lambda kv: kv[1]))
-    raise RuntimeError(f"flatcomm.diloco: {what} differs between replicas: {desc} "
+    raise RuntimeError(f"flatcomm.diloco: the replicas disagree on {what}: {desc} "
                        f"(replicas {sorted(r for rs in sets[1:] for r in rs)} differ from replicas {sets[0]})")
 
 

@@ -94,6 +94,27 @@ DEFAULT_TOPK_RATIO = 0.01
 MAX_NUMEL = 1 << 56
 
 
+# Names people write for a codec (torch's dtype names): the error suggests the codec.
+_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+
+def unknown_codec(name: object) -> str:
+    """The error for a codec name that is not one, with "did you mean" for another case or a dtype name
+    (names are matched exactly, in lower case, everywhere a codec is named).
+
+    Args:
+        name: what was given.
+    """
+    msg = f"flatcomm: unknown codec {name!r}; expected one of {', '.join(CODECS)}"
+    key = name.strip().lower() if isinstance(name, str) else ""
+    guess = key if key in CODECS else _ALIASES.get(key)
+    if guess:
+        msg += f" (did you mean {guess!r}? codec names are lower case)" if guess == key else f" (did you mean {guess!r}?)"
+    elif key == "auto":
+        msg += " ('auto', in lower case, where the API chooses the codec for you)"
+    return msg
+
+
 @dataclasses.dataclass(frozen=True)
 class Codec:
     """A codec with its parameters. ``block_size`` is used by int8/int4/sign, ``ratio`` by topk."""
@@ -104,7 +125,7 @@ class Codec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or self.name not in CODECS:
-            raise ValueError(f"flatcomm: unknown codec {self.name!r}; expected one of {', '.join(CODECS)}")
+            raise ValueError(unknown_codec(self.name))
         # Types first: a float block size would be truncated on its way to the kernels, a string
         # ratio would fail deep inside a comparison.
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, numbers.Integral):

@@ -58,8 +58,9 @@ def names(allowed: Callable[[], Iterable[str]], what: str) -> Callable[[str], Li
         out = [s.strip() for s in text.split(",") if s.strip()]
         bad = [s for s in out if s not in choices]
         if bad or not out:
+            hint = [f"{s!r}: did you mean {s.lower()!r}?" for s in bad if s.lower() in choices]  # names are lower case
             raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(map(repr, bad)) or '(none given)'} "
-                                             f"(choose from {', '.join(choices)})")
+                                             f"(choose from {', '.join(choices)})" + "".join(f"; {h}" for h in hint))
         return out
 
     parse.__name__ = what  # argparse names the type in its messages
