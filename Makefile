@@ -1,8 +1,11 @@
-# Quick start: `make demo` and `make test`. Both create .venv (torch 2.13.0 CPU build when no torch
-# is installed) and build the extension first.
+# Quick start: `make demo` and `make test`. Both create .venv and build the extension first; the
+# venv gets only what the target needs: `make demo` torch + the build tools + matplotlib (for its
+# plot), `make test` also the test tools, mypy and the frameworks of flatcomm.integrations.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+BASE := $(VENV)/.base
+DEMO_DEPS := $(VENV)/.demo
 DEPS := $(VENV)/.deps
 EXT := build/.ext-built
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
@@ -10,34 +13,50 @@ NVCC ?= nvcc
 NVCC_FLAGS := -std=c++17 -O3 -fmad=false -Icsrc --threads 0 \
 	-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
 	-gencode arch=compute_90,code=compute_90
+# The torch installed when .venv has none: the CPU build (the demo and the tests run on CPU), from
+# PyTorch's CPU index (~200 MB; PyPI's Linux x86 torch is the CUDA build, several GB with its
+# nvidia-* wheels). `make demo TORCH=torch==2.13.0 TORCH_INDEX=` takes pip's own index instead.
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: all venv build demo test test-fast test-cpp test-py typecheck bench microbench dist-check cuda-check clean
 
 all: build
 
-$(DEPS): pyproject.toml
+# torch and the build tools: what building flatcomm._C needs.
+$(BASE):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q setuptools wheel ninja pytest pytest-benchmark hypothesis numpy matplotlib mypy
-	# the frameworks of flatcomm.integrations (the `integrations` extra), keeping the installed torch
+	$(PY) -c "import torch" 2>/dev/null || \
+		$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q setuptools wheel ninja
+	touch $@
+
+# what python -m flatcomm.demo imports beyond torch: matplotlib (its plot)
+$(DEMO_DEPS): $(BASE)
+	$(PY) -m pip install -q matplotlib
+	touch $@
+
+# the tests, mypy and the frameworks of flatcomm.integrations (the `integrations` extra), keeping the installed torch
+$(DEPS): $(DEMO_DEPS) pyproject.toml
+	$(PY) -m pip install -q pytest pytest-benchmark hypothesis numpy mypy
 	$(PY) -m pip install -q $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['integrations']))") \
 		"torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	touch $@
 
 venv: $(DEPS)
 
-$(EXT): $(DEPS) $(SOURCES)
+$(EXT): $(BASE) $(SOURCES)
 	$(PY) setup.py -q build_ext --inplace
 	mkdir -p build && touch $@
 
 build: $(EXT)
 
-demo: build
+demo: build $(DEMO_DEPS)
 	$(PY) -m flatcomm.demo
 
 # pytest leaves a core idle much of the time (ranks waiting on each other, timeouts under test):
 # the C++ tests and mypy run beside it at the lowest CPU priority, their output printed after it.
-test: build
+test: build $(DEPS)
 	@nice -n 19 $(MAKE) --no-print-directory -j2 test-cpp typecheck > build/test-cpp.log 2>&1 & bg=$$!; \
 	$(MAKE) --no-print-directory test-py; py=$$?; \
 	wait $$bg; cpp=$$?; cat build/test-cpp.log; \
@@ -50,12 +69,12 @@ test-cpp:
 
 # Everything, with the 20 slowest tests listed (where the time goes). tests/test_nvrtc.py (CUDA
 # source compiled by NVRTC, ~35 s) runs in `make cuda-check`, with the CUDA compile checks.
-test-py: build
+test-py: build $(DEPS)
 	$(PY) -m pytest tests --durations=20 --ignore=tests/test_nvrtc.py
 
 # The loop while editing (about 3 minutes on 2 cores): the single-process tests and a few multi-rank
 # smoke tests (markers: pyproject.toml). `make test` still runs everything.
-test-fast: build
+test-fast: build $(DEPS)
 	$(PY) -m pytest tests -m "not multiprocess and not slow or smoke" --durations=10 --ignore=tests/test_nvrtc.py
 
 typecheck: $(DEPS)
@@ -65,7 +84,7 @@ bench: build
 	$(PY) -m flatcomm.bench kernels
 
 # The kernels under pytest-benchmark (min/median/max, --benchmark-compare against a saved run).
-microbench: build
+microbench: build $(DEPS)
 	$(PY) -m pytest benchmarks/test_microbench.py --benchmark-only --benchmark-sort=name
 
 # The package as users get it: sdist -> wheel -> install into a fresh venv (torch from the package
@@ -87,7 +106,7 @@ $(NVRTC_STAMP): $(DEPS)
 	case $$v in 12.*) pkg=nvidia-cuda-nvrtc-cu12 ;; *) pkg=nvidia-cuda-nvrtc ;; esac; \
 	if $(PY) -m pip install -q "$$pkg==$$v.*"; then touch $@; \
 	else echo "$$pkg==$$v.* not installable: tests/test_nvrtc.py will skip"; fi
-cuda-check: $(EXT) $(NVRTC_STAMP)  # test_nvrtc imports flatcomm: the extension must exist
+cuda-check: $(EXT) $(DEPS) $(NVRTC_STAMP)  # test_nvrtc imports flatcomm: the extension must exist
 	@mkdir -p build/cuda-stubs/c10/cuda/impl && touch build/cuda-stubs/c10/cuda/impl/cuda_cmake_macros.h
 	@for f in csrc/cuda/*.cu; do echo "nvcc $$f"; $(NVCC) $(NVCC_FLAGS) -c $$f -o build/$$(basename $$f).o || exit 1; done
 	echo "#include \"cuda/kernels.cuh\"" | g++ -std=c++17 -Icsrc -fsyntax-only -x c++ -
