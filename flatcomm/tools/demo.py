@@ -83,6 +83,17 @@ def weights_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def held_out_loss(model: torch.nn.Module, val: torch.Tensor, rank: int, world: int, vocab: int) -> float:
+    """Cross-entropy on 4 fixed held-out batches (the same on every rank), averaged over ranks."""
+    with torch.no_grad():
+        vl = torch.zeros(1)
+        for k in range(4):
+            x, y = batch(val, k, rank, n=32, stream=1)
+            vl += torch.nn.functional.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+        dist.all_reduce(vl)
+    return vl.item() / (4 * world)
+
+
 def _train(rank: int, world: int, steps: int, log_every: int):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -102,10 +113,11 @@ def _train(rank: int, world: int, steps: int, log_every: int):
             ddp.register_comm_hook(None, default_hooks.allreduce_hook)
             state = None
         else:
-            state = fddp.register(ddp, codec, track_norms=False)
+            state = fddp.register(ddp, codec, track_norms=False, history=steps)  # every step's bytes
         opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
-        losses, times, wire = [], [], []
+        losses, times, wire, val_curve = [], [], [], []
+        eval_every = max(1, steps // 12)
         t_run = time.perf_counter()
         for step in range(steps):
             x, y = batch(train, step, rank)
@@ -119,29 +131,27 @@ def _train(rank: int, world: int, steps: int, log_every: int):
             lt = loss.detach().reshape(1)
             dist.all_reduce(lt)  # the mean over ranks, for the curve (outside the timed step)
             losses.append(lt.item() / world)
+            if step % eval_every == 0 or step == steps - 1:  # outside the timed step, no RNG drawn
+                val_curve.append((step + 1, held_out_loss(model, val, rank, world, vocab)))
             if rank == 0 and (step % log_every == 0 or step == steps - 1):
                 print(f"  [{label:17s}] step {step:4d}/{steps}  loss {losses[-1]:.4f}  "
                       f"{time.perf_counter() - t_run:6.1f}s", file=sys.stderr, flush=True)
-        if state is not None:
-            st = state.stats["steps"]
-            wire = [s["wire_bytes"] for s in st]
-        # held-out loss (same batches on every rank; averaged over ranks)
-        with torch.no_grad():
-            vl = torch.zeros(1)
-            for k in range(4):
-                x, y = batch(val, k, rank, n=32, stream=1)
-                vl += loss_fn(model(x).reshape(-1, vocab), y.reshape(-1))
-            dist.all_reduce(vl)
+        if state is not None:  # bytes per step (sign sends fp32 for its first steps), summed over buckets
+            by_step: dict = {}
+            for rec in state.stats["steps"]:
+                by_step[rec["step"]] = by_step.get(rec["step"], 0) + rec["wire_bytes"]
+            wire = [by_step[k] for k in sorted(by_step)]
         sha = weights_sha256(model)
         shas = [None] * world
         dist.all_gather_object(shas, sha)
         warm = times[5:] if len(times) > 10 else times
+        ring = 2 * (world - 1) * 4 * nparams / world  # torch's hook: a ring all-reduce of fp32, per step
+        sent = [sum(wire[:s]) if wire else s * ring for s, _ in val_curve]  # bytes one rank sent by then
         results.append({
             "label": label, "codec": codec, "losses": losses,
             "final_loss": sum(losses[-20:]) / len(losses[-20:]),
-            "val_loss": vl.item() / (4 * world),
-            # torch's hook: a ring all-reduce of fp32 puts 2 (W-1)/W * 4 bytes per value on the wire.
-            "bytes_per_step": (sum(wire) / len(wire)) if wire else 2 * (world - 1) * 4 * nparams / world,
+            "val_loss": val_curve[-1][1], "val_curve": val_curve,
+            "bytes_per_step": (sum(wire) / len(wire)) if wire else ring, "bytes_sent": sent,
             "bytes_measured": bool(wire),
             "step_ms": 1e3 * sorted(warm)[len(warm) // 2],
             "sha256": sha, "same_on_all_ranks": len(set(shas)) == 1,
@@ -150,24 +160,71 @@ def _train(rank: int, world: int, steps: int, log_every: int):
     return {"results": results, "seconds": time.perf_counter() - t_all}
 
 
-def plot(results, path: str) -> None:
+def fp32_matches_torch(results) -> bool:
+    """Whether flatcomm fp32 trained bit for bit like torch's all-reduce hook: the same final weights
+    (sha256) and the same loss at every step."""
+    by = {r["codec"]: r for r in results}
+    t, f = by.get(None), by.get("fp32")
+    return bool(t and f and t["sha256"] == f["sha256"] and t["losses"] == f["losses"])
+
+
+def _smooth(xs, k: int = 10):
+    return [sum(xs[max(0, i - k + 1):i + 1]) / len(xs[max(0, i - k + 1):i + 1]) for i in range(len(xs))]
+
+
+def _zoom(ax, curves, start: float) -> None:
+    """y-limits that show the last stretch of every curve (from ``start`` of its length): the first
+    drop would otherwise take the whole axis and the codecs would differ by pixels."""
+    tail = [y for c in curves for y in c[int(start * len(c)):]]
+    lo, hi = min(tail), max(tail)
+    pad = 0.08 * (hi - lo or 1.0)
+    ax.set_ylim(lo - pad, hi + pad)
+
+
+def figure(results, same_bits: bool):
+    """The demo's picture: training (thin) and held-out (markers) loss by step, zoomed on the last
+    stretch; held-out loss against the bytes one rank sent (log x). fp32's legend says it equals
+    torch's bit for bit when ``same_bits`` (:func:`fp32_matches_torch`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.2))
+    colors = dict(zip([r["label"] for r in results], ["0.45", "tab:blue", "tab:green", "tab:orange", "tab:red"]))
     for r in results:
-        ls = r["losses"]
-        k = 10
-        smooth = [sum(ls[max(0, i - k + 1):i + 1]) / len(ls[max(0, i - k + 1):i + 1]) for i in range(len(ls))]
-        ax.plot(range(len(ls)), smooth, label=f"{r['label']} (final {r['final_loss']:.3f})", lw=1.4)
+        c, label, dashed = colors[r["label"]], r["label"], r["codec"] == "fp32"
+        if dashed and same_bits:
+            label += " (= torch, bit for bit)"
+        label += f": held-out {r['val_loss']:.3f}, {r['bytes_per_step'] / 1e3:,.0f} KB/step"
+        steps, val = zip(*r["val_curve"])
+        style = dict(color=c, ls="--" if dashed else "-", lw=2.2 if r["codec"] is None else 1.4)
+        ax.plot(range(1, len(r["losses"]) + 1), _smooth(r["losses"]), color=c, lw=0.8, alpha=0.45)
+        ax.plot(steps, val, marker="o", ms=3.5, label=label, **style)
+        bx.plot([b / 1e6 for b in r["bytes_sent"]], val, marker="o", ms=3.5, **style)
+    _zoom(ax, [r["losses"] for r in results] + [[v for _, v in r["val_curve"]] for r in results], 0.35)
+    _zoom(bx, [[v for _, v in r["val_curve"]] for r in results], 0.35)
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (mean over ranks, 10-step moving average)")
-    ax.set_title("Char transformer on pydoc topics, 2 gloo ranks")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    ax.set_ylabel("loss (zoomed on the last 2/3 of training)")
+    ax.set_title("held-out loss (markers) and training loss (thin, 10-step mean)", fontsize=10)
+    bx.set_xscale("log")
+    bx.set_xlabel("MB one rank has sent (log scale)")
+    bx.set_ylabel("held-out loss")
+    bx.set_title("the same held-out loss against the bytes sent", fontsize=10)
+    for a in (ax, bx):
+        a.grid(alpha=0.3, which="both")
+    fig.legend(loc="lower center", ncol=3, fontsize=8.5, frameon=False)
+    fig.suptitle(f"Char transformer on pydoc topics, 2 gloo ranks, {len(results[0]['losses'])} steps: "
+                 "torch's all-reduce vs flatcomm codecs", fontsize=11)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return fig
+
+
+def plot(results, path: str, same_bits: bool) -> None:
+    """Write :func:`figure` to ``path`` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(results, same_bits)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -207,7 +264,10 @@ def main(argv=None) -> int:
     print(f"\n{results[0]['params']:,} parameters; final loss = mean of the last 20 steps; bytes/step = what "
           f"one rank puts on the wire (~: 2(W-1)/W x 4 B x params, the ring all-reduce's volume); step ms = "
           f"median; sha256 of the final weights (rank 0, equal on all ranks unless marked).")
-    plot(results, args.out)
+    same = fp32_matches_torch(results)
+    print(f"flatcomm fp32 vs torch allreduce: {'the same bits' if same else 'DIFFERENT'} (final weights' sha256 "
+          f"and the loss at every step {'equal' if same else 'compared'})")
+    plot(results, args.out, same)
     say("demo", f"loss curves: {args.out}; total {time.perf_counter() - t0:.0f}s "
           f"(training {out[0]['seconds']:.0f}s)")
     return 0
