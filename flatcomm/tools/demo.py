@@ -204,6 +204,8 @@ def figure(results, same_bits: bool):
         bx.plot([b / 1e6 for b in r["bytes_sent"]], val, marker="o", ms=3.5, **style)
     _zoom(ax, [r["losses"] for r in results] + [[v for _, v in r["val_curve"]] for r in results], 0.35)
     _zoom(bx, [[v for _, v in r["val_curve"]] for r in results], 0.35)
+    tails = [r["bytes_sent"][int(0.35 * len(r["bytes_sent"])):] for r in results]
+    bx.set_xlim(left=0.6 * min(b for t in tails for b in t) / 1e6)  # from where the zoomed curves start
     ax.set_xlabel("step")
     ax.set_ylabel("loss (zoomed on the last 2/3 of training)")
     ax.set_title("held-out loss (markers) and training loss (thin, 10-step mean)", fontsize=10)
