@@ -40,6 +40,8 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from ._bytes import tensor_bytes
+
 __all__ = ["FORMAT", "KINDS", "VERSION", "check_gathered", "gathered_state_dict", "kind_of", "load_gathered_state_dict"]
 
 FORMAT = "flatcomm.rank_states"
@@ -144,7 +146,7 @@ def _exchange(status: int, payload: bytes, group, world: int, rank: int, dst: Op
             return None
         every = torch.cat(every_list) if every_list else torch.empty(0, dtype=torch.uint8)
     raw = every.cpu().view(world, width) if width else torch.empty(world, 0, dtype=torch.uint8)
-    parts = [bytes(raw[r, :lengths[r]].numpy().tobytes()) for r in range(world)]
+    parts = [tensor_bytes(raw[r, :lengths[r]]) for r in range(world)]
     if failed and status == _OK:
         reasons = "; ".join(f"rank {r}: {parts[r].decode(errors='replace')}" for r in failed)
         raise RuntimeError(f"flatcomm.rank_states: the state_dict() of rank(s) {failed} failed ({reasons})")

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives as C
+from .._bytes import tensor_bytes
 from ..comm.args import in_step
 
 __all__ = ["agree", "differing", "master_hash", "verify"]
@@ -28,7 +29,7 @@ def master_hash(masters: Sequence[torch.Tensor]) -> int:
     """64-bit BLAKE2b of the bytes of the fp32 masters, in order."""
     h = hashlib.blake2b(digest_size=8)
     for m in masters:
-        h.update(m.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(tensor_bytes(m))
     return int.from_bytes(h.digest(), "little")
 
 
