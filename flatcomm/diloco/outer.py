@@ -71,10 +71,27 @@ def _number(v: Any, what: str, lo: float, hi: float, hi_open: bool = False) -> f
     return float(v)
 
 
+def _check_no_ddp(model: torch.nn.Module, group, allow_ddp: bool) -> None:
+    """Refuse a DistributedDataParallel over ``model`` whose all-reduce spans replicas."""
+    if not isinstance(allow_ddp, bool):
+        raise TypeError(f"flatcomm.diloco: allow_ddp must be True or False, got {allow_ddp!r}")
+    ranks = [] if allow_ddp else replicas.ddp_across_replicas(model, group)
+    if ranks:
+        raise ValueError(
+            f"flatcomm.diloco: the model is wrapped in DistributedDataParallel over ranks {ranks}, which "
+            f"hold several DiLoCo replicas: DDP would all-reduce every gradient at every inner step and "
+            f"DiLoCo would sync on top, so the replicas never train alone (all the traffic of DDP, plus "
+            f"DiLoCo's). Remove DDP: build DiLoCo on the bare module (model = ddp.module, the same "
+            f"optimizer) and call that module in the training loop. Or make DDP run inside one replica "
+            f"only (DDP(process_group=the ranks of one replica), DiLoCo(group=the ranks across replicas)). "
+            f"If DDP's all-reduce is replaced by a hook that keeps the local gradient, pass allow_ddp=True")
+
+
 def _configure(model, sync_every, codec, mode, outer_lr, outer_momentum, nesterov, fragments, delay, alpha,
-               group, error_feedback, residual_dtype, verify_every, topology) -> Config:
+               group, error_feedback, residual_dtype, verify_every, topology, allow_ddp=False) -> Config:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"flatcomm.diloco: model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_no_ddp(model, topology.group if isinstance(topology, Topology) else group, allow_ddp)
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"flatcomm.diloco: mode must be one of {MODES}, got {mode!r}")
     if isinstance(codec, str) and codec == "auto":
@@ -120,6 +137,9 @@ class DiLoCo:
     pseudo-gradient (compressed with ``codec`` and error feedback) drives an fp32 outer SGD with
     Nesterov momentum. Construction is a collective of the outer group: a configuration error on
     any replica raises on every replica, and so do replicas that start from different weights.
+    A ``DistributedDataParallel`` over ``model`` whose process group spans several replicas is
+    refused (its all-reduce would run at every inner step) unless ``allow_ddp=True`` (for a DDP
+    whose comm hook keeps the local gradient, as the framework adapters register).
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,
@@ -127,7 +147,7 @@ class DiLoCo:
                  nesterov: bool = True, fragments: Any = 1, fragment_sync_delay: int = 0,
                  fragment_update_alpha: float = 0.0, group=None, error_feedback: bool = True,
                  residual_dtype: torch.dtype = torch.float32, verify_every: int = 0,
-                 topology: Optional[Topology] = None) -> None:
+                 topology: Optional[Topology] = None, allow_ddp: bool = False) -> None:
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"flatcomm.diloco: inner_optimizer must be a torch.optim.Optimizer, "
                             f"got {type(inner_optimizer).__name__}")
@@ -139,7 +159,7 @@ class DiLoCo:
         self.config: Config = replicas.agree(
             self.group, self.device, lambda: _configure(
                 model, sync_every, codec, mode, outer_lr, outer_momentum, nesterov, fragments, fragment_sync_delay,
-                fragment_update_alpha, group, error_feedback, residual_dtype, verify_every, topology),
+                fragment_update_alpha, group, error_feedback, residual_dtype, verify_every, topology, allow_ddp),
             Config.fingerprint, "the DiLoCo configuration")
         self.fragments = self.config.fragments
         replicas.verify(self.group, self.device, [f.master for f in self.fragments],

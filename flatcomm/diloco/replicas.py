@@ -8,6 +8,7 @@ model) all raise naming them. :func:`master_hash` is the 64-bit hash ``verify_ev
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 from typing import Callable, List, Sequence, TypeVar, cast
 
@@ -18,7 +19,7 @@ from .. import collectives as C
 from .._bytes import tensor_bytes
 from ..comm.args import in_step
 
-__all__ = ["agree", "differing", "master_hash", "verify"]
+__all__ = ["agree", "ddp_across_replicas", "differing", "master_hash", "verify"]
 
 T = TypeVar("T")
 _ALL_GATHER = 2  # flatcomm.comm.header.KINDS: the kind of the call a failed check stands in for
@@ -71,3 +72,28 @@ def verify(group, device: torch.device, masters: Sequence[torch.Tensor], what: s
     h = master_hash(masters)
     differing(_gather64(h, group, device), what)
     return h
+
+
+def _ddp_wrappers(model: torch.nn.Module) -> list:
+    """The live DistributedDataParallel modules that share a parameter with ``model`` (``model``
+    itself, one that wraps it, or one that wraps a part of it). A module does not know what wraps
+    it: one pass over the objects the garbage collector tracks finds them (once, at construction)."""
+    ddp_type = torch.nn.parallel.DistributedDataParallel
+    mine = {id(p) for p in model.parameters()}
+    found = [o for o in gc.get_objects() if issubclass(type(o), ddp_type)]  # type(): no __class__ lookups
+    return [d for d in found if any(id(p) in mine for p in d.parameters())]
+
+
+def ddp_across_replicas(model: torch.nn.Module, group) -> List[int]:
+    """The global ranks of a DistributedDataParallel over ``model`` whose process group holds more
+    than one replica of the outer ``group`` (its all-reduce would average the replicas' gradients
+    at every inner step); ``[]`` when there is none. A DDP inside one replica (its group the ranks
+    of that replica, as docs/diloco.md sets it up) is fine: it meets the outer group in one rank."""
+    if not dist.is_initialized():
+        return []
+    outer = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    for ddp in _ddp_wrappers(model):
+        ranks = dist.get_process_group_ranks(ddp.process_group)
+        if len(outer.intersection(ranks)) > 1:
+            return sorted(ranks)
+    return []
