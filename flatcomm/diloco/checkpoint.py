@@ -35,6 +35,7 @@ def state_dict(outer) -> Dict[str, Any]:
         "config": f"{outer.config.fingerprint():016x}",
         "step": outer.step,
         "syncs": outer.syncs,
+        "finished_at": outer._finished_at,
         "fragments": [{"names": list(f.names), "master": f.master.detach().cpu().clone(),
                        "momentum": f.momentum.detach().cpu().clone(),
                        "residuals": [r.detach().cpu().clone() for r in f.residuals]} for f in outer.fragments],
@@ -93,15 +94,21 @@ def _prepare(outer, sd: Dict[str, Any]) -> Dict[str, Any]:
             "momentum": _tensor(s.get("momentum"), f"fragment {i} momentum", f.numel, torch.float32).to(f.state_device),
             "residuals": [_tensor(r, f"fragment {i} residual {j}", mine.numel(), mine.dtype).to(f.device)
                           for j, (r, mine) in enumerate(zip(res, f.residuals))]})
-    return {"step": step, "syncs": syncs, "fragments": frags, "in_flight": _in_flight(outer, sd, step)}
+    finished = _int(sd, "finished_at") if "finished_at" in sd else 0  # (absent before finish() existed)
+    if finished > step:
+        raise ValueError(f"flatcomm.diloco: checkpoint's finish() at inner step {finished} is after its step {step}")
+    return {"step": step, "syncs": syncs, "fragments": frags, "finished_at": finished,
+            "in_flight": _in_flight(outer, sd, step, finished)}
 
 
-def _in_flight(outer, sd: Dict[str, Any], step: int) -> Optional[sync.Pending]:
-    """The saved sync in flight as a finished :class:`Pending`, checked against the schedule."""
+def _in_flight(outer, sd: Dict[str, Any], step: int, finished: int) -> Optional[sync.Pending]:
+    """The saved sync in flight as a finished :class:`Pending`, checked against the schedule (a
+    finish() at or after its start applied it early)."""
     if "in_flight" not in sd:
         raise KeyError("flatcomm.diloco: checkpoint has no 'in_flight' field")
     s, sch = sd["in_flight"], outer.config.schedule
-    due = next((t for t in range(step - sch.delay + 1, step + 1) if sch.delay and sch.starts(t) is not None), None)
+    due = next((t for t in range(max(step - sch.delay + 1, finished + 1), step + 1)
+                if sch.delay and sch.starts(t) is not None), None)
     if s is None:
         if due is not None:
             raise ValueError(f"flatcomm.diloco: checkpoint at inner step {step} lacks the sync started at step {due}")
@@ -123,7 +130,7 @@ def _in_flight(outer, sd: Dict[str, Any], step: int) -> Optional[sync.Pending]:
 
 def _fingerprint(prepared: Dict[str, Any]) -> int:
     h = hashlib.blake2b(digest_size=8)
-    h.update(repr((prepared["step"], prepared["syncs"])).encode())
+    h.update(repr((prepared["step"], prepared["syncs"], prepared["finished_at"])).encode())
     h.update(replicas.master_hash([f["master"] for f in prepared["fragments"]]).to_bytes(8, "little"))
     return int.from_bytes(h.digest(), "little")
 
@@ -142,3 +149,4 @@ def load_state_dict(outer, sd: Dict[str, Any]) -> None:
     for f, s in zip(outer.fragments, prepared["fragments"]):
         f.commit(s["master"], s["momentum"], s["residuals"])
     outer.step, outer.syncs, outer.pending = prepared["step"], prepared["syncs"], prepared["in_flight"]
+    outer._finished_at = prepared["finished_at"]

@@ -167,6 +167,7 @@ class DiLoCo:
         self.step = 0  # inner steps taken
         self.syncs = 0  # outer syncs applied (all fragments)
         self.pending: Optional[sync.Pending] = None
+        self._finished_at = 0  # inner step of the last finish(): every weight was its master then
         self._work = Workspace()
         self.fragment_stats = [FragmentStats() for _ in self.fragments]
         self._hook = inner_optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_inner_step())
@@ -181,13 +182,50 @@ class DiLoCo:
             self._apply()
         i = sch.starts(self.step)
         if i is not None:
-            f, w = self.fragments[i], self._work
-            delta = f.pseudo_gradient(w.take("delta", f.numel, f.device))
-            self.pending = sync.launch(self.config.plan, i, self.step, delta, f.residual_copies(w))
+            self._launch(i)
             if sch.delay == 0:
                 self._apply()
 
-    def _apply(self) -> None:
+    def _launch(self, i: int) -> None:
+        f, w = self.fragments[i], self._work
+        delta = f.pseudo_gradient(w.take("delta", f.numel, f.device))
+        self.pending = sync.launch(self.config.plan, i, self.step, delta, f.residual_copies(w))
+
+    def finish(self) -> None:
+        """Bring every replica to the same weights now, for saving or evaluating the model (a
+        collective of the outer group: call it on every replica at the same inner step).
+
+        A sync in flight is applied now (not ``fragment_sync_delay`` steps later; the fragment's
+        inner steps since it started are dropped, as when it is applied on schedule); every fragment
+        with inner steps since its last sync syncs now (one outer step each, in fragment order, as
+        if its sync were due); then every parameter is set to its fragment's fp32 master (rounded
+        to its dtype; ``fragment_update_alpha`` is not applied), the same bits on every replica.
+        Calling it again at the same inner step does nothing. Training may continue afterwards:
+        the schedule goes on from this inner step (the next scheduled syncs start from the new
+        masters); the extra outer steps count in :attr:`syncs`."""
+        fresh = set()
+        if self.pending is not None:  # the inner steps since it started are dropped, as on schedule
+            fresh.add(self.pending.fragment)
+            self._apply(alpha=0.0)
+        if self._finished_at == self.step:
+            return
+        for i, f in enumerate(self.fragments):
+            if i not in fresh and self._last_applied(i) < self.step:
+                self._launch(i)
+                self._apply(alpha=0.0)
+            else:
+                f.set_weights(f.master, 0.0)
+        self._finished_at = self.step
+
+    def _last_applied(self, i: int) -> int:
+        """The inner step after which fragment ``i``'s weights were last set from its master."""
+        sch = self.config.schedule
+        t = self.step
+        while t > self._finished_at and sch.applies(t) != i:
+            t -= 1
+        return t
+
+    def _apply(self, alpha: Optional[float] = None) -> None:
         p, cfg = self.pending, self.config
         assert p is not None  # (called only with a sync pending)
         f, st = self.fragments[p.fragment], self.fragment_stats[p.fragment]
@@ -206,7 +244,7 @@ class DiLoCo:
             self.pending = None
             st.wait_s += p.waited_s
         f.commit(master, momentum, p.residuals if cfg.plan.feedback else None)
-        f.set_weights(f.master, cfg.alpha)
+        f.set_weights(f.master, cfg.alpha if alpha is None else alpha)
         self.syncs += 1
         st.syncs += 1
         st.wire_bytes += p.stats.wire_bytes
