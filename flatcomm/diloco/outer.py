@@ -54,13 +54,27 @@ class Config:
     alpha: float
     verify_every: int
 
-    def fingerprint(self) -> int:
+    def fingerprint(self, with_verify: bool = True) -> int:
+        """64-bit hash of the configuration; ``with_verify=False``: of what a checkpoint must match
+        (``verify_every`` is a check, not state: it may change at a resume)."""
         p = self.plan
         local = p.topology.local_size if p.two_level else 0
         desc = repr((self.schedule, p.codec, p.mode, p.feedback, p.world, local, self.lr, self.momentum,
-                     self.nesterov, self.alpha, self.verify_every,
-                     [(f.names, f.sizes, str(f.residual_dtype)) for f in self.fragments]))
+                     self.nesterov, self.alpha) + ((self.verify_every,) if with_verify else ()) +
+                    ([(f.names, f.sizes, str(f.residual_dtype)) for f in self.fragments],))
         return int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=8).digest(), "little")
+
+    def options(self) -> Dict[str, str]:
+        """The options a checkpoint must match, as text (a load names those that differ)."""
+        p, sch = self.plan, self.schedule
+        return {"sync_every": str(sch.sync_every), "fragments": str(sch.fragments),
+                "fragment_sync_delay": str(sch.delay), "codec": str(p.codec), "mode": p.mode,
+                "error_feedback": str(p.feedback), "replicas": str(p.world),
+                "topology local_size": str(p.topology.local_size if p.two_level else 0), "outer_lr": repr(self.lr),
+                "outer_momentum": repr(self.momentum), "nesterov": str(self.nesterov),
+                "fragment_update_alpha": repr(self.alpha),
+                "residual_dtype": str(self.fragments[0].residual_dtype) if self.fragments else "",
+                "model layout": f"{hashlib.blake2b(repr([(f.names, f.sizes) for f in self.fragments]).encode(), digest_size=8).hexdigest()}"}
 
 
 def _number(v: Any, what: str, lo: float, hi: float, hi_open: bool = False) -> float:
@@ -170,6 +184,7 @@ class DiLoCo:
         self._finished_at = 0  # inner step of the last finish(): every weight was its master then
         self._work = Workspace()
         self.fragment_stats = [FragmentStats() for _ in self.fragments]
+        replicas.announce()  # where this replica runs: a failed sync names the replicas that exited
         self._hook = inner_optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_inner_step())
 
     # ---- the outer loop -----------------------------------------------------------------------------
@@ -230,7 +245,7 @@ class DiLoCo:
         assert p is not None  # (called only with a sync pending)
         f, st = self.fragments[p.fragment], self.fragment_stats[p.fragment]
         try:
-            delta = p.wait(cfg.plan.world).to(f.state_device)
+            delta = self._wait(p).to(f.state_device)
             pin = f.master.is_pinned()
             master, momentum = outer_step(f.master, f.momentum, delta, cfg.lr, cfg.momentum, cfg.nesterov,
                                           self._work.take("master", f.numel, f.state_device, pin),
@@ -252,11 +267,28 @@ class DiLoCo:
         if cfg.verify_every and self.syncs % cfg.verify_every == 0:
             self.verify()
 
+    def _wait(self, p: sync.Pending) -> torch.Tensor:
+        """``p``'s result; a failure of the collective names the sync and the replicas that exited."""
+        try:
+            return p.wait(self.config.plan.world)
+        except (RuntimeError, TimeoutError) as e:  # gloo's / NCCL's / a timeout: say what it was
+            gone, saving = replicas.exited(self.group), replicas.saves_ahead(self.group)
+            who = (f"replica(s) {saving} entered a checkpoint save (flatcomm.rank_states) that this replica never "
+                   f"called: a framework's save must be called on every rank (Accelerate: save_state on every "
+                   f"rank, not under `if accelerator.is_main_process`)" if saving else
+                   f"replica(s) {gone} of the outer group exited" if gone else
+                   f"a replica of the outer group ({self.config.plan.world} replicas) stopped, left or did not "
+                   f"reach this sync within the group's timeout")
+            raise RuntimeError(
+                f"flatcomm.diloco: the outer sync of fragment {p.fragment} started after inner step {p.started} "
+                f"(outer sync {self.syncs + 1}) failed: {who}. Master, momentum, residuals and weights are as "
+                f"before it; restart every replica from the last checkpoint. ({type(e).__name__}: {e})") from e
+
     def drain(self) -> None:
         """Wait for a fragment's all-reduce in flight; its result stays held, applied on schedule."""
         if self.pending is not None and not self.pending.finished:
             try:
-                self.pending.wait(self.config.plan.world)
+                self._wait(self.pending)
             except BaseException:
                 self.pending = None  # that sync failed: nothing of it will be applied
                 raise
@@ -285,9 +317,10 @@ class DiLoCo:
         :mod:`flatcomm.diloco.checkpoint`."""
         return checkpoint.state_dict(self)
 
-    def check_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Raise as :meth:`load_state_dict` would for ``sd`` on this replica; changes nothing."""
-        checkpoint.check_state_dict(self, sd)
+    def check_state_dict(self, sd: Dict[str, Any], replica: Optional[int] = None) -> None:
+        """Raise as :meth:`load_state_dict` would for ``sd`` on this replica (or as replica
+        ``replica``'s own state); changes nothing."""
+        checkpoint.check_state_dict(self, sd, replica)
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Load on every replica or on none (a collective of the outer group)."""

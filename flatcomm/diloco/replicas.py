@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import os
+import socket
 from typing import Callable, List, Sequence, TypeVar, cast
 
 import torch
@@ -19,7 +21,8 @@ from .. import collectives as C
 from .._bytes import tensor_bytes
 from ..comm.args import in_step
 
-__all__ = ["agree", "ddp_across_replicas", "differing", "master_hash", "verify"]
+__all__ = ["agree", "announce", "ddp_across_replicas", "differing", "exited", "master_hash", "save_key",
+           "saves_ahead", "verify"]
 
 T = TypeVar("T")
 _ALL_GATHER = 2  # flatcomm.comm.header.KINDS: the kind of the call a failed check stands in for
@@ -97,3 +100,67 @@ def ddp_across_replicas(model: torch.nn.Module, group) -> List[int]:
         if len(outer.intersection(ranks)) > 1:
             return sorted(ranks)
     return []
+
+
+def _key(global_rank: int) -> str:
+    return f"flatcomm/diloco/process/{global_rank}"
+
+
+def announce() -> None:
+    """Write where this rank's process runs (host, pid) to the process group's store, so that a
+    replica whose sync fails can tell which peers have exited (:func:`exited`). No collective."""
+    try:
+        dist.distributed_c10d._get_default_store().set(_key(dist.get_rank()), f"{socket.gethostname()} {os.getpid()}")
+    except Exception:  # noqa: BLE001 - no store: a failed sync names no replica
+        pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def exited(group) -> List[int]:
+    """The replicas (ranks of the outer ``group``) on this host whose process has exited, as far as
+    the store says (a replica on another host, or without an entry, is not listed)."""
+    out = []
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        host = socket.gethostname()
+        for r, g in enumerate(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)):
+            if g == dist.get_rank() or not store.check([_key(g)]):
+                continue
+            where, pid = store.get(_key(g)).decode().rsplit(" ", 1)
+            if where == host and not _pid_alive(int(pid)):
+                out.append(r)
+    except Exception:  # noqa: BLE001 - the store went with a dead rank 0: nothing to name
+        pass
+    return out
+
+
+def save_key(group, global_rank: int) -> str:
+    """The store key where a rank counts the checkpoint saves (``rank_states`` gathers) it entered
+    on ``group``: a replica whose sync fails can see that a peer waits in a save it did not make."""
+    name = getattr(group if group is not None else dist.group.WORLD, "group_name", "")
+    return f"flatcomm/saves/{name}/{global_rank}"
+
+
+def saves_ahead(group) -> List[int]:
+    """Ranks of the outer ``group`` that entered more checkpoint saves (on the world or on
+    ``group``) than this rank: they wait in a save this rank never called."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        ahead = set()
+        for g in {None, group}:
+            def count(rank: int) -> int:
+                key = save_key(g, rank)
+                return int(store.get(key).decode()) if store.check([key]) else 0
+            mine = count(dist.get_rank())
+            ahead.update(r for r, x in enumerate(ranks) if count(x) > mine)
+        return sorted(ahead)
+    except Exception:  # noqa: BLE001 - no store: nothing to tell
+        return []

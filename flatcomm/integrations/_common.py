@@ -74,3 +74,11 @@ def diloco_replica(wrapped: torch.nn.Module, module: torch.nn.Module, optimizer:
             outer.close()  # (DDP takes one hook: e.g. flatcomm's own DDP hook is registered already)
             raise
     return diloco.ReplicaState(outer, module, inner)
+
+
+def missing_diloco_state(what: str, entry: str, opt_in: str) -> ValueError:
+    """The one error of the three adapters for a resume whose checkpoint lacks DiLoCo's state."""
+    return ValueError(
+        f"flatcomm: the {what} being resumed has no DiLoCo state ({entry} is missing: it was saved without "
+        f"flatcomm's DiLoCo adapter). Resuming DiLoCo from step 0 would put its syncs out of step with the "
+        f"restored training. To start DiLoCo afresh from the restored weights anyway, pass {opt_in}")
