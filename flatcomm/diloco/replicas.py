@@ -151,16 +151,17 @@ def save_key(group, global_rank: int) -> str:
 def saves_ahead(group) -> List[int]:
     """Ranks of the outer ``group`` that entered more checkpoint saves (on the world or on
     ``group``) than this rank: they wait in a save this rank never called."""
+    def count(store, g, rank: int) -> int:
+        key = save_key(g, rank)
+        return int(store.get(key).decode()) if store.check([key]) else 0
+
     try:
         store = dist.distributed_c10d._get_default_store()
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        ahead = set()
-        for g in {None, group}:
-            def count(rank: int) -> int:
-                key = save_key(g, rank)
-                return int(store.get(key).decode()) if store.check([key]) else 0
-            mine = count(dist.get_rank())
-            ahead.update(r for r, x in enumerate(ranks) if count(x) > mine)
+        ahead: set = set()
+        for g in {None, group}:  # the world's saves (the adapters') and the outer group's
+            mine = count(store, g, dist.get_rank())
+            ahead.update(r for r, x in enumerate(ranks) if count(store, g, x) > mine)
         return sorted(ahead)
     except Exception:  # noqa: BLE001 - no store: nothing to tell
         return []
