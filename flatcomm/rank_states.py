@@ -274,14 +274,25 @@ def load_gathered_state_dict(state: Any, gathered: Any, group: Optional[dist.Pro
 _NAMES = {"ddp": "DDP state_dict()", "diloco": "DiLoCo"}
 
 
-def _check_own_load(state: Any, kind: str, sd: dict, r: int, allow_codec_change: bool) -> None:
+def _replica_of_part(state: Any, r: int, group) -> int:
+    """The DiLoCo replica (rank in its outer group) that rank ``r`` of the gather's group is."""
+    if group is None or not dist.is_initialized():
+        return r
+    outer = getattr(state, "outer", state)  # a ReplicaState holds its DiLoCo
+    replicas = outer.group if outer.group is not None else dist.group.WORLD
+    assert replicas is not None  # (initialised above)
+    return dist.get_group_rank(replicas, dist.get_global_rank(group, r))
+
+
+def _check_own_load(state: Any, kind: str, sd: dict, r: int, allow_codec_change: bool, group=None) -> None:
     """The checks part ``r``'s own load makes (the model is the same on every rank)."""
     if kind == "ddp":
         from .ddp import checkpoint
 
         checkpoint.check_state_dict(state, sd, rank=r, allow_codec_change=allow_codec_change)
     else:
-        state.check_state_dict(sd["diloco"], replica=r)  # a DiLoCo or a ReplicaState, as replica r's
+        # a DiLoCo or a ReplicaState: part r checked as the state of the replica that rank r is
+        state.check_state_dict(sd["diloco"], replica=_replica_of_part(state, r, group))
 
 
 def _check_parts(state: Any, kind: str, ranks: List[dict], group, *, same_world: bool,
@@ -303,7 +314,7 @@ def _check_parts(state: Any, kind: str, ranks: List[dict], group, *, same_world:
                                  f"parts are swapped, duplicated or from another save")
             if same_world:
                 try:
-                    _check_own_load(state, kind, sd, r, allow_codec_change)
+                    _check_own_load(state, kind, sd, r, allow_codec_change, group)
                 except (ValueError, TypeError, KeyError) as e:
                     raise type(e)(f"{where}: {e}") from None
             continue
