@@ -67,6 +67,7 @@ class Config:
     def options(self) -> Dict[str, str]:
         """The options a checkpoint must match, as text (a load names those that differ)."""
         p, sch = self.plan, self.schedule
+        layout = repr([(f.names, f.sizes) for f in self.fragments]).encode()
         return {"sync_every": str(sch.sync_every), "fragments": str(sch.fragments),
                 "fragment_sync_delay": str(sch.delay), "codec": str(p.codec), "mode": p.mode,
                 "error_feedback": str(p.feedback), "replicas": str(p.world),
@@ -74,7 +75,7 @@ class Config:
                 "outer_momentum": repr(self.momentum), "nesterov": str(self.nesterov),
                 "fragment_update_alpha": repr(self.alpha),
                 "residual_dtype": str(self.fragments[0].residual_dtype) if self.fragments else "",
-                "model layout": f"{hashlib.blake2b(repr([(f.names, f.sizes) for f in self.fragments]).encode(), digest_size=8).hexdigest()}"}
+                "model layout": hashlib.blake2b(layout, digest_size=8).hexdigest()}
 
 
 def _number(v: Any, what: str, lo: float, hi: float, hi_open: bool = False) -> float:
