@@ -38,6 +38,13 @@ WHEEL=$(ls "$WORK"/wheels/flatcomm-*.whl)
 step "install $(basename "$WHEEL")"
 "$VPY" -m pip install -q "$WHEEL" > "$WORK/install.log" 2>&1 || { tail -50 "$WORK/install.log"; exit 1; }
 
+# numpy is not a run-time dependency (torch does not need it either): the checks below run without it.
+if "$VPY" -m pip list 2>/dev/null | grep -qi '^numpy '; then
+    step "uninstall numpy (pulled in by $TORCH): flatcomm must run without it"
+    "$VPY" -m pip uninstall -q -y numpy > "$WORK/uninstall.log" 2>&1 || { cat "$WORK/uninstall.log"; exit 1; }
+fi
+if "$VPY" -c "import numpy" 2> /dev/null; then echo "numpy is still importable in the fresh venv" >&2; exit 1; fi
+
 mkdir -p "$WORK/elsewhere"
 cd "$WORK/elsewhere"  # nothing of the checkout on sys.path
 step "import + one op"
@@ -71,4 +78,7 @@ step "python -m flatcomm.bench kernels --quick --no-ref --sizes 1M"
     || { cat "$WORK/bench.out" "$WORK/bench.err"; exit 1; }
 cat "$WORK/bench.out"
 "$VPY" -m flatcomm.bench --version
+step "2 gloo ranks, no numpy: DiLoCo sync, flatcomm backend all_reduce, DDP step with the flatcomm hook"
+cp "$ROOT/.ci/dist_smoke.py" "$WORK/elsewhere/"
+"$VPY" "$WORK/elsewhere/dist_smoke.py"
 step "ok"

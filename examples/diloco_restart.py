@@ -8,8 +8,9 @@ int4 with error feedback, AdamW inside). At each ``--save-at`` step every rank w
 checkpoint (model, inner optimizer, ``DiLoCo.state_dict()``: a sync in flight is drained into it),
 then rank 0 marks the step complete. ``--crash-at S`` kills rank 1 (SIGKILL) at step S of the
 first attempt (``--crash-at 6,7,9``: attempt k dies at the k-th step listed; give torchrun as many
-restarts); torchrun restarts both, they resume from the last complete checkpoint. Rank 0
-saves the final weights and fp32 masters to ``--out``/weights.pt. CPU, gloo.
+restarts); torchrun restarts both, they resume from the last complete checkpoint. At the end
+``outer.finish()`` brings every replica to the same weights, which rank 0 saves to
+``--out``/weights.pt. CPU, gloo.
 """
 from __future__ import annotations
 
@@ -93,12 +94,14 @@ def main() -> None:
                 with open(latest + ".tmp", "w") as f:
                     f.write(str(t + 1))
                 os.replace(latest + ".tmp", latest)
+    # The replicas' weights differ between syncs: finish() syncs what is left, so that every rank
+    # holds the same model (the one to save and evaluate).
+    outer.finish()
     if rank == 0:
         print(f"diloco: {outer.syncs} syncs since step {start}", flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            torch.save({"weights": [p.detach() for p in model.parameters()],
-                        "masters": [f.master for f in outer.fragments]}, os.path.join(args.out, "weights.pt"))
+            torch.save({"weights": [p.detach() for p in model.parameters()]}, os.path.join(args.out, "weights.pt"))
     dist.destroy_process_group()
 
 

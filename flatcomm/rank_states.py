@@ -35,10 +35,15 @@ everything again before it changes anything.
 from __future__ import annotations
 
 import io
+import time
+from datetime import timedelta
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
+
+from ._bytes import tensor_bytes
+from .diloco.replicas import save_key
 
 __all__ = ["FORMAT", "KINDS", "VERSION", "check_gathered", "gathered_state_dict", "kind_of", "load_gathered_state_dict"]
 
@@ -99,6 +104,7 @@ def gathered_state_dict(state: Any, group: Optional[dist.ProcessGroup] = None, *
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if dst is not None and not 0 <= dst < world:
         raise ValueError(f"flatcomm.rank_states: dst={dst} is not a rank of this group of {world}")
+    _arrive(group, world)
     try:
         kind = kind_of(state)
         buf = io.BytesIO()
@@ -115,6 +121,46 @@ def gathered_state_dict(state: Any, group: Optional[dist.ProcessGroup] = None, *
     if kind == "diloco":  # its state_dict() does not name the replica: the part says whose it is
         ranks = [{"rank": r, "world_size": world, "diloco": sd} for r, sd in enumerate(ranks)]
     return {"format": FORMAT, "version": VERSION, "kind": kind, "world_size": world, "ranks": ranks}
+
+
+_saves: Dict[str, int] = {}  # store key -> gathers this rank entered on that group
+
+
+def _timeout(group) -> timedelta:
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - e.g. an NCCL-only group
+        return dist.distributed_c10d.default_pg_timeout
+
+
+def _arrive(group, world: int) -> None:
+    """Wait (up to the group's timeout) until every rank of ``group`` entered this gather; else
+    raise naming those that did not: a save called on one rank only (e.g. under
+    ``if accelerator.is_main_process``) fails here with that said, not in gloo's send timeout."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: the gather itself is the only check
+        return
+    ranks = dist.get_process_group_ranks(group)
+    key = save_key(group, dist.get_rank())
+    n = _saves.get(key, 0) + 1
+    _saves[key] = n
+    store.set(key, str(n))
+    limit = _timeout(group)
+    deadline = time.monotonic() + limit.total_seconds()
+    while True:
+        behind = [r for r, g in enumerate(ranks)
+                  if not store.check([save_key(group, g)]) or int(store.get(save_key(group, g)).decode()) < n]
+        if not behind:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"flatcomm.rank_states: rank(s) {behind} of this group of {world} did not enter this checkpoint save "
+                f"(save number {n}) within the group's timeout ({limit.total_seconds():g} s): gathering every rank's "
+                f"flatcomm state is a collective, so the framework's save must be called on every rank "
+                f"(Accelerate: call accelerator.save_state(...) on every rank, not under `if "
+                f"accelerator.is_main_process`; it writes from the main process itself)")
+        time.sleep(0.05)
 
 
 def _exchange(status: int, payload: bytes, group, world: int, rank: int, dst: Optional[int]) -> Optional[List[bytes]]:
@@ -144,7 +190,7 @@ def _exchange(status: int, payload: bytes, group, world: int, rank: int, dst: Op
             return None
         every = torch.cat(every_list) if every_list else torch.empty(0, dtype=torch.uint8)
     raw = every.cpu().view(world, width) if width else torch.empty(world, 0, dtype=torch.uint8)
-    parts = [bytes(raw[r, :lengths[r]].numpy().tobytes()) for r in range(world)]
+    parts = [tensor_bytes(raw[r, :lengths[r]]) for r in range(world)]
     if failed and status == _OK:
         reasons = "; ".join(f"rank {r}: {parts[r].decode(errors='replace')}" for r in failed)
         raise RuntimeError(f"flatcomm.rank_states: the state_dict() of rank(s) {failed} failed ({reasons})")
@@ -228,14 +274,25 @@ def load_gathered_state_dict(state: Any, gathered: Any, group: Optional[dist.Pro
 _NAMES = {"ddp": "DDP state_dict()", "diloco": "DiLoCo"}
 
 
-def _check_own_load(state: Any, kind: str, sd: dict, r: int, allow_codec_change: bool) -> None:
+def _replica_of_part(state: Any, r: int, group) -> int:
+    """The DiLoCo replica (rank in its outer group) that rank ``r`` of the gather's group is."""
+    if group is None or not dist.is_initialized():
+        return r
+    outer = getattr(state, "outer", state)  # a ReplicaState holds its DiLoCo
+    replicas = outer.group if outer.group is not None else dist.group.WORLD
+    assert replicas is not None  # (initialised above)
+    return dist.get_group_rank(replicas, dist.get_global_rank(group, r))
+
+
+def _check_own_load(state: Any, kind: str, sd: dict, r: int, allow_codec_change: bool, group=None) -> None:
     """The checks part ``r``'s own load makes (the model is the same on every rank)."""
     if kind == "ddp":
         from .ddp import checkpoint
 
         checkpoint.check_state_dict(state, sd, rank=r, allow_codec_change=allow_codec_change)
     else:
-        state.check_state_dict(sd["diloco"])  # a DiLoCo or a ReplicaState
+        # a DiLoCo or a ReplicaState: part r checked as the state of the replica that rank r is
+        state.check_state_dict(sd["diloco"], replica=_replica_of_part(state, r, group))
 
 
 def _check_parts(state: Any, kind: str, ranks: List[dict], group, *, same_world: bool,
@@ -257,7 +314,7 @@ def _check_parts(state: Any, kind: str, ranks: List[dict], group, *, same_world:
                                  f"parts are swapped, duplicated or from another save")
             if same_world:
                 try:
-                    _check_own_load(state, kind, sd, r, allow_codec_change)
+                    _check_own_load(state, kind, sd, r, allow_codec_change, group)
                 except (ValueError, TypeError, KeyError) as e:
                     raise type(e)(f"{where}: {e}") from None
             continue

@@ -408,6 +408,10 @@ def test_replica_fault_during_sync_raises_and_changes_nothing(how):
             assert how == "dies" and "exited abnormally" in str(e), str(e)[-2000:]
         out = torch.load(result, weights_only=False)
     assert out["error"], "the sync did not raise although a replica stopped"
+    # the error names the sync (fragment 1 starts after step 6: the third) and what happened
+    for word in ("flatcomm.diloco: the outer sync of fragment 1 started after inner step 6 (outer sync 3)",
+                 "replica(s) [1] of the outer group exited" if how == "dies" else "did not reach this sync"):
+        assert word in out["error"], out["error"]
     assert out["elapsed"] < 2.5 * FAULT_TIMEOUT_S, f"raised after {out['elapsed']:.1f} s ({out['error']})"
     assert out["unchanged"], "a failed sync changed master, momentum, residuals or weights"
     assert out["pending"], "a failed sync stayed pending"

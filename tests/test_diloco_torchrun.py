@@ -1,7 +1,7 @@
 """examples/diloco_restart.py under torchrun: rank 1 is killed after a sync (resume from step 5),
 mid interval (from 7) and with a fragment's all-reduce in flight (from 8), one kill per attempt of
-one run; torchrun restarts both ranks each time and they end with the uninterrupted run's weights
-and fp32 masters, bit for bit."""
+one run; torchrun restarts both ranks each time and they end (after outer.finish()) with the
+uninterrupted run's weights, bit for bit."""
 from __future__ import annotations
 
 import os
@@ -36,7 +36,7 @@ def test_killed_replica_resumes_bit_for_bit(tmp_path):
     got, log = _torchrun(str(tmp_path), "crashes", [6, 7, 9])
     resumed = [int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "resumed at step" in line]
     assert resumed == [0, 5, 7, 8], log
-    for key in ("weights", "masters"):
+    for key in ("weights",):  # after outer.finish(): the model every replica holds
         assert len(ref[key]) == len(got[key]) > 0
         for a, b in zip(ref[key], got[key]):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"{key} differ after the resumes"

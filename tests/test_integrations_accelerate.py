@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -154,3 +155,71 @@ def test_accelerate_diloco_resumes_every_replica(tmp_path):
     for r in (r0, r1):
         for step in (4, 5):
             assert torch.equal(r[step].view(torch.int32), r["full"].view(torch.int32)), f"resume from {step} differs"
+
+
+SAVE_TIMEOUT_S = 3.0
+
+
+def _run_main_only(rank, world, tmp):
+    """``if accelerator.is_main_process: accelerator.save_state(...)``: the save gathers every
+    replica's DiLoCo state, a collective. Rank 0 (saving) and rank 1 (training on, into its next
+    sync) both raise within the group's timeout, saying that save_state must run on every rank.
+    Also: what each rank holds of a save (rank 0 only), and an empty DiLoCo entry at load."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    from flatcomm.integrations.accelerate import RankStates, register_diloco
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")
+    out = {}
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(net, opt)
+    outer = register_diloco(accelerator, model, opt, sync_every=2, codec="int8")
+    saved = accelerator._custom_objects[-1]
+    out["held"] = sorted(saved.state_dict())  # what save_state would write: the parts on rank 0 only
+    replica = saved.state
+    for ok in (False, True):
+        try:
+            RankStates(replica, accelerator, missing_ok=ok).load_state_dict({})
+            out[f"empty, missing_ok={ok}"] = ""
+        except ValueError as e:
+            out[f"empty, missing_ok={ok}"] = str(e)
+    def step(t):
+        x, y = _batch(t, rank)
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+
+    for t in range(2):  # past DDP's own first-iterations collectives (bucket rebuild), one sync
+        step(t)
+    dist.group.WORLD.set_timeout(timedelta(seconds=SAVE_TIMEOUT_S))  # flatcomm's group inherits it
+    t0 = time.monotonic()
+    try:
+        if accelerator.is_main_process:
+            accelerator.save_state(os.path.join(tmp, "ckpt"))
+        for t in range(2, 4):  # rank 1: into its next sync (after step 4), which rank 0 never joins
+            step(t)
+        out["error"] = ""
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["elapsed"] = time.monotonic() - t0
+    outer._hook.remove()  # (the run is broken: leave without draining)
+    return out
+
+
+def test_accelerate_save_state_on_main_process_only_fails_on_every_rank(tmp_path):
+    res = spawn.run(2, _run_main_only, str(tmp_path), timeout_s=30)
+    assert res[0]["held"] == ["format", "kind", "ranks", "version", "world_size"] and res[1]["held"] == [], \
+        (res[0]["held"], res[1]["held"])
+    for rank, out in enumerate(res):
+        assert "missing_ok=True" in out["empty, missing_ok=False"] and out["empty, missing_ok=True"] == "", out
+        assert "every rank" in out["error"] and "is_main_process" in out["error"], f"rank {rank}: {out['error']}"
+        assert out["elapsed"] < 4 * SAVE_TIMEOUT_S, f"rank {rank} raised after {out['elapsed']:.1f} s"
+    assert "did not enter this checkpoint save" in res[0]["error"], res[0]["error"]
+    assert "entered a checkpoint save" in res[1]["error"], res[1]["error"]

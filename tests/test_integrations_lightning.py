@@ -250,9 +250,9 @@ def _run_diloco(rank, world, tmp):
             return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :4].sum(1, keepdim=True)),
                                                batch_size=32)
 
-    def fit(ckpt_path=None, save_dir=None, every=None):
+    def fit(ckpt_path=None, save_dir=None, every=None, missing_ok=False, held=None):
         model, cb = Net(), DiLoCoCallback(sync_every=4, fragments=2, fragment_sync_delay=1, codec="int4",
-                                          verify_every=1)
+                                          verify_every=1, missing_ok=missing_ok)
         callbacks = [cb]
         if save_dir:
             callbacks.append(ModelCheckpoint(dirpath=save_dir, filename="{step}", every_n_train_steps=every,
@@ -261,13 +261,28 @@ def _run_diloco(rank, world, tmp):
                              max_steps=STEPS, callbacks=callbacks, logger=False, enable_checkpointing=bool(save_dir),
                              enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
         trainer.fit(model, ckpt_path=ckpt_path)
+        if held is not None:  # what this rank holds of a checkpoint's DiLoCo state (a collective)
+            held.append(sorted(cb.state_dict()))
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone(), cb.outer.stats
 
-    out = {}
-    out["full"], st = fit(save_dir=os.path.join(tmp, "a"), every=1)  # a checkpoint every step
+    out = {"held": []}
+    out["full"], st = fit(save_dir=os.path.join(tmp, "a"), every=1, held=out["held"])  # a checkpoint every step
     out["syncs"], out["wire"] = st["syncs"], st["wire_bytes"]
     out["in_flight"], _ = fit(ckpt_path=os.path.join(tmp, "a", "step=4.ckpt"))
     out["after_sync"], _ = fit(ckpt_path=os.path.join(tmp, "a", "step=5.ckpt"))
+    # A checkpoint without the callback's entry: refused, unless missing_ok=True
+    stripped = os.path.join(tmp, "stripped.ckpt")
+    if rank == 0:
+        ckpt = torch.load(os.path.join(tmp, "a", "step=5.ckpt"), weights_only=False)
+        del ckpt["callbacks"]["flatcomm_diloco"]
+        torch.save(ckpt, stripped)
+    torch.distributed.barrier()
+    try:
+        fit(ckpt_path=stripped)
+        out["missing"] = ""
+    except ValueError as e:
+        out["missing"] = str(e)
+    out["missing_ok"], _ = fit(ckpt_path=stripped, missing_ok=True)
     if rank == 0:
         for name, path in (("saved_4", "a/step=4.ckpt"), ("saved_5", "a/step=5.ckpt")):
             ckpt = torch.load(os.path.join(tmp, path), weights_only=True)
@@ -287,3 +302,7 @@ def test_lightning_diloco_resumes_every_replica(tmp_path):
     for r in (r0, r1):
         for kill in ("in_flight", "after_sync"):
             assert torch.equal(r[kill].view(torch.int32), r["full"].view(torch.int32)), f"resume after {kill} differs"
+        assert "missing_ok=True" in r["missing"] and "no DiLoCo state" in r["missing"], r["missing"]
+        assert not torch.equal(r["missing_ok"], r["full"])  # started DiLoCo afresh: another run
+    # the checkpoint's DiLoCo state is gathered to rank 0 (which writes it) only
+    assert r0["held"] == [["gathered"]] and r1["held"] == [[]], (r0["held"], r1["held"])

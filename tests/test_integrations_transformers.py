@@ -150,3 +150,28 @@ def test_trainer_diloco_resumes_every_replica(tmp_path):
     for r in (r0, r1):
         for step in (4, 5):
             assert torch.equal(r[step].view(torch.int32), r["full"].view(torch.int32)), f"resume from {step} differs"
+
+
+def test_resume_rules_for_diloco_state(tmp_path):
+    """One rule with Lightning and Accelerate: a resume without DiLoCo's state raises naming
+    missing_ok=True; a checkpoint of a DiLoCo run resumed with register() (plain DDP) raises."""
+    from flatcomm.integrations.transformers import DILOCO_FILE, DiLoCoCallback, FlatcommCallback
+
+    ckpt = tmp_path / "checkpoint-4"
+    ckpt.mkdir()
+    plain = FlatcommCallback(None, "int8")
+    plain.build = lambda: None  # (no trainer here: the checks come first)
+    (ckpt / DILOCO_FILE).write_bytes(b"")
+    plain.resume_from = str(ckpt)
+    with pytest.raises(ValueError, match="register_diloco"):
+        plain.on_train_begin(None, None, None)
+    (ckpt / DILOCO_FILE).unlink()
+    for ok in (False, True):
+        cb = DiLoCoCallback(None, sync_every=4, missing_ok=ok)
+        cb.build = lambda: None
+        cb.resume_from = str(ckpt)
+        if ok:
+            cb.on_train_begin(None, None, None)  # starts DiLoCo afresh
+        else:
+            with pytest.raises(ValueError, match=r"no DiLoCo state .* missing_ok=True"):
+                cb.on_train_begin(None, None, None)

@@ -88,7 +88,12 @@ def _adapted(state, adapter):
         from flatcomm.integrations.accelerate import RankStates
 
         obj = RankStates(state)
-        return obj.state_dict, obj.load_state_dict
+
+        def save():  # save_state gathers to the main process, which writes the file every rank loads
+            box = [obj.state_dict()]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        return save, obj.load_state_dict
     return state.state_dict, state.load_state_dict
 
 

@@ -10,10 +10,16 @@ and waited for only just before the first payload exchange, so it overlaps with 
 A row: magic, call number on the group, status (0 ok; 1 or 2: the call's arguments were rejected
 with a ValueError or a TypeError), the signature fields (every one that decides a payload's size
 or layout, exactly: floats travel as their float64 bits, never rounded), and for a failed call the
-reason (UTF-8, truncated). Every rank checks the same table, so every rank raises the same error,
+reason (UTF-8). Every rank checks the same table, so every rank raises the same error,
 with the same message naming global ranks, at the same call, and the group stays in step: a rank
 whose arguments were rejected still sends its row (:func:`fail_in_step`) and every rank, that one
-included, raises "rank r failed: <reason>" (a TypeError if rank r's error was one).
+included, raises "rank r failed: <reason>" (a TypeError if rank r's error was one; ranks that
+failed with the same reason are named once: "rank 1 and rank 3 failed: <reason>").
+
+A reason longer than the row's :data:`REASON_BYTES` travels whole through the process group's
+store (torch.distributed's key-value store, no collective): the failing rank writes it there before
+it sends its row, and the row ends in a marker byte that tells the others to read it. The success
+path's header stays small (the row's size never depends on a reason).
 """
 from __future__ import annotations
 
@@ -59,14 +65,20 @@ def _float_of(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
 
 
+_MORE = 0xFF  # the last reason byte of a row whose reason continues in the store (never in UTF-8)
+
+
 def row(call: int, status: int, fields: Sequence[Tuple[str, int]], names: Sequence[str], reason: str = "") -> torch.Tensor:
     """One rank's header: ``names``' fields in that order (a field not in ``fields`` is 0), so its
-    length depends only on ``names``."""
+    length depends only on ``names``. A reason over :data:`REASON_BYTES` keeps its start and the
+    :data:`_MORE` marker (the whole of it goes through :func:`_publish`)."""
     given = dict(fields)
     unknown = set(given) - set(names)
     assert not unknown, f"header fields {unknown} are not in {names}"
     vals = [MAGIC, call, int(status)] + [int(given.get(n, 0)) for n in names]
-    raw = reason.encode("utf-8", "replace")[:REASON_BYTES]
+    raw = reason.encode("utf-8", "replace")
+    if len(raw) > REASON_BYTES:
+        raw = raw[:REASON_BYTES - 1] + bytes([_MORE])
     text = torch.zeros(REASON_BYTES, dtype=torch.uint8)
     if raw:
         text[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -77,17 +89,70 @@ def length(nfields: int) -> int:
     return _FIXED + nfields + REASON_BYTES // 8
 
 
+def _reason_bytes(r: torch.Tensor) -> bytes:
+    return bytes(r.view(torch.uint8).tolist()).rstrip(b"\0")
+
+
 def _reason(r: torch.Tensor) -> str:
-    raw = bytes(r.view(torch.uint8).tolist()).rstrip(b"\0")
+    raw = _reason_bytes(r)
+    if raw.endswith(bytes([_MORE])):  # the rest could not be read from the store: say it is cut
+        return raw[:-1].decode("utf-8", "replace") + " [...]"
     return raw.decode("utf-8", "replace")
 
 
+def _store_key(group, call: int, global_rank: int) -> str:
+    name = getattr(group if group is not None else dist.group.WORLD, "group_name", "")
+    return f"flatcomm/reason/{name}/{call}/{global_rank}"
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()  # every group's store is a prefix of this one
+
+
+def _publish(group, call: int, reason: str) -> None:
+    """Put a reason too long for a row where the peers read it (before the row is sent)."""
+    if len(reason.encode("utf-8", "replace")) <= REASON_BYTES:
+        return
+    try:
+        _store().set(_store_key(group, call, dist.get_rank()), reason.encode("utf-8", "replace"))
+    except Exception:  # noqa: BLE001 - no store: the peers show the row's start, marked as cut
+        pass
+
+
+def _whole_reasons(group, table: torch.Tensor, nfields: int, ranks: Sequence[int]) -> dict:
+    """Row -> the whole reason, for the failed rows whose reason continues in the store."""
+    out = {}
+    for r in range(table.shape[0]):
+        if int(table[r, 2]) == OK or not _reason_bytes(table[r, _FIXED + nfields:]).endswith(bytes([_MORE])):
+            continue
+        key = _store_key(group, int(table[r, 1]), ranks[r])
+        try:  # the failing rank wrote it before sending its row: check() sees it, get() does not wait
+            if _store().check([key]):
+                out[r] = _store().get(key).decode("utf-8", "replace")
+        except Exception:  # noqa: BLE001 - the row's start, marked as cut, stands in
+            pass
+    return out
+
+
+def _failed_ranks(failed: Sequence[int], reasons: Sequence[str], ranks: Sequence[int]) -> List[str]:
+    """One problem per distinct reason, naming every rank that failed with it, in rank order."""
+    by_reason: dict = {}
+    for r, text in zip(failed, reasons):
+        by_reason.setdefault(text, []).append(f"rank {ranks[r]}")
+    out = []
+    for text, who in by_reason.items():
+        names = who[0] if len(who) == 1 else ", ".join(who[:-1]) + " and " + who[-1]
+        out.append(f"{names} failed: {text}")
+    return out
+
+
 def check(table: torch.Tensor, fields: Sequence[Tuple[str, int]], shown=None,
-          ranks: Optional[Sequence[int]] = None) -> List[str]:
+          ranks: Optional[Sequence[int]] = None, whole: Optional[dict] = None) -> List[str]:
     """Problems with a [world, length] header table, in the order that explains them best: out of
     step first (the rows belong to different calls), then failed ranks, then disagreements.
     ``shown(name, value)`` renders a field value for the message (names, not numbers); ``ranks``:
-    the global rank of each row (default: the row index)."""
+    the global rank of each row (default: the row index); ``whole``: row -> whole reason, for
+    the rows whose reason continues in the store."""
     table = table.cpu()
     world = table.shape[0]
     ranks = list(ranks) if ranks is not None else list(range(world))
@@ -100,8 +165,9 @@ def check(table: torch.Tensor, fields: Sequence[Tuple[str, int]], shown=None,
                 + " (a rank skipped or added a collective, or an earlier call failed on some ranks only)"]
     failed = [r for r in range(world) if int(table[r, 2]) != OK]
     if failed:
-        nf = len(fields)
-        return [f"rank {ranks[r]} failed: {_reason(table[r, _FIXED + nf:])}" for r in failed]
+        nf, whole = len(fields), whole or {}
+        texts = [whole[r] if r in whole else _reason(table[r, _FIXED + nf:]) for r in failed]
+        return _failed_ranks(failed, texts, ranks)
     out = []
     for i, (name, _) in enumerate(fields):
         col = table[:, _FIXED + i].tolist()
@@ -112,10 +178,10 @@ def check(table: torch.Tensor, fields: Sequence[Tuple[str, int]], shown=None,
 
 
 def error_of(table: torch.Tensor, fields: Sequence[Tuple[str, int]], shown=None,
-             ranks: Optional[Sequence[int]] = None) -> Optional[Exception]:
+             ranks: Optional[Sequence[int]] = None, whole: Optional[dict] = None) -> Optional[Exception]:
     """The error every rank raises for this table (the same on every rank: they all hold it), or
     None when the call may go ahead."""
-    problems = check(table, fields, shown, ranks)
+    problems = check(table, fields, shown, ranks, whole)
     if not problems:
         return None
     text = "flatcomm: " + "; ".join(problems)
@@ -209,6 +275,8 @@ class CallHeader:
         self.call = _calls.get(key, 0)
         _calls[key] = self.call + 1
         self.group, self.fields = group, list(fields)
+        if reason is not None:
+            _publish(group, self.call, reason)
         mine = row(self.call, OK if reason is None else status, fields, FIELDS, reason or "")
         self.work, self.table = _exchange_table(group, mine, device, True)
 
@@ -221,8 +289,9 @@ class CallHeader:
 
     def error(self) -> Optional[Exception]:
         """The call's error, from the table the exchange completed (every rank holds the same)."""
-        table = self.table.cpu()
-        err = error_of(table, [(n, 0) for n in FIELDS], _shown, _ranks_of(self.group))
+        table, ranks = self.table.cpu(), _ranks_of(self.group)
+        whole = _whole_reasons(self.group, table, len(FIELDS), ranks) if bool((table[:, 2] != OK).any()) else {}
+        err = error_of(table, [(n, 0) for n in FIELDS], _shown, ranks, whole)
         if isinstance(err, RuntimeError) and "out of step" in str(err):
             # Every rank saw the same table: resume numbering together, so that the next calls
             # (if the ranks' programs agree again) are in step.

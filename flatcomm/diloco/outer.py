@@ -55,13 +55,28 @@ class Config:
     alpha: float
     verify_every: int
 
-    def fingerprint(self) -> int:
+    def fingerprint(self, with_verify: bool = True) -> int:
+        """64-bit hash of the configuration; ``with_verify=False``: of what a checkpoint must match
+        (``verify_every`` is a check, not state: it may change at a resume)."""
         p = self.plan
         local = p.topology.local_size if p.two_level else 0
         desc = repr((self.schedule, p.codec, p.mode, p.feedback, p.world, local, self.lr, self.momentum,
-                     self.nesterov, self.alpha, self.verify_every,
-                     [(f.names, f.sizes, str(f.residual_dtype)) for f in self.fragments]))
+                     self.nesterov, self.alpha) + ((self.verify_every,) if with_verify else ()) +
+                    ([(f.names, f.sizes, str(f.residual_dtype)) for f in self.fragments],))
         return int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=8).digest(), "little")
+
+    def options(self) -> Dict[str, str]:
+        """The options a checkpoint must match, as text (a load names those that differ)."""
+        p, sch = self.plan, self.schedule
+        layout = repr([(f.names, f.sizes) for f in self.fragments]).encode()
+        return {"sync_every": str(sch.sync_every), "fragments": str(sch.fragments),
+                "fragment_sync_delay": str(sch.delay), "codec": str(p.codec), "mode": p.mode,
+                "error_feedback": str(p.feedback), "replicas": str(p.world),
+                "topology local_size": str(p.topology.local_size if p.two_level else 0), "outer_lr": repr(self.lr),
+                "outer_momentum": repr(self.momentum), "nesterov": str(self.nesterov),
+                "fragment_update_alpha": repr(self.alpha),
+                "residual_dtype": str(self.fragments[0].residual_dtype) if self.fragments else "",
+                "model layout": hashlib.blake2b(layout, digest_size=8).hexdigest()}
 
 
 def _number(v: Any, what: str, lo: float, hi: float, hi_open: bool = False) -> float:
@@ -72,10 +87,27 @@ def _number(v: Any, what: str, lo: float, hi: float, hi_open: bool = False) -> f
     return float(v)
 
 
+def _check_no_ddp(model: torch.nn.Module, group, allow_ddp: bool) -> None:
+    """Refuse a DistributedDataParallel over ``model`` whose all-reduce spans replicas."""
+    if not isinstance(allow_ddp, bool):
+        raise TypeError(f"flatcomm.diloco: allow_ddp must be True or False, got {allow_ddp!r}")
+    ranks = [] if allow_ddp else replicas.ddp_across_replicas(model, group)
+    if ranks:
+        raise ValueError(
+            f"flatcomm.diloco: the model is wrapped in DistributedDataParallel over ranks {ranks}, which "
+            f"hold several DiLoCo replicas: DDP would all-reduce every gradient at every inner step and "
+            f"DiLoCo would sync on top, so the replicas never train alone (all the traffic of DDP, plus "
+            f"DiLoCo's). Remove DDP: build DiLoCo on the bare module (model = ddp.module, the same "
+            f"optimizer) and call that module in the training loop. Or make DDP run inside one replica "
+            f"only (DDP(process_group=the ranks of one replica), DiLoCo(group=the ranks across replicas)). "
+            f"If DDP's all-reduce is replaced by a hook that keeps the local gradient, pass allow_ddp=True")
+
+
 def _configure(model, sync_every, codec, mode, outer_lr, outer_momentum, nesterov, fragments, delay, alpha,
-               group, error_feedback, residual_dtype, verify_every, topology) -> Config:
+               group, error_feedback, residual_dtype, verify_every, topology, allow_ddp=False) -> Config:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"flatcomm.diloco: model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_no_ddp(model, topology.group if isinstance(topology, Topology) else group, allow_ddp)
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"flatcomm.diloco: mode must be one of {MODES}, got {mode!r}")
     if isinstance(codec, str) and codec == "auto":
@@ -121,6 +153,9 @@ class DiLoCo:
     pseudo-gradient (compressed with ``codec`` and error feedback) drives an fp32 outer SGD with
     Nesterov momentum. Construction is a collective of the outer group: a configuration error on
     any replica raises on every replica, and so do replicas that start from different weights.
+    A ``DistributedDataParallel`` over ``model`` whose process group spans several replicas is
+    refused (its all-reduce would run at every inner step) unless ``allow_ddp=True`` (for a DDP
+    whose comm hook keeps the local gradient, as the framework adapters register).
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,
@@ -128,7 +163,7 @@ class DiLoCo:
                  nesterov: bool = True, fragments: Any = 1, fragment_sync_delay: int = 0,
                  fragment_update_alpha: float = 0.0, group=None, error_feedback: bool = True,
                  residual_dtype: torch.dtype = torch.float32, verify_every: int = 0,
-                 topology: Optional[Topology] = None) -> None:
+                 topology: Optional[Topology] = None, allow_ddp: bool = False) -> None:
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"flatcomm.diloco: inner_optimizer must be a torch.optim.Optimizer, "
                             f"got {type(inner_optimizer).__name__}")
@@ -140,7 +175,7 @@ class DiLoCo:
         self.config: Config = replicas.agree(
             self.group, self.device, lambda: _configure(
                 model, sync_every, codec, mode, outer_lr, outer_momentum, nesterov, fragments, fragment_sync_delay,
-                fragment_update_alpha, group, error_feedback, residual_dtype, verify_every, topology),
+                fragment_update_alpha, group, error_feedback, residual_dtype, verify_every, topology, allow_ddp),
             Config.fingerprint, "the DiLoCo configuration")
         self.fragments = self.config.fragments
         replicas.verify(self.group, self.device, [f.master for f in self.fragments],
@@ -148,8 +183,10 @@ class DiLoCo:
         self.step = 0  # inner steps taken
         self.syncs = 0  # outer syncs applied (all fragments)
         self.pending: Optional[sync.Pending] = None
+        self._finished_at = 0  # inner step of the last finish(): every weight was its master then
         self._work = Workspace()
         self.fragment_stats = [FragmentStats() for _ in self.fragments]
+        replicas.announce()  # where this replica runs: a failed sync names the replicas that exited
         self._hook = inner_optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_inner_step())
 
     # ---- the outer loop -----------------------------------------------------------------------------
@@ -162,18 +199,55 @@ class DiLoCo:
             self._apply()
         i = sch.starts(self.step)
         if i is not None:
-            f, w = self.fragments[i], self._work
-            delta = f.pseudo_gradient(w.take("delta", f.numel, f.device))
-            self.pending = sync.launch(self.config.plan, i, self.step, delta, f.residual_copies(w))
+            self._launch(i)
             if sch.delay == 0:
                 self._apply()
 
-    def _apply(self) -> None:
+    def _launch(self, i: int) -> None:
+        f, w = self.fragments[i], self._work
+        delta = f.pseudo_gradient(w.take("delta", f.numel, f.device))
+        self.pending = sync.launch(self.config.plan, i, self.step, delta, f.residual_copies(w))
+
+    def finish(self) -> None:
+        """Bring every replica to the same weights now, for saving or evaluating the model (a
+        collective of the outer group: call it on every replica at the same inner step).
+
+        A sync in flight is applied now (not ``fragment_sync_delay`` steps later; the fragment's
+        inner steps since it started are dropped, as when it is applied on schedule); every fragment
+        with inner steps since its last sync syncs now (one outer step each, in fragment order, as
+        if its sync were due); then every parameter is set to its fragment's fp32 master (rounded
+        to its dtype; ``fragment_update_alpha`` is not applied), the same bits on every replica.
+        Calling it again at the same inner step does nothing. Training may continue afterwards:
+        the schedule goes on from this inner step (the next scheduled syncs start from the new
+        masters); the extra outer steps count in :attr:`syncs`."""
+        fresh = set()
+        if self.pending is not None:  # the inner steps since it started are dropped, as on schedule
+            fresh.add(self.pending.fragment)
+            self._apply(alpha=0.0)
+        if self._finished_at == self.step:
+            return
+        for i, f in enumerate(self.fragments):
+            if i not in fresh and self._last_applied(i) < self.step:
+                self._launch(i)
+                self._apply(alpha=0.0)
+            else:
+                f.set_weights(f.master, 0.0)
+        self._finished_at = self.step
+
+    def _last_applied(self, i: int) -> int:
+        """The inner step after which fragment ``i``'s weights were last set from its master."""
+        sch = self.config.schedule
+        t = self.step
+        while t > self._finished_at and sch.applies(t) != i:
+            t -= 1
+        return t
+
+    def _apply(self, alpha: Optional[float] = None) -> None:
         p, cfg = self.pending, self.config
         assert p is not None  # (called only with a sync pending)
         f, st = self.fragments[p.fragment], self.fragment_stats[p.fragment]
         try:
-            delta = p.wait(cfg.plan.world).to(f.state_device)
+            delta = self._wait(p).to(f.state_device)
             pin = f.master.is_pinned()
             master, momentum = outer_step(f.master, f.momentum, delta, cfg.lr, cfg.momentum, cfg.nesterov,
                                           self._work.take("master", f.numel, f.state_device, pin),
@@ -187,7 +261,7 @@ class DiLoCo:
             self.pending = None
             st.wait_s += p.waited_s
         f.commit(master, momentum, p.residuals if cfg.plan.feedback else None)
-        f.set_weights(f.master, cfg.alpha)
+        f.set_weights(f.master, cfg.alpha if alpha is None else alpha)
         self.syncs += 1
         st.syncs += 1
         st.wire_bytes += p.stats.wire_bytes
@@ -195,11 +269,28 @@ class DiLoCo:
         if cfg.verify_every and self.syncs % cfg.verify_every == 0:
             self.verify()
 
+    def _wait(self, p: sync.Pending) -> torch.Tensor:
+        """``p``'s result; a failure of the collective names the sync and the replicas that exited."""
+        try:
+            return p.wait(self.config.plan.world)
+        except (RuntimeError, TimeoutError) as e:  # gloo's / NCCL's / a timeout: say what it was
+            gone, saving = replicas.exited(self.group), replicas.saves_ahead(self.group)
+            who = (f"replica(s) {saving} entered a checkpoint save (flatcomm.rank_states) that this replica never "
+                   f"called: a framework's save must be called on every rank (Accelerate: save_state on every "
+                   f"rank, not under `if accelerator.is_main_process`)" if saving else
+                   f"replica(s) {gone} of the outer group exited" if gone else
+                   f"a replica of the outer group ({self.config.plan.world} replicas) stopped, left or did not "
+                   f"reach this sync within the group's timeout")
+            raise RuntimeError(
+                f"flatcomm.diloco: the outer sync of fragment {p.fragment} started after inner step {p.started} "
+                f"(outer sync {self.syncs + 1}) failed: {who}. Master, momentum, residuals and weights are as "
+                f"before it; restart every replica from the last checkpoint. ({type(e).__name__}: {e})") from e
+
     def drain(self) -> None:
         """Wait for a fragment's all-reduce in flight; its result stays held, applied on schedule."""
         if self.pending is not None and not self.pending.finished:
             try:
-                self.pending.wait(self.config.plan.world)
+                self._wait(self.pending)
             except BaseException:
                 self.pending = None  # that sync failed: nothing of it will be applied
                 raise
@@ -228,9 +319,10 @@ class DiLoCo:
         :mod:`flatcomm.diloco.checkpoint`."""
         return checkpoint.state_dict(self)
 
-    def check_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Raise as :meth:`load_state_dict` would for ``sd`` on this replica; changes nothing."""
-        checkpoint.check_state_dict(self, sd)
+    def check_state_dict(self, sd: Dict[str, Any], replica: Optional[int] = None) -> None:
+        """Raise as :meth:`load_state_dict` would for ``sd`` on this replica (or as replica
+        ``replica``'s own state); changes nothing."""
+        checkpoint.check_state_dict(self, sd, replica)
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Load on every replica or on none (a collective of the outer group)."""

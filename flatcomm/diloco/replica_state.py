@@ -14,7 +14,7 @@ group), then the model and the optimizer.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 
@@ -42,13 +42,14 @@ class ReplicaState:
         return {"outer": self.outer.state_dict(), "model": self.model.state_dict(),
                 "inner_optimizer": self.inner_optimizer.state_dict()}
 
-    def check_state_dict(self, sd: Any) -> None:
-        """Raise as :meth:`load_state_dict` would for ``sd``; no communication, changes nothing."""
+    def check_state_dict(self, sd: Any, replica: Optional[int] = None) -> None:
+        """Raise as :meth:`load_state_dict` would for ``sd`` (as replica ``replica``'s own state,
+        default this one's); no communication, changes nothing."""
         if not isinstance(sd, Mapping) or set(sd) != {"outer", "model", "inner_optimizer"}:
             fields = sorted(map(str, sd))[:6] if isinstance(sd, Mapping) else type(sd).__name__
             raise ValueError(f"flatcomm.diloco: a replica state has the fields outer, model and inner_optimizer; "
                              f"got {fields} (a DiLoCo state alone? load it with DiLoCo.load_state_dict)")
-        self.outer.check_state_dict(sd["outer"])
+        self.outer.check_state_dict(sd["outer"], replica)
         self._check_model(sd["model"])
         self._check_optimizer(sd["inner_optimizer"])
 

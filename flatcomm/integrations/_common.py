@@ -40,6 +40,9 @@ def check_diloco_options(options: Dict[str, Any]) -> Dict[str, Any]:
     """``options`` for a DiLoCo of an adapter, checked when the adapter is made (not at the fit)."""
     if "sync_every" not in options:
         raise TypeError("flatcomm: DiLoCo needs sync_every= (inner steps between two syncs)")
+    if "allow_ddp" in options:
+        raise ValueError("flatcomm: the framework adapters replace DDP's all-reduce themselves; allow_ddp= is for "
+                         "flatcomm.diloco.DiLoCo used directly")
     if "group" in options:
         raise ValueError("flatcomm: the framework adapters make every rank a DiLoCo replica of the world; "
                          "group= is for flatcomm.diloco.DiLoCo used directly (topology= is taken)")
@@ -62,7 +65,8 @@ def diloco_replica(wrapped: torch.nn.Module, module: torch.nn.Module, optimizer:
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(f"flatcomm: DiLoCo needs the framework's torch optimizer, got {type(optimizer).__name__}")
     check_diloco_options(options)
-    outer = diloco.DiLoCo(module, inner, **options)  # a configuration error raises before DDP changes
+    # allow_ddp: DDP's all-reduce is replaced below by a hook that keeps the local gradient.
+    outer = diloco.DiLoCo(module, inner, **options, allow_ddp=True)  # a configuration error raises before DDP changes
     if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
         try:
             wrapped.register_comm_hook(None, _local_gradients)
@@ -70,3 +74,11 @@ def diloco_replica(wrapped: torch.nn.Module, module: torch.nn.Module, optimizer:
             outer.close()  # (DDP takes one hook: e.g. flatcomm's own DDP hook is registered already)
             raise
     return diloco.ReplicaState(outer, module, inner)
+
+
+def missing_diloco_state(what: str, entry: str, opt_in: str) -> ValueError:
+    """The one error of the three adapters for a resume whose checkpoint lacks DiLoCo's state."""
+    return ValueError(
+        f"flatcomm: the {what} being resumed has no DiLoCo state ({entry} is missing: it was saved without "
+        f"flatcomm's DiLoCo adapter). Resuming DiLoCo from step 0 would put its syncs out of step with the "
+        f"restored training. To start DiLoCo afresh from the restored weights anyway, pass {opt_in}")

@@ -49,13 +49,24 @@ class RankStates:
     """A flatcomm state as an Accelerate checkpointing object: ``state_dict()`` is a collective
     that gathers every rank's state; ``load_state_dict()`` loads this rank's part."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Any, accelerator: Any = None, missing_ok: bool = False) -> None:
         self.state = state
+        self.accelerator = accelerator
+        self.missing_ok = missing_ok
 
     def state_dict(self) -> Dict[str, Any]:
-        return rank_states.gathered_state_dict(self.state) or {}
+        # save_state writes custom objects from the main process (global rank 0) only: gather
+        # there; with save_on_each_node every node's main process writes, so every rank gets it.
+        config = getattr(self.accelerator, "project_configuration", None)
+        dst = None if getattr(config, "save_on_each_node", False) else 0
+        return rank_states.gathered_state_dict(self.state, dst=dst) or {}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if not state_dict and rank_states.kind_of(self.state) == "diloco":  # saved before DiLoCo's state existed
+            if self.missing_ok:
+                return
+            raise _common.missing_diloco_state("Accelerate checkpoint", "its custom checkpoint is empty",
+                                               "register_diloco(..., missing_ok=True)")
         rank_states.load_gathered_state_dict(self.state, state_dict)
 
 
@@ -69,16 +80,23 @@ def register(accelerator: Any, model: torch.nn.Module, codec: Any = "int8", **op
     Returns the :class:`flatcomm.ddp.State` / :class:`flatcomm.fsdp.ReduceScatter`.
     """
     state = _common.register(model, codec, options)
-    accelerator.register_for_checkpointing(RankStates(state))
+    accelerator.register_for_checkpointing(RankStates(state, accelerator))
     return state
 
 
-def register_diloco(accelerator: Any, model: torch.nn.Module, optimizer: Any, **options: Any) -> Any:
+def register_diloco(accelerator: Any, model: torch.nn.Module, optimizer: Any, *, missing_ok: bool = False,
+                    **options: Any) -> Any:
     """A :class:`flatcomm.diloco.DiLoCo` on ``model`` (as ``accelerator.prepare`` returned it, or
     unprepared) trained by ``optimizer`` (prepared or not), every rank a replica, checkpointed with
-    ``accelerator``. options: :class:`flatcomm.diloco.DiLoCo`'s (``sync_every=`` required), not ``group=``.
+    ``accelerator``.
+
+    Args:
+        missing_ok: ``load_state`` of a checkpoint with an empty DiLoCo entry raises unless True
+            (a checkpoint without the entry at all is refused by Accelerate itself: it counts
+            the registered objects).
+        **options: :class:`flatcomm.diloco.DiLoCo`'s (``sync_every=`` required), not ``group=``.
     """
     module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     replica = _common.diloco_replica(model, module, optimizer, options)
-    accelerator.register_for_checkpointing(RankStates(replica))
+    accelerator.register_for_checkpointing(RankStates(replica, accelerator, missing_ok))
     return replica.outer

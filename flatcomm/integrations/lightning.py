@@ -97,15 +97,21 @@ class FlatcommCallback(pl.Callback):
 class DiLoCoCallback(pl.Callback):
     """Every rank a DiLoCo replica of the fit; checkpoints every replica's whole state.
 
-    **options: :class:`flatcomm.diloco.DiLoCo`'s (``sync_every=`` is required; ``codec=``,
-        ``fragments=``, ``fragment_sync_delay=``, ``verify_every=``, ...), but not ``group=``.
+    Args:
+        missing_ok: resuming from a checkpoint without this callback's state raises unless True
+            (then DiLoCo starts afresh at inner step 0 from the restored weights).
+        **options: :class:`flatcomm.diloco.DiLoCo`'s (``sync_every=`` is required; ``codec=``,
+            ``fragments=``, ``fragment_sync_delay=``, ``verify_every=``, ...), but not ``group=``.
+
     ``callback.outer`` is the DiLoCo (``stats``) from ``on_fit_start`` on.
     """
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, *, missing_ok: bool = False, **options: Any) -> None:
         self.options = _common.check_diloco_options(options)
+        self.missing_ok = missing_ok
         self.replica: Optional[Any] = None  # flatcomm.diloco.ReplicaState, from on_fit_start
         self._pending: Optional[Dict[str, Any]] = None
+        self._resumed = False  # a checkpoint was restored (with or without this callback's entry)
 
     @property
     def outer(self) -> Optional[Any]:
@@ -123,7 +129,14 @@ class DiLoCoCallback(pl.Callback):
         self.replica = _common.diloco_replica(wrapped if wrapped is not None else pl_module, pl_module,
                                               trainer.optimizers[0], self.options)
 
+    def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                           checkpoint: Dict[str, Any]) -> None:
+        self._resumed = True
+
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._resumed and self._pending is None and not self.missing_ok:
+            raise _common.missing_diloco_state("Lightning checkpoint", f"callbacks[{self.state_key!r}]",
+                                               "DiLoCoCallback(missing_ok=True, ...)")
         # After Lightning restored rank 0's model and optimizer: each replica takes its own back.
         if self._pending is not None and self.replica is not None:
             pending, self._pending = self._pending, None
@@ -132,7 +145,9 @@ class DiLoCoCallback(pl.Callback):
     def state_dict(self) -> Dict[str, Any]:
         if self.replica is None:
             return {}
-        return {"gathered": rank_states.gathered_state_dict(self.replica)}
+        # Lightning writes the checkpoint from global rank 0 only: gather there, not to every rank.
+        gathered = rank_states.gathered_state_dict(self.replica, dst=0)
+        return {} if gathered is None else {"gathered": gathered}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self._pending = rank_states.check_gathered(state_dict.get("gathered"))

@@ -71,12 +71,22 @@ class _SavedPerRank(TrainerCallback):
         raise NotImplementedError
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if self.resume_from is not None and self.file == FILE and \
+                os.path.isfile(os.path.join(self.resume_from, DILOCO_FILE)):
+            raise ValueError(
+                    f"flatcomm: {self.resume_from} holds {DILOCO_FILE}: it was saved by a DiLoCo run. Resuming it "
+                    f"with flatcomm.integrations.transformers.register (DDP every step) would drop every "
+                    f"replica's DiLoCo state; resume with register_diloco(trainer, ...) and the options it was "
+                    f"saved with")
         self.state = self.build()
         if self.resume_from is not None:
             path = os.path.join(self.resume_from, self.file)
             if not os.path.isfile(path):
                 if self.missing_ok:
                     return
+                if self.file == DILOCO_FILE:
+                    raise _common.missing_diloco_state("Trainer checkpoint", path, "register_diloco(trainer, "
+                                                       "missing_ok=True, ...)")
                 raise FileNotFoundError(
                     f"flatcomm: {path} does not exist: this checkpoint was saved without flatcomm's state. "
                     f"Resume with missing_ok=True to start flatcomm's state from zero")

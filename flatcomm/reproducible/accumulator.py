@@ -10,6 +10,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .._bytes import tensor_bytes
 from ..comm.header import check_consistent
 from .layout import GRAD_DTYPES, layout
 from ..ops.sums import (
@@ -325,7 +326,7 @@ class ExactGradAccumulator:
             for p, v in zip(grp.params, views):
                 p.grad = v
             if h is not None:
-                h.update(grp.flat.detach().cpu().view(torch.uint8).numpy().data)
+                h.update(tensor_bytes(grp.flat))
         stats.applied = True
         stats.digest = h.hexdigest() if h is not None else ""
         self._predict(g)
@@ -342,7 +343,7 @@ class ExactGradAccumulator:
         params = sorted(set(self._block_param[nonfinite].tolist()))
         stats.nonfinite = [self.names[i] for i in params]
         stats.applied = False
-        stats.digest = hashlib.sha256(b"nonfinite:" + g.cpu().numpy().tobytes()).hexdigest()
+        stats.digest = hashlib.sha256(b"nonfinite:" + tensor_bytes(g)).hexdigest()
         # The exponents of the finite blocks are still a fine prediction; nonfinite ones keep theirs.
         if self.on_nonfinite == "raise":
             self._clear_grads()
