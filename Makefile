@@ -14,10 +14,10 @@ NVCC_FLAGS := -std=c++17 -O3 -fmad=false -Icsrc --threads 0 \
 	-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
 	-gencode arch=compute_90,code=compute_90
 # The torch installed when .venv has none: the CPU build (the demo and the tests run on CPU), from
-# PyTorch's CPU index (~200 MB; PyPI's Linux x86 torch is the CUDA build, several GB with its
-# nvidia-* wheels). `make demo TORCH=torch==2.13.0 TORCH_INDEX=` takes pip's own index instead.
+# pip's configured indexes. Where they lack `+cpu` wheels, add PyTorch's CPU index as TORCH_INDEX
+# (docs/build.md); `make demo TORCH=torch==2.13.0` takes your index's default build instead.
 TORCH ?= torch==2.13.0+cpu
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 
 .PHONY: all venv build demo test test-fast test-cpp test-py typecheck bench microbench dist-check cuda-check clean
 
