@@ -11,7 +11,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import groups, header, p2p
+from . import context, groups, header, p2p
 from ..ops.codecs import Codec, decode_sum, encode
 
 __all__ = ["CHUNK_TARGET_BYTES", "CommStats", "GATHER_PIECE_BYTES", "MAX_AUTO_CHUNKS", "MIN_PIPELINE_BYTES",
@@ -152,12 +152,14 @@ class BufferPool:
         self.bytes += size
 
 
-_pools: dict = {}
+_POOL = "staging buffers"  # the context slot of a group's BufferPool
 
 
 def forget_pool(group) -> None:
     """Drop the staging buffers of ``group`` (the tuner's timing runs leave large ones behind)."""
-    _pools.pop(id(group) if group is not None else None, None)
+    ctx = context.existing(group)
+    if ctx is not None:
+        ctx.pop(_POOL)
 
 
 def drain(pending) -> None:
@@ -181,7 +183,7 @@ class Pipeline:
                  device: torch.device, validate: bool = True):
         self.group = group
         self.stats = stats if stats is not None else CommStats()
-        self.pool = _pools.setdefault(id(group) if group is not None else None, BufferPool())
+        self.pool = context.of(group).slot(_POOL, BufferPool)
         self.taken: List[torch.Tensor] = []
         self.tags = 0  # of this call's point-to-point exchanges (flatcomm.comm.p2p)
         self.header: Optional[header.CallHeader] = None
