@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import context, groups, header, p2p
+from .labels import label
 from ..ops.codecs import Codec, decode_sum, encode
 
 __all__ = ["CHUNK_TARGET_BYTES", "CommStats", "GATHER_PIECE_BYTES", "MAX_AUTO_CHUNKS", "MIN_PIPELINE_BYTES",
@@ -152,6 +153,7 @@ class BufferPool:
         self.bytes += size
 
 
+_LABELS = {"encode_s": "flatcomm.encode", "exchange_s": "flatcomm.exchange", "decode_s": "flatcomm.decode_sum"}
 _POOL = "staging buffers"  # the context slot of a group's BufferPool
 
 
@@ -208,7 +210,7 @@ class Pipeline:
         """Wait for the call's header exchange and check it: before any payload byte is sent."""
         if self.header is not None:
             h, self.header = self.header, None
-            self.timed("exchange_s", h.finish)
+            self.timed("exchange_s", h.finish, "flatcomm.verify")
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         t = self.pool.take(numel, dtype, device)
@@ -222,9 +224,11 @@ class Pipeline:
             self.pool.give(t)
         self.taken = []
 
-    def timed(self, field: str, fn: Callable[[], object]):
+    def timed(self, field: str, fn: Callable[[], object], name: Optional[str] = None):
+        """``fn()``, its time added to ``stats.<field>``, under the profiler label of the phase."""
         t0 = time.perf_counter()
-        out = fn()
+        with label(name or _LABELS[field]):
+            out = fn()
         setattr(self.stats, field, getattr(self.stats, field) + time.perf_counter() - t0)
         return out
 

@@ -17,6 +17,7 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 
 from . import context, groups, streams as _streams
+from .labels import label
 
 __all__ = ["Handle", "call", "in_order", "is_on", "key_of", "run", "submit"]
 
@@ -100,11 +101,18 @@ def run(key, fn: Callable[[], None], value: torch.Tensor, async_op: bool,
     grad = torch.is_grad_enabled()  # grad mode is thread-local: keep the caller's
     streams = _streams.for_call(key, value.device)  # None unless CUDA
     inner = _on_side(fn, streams, keep)
+    name = "flatcomm." + what.split(" ", 1)[0].replace("-", "_")  # the profiler label: flatcomm.all_reduce
 
     def body():
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), label(name):
             inner()
 
+    with label(name):
+        return _run_body(key, body, value, async_op, streams, what, group)
+
+
+def _run_body(key, body: Callable[[], None], value: torch.Tensor, async_op: bool,
+              streams: Optional[_streams.CallStreams], what: str, group) -> Optional["Handle"]:
     if is_on(key):
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
