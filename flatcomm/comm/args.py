@@ -27,7 +27,7 @@ from . import groups, header, worker
 from .header import DTYPES, MODES
 from .pipeline import CommStats, Plan, default_chunks, plan, shard_bounds
 from .spec import CallSpec
-from ..ops.codecs import Codec, CodecLike, resolve
+from ..ops.codecs import MAX_BLOCK, Codec, CodecLike, resolve
 
 __all__ = ["Call", "ErrorFeedback", "MAX_EXACT_BLOCK", "MAX_HEADROOM", "OpLike", "align_of", "all_gather_call",
            "all_reduce_call", "alone", "as_flat", "bool_arg", "capped_chunks", "check_residual", "chunks_arg", "common_args",
@@ -37,7 +37,7 @@ __all__ = ["Call", "ErrorFeedback", "MAX_EXACT_BLOCK", "MAX_HEADROOM", "OpLike",
 OpLike = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
 T = TypeVar("T")
 
-MAX_EXACT_BLOCK = 4096  # csrc/ops_common.h: exact-mode block sizes in [1, 4096]
+MAX_EXACT_BLOCK = MAX_BLOCK  # csrc/ops_common.h: exact-mode block sizes in [1, kMaxBlock]
 MAX_HEADROOM = 38  # csrc/ops_common.h: headroom bits in [1, 38]
 
 

@@ -16,11 +16,12 @@ import torch.distributed as dist
 
 from .. import collectives as C
 from ..comm.args import in_step
+from ..comm.header import KIND_IDS
 
 __all__ = ["agree", "differing", "master_hash", "verify"]
 
 T = TypeVar("T")
-_ALL_GATHER = 2  # flatcomm.comm.header.KINDS: the kind of the call a failed check stands in for
+_ALL_GATHER = KIND_IDS["all_gather"]  # the kind of the call a failed check stands in for
 _PARTS = 4  # a 64-bit value travels as four 16-bit parts, each exact in fp32
 
 
