@@ -73,12 +73,14 @@ class GroupContext:
         self._closers: List[Callable[[], None]] = []
         self._build = threading.RLock()  # held while a slot's value is made (one build per slot)
         self.closed = False
+        self.waits = True  # whether closing joins the worker (not from a garbage collection)
 
     def _collected(self, _ref) -> None:
-        # The group object is gone (torch unlisted it and the program let go): close now, unless
-        # the collection happened on a flatcomm worker thread (the next sweep closes it then).
+        # The group object is gone (torch unlisted it and the program let go). A collection runs on
+        # any thread, inside whatever lock that thread holds: close without waiting for anything
+        # (workers are told to stop, not joined), else leave it to the next sweep.
         if not getattr(on_worker, "active", False):
-            self.close()
+            self.close(wait=False)
 
     def slot(self, name: Any, make: Callable[[], T]) -> T:
         """The value of slot ``name``, made by ``make()`` on first use (once, under this context's
@@ -123,16 +125,28 @@ class GroupContext:
         group = self._group()
         return group is None or (self._listed and not _registered(group))
 
-    def close(self) -> None:
-        """Drop every slot and run the closers (errors are logged: a close never raises)."""
-        with _lock:
-            if self.closed:
+    def close(self, wait: bool = True) -> None:
+        """Drop every slot and run the closers (errors are logged: a close never raises).
+
+        Args:
+            wait: join the worker threads; False also returns at once, leaving the close to the
+                next :func:`sweep`, when another thread holds this context's locks.
+        """
+        # The order slot() takes them in: this context's build lock, then the module's.
+        if not self._build.acquire(blocking=wait):
+            return
+        try:
+            if self.closed or not _lock.acquire(blocking=wait):
                 return
-            self.closed = True
-            _by_token.pop(self.token, None)
-        with self._build:
-            closers, self._closers = self._closers[::-1], []
-            self._slots.clear()
+            try:
+                self.closed, self.waits = True, wait
+                _by_token.pop(self.token, None)
+                closers, self._closers = self._closers[::-1], []
+                self._slots.clear()
+            finally:
+                _lock.release()
+        finally:
+            self._build.release()
         for fn in closers:
             try:
                 fn()

@@ -47,7 +47,7 @@ def _executor(key) -> concurrent.futures.ThreadPoolExecutor:
                                                    initargs=(key,))
         # Closed with the group: its queued calls cancelled, its thread joined (unless closing on
         # that thread itself, which then ends after its current call).
-        ctx.on_close(lambda: ex.shutdown(wait=not is_on(key), cancel_futures=True))
+        ctx.on_close(lambda: ex.shutdown(wait=ctx.waits and not is_on(key), cancel_futures=True))
         return ex
 
     return ctx.slot("worker", make)
