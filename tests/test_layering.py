@@ -5,6 +5,7 @@ or a framework adapter at import time; examples import the installed package."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -326,3 +327,73 @@ def test_examples_import_the_installed_package():
     where the checkout is not built)."""
     for path in sorted((ROOT / "examples").glob("*.py")):
         assert "sys.path" not in path.read_text(), f"{path} edits sys.path"
+
+
+# ---- CONTRIBUTING.md's floor table says what FLOORS says ------------------------------------------
+
+def _contributing_floors() -> List[Tuple[str, List[str]]]:
+    """(floor, its paths) of each row of CONTRIBUTING.md's floor table, bottom first; a path
+    written relative to the row's first one (``fsdp/`` after ``flatcomm/ddp/``) made whole."""
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    rows = []
+    for line in text[text.index("| floor | where | what |"):].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        floor, where = [c.strip() for c in line.strip("|").split("|")[:2]]
+        paths = re.findall(r"`([^`]+)`", where.split("(")[0])
+        rows.append((floor, [p if p.startswith(("flatcomm/", "csrc/")) else "flatcomm/" + p for p in paths]))
+    return rows
+
+
+def _path_of(module: str) -> str:
+    rel = module.replace(".", "/")
+    return rel + "/__init__.py" if (ROOT / rel).is_dir() else rel + ".py"
+
+
+def test_contributing_floor_table_matches_the_floors() -> None:
+    """The table names the floors of FLOORS in order (its "kernels" row is FLOORS' "base": csrc/
+    built into flatcomm._C; "tools" sits above and is checked by the tools tests), and every
+    module of a floor lives under a path of that floor's row."""
+    rows = _contributing_floors()
+    names = [("base" if f == "kernels" else f) for f, _ in rows if f != "tools"]
+    assert names == [f for f, _ in FLOORS], "CONTRIBUTING.md's floor table and FLOORS list other floors"
+    where = dict(rows)
+    unplaced = [f"{m} (floor {floor})" for floor, members in FLOORS if floor != "base" for m in members
+                if not any(_path_of(m).startswith(p) for p in where[floor])]
+    assert not unplaced, "modules outside their floor's paths in CONTRIBUTING.md: " + ", ".join(unplaced)
+
+
+def _cycle(graph: Dict[str, Set[str]]) -> List[str]:
+    """One import circle of ``graph`` (module -> the modules it imports), or []."""
+    state: Dict[str, int] = {}  # 1: on the current path, 2: done
+    path: List[str] = []
+
+    def visit(m: str) -> List[str]:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                return path[path.index(n):] + [n]
+            if n not in state:
+                found = visit(n)
+                if found:
+                    return found
+        state[m] = 2
+        path.pop()
+        return []
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m)
+            if found:
+                return found
+    return []
+
+
+def test_the_tools_import_no_circle() -> None:
+    """No two tools import each other, even lazily (the convergence benchmark's rows did)."""
+    mods = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in sorted((PKG / "tools").rglob("*.py"))
+            if p.name != "__init__.py"}
+    graph = {m: {i for i in _imports(p, m) if i in mods and i != m} for m, p in mods.items()}
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check finds one
+    assert _cycle(graph) == []
