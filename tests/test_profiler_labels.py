@@ -10,7 +10,7 @@ from flatcomm.tools import spawn
 
 CALLER = {"flatcomm.ddp.hook", "flatcomm.all_reduce", "flatcomm.diloco.sync_start",
           "flatcomm.diloco.outer_step", "flatcomm.diloco.verify"}
-WORKER = {"flatcomm.verify", "flatcomm.encode", "flatcomm.exchange", "flatcomm.decode_sum"}
+WORKER = {"flatcomm.comm.verify", "flatcomm.comm.encode", "flatcomm.comm.exchange", "flatcomm.comm.decode_sum"}
 
 
 def _steps(backend_group) -> None:
@@ -68,5 +68,5 @@ def test_phases_are_labelled_in_a_profile() -> None:
 def test_a_label_costs_nothing_without_a_profiler() -> None:
     from flatcomm.comm.labels import label
 
-    with label("flatcomm.test") as a, label("flatcomm.other") as b:
+    with label("flatcomm.comm.test") as a, label("flatcomm.comm.other") as b:
         assert a is None and b is None  # the shared no-op: no record_function made

@@ -3,11 +3,11 @@
 A user's ``torch.profiler`` trace shows each phase of a flatcomm call as a named range:
 
 * ``flatcomm.all_reduce`` / ``flatcomm.reduce_scatter`` / ``flatcomm.all_gather`` /
-  ``flatcomm.two_level``: a collective (on the caller's thread, around the submit and, when
+  ``flatcomm.hierarchical`` (a two-level call): a collective (on the caller's thread, around the submit and, when
   synchronous, the wait; and on the worker thread, around the body);
-* ``flatcomm.verify``: the call header's exchange and check; ``flatcomm.encode``,
-  ``flatcomm.exchange`` (also each tier's exchange of a two-level call), ``flatcomm.decode_sum``:
-  the phases of the body;
+* ``flatcomm.comm.verify``: the call header's exchange and check; ``flatcomm.comm.encode``,
+  ``flatcomm.comm.exchange`` (also each tier's exchange of a two-level call),
+  ``flatcomm.comm.decode_sum``: the phases of the body;
 * ``flatcomm.ddp.hook``, ``flatcomm.fsdp.reduce_scatter``, ``flatcomm.diloco.sync_start`` /
   ``flatcomm.diloco.outer_step`` / ``flatcomm.diloco.verify``: the layers above.
 

@@ -63,7 +63,7 @@ def queued(st: Optional[CommStats], group, device: torch.device, fn: Callable[[]
     return job
 
 
-def timed(st: CommStats, group, device: torch.device, fn: Callable[[], object], name: str = "flatcomm.exchange") -> None:
+def timed(st: CommStats, group, device: torch.device, fn: Callable[[], object], name: str = "flatcomm.comm.exchange") -> None:
     with label(name):
         queued(st, group, device, fn).wait()
 

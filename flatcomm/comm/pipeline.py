@@ -153,7 +153,8 @@ class BufferPool:
         self.bytes += size
 
 
-_LABELS = {"encode_s": "flatcomm.encode", "exchange_s": "flatcomm.exchange", "decode_s": "flatcomm.decode_sum"}
+_LABELS = {"encode_s": "flatcomm.comm.encode", "exchange_s": "flatcomm.comm.exchange",
+           "decode_s": "flatcomm.comm.decode_sum"}
 _POOL = "staging buffers"  # the context slot of a group's BufferPool
 
 
@@ -210,7 +211,7 @@ class Pipeline:
         """Wait for the call's header exchange and check it: before any payload byte is sent."""
         if self.header is not None:
             h, self.header = self.header, None
-            self.timed("exchange_s", h.finish, "flatcomm.verify")
+            self.timed("exchange_s", h.finish, "flatcomm.comm.verify")
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         t = self.pool.take(numel, dtype, device)

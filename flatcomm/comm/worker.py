@@ -21,6 +21,9 @@ from .labels import label
 
 __all__ = ["Handle", "call", "in_order", "is_on", "key_of", "run", "submit"]
 
+# The profiler label of a collective, from the first word of its description.
+_LABELS = {"all_reduce": "flatcomm.all_reduce", "reduce_scatter": "flatcomm.reduce_scatter",
+           "all_gather": "flatcomm.all_gather", "two-level": "flatcomm.hierarchical"}
 _current = groups.on_worker  # .key: the key of the worker thread we are on, if any
 
 
@@ -101,7 +104,7 @@ def run(key, fn: Callable[[], None], value: torch.Tensor, async_op: bool,
     grad = torch.is_grad_enabled()  # grad mode is thread-local: keep the caller's
     streams = _streams.for_call(key, value.device)  # None unless CUDA
     inner = _on_side(fn, streams, keep)
-    name = "flatcomm." + what.split(" ", 1)[0].replace("-", "_")  # the profiler label: flatcomm.all_reduce
+    name = _LABELS.get(what.split(" ", 1)[0], "flatcomm.comm.collective")  # the profiler label
 
     def body():
         with torch.set_grad_enabled(grad), label(name):
