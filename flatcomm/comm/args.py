@@ -178,7 +178,7 @@ def reduce_scale(op: OpLike, world: int) -> float:
     raise ValueError(f"flatcomm: op must be 'avg' or 'sum', got {op!r}")
 
 
-def one_stage_residual(residual: Union[None, torch.Tensor, ErrorFeedback], what: str) -> Optional[torch.Tensor]:
+def one_stage_residual(residual: object, what: str) -> Optional[torch.Tensor]:
     """The residual of a one-stage collective (reduce-scatter, all-gather): a Tensor, or an
     :class:`ErrorFeedback` whose ``client`` is used (its ``server`` has no role there)."""
     if residual is None or isinstance(residual, torch.Tensor):
@@ -304,11 +304,12 @@ def gather_shapes(src: torch.Tensor, out: torch.Tensor, world: int) -> None:
 
 def all_reduce_call(group, tensor, spec: CallSpec) -> Call:
     common_args(spec)
-    mode, residual = spec.mode, spec.residual
+    mode = spec.mode
     c, world, rank, scale = setup(group, spec.codec, mode, spec.op)
     block, room = exact_args(mode, spec.exact_block, spec.headroom, world)
     flat = tensor_arg(tensor, "tensor", written=True)
-    two_stage_residual(residual, None)
+    two_stage_residual(spec.residual, None)  # None or an ErrorFeedback past this line
+    residual = spec.residual if isinstance(spec.residual, ErrorFeedback) else None
     k = chunks_arg(spec.chunks)
     c = alone(c, world, flat.dtype)
     n = flat.numel()
