@@ -43,6 +43,7 @@ _by_token: Dict[int, "GroupContext"] = {}  # every open context
 _pairs: Dict[tuple, "GroupContext"] = {}  # (token, token) -> the context of a pair of groups
 _no_group: Optional["GroupContext"] = None  # None before torch.distributed is initialised
 _exiting = False
+_later: List[Any] = []  # groups flatcomm made, to destroy at the next sweep (see destroy)
 on_worker = threading.local()  # .key and .active set on flatcomm's worker threads (flatcomm.comm.worker)
 
 
@@ -193,12 +194,12 @@ def pair(first, second) -> GroupContext:
         _by_token[ctx.token] = ctx
     key = (a.token, b.token)
 
-    def close_pair():
+    def close_pair(closing: GroupContext) -> None:
         _pairs.pop(key, None)
-        ctx.close()
+        ctx.close(wait=closing.waits)
 
-    a.on_close(close_pair)
-    b.on_close(close_pair)
+    a.on_close(lambda: close_pair(a))
+    b.on_close(lambda: close_pair(b))
     return ctx
 
 
@@ -218,27 +219,37 @@ def existing(group) -> Optional[GroupContext]:
     return ctx if ctx is not None and not ctx.closed else None
 
 
-def drop(group) -> None:
-    """Close the context of ``group`` now (its group is being destroyed)."""
+def drop(group, wait: bool = True) -> None:
+    """Close the context of ``group`` now (its group is being destroyed); ``wait``: join its worker."""
     ctx = existing(group)
     if ctx is not None:
-        ctx.close()
+        ctx.close(wait=wait)
 
 
-def destroy(group) -> None:
+def destroy(group, wait: bool = True) -> None:
     """Destroy a group flatcomm made (a private copy, a topology's tier): close its context, then
-    unregister it from torch (at exit, or once torch forgot it, only the context)."""
-    drop(group)
-    if not _exiting and _registered(group):
+    unregister it from torch (at exit, or once torch forgot it, only the context). ``wait``: join
+    its worker (False when the close comes from a garbage collection: see GroupContext.close)."""
+    drop(group, wait)
+    if _exiting or not _registered(group):
+        return
+    if wait:
         dist.destroy_process_group(group)
+    else:  # from a garbage collection, under any lock: torch's destroy waits for the next sweep
+        with _lock:
+            _later.append(group)
 
 
 def sweep() -> int:
     """Close the contexts of groups destroyed or collected since; returns how many."""
     with _lock:
         dead = [c for c in _by_token.values() if c.gone()]
+        later = _later[:]
+        del _later[:]
     for c in dead:
         c.close()
+    for g in later:
+        destroy(g)
     return len(dead)
 
 
@@ -248,6 +259,7 @@ def close_all() -> None:
     global _exiting
     _exiting = True
     with _lock:
+        del _later[:]
         every = list(_by_token.values())
     for c in every:
         c.close()

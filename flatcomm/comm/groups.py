@@ -144,7 +144,7 @@ def private_group(group=None, *, timeout: Optional[timedelta] = None):
         pg = dist.new_group(ranks, timeout=t, use_local_synchronization=len(ranks) != dist.get_world_size(),
                             group_desc="flatcomm")
         ctx.set(_PRIVATE, pg)
-        ctx.on_close(lambda: context.destroy(pg))
+        ctx.on_close(lambda: context.destroy(pg, wait=ctx.waits))
         _owned.add(pg)
         _used = True
         return pg

@@ -62,13 +62,13 @@ def _subgroups(parent, ranks: List[int], local_size: int,
         return cached
     made = _make_subgroups(parent, ranks, local_size, timeout)
     ctx.set(key, made)
-    ctx.on_close(lambda: _destroy(made))
+    ctx.on_close(lambda: _destroy(made, ctx.waits))
     return made
 
 
-def _destroy(made: Tuple[object, object]) -> None:
+def _destroy(made: Tuple[object, object], wait: bool) -> None:
     for g in made:
-        context.destroy(g)
+        context.destroy(g, wait)
 
 
 def _make_subgroups(parent, ranks: List[int], local_size: int,
