@@ -41,11 +41,14 @@ def restore_simd():
 # ---- markers (registered in pyproject.toml; `make test-fast` deselects multiprocess and slow) ------
 
 # The multi-rank smoke set that `make test-fast` keeps (test ids; * matches any text): one spawn
-# each, the flat collectives, DDP and FSDP2 at 2 ranks.
+# each, the flat collectives, DDP and FSDP2 at 2 ranks, a DiLoCo sync against its float64
+# reference, and the flatcomm backend's reductions (exact and ordered, flat and two-level).
 SMOKE = (
     "test_collectives.py::test_collectives[2-*]",
     "test_ddp.py::test_fp32_matches_float64_average_and_is_bitwise_reproducible[2]",
     "test_fsdp.py::test_fp32_matches_default_and_is_deterministic[w2]",
+    "test_diloco.py::test_syncs_match_float64_outer_nesterov_with_fragments_delay_alpha",
+    "test_backend_exact.py::test_exact_same_bits_with_ranks_permuted",
 )
 
 

@@ -186,7 +186,7 @@ def test_ddp_auto_with_a_topology_uses_the_two_level_model(ranks):
         assert r["ddp"]["decisions"]["open"] == [("backend", "backend")]
 
 
-def test_tune_cli_with_nodes_saves_tier_costs(tmp_path):
+def test_tune_cli_with_nodes_saves_tier_costs(tmp_path, capsys):
     import json
     import os
     import pathlib
@@ -199,13 +199,14 @@ def test_tune_cli_with_nodes_saves_tier_costs(tmp_path):
                          cwd=root, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "does not split into nodes" in bad.stderr
     prof, out = tmp_path / "p.json", tmp_path / "t.json"
-    p = subprocess.run([sys.executable, "-m", "flatcomm.tune", "--ranks", "4", "--ranks-per-node", "2",
-                        "--sizes", "64K", "--save", str(prof), "--json", str(out)],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    from flatcomm.tools.tune import main  # in process: the ranks fork from the warm forkserver
+
+    rc = main(["--ranks", "4", "--ranks-per-node", "2", "--sizes", "64K", "--save", str(prof), "--json", str(out)])
+    p = capsys.readouterr()
+    assert rc == 0, p.out[-3000:] + p.err[-3000:]
     costs = load_profile(prof)
     assert T.tiered(costs) and (costs.nodes, costs.ranks_per_node) == (2, 2)
     d = json.loads(out.read_text())["decisions"][0]
     again = decide(costs, 1 << 16, 4, "int8", paths=T.PATHS)  # the profile replays the run's choice
     assert (again.path, again.codec, again.intra_codec) == (d["path"], d["codec"], d["intra_codec"])
-    assert "hier:int8/fp32 ms" in p.stdout
+    assert "hier:int8/fp32 ms" in p.out

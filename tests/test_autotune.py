@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -218,22 +215,22 @@ def test_fsdp_auto(ranks):
     assert res["big.weight"] > 0 and res["small.weight"] == 0 and res["small.bias"] == 0
 
 
-def test_tune_cli(tmp_path):
+def test_tune_cli(tmp_path, capsys):
+    from flatcomm.tools.tune import main  # in process: the ranks fork from the warm forkserver
+
     out = tmp_path / "tune.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "flatcomm.tune", "--ranks", "2", "--sizes", "4K,256K",
-                        "--budget", "int4", "--json", str(out), "--save", str(tmp_path / "p.json")],
-                       cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=240)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rc = main(["--ranks", "2", "--sizes", "4K,256K", "--budget", "int4", "--json", str(out),
+               "--save", str(tmp_path / "p.json")])
+    p = capsys.readouterr()
+    assert rc == 0, p.out[-3000:] + p.err[-3000:]
     doc = json.loads(out.read_text())
     assert [d["numel"] for d in doc["decisions"]] == [4096, 262144]
     assert all(d["codec"] in allowed("int4") and d["reason"] for d in doc["decisions"])
     assert set(doc["decisions"][0]["predicted_s"]) == set(allowed("int4"))
     assert doc["costs"]["link_Bps"] > 0 and set(doc["pinned"].values()) <= set(allowed("int4"))
-    assert "pinned={" in p.stdout and "int4 ms" in p.stdout
+    assert "pinned={" in p.out and "int4 ms" in p.out
     ns = {}
-    exec(p.stdout.split("pinned=", 1)[1].splitlines()[0].join(("x = ", "")), ns)  # pastes as Python
+    exec(p.out.split("pinned=", 1)[1].splitlines()[0].join(("x = ", "")), ns)  # pastes as Python
     assert Tuner(pinned=ns["x"]).choose(4096).codec == doc["decisions"][0]["codec"]
     # the saved profile reproduces the run's decisions without measuring, on the same world size
     # (this process has no group: Tuner.choose would decide for one rank, where nothing is sent)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,12 +15,19 @@ ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("name", "step_s", "comm_s", "wire_bytes")
 
 
-def _bench(tmp_path, *args, timeout=120):
+def _bench(capsys, tmp_path, *args):
+    """``flatcomm.bench`` with ``args``, in this process: its ranks fork from the test run's warm
+    forkserver instead of a new interpreter's (tests/test_bad_link_refused runs ``python -m``)."""
+    from flatcomm.tools.bench import main
+
     out = tmp_path / "out.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "flatcomm.bench", *args, "--json", str(out)], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    previous = signal.getsignal(signal.SIGALRM)  # the CLI arms its own backstop alarm
+    try:
+        rc = main([*args, "--json", str(out)])
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    p = capsys.readouterr()
+    assert rc == 0, p.out[-3000:] + p.err[-3000:]
     doc = json.loads(out.read_text())
     assert doc["results"], doc
     for r in doc["results"]:
@@ -29,12 +37,12 @@ def _bench(tmp_path, *args, timeout=120):
         assert isinstance(r["step_s"], float) and r["step_s"] > 0
         assert isinstance(r["comm_s"], float) and r["comm_s"] >= 0 or r["name"] == "noop"
         assert isinstance(r["wire_bytes"], (int, float)) and r["wire_bytes"] >= 0
-    return doc, p.stdout, p.stderr
+    return doc, p.out, p.err
 
 
-def test_kernels_quick(tmp_path):
+def test_kernels_quick(tmp_path, capsys):
     png = tmp_path / "k.png"
-    doc, out, err = _bench(tmp_path, "kernels", "--quick", "--sizes", "64K", "--codecs", "int8,sign",
+    doc, out, err = _bench(capsys, tmp_path, "kernels", "--quick", "--sizes", "64K", "--codecs", "int8,sign",
                       "--reps", "2", "--no-ref", "--plot", str(png))
     names = {r["name"] for r in doc["results"]}
     assert {"int8", "sign", "copy_"} <= names
@@ -56,8 +64,8 @@ def test_kernels_quick(tmp_path):
         pass
 
 
-def test_collectives_two_ranks(tmp_path):
-    doc, out, err = _bench(tmp_path, "collectives", "--quick", "--ranks", "2", "--sizes", "16K",
+def test_collectives_two_ranks(tmp_path, capsys):
+    doc, out, err = _bench(capsys, tmp_path, "collectives", "--quick", "--ranks", "2", "--sizes", "16K",
                       "--codecs", "fp32,int8,auto")
     assert doc["world"] == 2 and doc["link"] is None
     names = {r["name"] for r in doc["results"]}
@@ -71,8 +79,8 @@ def test_collectives_two_ranks(tmp_path):
     assert "chose" in out
 
 
-def test_ddp_tiny(tmp_path):
-    doc, out, err = _bench(tmp_path, "ddp", "--quick", "--params", "2e5", "--hooks", "int8,int4,auto", "--timeout", "120")
+def test_ddp_tiny(tmp_path, capsys):
+    doc, out, err = _bench(capsys, tmp_path, "ddp", "--quick", "--params", "2e5", "--hooks", "int8,int4,auto", "--timeout", "120")
     by = {r["name"]: r for r in doc["results"]}
     assert {"noop", "torch-allreduce", "int8", "int4", "auto"} <= set(by)
     assert by["int8"]["comm_ratio"] is not None and by["int8"]["comm_ratio"] > 0
@@ -82,8 +90,8 @@ def test_ddp_tiny(tmp_path):
     assert "chose" in out and "the best fixed codec" in out
 
 
-def test_fsdp_quick_with_auto(tmp_path):
-    doc, out, err = _bench(tmp_path, "fsdp", "--quick", "--codecs", "int8,auto", "--steps", "1", "--warmup", "1",
+def test_fsdp_quick_with_auto(tmp_path, capsys):
+    doc, out, err = _bench(capsys, tmp_path, "fsdp", "--quick", "--codecs", "int8,auto", "--steps", "1", "--warmup", "1",
                       "--timeout", "120")
     by = {r["name"]: r for r in doc["results"]}
     assert {"torch-reduce-scatter", "int8", "auto"} <= set(by)
@@ -94,7 +102,6 @@ def test_bad_link_refused(tmp_path):
     p = subprocess.run([sys.executable, "-m", "flatcomm.bench", "collectives", "--link", "1gbps"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "gbit" in p.stderr
-
 
 
 def test_backend_reports_progress(tmp_path):

@@ -101,6 +101,9 @@ def test_measure_batches_fast_calls():
     assert t["calls_per_sample"] > 1 and 0 < t["min_s"] < 1e-3
 
 
+# slow: a pytest run in a fresh interpreter (~13 s); the kernels it times are checked by
+# tests/test_encode_decode.py and tests/test_decode_sum.py in the fast loop, the suite in make test.
+@pytest.mark.slow
 def test_microbench_suite_runs():
     """benchmarks/test_microbench.py (pytest-benchmark; `make microbench`) collects and runs, once per case."""
     import subprocess

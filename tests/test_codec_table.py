@@ -157,3 +157,87 @@ def test_a_cpp_codec_without_its_python_row_fails_on_import(monkeypatch):
     monkeypatch.setattr(codecs.extension, "constants", lambda: k)
     with pytest.raises(ImportError, match=r"int2 of the C\+\+ list have no row in flatcomm/ops/codecs.py _POLICY"):
         codecs._table()
+
+
+# ---- the core's limits: read from _C.constants(), never copied (issue 38, item 3) ---------------
+
+# Names whose value is a core limit or a collective kind id: assigned from the core or KIND_IDS.
+_LIMIT_NAMES = re.compile(r"^(_CAST_ALIGN|MIN_BLOCK|MAX_BLOCK|MAX_EXACT_BLOCK|_ALL_GATHER|_ALL_REDUCE|_REDUCE_SCATTER"
+                          r"|\w*_KIND|\w*KIND_ID)$")
+
+
+def _int_value(node) -> "int | None":
+    """The int a literal (``4096``) or a constant shift / power (``1 << 56``) writes, else None."""
+    import ast
+
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.LShift, ast.Pow)):
+        a, b = _int_value(node.left), _int_value(node.right)
+        if a is not None and b is not None and b < 128:
+            return a << b if isinstance(node.op, ast.LShift) else a ** b
+    return None
+
+
+def literal_copies(source: str, literals: Iterable[int], shifted: Iterable[int]) -> List[str]:
+    """Where ``source`` writes a core limit as a number: an int literal of ``literals``, a literal
+    or a constant ``1 << n`` / ``2 ** n`` of ``shifted``, or a limit-named constant (the names of
+    the limits and kind ids) assigned a number."""
+    import ast
+
+    literals, shifted = set(literals), set(shifted)
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            numbers_only = not any(isinstance(n, (ast.Name, ast.Attribute, ast.Call, ast.Subscript))
+                                   for n in ast.walk(node.value))
+            if _LIMIT_NAMES.match(node.targets[0].id) and numbers_only:
+                out.append(f"line {node.lineno}: {node.targets[0].id} = a number")
+        v = _int_value(node)
+        if v is not None and (v in shifted or (isinstance(node, ast.Constant) and v in literals)):
+            out.append(f"line {node.lineno}: the literal {v}")
+    return out
+
+
+def _copies(source: str) -> List[str]:
+    k = _C.constants()
+    return literal_copies(source, [k["max_block"], k["max_numel"]], [k["max_numel"]])
+
+
+def test_the_limits_are_the_cores() -> None:
+    from flatcomm.comm import args
+    from flatcomm.comm.header import KIND_IDS
+    from flatcomm.diloco import replicas
+
+    k = _C.constants()
+    assert (codecs.MIN_BLOCK, codecs.MAX_BLOCK, codecs.MAX_NUMEL) == (k["min_block"], k["max_block"], k["max_numel"])
+    assert args.MAX_EXACT_BLOCK == k["max_block"]
+    assert replicas._ALL_GATHER == KIND_IDS["all_gather"]
+    for name, f in TABLE.items():  # a cast codec's shard pieces are whole multiples of the alignment
+        if f.kind == "cast":
+            assert codecs._CAST_ALIGN * f.bits // 8 % k["align"] == 0, name
+
+
+def test_no_library_source_copies_a_limit() -> None:
+    found = []
+    for path in sorted((ROOT / "flatcomm").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        # tools/: benchmarks sweep block sizes on purpose; ops/reference/: the oracle restates the
+        # format independently, by design (it is what the kernels are checked against).
+        if rel.startswith(("flatcomm/tools/", "flatcomm/ops/reference/")):
+            continue
+        found += [f"{rel}: {w}" for w in _copies(path.read_text())]
+    assert not found, "core limits written as numbers (read them from _C.constants() / KIND_IDS):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("copy", ["_CAST_ALIGN = 32", "MAX_NUMEL = 1 << 56", "MAX_EXACT_BLOCK = 4096",
+                                  "_ALL_GATHER = 2  # header.KINDS", "ok = 32 <= b <= 4096",
+                                  "limit = 2 ** 56", "MIN_BLOCK = 16 * 2"])
+def test_the_scan_catches_a_literal_copy(copy: str) -> None:
+    assert _copies(copy), copy
+
+
+def test_the_scan_passes_names_read_from_the_core() -> None:
+    ok = ('MAX_NUMEL = _LIMITS["max_numel"]\nMAX_EXACT_BLOCK = MAX_BLOCK\nDEFAULT_BLOCK_SIZE = 256\n'
+          'small = 4 << 10\nBENCH_NUMEL = 1 << 23')
+    assert _copies(ok) == []

@@ -151,17 +151,23 @@ SIZES = (1, 7, 1000, 30011)
 
 def _accuracy(log: _Log, rank: int, world: int) -> None:
     """reduce_scatter / all_reduce / all_gather of every codec against float64 and a bitwise plan."""
+    # Up to 2 ranks every case; 3 and 4 ranks (uneven and empty shards, more sources per sum) the
+    # cases whose path depends on the world size: every codec at a size below one shard per rank
+    # and at a ragged multi-chunk size, the output dtypes on one cast and one blockwise codec, the
+    # raw payloads at a size below the ranks and a ragged one. op and output rounding do not
+    # depend on the world size: 2 ranks cover them in full.
+    full = world <= 2
     cases = []
     for codec in CODECS:
-        for n in SIZES:
-            for op in ("avg", "sum"):
-                cases.append((codec, n, op, 3 if n > 1000 else 1, torch.float32))
-        cases.append((codec, 1000, "avg", 2, torch.bfloat16))
-        cases.append((codec, 1000, "sum", 2, torch.float16))
+        for n, op in ([(n, op) for n in SIZES for op in ("avg", "sum")] if full else [(7, "avg"), (30011, "sum")]):
+            cases.append((codec, n, op, 3 if n > 1000 else 1, torch.float32))
+        if full or codec in ("fp32", "int8"):
+            cases.append((codec, 1000, "avg", 2, torch.bfloat16))
+            cases.append((codec, 1000, "sum", 2, torch.float16))
     # Raw payloads on dtype-matched data, one chunk: the zero-copy path (sends the caller's tensor,
     # equal shards gather straight into it); 4099 leaves a ragged last shard (staged fallback).
     for codec, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        for n in (1, 7, 768, 4099, 30011):
+        for n in ((1, 7, 768, 4099, 30011) if full else (7, 4099)):
             cases.append((codec, n, "avg", 1, dtype))
     for codec, n, op, chunks, dtype in cases:
         # Tiny gather pieces on the raw cases: many pieces, shards ending inside a piece.

@@ -3,9 +3,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# slow: a fresh interpreter that also starts gloo ranks (~35 s); the CPU paths it compares are
+# checked by tests/test_encode_decode.py, test_cupy_emulated.py and test_collectives.py, the script
+# itself in make test (and its shell wrapper below, in the fast loop).
+@pytest.mark.slow
 def test_gpu_check_self_test_passes():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--self-test"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)

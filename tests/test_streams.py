@@ -24,7 +24,7 @@ def test_on_worker_leaves_cpu_bodies_alone():
 
 def test_submit_runs_in_order_on_the_group_worker():
     seen = []
-    futs = [worker.submit("test-streams-group", torch.device("cpu"),
+    futs = [worker.submit(worker.key_of(None), torch.device("cpu"),  # (no process group: its own worker)
                       lambda i=i: seen.append((i, threading.current_thread().name))) for i in range(5)]
     for f in futs:
         f.result(10)

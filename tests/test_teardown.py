@@ -81,10 +81,13 @@ def _groups_released(rank: int, world: int) -> dict:
     private = C.private_group(sub)
     refs = {"parent": weakref.ref(sub), "private": weakref.ref(private)}
     dist.destroy_process_group(sub)  # the program still holds sub
-    dist.destroy_process_group(private)  # torch lets go of the private group too
+    listed = private in dist.distributed_c10d._world.pg_map
+    if listed:  # a plain gloo parent: no hook tells flatcomm (its private group goes with sub)
+        dist.destroy_process_group(private)
     del private
     gc.collect()
-    out = {"mean": x.tolist(), "private_freed_while_parent_held": refs["private"]() is None}
+    out = {"mean": x.tolist(), "private_freed_while_parent_held": refs["private"]() is None,
+           "private_listed_after_parent_destroyed": listed}
     del sub
     gc.collect()
     out["private_freed"] = refs["private"]() is None
@@ -102,3 +105,5 @@ def test_flatcomm_keeps_no_destroyed_group_alive(backend: str) -> None:
         # A flatcomm group's shutdown (what destroy_process_group calls) drops its private group;
         # a plain gloo group has no such hook: its private group goes with the parent.
         assert r["private_freed_while_parent_held"] == (backend == "flatcomm"), r
+        # ... and unregisters it from torch (destroyed with its parent).
+        assert r["private_listed_after_parent_destroyed"] == (backend != "flatcomm"), r

@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import math
 import re
-import threading
 import zlib
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -35,7 +34,7 @@ from .costs import CostModel, Decision
 from .decide import BACKEND, KINDS, allowed, check_kind, chunks_for, decide, predict
 from .measure import measure, on_worker
 from .profiles import ProfileLike, load_profile, save_profile
-from ..comm import worker
+from ..comm import context
 from ..comm.two_level import default_segments
 from ..ops.codecs import PRECISION, Codec
 
@@ -226,15 +225,7 @@ def _agree(d: Decision, group, device: Optional[torch.device]) -> None:
                          f"were they given different profiles or costs? {d.reason}")
 
 
-_default_tuners: Dict[object, Tuner] = {}
-_default_lock = threading.Lock()
-
-
 def tuner_for(group=None) -> Tuner:
-    """The process-wide default :class:`Tuner` of ``group`` (error budget int8), created on first use."""
-    key = worker.key_of(group)
-    with _default_lock:
-        t = _default_tuners.get(key)
-        if t is None:
-            t = _default_tuners[key] = Tuner()
-        return t
+    """The default :class:`Tuner` of ``group`` (error budget int8), created on first use and kept
+    in the group's context (:mod:`flatcomm.comm.context`): dropped when the group is destroyed."""
+    return context.of(group).slot("tuner", Tuner)

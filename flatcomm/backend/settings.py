@@ -20,9 +20,10 @@ import threading
 from typing import Any, Dict, Optional
 
 from ..collectives import MODES
+from ..comm import context
 from ..comm.topology import Topology
 
-__all__ = ["Settings", "configure", "settings_for", "topology_for"]
+__all__ = ["Settings", "configure", "entries", "settings_for", "topology_for"]
 
 _ENV_MODE, _ENV_CODEC, _ENV_LOCAL = "FLATCOMM_BACKEND_MODE", "FLATCOMM_BACKEND_CODEC", "FLATCOMM_BACKEND_LOCAL_SIZE"
 
@@ -52,8 +53,8 @@ class Settings:
 
 
 _lock = threading.Lock()
-_by_group: Dict[int, tuple] = {}  # id(group) -> (group, Settings); None: every group's default
-_topologies: Dict[int, tuple] = {}  # id(group) -> (group, Topology) built from local_size
+_SETTINGS, _TOPOLOGY = "backend settings", "backend topology"  # slots of a group's context
+_default: Optional[Settings] = None  # configure() with no group: every group's default
 
 
 def _from_env() -> Settings:
@@ -78,17 +79,28 @@ def configure(group=None, *, mode: Optional[str] = None, codec: Optional[str] = 
         changes: Dict[str, Any] = {k: v for k, v in dict(mode=mode, codec=codec, topology=topology, local_size=local_size).items()
                    if v is not None}
         new = dataclasses.replace(old, **changes)
-        _by_group[id(group)] = (group, new)
-        _topologies.pop(id(group), None)
+        if group is None:
+            global _default
+            _default = new
+        else:  # kept in the group's context (flatcomm.comm.context): dropped when it is destroyed
+            ctx = context.of(group)
+            ctx.set(_SETTINGS, new)
+            ctx.pop(_TOPOLOGY)
         return new
 
 
 def _lookup(group) -> Settings:
-    for key in (id(group), id(None)):
-        entry = _by_group.get(key)
-        if entry is not None and (key == id(None) or entry[0] is group):
-            return entry[1]
-    return _from_env()
+    ctx = context.existing(group) if group is not None else None
+    own = ctx.get(_SETTINGS) if ctx is not None else None
+    if own is not None:
+        return own
+    return _default if _default is not None else _from_env()
+
+
+def entries() -> int:
+    """How many groups have settings of their own, plus the default if set (tests: destroyed
+    groups leave none behind)."""
+    return context.count_with(_SETTINGS) + (_default is not None)
 
 
 def settings_for(group) -> Settings:
@@ -104,11 +116,7 @@ def topology_for(group, settings: Settings, is_default: bool) -> Optional[Topolo
         return settings.topology
     if settings.local_size is None or not is_default:
         return None
-    with _lock:
-        entry = _topologies.get(id(group))
-        if entry is not None and entry[0] is group:
-            return entry[1]
-    topo = Topology(settings.local_size, group=group)
-    with _lock:
-        _topologies[id(group)] = (group, topo)
-    return topo
+    # Built once, under the context's lock (Topology creates groups: a collective every rank makes
+    # once); dropped with the group.
+    local_size = settings.local_size
+    return context.of(group).slot(_TOPOLOGY, lambda: Topology(local_size, group=group))

@@ -27,7 +27,7 @@ from . import groups, header, worker
 from .header import DTYPES, MODES
 from .pipeline import CommStats, Plan, default_chunks, plan, shard_bounds
 from .spec import CallSpec
-from ..ops.codecs import Codec, CodecLike, resolve
+from ..ops.codecs import MAX_BLOCK, Codec, CodecLike, resolve
 
 __all__ = ["Call", "ErrorFeedback", "MAX_EXACT_BLOCK", "MAX_HEADROOM", "OpLike", "align_of", "all_gather_call",
            "all_reduce_call", "alone", "as_flat", "bool_arg", "capped_chunks", "check_residual", "chunks_arg", "common_args",
@@ -37,7 +37,7 @@ __all__ = ["Call", "ErrorFeedback", "MAX_EXACT_BLOCK", "MAX_HEADROOM", "OpLike",
 OpLike = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
 T = TypeVar("T")
 
-MAX_EXACT_BLOCK = 4096  # csrc/ops_common.h: exact-mode block sizes in [1, 4096]
+MAX_EXACT_BLOCK = MAX_BLOCK  # csrc/ops_common.h: exact-mode block sizes in [1, kMaxBlock]
 MAX_HEADROOM = 38  # csrc/ops_common.h: headroom bits in [1, 38]
 
 
@@ -178,7 +178,7 @@ def reduce_scale(op: OpLike, world: int) -> float:
     raise ValueError(f"flatcomm: op must be 'avg' or 'sum', got {op!r}")
 
 
-def one_stage_residual(residual: Union[None, torch.Tensor, ErrorFeedback], what: str) -> Optional[torch.Tensor]:
+def one_stage_residual(residual: object, what: str) -> Optional[torch.Tensor]:
     """The residual of a one-stage collective (reduce-scatter, all-gather): a Tensor, or an
     :class:`ErrorFeedback` whose ``client`` is used (its ``server`` has no role there)."""
     if residual is None or isinstance(residual, torch.Tensor):
@@ -304,11 +304,12 @@ def gather_shapes(src: torch.Tensor, out: torch.Tensor, world: int) -> None:
 
 def all_reduce_call(group, tensor, spec: CallSpec) -> Call:
     common_args(spec)
-    mode, residual = spec.mode, spec.residual
+    mode = spec.mode
     c, world, rank, scale = setup(group, spec.codec, mode, spec.op)
     block, room = exact_args(mode, spec.exact_block, spec.headroom, world)
     flat = tensor_arg(tensor, "tensor", written=True)
-    two_stage_residual(residual, None)
+    two_stage_residual(spec.residual, None)  # None or an ErrorFeedback past this line
+    residual = spec.residual if isinstance(spec.residual, ErrorFeedback) else None
     k = chunks_arg(spec.chunks)
     c = alone(c, world, flat.dtype)
     n = flat.numel()

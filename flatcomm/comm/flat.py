@@ -55,7 +55,7 @@ def all_reduce(tensor: torch.Tensor, spec: CallSpec = CallSpec(), group=None) ->
     if isinstance(a, worker.Handle):
         return a
     flat, c, n = a.src, a.codec, a.src.numel()
-    mode, residual, stats, validate = spec.mode, spec.residual, spec.stats, spec.validate
+    mode, residual, stats, validate = spec.mode, a.feedback, spec.stats, spec.validate
 
     def body():
         with Pipeline(group, stats, a.fields, flat.device, validate) as pipe:

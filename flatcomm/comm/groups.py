@@ -13,8 +13,10 @@ every rank reaches in the same order, as torch requires of group creation. Never
 The private group inherits G's timeout (``dist.new_group`` would otherwise use torch's 30-minute
 default, far above the ``init_process_group`` timeout a user chose), or takes ``timeout=``.
 
-The cache holds the parents weakly and forgets a private group when its parent is destroyed
-(:func:`forget`) or at exit: a gloo group's worker threads are joined only by its destructor, and a
+The private group lives in the parent's context (:mod:`flatcomm.comm.context`, held weakly) and is
+destroyed (unregistered from torch, its worker joined) when the parent is destroyed: at once through
+the ``flatcomm`` backend's ``shutdown`` (:func:`forget`), else when the next group gets a context
+(``destroy_process_group`` of a plain gloo group calls no hook of ours). At exit it is let go of: a gloo group's worker threads are joined only by its destructor, and a
 thread still dropping a finished op's tensors needs the GIL, which it cannot take once the
 interpreter is finalizing (torch 2.13 aborts the process: "terminate called without an active
 exception"). So flatcomm keeps no group alive past ``destroy_process_group`` or the atexit handlers.
@@ -32,14 +34,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import context
+
 __all__ = ["EXCHANGE_ALONE", "exchanges", "forget", "group_timeout", "is_private", "private_group",
            "settle_at_exit"]
 
 _lock = threading.Lock()
-_private: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # parent -> its private group
+_PRIVATE = "private group"  # the slot of a parent's context that holds its private group
 _owned: "weakref.WeakSet" = weakref.WeakSet()  # the private groups
 _used = False  # whether this process made a private group (settle_at_exit has work to do)
-on_worker = threading.local()  # .key and .active set on flatcomm's worker threads (flatcomm.comm.worker)
+on_worker = context.on_worker  # .key and .active set on flatcomm's worker threads (flatcomm.comm.worker)
 # Tests only: exchange through torch.distributed even with one rank (normally a local copy), so a
 # one-GPU machine runs the NCCL calls and their stream hand-offs (benchmarks/gpu_check.py).
 EXCHANGE_ALONE = False
@@ -84,9 +88,9 @@ def is_private(group) -> bool:
 
 
 def forget(group) -> None:
-    """Drop the private group made for ``group`` (called when ``group`` is destroyed)."""
-    with _lock:
-        _private.pop(group, None)
+    """Drop what flatcomm keeps for ``group``, its private group destroyed (called when ``group`` is
+    destroyed)."""
+    context.drop(group)
 
 
 def settle_at_exit() -> None:
@@ -98,8 +102,7 @@ def settle_at_exit() -> None:
     DDP script aborted here); 20 ms at exit closes it for the threads already waiting."""
     if not _used:
         return
-    with _lock:
-        _private.clear()
+    context.close_all()
     gc.collect()
     time.sleep(0.02)
 
@@ -123,8 +126,9 @@ def private_group(group=None, *, timeout: Optional[timedelta] = None):
     if dist.get_world_size(parent) == 1:
         return group
     global _used
+    ctx = context.of(parent)
     with _lock:
-        cached = _private.get(parent)
+        cached = ctx.get(_PRIVATE)
         if cached is not None and _alive(cached):
             if timeout is not None:
                 cached.set_timeout(timeout)
@@ -139,7 +143,8 @@ def private_group(group=None, *, timeout: Optional[timedelta] = None):
         # Members only synchronise when the parent is a subgroup: non-members never get here.
         pg = dist.new_group(ranks, timeout=t, use_local_synchronization=len(ranks) != dist.get_world_size(),
                             group_desc="flatcomm")
-        _private[parent] = pg
+        ctx.set(_PRIVATE, pg)
+        ctx.on_close(lambda: context.destroy(pg, wait=ctx.waits))
         _owned.add(pg)
         _used = True
         return pg

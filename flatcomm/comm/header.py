@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import groups, worker
+from . import context, groups, worker
 from ..ops.codecs import CODECS, Codec
 
 __all__ = ["AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "KIND_IDS", "MAGIC", "MODES", "REASON_BYTES", "call_numbers",
@@ -205,7 +205,7 @@ def _per_rank(vals, ranks: Sequence[int]) -> str:
 # fields travel as their float64 bits (:func:`float_bits`); the intra fields are the two-level path's.
 FIELDS = ("collective", "numel", "codec", "block_size", "topk ratio", "mode", "op scale", "dtype",
           "chunks", "exact_block", "headroom", "device", "intra codec", "intra block_size", "intra topk ratio")
-_calls: dict = {}  # worker key -> number of the next call on that group (advanced on its worker, in order)
+_CALLS = "header calls"  # context slot: number of the next call on that group (advanced on its worker, in order)
 
 
 def _shown(name: str, v: int):
@@ -271,9 +271,9 @@ class CallHeader:
 
     def __init__(self, group, fields: Sequence[Tuple[str, int]], device: torch.device,
                  reason: Optional[str] = None, status: int = FAILED_VALUE):
-        key = worker.key_of(group)
-        self.call = _calls.get(key, 0)
-        _calls[key] = self.call + 1
+        ctx = context.of(group)
+        self.call = ctx.get(_CALLS, 0)
+        ctx.set(_CALLS, self.call + 1)
         self.group, self.fields = group, list(fields)
         if reason is not None:
             _publish(group, self.call, reason)
@@ -295,7 +295,7 @@ class CallHeader:
         if isinstance(err, RuntimeError) and "out of step" in str(err):
             # Every rank saw the same table: resume numbering together, so that the next calls
             # (if the ranks' programs agree again) are in step.
-            _calls[worker.key_of(self.group)] = max(call_numbers(table)) + 1
+            context.of(self.group).set(_CALLS, max(call_numbers(table)) + 1)
         return err
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import header, worker
+from .labels import label
 from .pipeline import CommStats, drain
 from .topology import Topology
 
@@ -62,8 +63,9 @@ def queued(st: Optional[CommStats], group, device: torch.device, fn: Callable[[]
     return job
 
 
-def timed(st: CommStats, group, device: torch.device, fn: Callable[[], object]) -> None:
-    queued(st, group, device, fn).wait()
+def timed(st: CommStats, group, device: torch.device, fn: Callable[[], object], name: str = "flatcomm.comm.exchange") -> None:
+    with label(name):
+        queued(st, group, device, fn).wait()
 
 
 def mark(device: torch.device) -> Optional["torch.cuda.Event"]:

@@ -11,7 +11,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import groups, header, p2p
+from . import context, groups, header, p2p
+from .labels import label
 from ..ops.codecs import Codec, decode_sum, encode
 
 __all__ = ["CHUNK_TARGET_BYTES", "CommStats", "GATHER_PIECE_BYTES", "MAX_AUTO_CHUNKS", "MIN_PIPELINE_BYTES",
@@ -152,12 +153,16 @@ class BufferPool:
         self.bytes += size
 
 
-_pools: dict = {}
+_LABELS = {"encode_s": "flatcomm.comm.encode", "exchange_s": "flatcomm.comm.exchange",
+           "decode_s": "flatcomm.comm.decode_sum"}
+_POOL = "staging buffers"  # the context slot of a group's BufferPool
 
 
 def forget_pool(group) -> None:
     """Drop the staging buffers of ``group`` (the tuner's timing runs leave large ones behind)."""
-    _pools.pop(id(group) if group is not None else None, None)
+    ctx = context.existing(group)
+    if ctx is not None:
+        ctx.pop(_POOL)
 
 
 def drain(pending) -> None:
@@ -181,7 +186,7 @@ class Pipeline:
                  device: torch.device, validate: bool = True):
         self.group = group
         self.stats = stats if stats is not None else CommStats()
-        self.pool = _pools.setdefault(id(group) if group is not None else None, BufferPool())
+        self.pool = context.of(group).slot(_POOL, BufferPool)
         self.taken: List[torch.Tensor] = []
         self.tags = 0  # of this call's point-to-point exchanges (flatcomm.comm.p2p)
         self.header: Optional[header.CallHeader] = None
@@ -206,7 +211,7 @@ class Pipeline:
         """Wait for the call's header exchange and check it: before any payload byte is sent."""
         if self.header is not None:
             h, self.header = self.header, None
-            self.timed("exchange_s", h.finish)
+            self.timed("exchange_s", h.finish, "flatcomm.comm.verify")
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         t = self.pool.take(numel, dtype, device)
@@ -220,9 +225,11 @@ class Pipeline:
             self.pool.give(t)
         self.taken = []
 
-    def timed(self, field: str, fn: Callable[[], object]):
+    def timed(self, field: str, fn: Callable[[], object], name: Optional[str] = None):
+        """``fn()``, its time added to ``stats.<field>``, under the profiler label of the phase."""
         t0 = time.perf_counter()
-        out = fn()
+        with label(name or _LABELS[field]):
+            out = fn()
         setattr(self.stats, field, getattr(self.stats, field) + time.perf_counter() - t0)
         return out
 

@@ -9,9 +9,17 @@ tuner, a tier's own codec) passes ``dataclasses.replace(spec, ...)`` on: nobody 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
+import torch
+
+from ..ops.codecs import CodecLike
 from ..ops.sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM
+
+if TYPE_CHECKING:  # (the layers that check a spec import this module)
+    from .args import ErrorFeedback, OpLike
+    from .pipeline import CommStats
+    from .two_level_args import TieredFeedback, TierStats
 
 __all__ = ["CallSpec"]
 
@@ -19,18 +27,31 @@ __all__ = ["CallSpec"]
 @dataclasses.dataclass(frozen=True, eq=False)
 class CallSpec:
     """The options of one collective call, as the public functions name them (see
-    :func:`flatcomm.collectives.all_reduce`). Unchecked: the argument layer checks every field.
-    ``intra_codec``: the node tier's codec of a two-level call (unused by the flat path);
-    ``op``, ``mode``, ``chunks``, ``exact_block``, ``headroom``: reductions only."""
+    :func:`flatcomm.collectives.all_reduce`). The types say what each field holds once checked;
+    values come from callers unchecked, and the argument layer checks every field.
 
-    codec: Any = "fp32"
-    op: Any = "avg"
-    mode: Any = "ordered"
-    async_op: Any = False
-    residual: Any = None  # an ErrorFeedback, a Tensor (one-stage calls) or a TieredFeedback
-    chunks: Optional[Any] = None
-    stats: Any = None  # a CommStats (or, two-level, a TierStats) to add this call's counters to
-    validate: Any = True
-    exact_block: Any = DEFAULT_EXACT_BLOCK
-    headroom: Any = DEFAULT_HEADROOM
-    intra_codec: Any = "fp32"
+    Args:
+        codec: a codec name (``"auto"`` too) or a :class:`flatcomm.Codec`.
+        op: ``"avg"`` / ``"sum"`` or a ``torch.distributed.ReduceOp`` (reductions only).
+        mode: ``"ordered"`` or ``"exact"`` (reductions only).
+        async_op: return a Handle instead of waiting.
+        residual: an ErrorFeedback, a Tensor (one-stage calls) or a TieredFeedback (two-level).
+        chunks: pipeline chunks (None: chosen from the size; reductions only).
+        stats: a CommStats (two-level: a TierStats) to add this call's counters to.
+        validate: exchange and check the call header (the cross-rank consistency check).
+        exact_block: exact mode's block size (reductions only).
+        headroom: exact mode's headroom bits (reductions only).
+        intra_codec: the node tier's codec of a two-level call (unused by the flat path).
+    """
+
+    codec: Union[CodecLike, str] = "fp32"
+    op: "OpLike" = "avg"
+    mode: str = "ordered"
+    async_op: bool = False
+    residual: Optional[Union["ErrorFeedback", torch.Tensor, "TieredFeedback"]] = None
+    chunks: Optional[int] = None
+    stats: Optional[Union["CommStats", "TierStats"]] = None
+    validate: bool = True
+    exact_block: int = DEFAULT_EXACT_BLOCK
+    headroom: int = DEFAULT_HEADROOM
+    intra_codec: Union[CodecLike, str] = "fp32"

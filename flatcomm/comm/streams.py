@@ -21,25 +21,20 @@ None of this has run on a GPU yet (benchmarks/gpu_check.py ``--collectives`` is 
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Iterable, Optional
 
 import torch
 
-__all__ = ["CallStreams", "for_call", "side_stream"]
+from . import context
 
-_side: dict = {}
-_lock = threading.Lock()
+__all__ = ["CallStreams", "for_call", "side_stream"]
 
 
 def side_stream(group_key, device: torch.device) -> "torch.cuda.Stream":
-    """The stream every collective of this group runs its kernels on, for this device."""
-    key = (group_key, device.index)
-    with _lock:
-        s = _side.get(key)
-        if s is None:
-            s = _side[key] = torch.cuda.Stream(device=device)
-        return s
+    """The stream every collective of this group runs its kernels on, for this device (kept in
+    the group's context: ``group_key`` is its worker key)."""
+    return context.by_token(group_key).slot(("side stream", device.index),
+                                           lambda: torch.cuda.Stream(device=device))
 
 
 class CallStreams:

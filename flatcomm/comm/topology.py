@@ -11,7 +11,8 @@ With one node (N = 1) or one rank per node (G = 1) there is nothing to split: th
 *flat* (``topo.flat``, with ``topo.reason`` saying why) and the collectives run their one-hop path
 on the parent group.
 
-Subgroups are created once per (parent group, G, timeout) and cached: ``dist.new_group`` is itself
+Subgroups are created once per (parent group, G, timeout), kept in the parent's context
+(:mod:`flatcomm.comm.context`) and destroyed with it: ``dist.new_group`` is itself
 a collective that every rank of the job must enter in the same order, so build topologies at a
 point every rank reaches (not inside a callback), and build them before the first collective that
 uses them.
@@ -20,14 +21,15 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from . import context
+
 __all__ = ["Topology", "group_timeout"]
 
-_groups: Dict[tuple, Tuple[object, object]] = {}  # (parent, G, timeout) -> (intra, inter)
 
 
 def group_timeout(group=None) -> Optional[datetime.timedelta]:
@@ -53,11 +55,24 @@ def _subgroups(parent, ranks: List[int], local_size: int,
                timeout: Optional[datetime.timedelta]) -> Tuple[object, object]:
     """(my node's group, my local rank's group), created once. Every rank of the job creates every
     subgroup, in the same order (nodes, then local ranks): new_group's contract."""
-    key = (id(parent) if parent is not None else None, local_size,
-           timeout.total_seconds() if timeout is not None else None)
-    cached = _groups.get(key)
+    ctx = context.of(parent)  # the subgroups are destroyed with the parent
+    key = ("topology", local_size, timeout.total_seconds() if timeout is not None else None)
+    cached = ctx.get(key)
     if cached is not None and _alive(cached[0]) and _alive(cached[1]):
         return cached
+    made = _make_subgroups(parent, ranks, local_size, timeout)
+    ctx.set(key, made)
+    ctx.on_close(lambda: _destroy(made, ctx.waits))
+    return made
+
+
+def _destroy(made: Tuple[object, object], wait: bool) -> None:
+    for g in made:
+        context.destroy(g, wait)
+
+
+def _make_subgroups(parent, ranks: List[int], local_size: int,
+                    timeout: Optional[datetime.timedelta]) -> Tuple[object, object]:
     me = dist.get_rank(parent)
     nodes = len(ranks) // local_size
     intra = inter = None
@@ -69,7 +84,6 @@ def _subgroups(parent, ranks: List[int], local_size: int,
         g = dist.new_group(ranks[lr::local_size], timeout=timeout)
         if me % local_size == lr:
             inter = g
-    _groups[key] = (intra, inter)
     return intra, inter
 
 

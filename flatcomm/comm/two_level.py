@@ -44,7 +44,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import flat as one_hop, node as _node, two_level_args as _args, two_level_ordered as _ordered, worker
+from . import context, flat as one_hop, node as _node, two_level_args as _args, two_level_ordered as _ordered, worker
 from .two_level_args import TierStats, TieredFeedback, padded_shard, shard_numel, shard_range
 from .pipeline import BufferPool, CommStats, shard_bounds
 from .spec import CallSpec
@@ -64,11 +64,9 @@ __all__ = [
 
 # ---- one worker per topology ---------------------------------------------------------------------
 
-_staging: dict = {}  # topology key -> BufferPool of the two-level path's staging buffers
-
-
-def _key(topo: Topology):
-    return ("two-level", id(topo.intra_group), id(topo.inter_group))
+def _key(topo: Topology) -> int:
+    """The worker key of a topology: the token of its two tiers' context (closed with either)."""
+    return context.pair(topo.intra_group, topo.inter_group).token
 
 
 def _run(topo: Topology, body: Callable[[], None], value: torch.Tensor, async_op: bool) -> Optional[worker.Handle]:
@@ -165,7 +163,7 @@ def _ordered_all_reduce(topo: Topology, a: _args.Call, validate: bool, tiers: Ti
     flat, m, align = a.src, a.m, a.align
     # Staging buffers come from a pool kept per topology: a fresh buffer of this size is fresh
     # pages, and first-touch page faults cost as much as the node's transfers on a CPU host.
-    pool = _staging.setdefault(_key(topo), BufferPool())
+    pool = context.by_token(_key(topo)).slot("staging buffers", BufferPool)
     taken: List[torch.Tensor] = []
 
     def empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The worker threads that run flatcomm's collectives, and the :class:`Handle` of an async call.
 
-One worker thread per key (a process group, or a topology's pair of groups) runs every collective
+One worker thread per key (the token of a process group's context, or of a topology's pair of
+groups: :mod:`flatcomm.comm.context`, which joins the thread when the group is destroyed) runs every collective
 of that key, synchronous ones included, in submission order, so every rank issues its collectives
 (header exchange and chunk exchanges) in the same order: a check issued from the caller's thread
 while an earlier asynchronous collective is still exchanging chunks on the worker could pair with a
@@ -11,23 +12,24 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import threading
 from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
-from . import groups, streams as _streams
+from . import context, groups, streams as _streams
+from .labels import label
 
 __all__ = ["Handle", "call", "in_order", "is_on", "key_of", "run", "submit"]
 
-_executors: dict = {}
-_lock = threading.Lock()
+# The profiler label of a collective, from the first word of its description.
+_LABELS = {"all_reduce": "flatcomm.all_reduce", "reduce_scatter": "flatcomm.reduce_scatter",
+           "all_gather": "flatcomm.all_gather", "two-level": "flatcomm.hierarchical"}
 _current = groups.on_worker  # .key: the key of the worker thread we are on, if any
 
 
-def key_of(group):
-    """The worker key of a process group (None: the default group)."""
-    return id(group) if group is not None else None
+def key_of(group) -> int:
+    """The worker key of a process group (None: the default group): its context's token."""
+    return context.of(group).token
 
 
 def is_on(key) -> bool:
@@ -41,13 +43,17 @@ def _mark(key) -> None:
 
 
 def _executor(key) -> concurrent.futures.ThreadPoolExecutor:
-    with _lock:
-        ex = _executors.get(key)
-        if ex is None:
-            ex = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="flatcomm", initializer=_mark, initargs=(key,))
-            _executors[key] = ex
+    ctx = context.by_token(key)
+
+    def make() -> concurrent.futures.ThreadPoolExecutor:
+        ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flatcomm", initializer=_mark,
+                                                   initargs=(key,))
+        # Closed with the group: its queued calls cancelled, its thread joined (unless closing on
+        # that thread itself, which then ends after its current call).
+        ctx.on_close(lambda: ex.shutdown(wait=ctx.waits and not is_on(key), cancel_futures=True))
         return ex
+
+    return ctx.slot("worker", make)
 
 
 def _on_side(fn: Callable[[], None], streams: Optional[_streams.CallStreams],
@@ -98,11 +104,18 @@ def run(key, fn: Callable[[], None], value: torch.Tensor, async_op: bool,
     grad = torch.is_grad_enabled()  # grad mode is thread-local: keep the caller's
     streams = _streams.for_call(key, value.device)  # None unless CUDA
     inner = _on_side(fn, streams, keep)
+    name = _LABELS.get(what.split(" ", 1)[0], "flatcomm.comm.collective")  # the profiler label
 
     def body():
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), label(name):
             inner()
 
+    with label(name):
+        return _run_body(key, body, value, async_op, streams, what, group)
+
+
+def _run_body(key, body: Callable[[], None], value: torch.Tensor, async_op: bool,
+              streams: Optional[_streams.CallStreams], what: str, group) -> Optional["Handle"]:
     if is_on(key):
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:

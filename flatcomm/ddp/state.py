@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from .._training import options as _options
 from .. import collectives as C
+from ..comm.labels import label
 from . import accordion as _accordion
 from .._training import adapt as _adapt
 from . import checkpoint as _ckpt
@@ -317,7 +318,8 @@ class State:
 
 def hook(state: State, bucket: "dist.GradBucket") -> torch.futures.Future:
     """DDP comm hook: flatcomm all-reduce (average) of the bucket; the future holds the buffer."""
-    return state._launch(bucket)
+    with label("flatcomm.ddp.hook"):
+        return state._launch(bucket)
 
 
 # Real objects, not the strings `from __future__ import annotations` leaves: DDP compares them.

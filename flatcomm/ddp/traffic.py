@@ -13,7 +13,6 @@ callback only reads norms).
 """
 from __future__ import annotations
 
-import inspect
 import time
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -29,9 +28,6 @@ from ..ops.codecs import Codec, resolve
 from .residuals import bucket_layout
 
 __all__ = ["Part", "Piece", "first_call", "new_step", "plan_parts", "reduce", "reduce_parts"]
-
-# all_reduce(validate=False) skips only a call header that costs a host sync (NCCL-only group).
-_HAS_VALIDATE = "validate" in inspect.signature(C.all_reduce).parameters
 
 Layout = List[Tuple[int, int, int]]  # (id(p), offset, numel) of each parameter in a flat tensor
 
@@ -212,9 +208,9 @@ def reduce(state, group, piece: Piece) -> torch.futures.Future:
         res = state.residuals.flush_into_lossless(*where, **state.where_kw())
     if state.tiered():
         _tiers.add_carry(tensor, res)
-    kwargs: Dict[str, Any] = {}
-    if _HAS_VALIDATE:  # the consistency round trip only for a bucket layout not seen before
-        kwargs["validate"] = key not in state._seen_layouts
+    # The consistency round trip only for a bucket layout not seen before (validate=False skips
+    # only a call header that costs a host sync, on an NCCL-only group).
+    kwargs: Dict[str, Any] = {"validate": key not in state._seen_layouts}
     state._seen_layouts.add(key)
     t0 = time.perf_counter()
     v_sq: List[float] = []

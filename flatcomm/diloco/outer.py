@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..comm.header import MODES
+from ..comm.labels import label
 from ..comm.topology import Topology
 from ..ops.codecs import resolve
 from . import checkpoint, replicas, sync
@@ -205,8 +206,9 @@ class DiLoCo:
 
     def _launch(self, i: int) -> None:
         f, w = self.fragments[i], self._work
-        delta = f.pseudo_gradient(w.take("delta", f.numel, f.device))
-        self.pending = sync.launch(self.config.plan, i, self.step, delta, f.residual_copies(w))
+        with label("flatcomm.diloco.sync_start"):  # the pseudo-gradient and its all-reduce launched
+            delta = f.pseudo_gradient(w.take("delta", f.numel, f.device))
+            self.pending = sync.launch(self.config.plan, i, self.step, delta, f.residual_copies(w))
 
     def finish(self) -> None:
         """Bring every replica to the same weights now, for saving or evaluating the model (a
@@ -243,6 +245,10 @@ class DiLoCo:
         return t
 
     def _apply(self, alpha: Optional[float] = None) -> None:
+        with label("flatcomm.diloco.outer_step"):  # wait for the all-reduce, then the outer SGD step
+            self._outer_step(alpha)
+
+    def _outer_step(self, alpha: Optional[float]) -> None:
         p, cfg = self.pending, self.config
         assert p is not None  # (called only with a sync pending)
         f, st = self.fragments[p.fragment], self.fragment_stats[p.fragment]
@@ -297,8 +303,9 @@ class DiLoCo:
 
     def verify(self) -> int:
         """Compare the replicas' fp32 masters now (a collective); returns the 64-bit hash."""
-        return replicas.verify(self.group, self.device, [f.master for f in self.fragments],
-                               f"the fp32 master after {self.syncs} outer syncs")
+        with label("flatcomm.diloco.verify"):
+            return replicas.verify(self.group, self.device, [f.master for f in self.fragments],
+                                   f"the fp32 master after {self.syncs} outer syncs")
 
     def close(self) -> None:
         """Remove the hook from the inner optimizer (a sync in flight is waited for first)."""

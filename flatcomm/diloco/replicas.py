@@ -20,12 +20,13 @@ import torch.distributed as dist
 from .. import collectives as C
 from .._bytes import tensor_bytes
 from ..comm.args import in_step
+from ..comm.header import KIND_IDS
 
 __all__ = ["agree", "announce", "ddp_across_replicas", "differing", "exited", "master_hash", "save_key",
            "saves_ahead", "verify"]
 
 T = TypeVar("T")
-_ALL_GATHER = 2  # flatcomm.comm.header.KINDS: the kind of the call a failed check stands in for
+_ALL_GATHER = KIND_IDS["all_gather"]  # the kind of the call a failed check stands in for
 _PARTS = 4  # a 64-bit value travels as four 16-bit parts, each exact in fp32
 
 

@@ -18,6 +18,7 @@ from .. import collectives as C
 from .._training import adapt as _adapt
 from . import adapt as _fadapt
 from ..autotune import PRECISION
+from ..comm.labels import label
 from ..ops.codecs import Codec, resolve
 from .residuals import Pieces, Residuals
 
@@ -261,8 +262,9 @@ class Backend:
         if self.error_feedback and (not codec.lossless or self._res.holds(pieces)):
             residual = self._res.get(pieces, world, input.device)
         measured = self._measured(codec, key_numel, "reduce_scatter", input, residual)
-        h = reduce(output, input, codec=codec, op=op, mode=self.mode, group=group, async_op=async_op,
-                    residual=residual, chunks=self.chunks, stats=self.stats, first_call=self._first_call)
+        with label("flatcomm.fsdp.reduce_scatter"):
+            h = reduce(output, input, codec=codec, op=op, mode=self.mode, group=group, async_op=async_op,
+                       residual=residual, chunks=self.chunks, stats=self.stats, first_call=self._first_call)
         if measured is not None:
             measured(h)
         return h

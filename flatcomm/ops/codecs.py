@@ -23,7 +23,7 @@ from .native import extension, ops
 
 __all__ = [
     "BLOCKWISE", "CODECS", "Codec", "CodecFacts", "CodecLike", "DEFAULT_BLOCK_SIZE", "DEFAULT_TOPK_RATIO",
-    "MAX_NUMEL", "NOMINAL_REL_ERROR", "PRECISION", "STOCHASTIC", "TABLE", "WEIGHT_CODECS", "decode", "decode_rows",
+    "MAX_BLOCK", "MAX_NUMEL", "MIN_BLOCK", "NOMINAL_REL_ERROR", "PRECISION", "STOCHASTIC", "TABLE", "WEIGHT_CODECS", "decode", "decode_rows",
     "decode_sum", "encode", "reencode_sum", "resolve", "wire_bytes"
 ]
 
@@ -83,15 +83,21 @@ PRECISION = tuple(sorted(_ERRORS, key=_ERRORS.__getitem__))
 NOMINAL_REL_ERROR = {c: _ERRORS[c] for c in PRECISION}
 WEIGHT_CODECS = tuple(c for c, f in TABLE.items() if f.weights)  # fsdp.weights
 STOCHASTIC = tuple(c for c, f in TABLE.items() if f.stochastic)
-# Shards of a non-blockwise codec start on multiples of this many values (16-byte payload pieces).
-_CAST_ALIGN = 32
+# The limits of the C++ core (csrc/core/codec.h), read from it: never copied by hand
+# (tests/test_codec_table.py scans the sources for literal copies).
+_LIMITS = extension.constants()
+MIN_BLOCK: int = _LIMITS["min_block"]  # blockwise block sizes: multiples of MIN_BLOCK in [MIN_BLOCK, MAX_BLOCK]
+MAX_BLOCK: int = _LIMITS["max_block"]  # (also the largest exact-mode block: csrc/ops_common.h)
+# Shards of a non-blockwise codec start on multiples of this many values: the smallest block, so
+# their payload pieces stay multiples of the core's 16-byte alignment for every cast dtype.
+_CAST_ALIGN = MIN_BLOCK
 
 # 256 values per scale: wire overhead 1.6% for int8 (4 B per 256 B), and fast on CPU (the block and
 # its codes stay in L1). `python -m flatcomm.tools.bench.kernels --block-sizes` shows the trade-off measured.
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_TOPK_RATIO = 0.01
 # Largest numel (csrc/core/codec.h kMaxNumel): every payload size below it fits in int64.
-MAX_NUMEL = 1 << 56
+MAX_NUMEL: int = _LIMITS["max_numel"]
 
 
 # Names people write for a codec (torch's dtype names): the error suggests the codec.
@@ -134,10 +140,10 @@ class Codec:
             raise TypeError(f"flatcomm: topk ratio must be a number, got {self.ratio!r}")
         object.__setattr__(self, "block_size", int(self.block_size))
         object.__setattr__(self, "ratio", float(self.ratio))
-        if self.name in BLOCKWISE and not (32 <= self.block_size <= 4096 and self.block_size % 32 == 0):
-            raise ValueError(
-                f"flatcomm: block_size must be a multiple of 32 in [32, 4096], got {self.block_size}"
-            )
+        if self.name in BLOCKWISE and not (MIN_BLOCK <= self.block_size <= MAX_BLOCK
+                                           and self.block_size % MIN_BLOCK == 0):
+            raise ValueError(f"flatcomm: block_size must be a multiple of {MIN_BLOCK} in [{MIN_BLOCK}, "
+                             f"{MAX_BLOCK}], got {self.block_size}")
         if self.sparse and not (0.0 < self.ratio <= 1.0):
             raise ValueError(f"flatcomm: topk ratio must be in (0, 1], got {self.ratio}")
 

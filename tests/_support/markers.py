@@ -4,10 +4,11 @@ from __future__ import annotations
 import ast
 
 # Source that starts processes: gloo ranks (flatcomm.tools.spawn), torchrun, network namespaces, the
-# hardening runs, and the command-line tools that start ranks run as subprocesses (as ast.unparse
-# writes them: single quotes).
+# hardening runs, and the command-line tools that start ranks, run as subprocesses (as ast.unparse
+# writes them: single quotes) or in process (their main imported).
 _STARTS_PROCESSES = ("spawn.run(", "TORCHRUN", "'torchrun'", "'torch.distributed.run'", "Link(", "hardening.fuzz(", "hardening.kills(",
-                     "'flatcomm.bench'", "'flatcomm.tune'")
+                     "'flatcomm.bench'", "'flatcomm.tune'", "flatcomm.tools.bench import main",
+                     "flatcomm.tools.tune import main")
 
 
 def spawning_functions(source: str) -> set:

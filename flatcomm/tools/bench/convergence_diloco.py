@@ -17,7 +17,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from .convergence import Workload, forward_backward, held_out_loss, parse_row, record_loss
+from .convergence_workloads import Workload, forward_backward, held_out_loss, parse_row, record_loss
 
 OPTIONS = ("codec", "H", "ef", "fragments", "delay", "outer_lr")
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from flatcomm.ops.codecs import Codec
 
-from .convergence import Workload, forward_backward, parse_row
+from .convergence_workloads import Workload, forward_backward, parse_row
 
 OPTIONS = ("grads", "weights", "weights_block")
 
