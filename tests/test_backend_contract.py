@@ -70,3 +70,149 @@ def test_group_usable_after_failures(failures):
     for r in failures:
         assert isinstance(r["ddp_after"], torch.Tensor), r["ddp_after"]
         torch.testing.assert_close(r["ddp_after"], r["ddp_ref"])
+
+
+def _rank_values(rank: int, n: int = 5, dtype=torch.float32) -> torch.Tensor:
+    return (torch.arange(n, dtype=torch.float64) * 0.37 + rank * 1.9 + 0.11).to(dtype)
+
+
+def _surface(rank: int, world: int) -> dict:
+    """Every form of every method torch's ProcessGroup binds, called on the flatcomm group."""
+    from datetime import timedelta
+
+    pg = dist.group.WORLD
+    res: dict = {}
+
+    def done(work, value):
+        work.wait()
+        return value
+
+    x = _rank_values(rank)
+    calls = {
+        "allreduce(t)": lambda t: done(pg.allreduce(t), t),
+        "allreduce(t, op=MAX)": lambda t: done(pg.allreduce(t, op=dist.ReduceOp.MAX), t),
+        "allreduce(t, op, timeout)": lambda t: done(pg.allreduce(t, dist.ReduceOp.SUM, timedelta(seconds=9)), t),
+        "allreduce([t], op=PREMUL)": lambda t: done(pg.allreduce([t], op=dist._make_nccl_premul_sum(0.5)), t),
+        "allreduce([t], opts)": lambda t: done(pg.allreduce([t], dist.AllreduceOptions()), t),
+        "allreduce([t], opts=)": lambda t: done(pg.allreduce([t], opts=dist.AllreduceOptions()), t),
+        "reduce(t, root=0)": lambda t: done(pg.reduce(t, root=0), t),
+        "reduce(t, 1, op=AVG)": lambda t: done(pg.reduce(t, 1, op=dist.ReduceOp.AVG), t),
+        "broadcast(t, root=1)": lambda t: done(pg.broadcast(t, root=1), t),
+        "broadcast(t, 0)": lambda t: done(pg.broadcast(t, 0), t),
+    }
+    for name, call in calls.items():
+        res[name] = _caught(lambda: call(x.clone()))
+    outs = [torch.empty(5) for _ in range(world)]
+    res["allgather(outs, t)"] = _caught(lambda: done(pg.allgather(outs, x.clone()), outs))
+    out = torch.empty(5)
+    res["reduce_scatter(out, ins)"] = _caught(
+        lambda: done(pg.reduce_scatter(out, [x.clone() * (d + 1) for d in range(world)]), out))
+    res["barrier(timeout=)"] = _caught(lambda: done(pg.barrier(timeout=timedelta(seconds=9)), True))
+    res["gather(outs, t, root=0)"] = _caught(
+        lambda: done(pg.gather(outs if rank == 0 else [], x.clone(), root=0), outs if rank == 0 else None))
+    sc = torch.empty(5)
+    res["scatter(t, ins, root=1)"] = _caught(
+        lambda: done(pg.scatter(sc, [x * (d + 1) for d in range(world)] if rank == 1 else [], root=1), sc))
+    a2a = torch.empty(2 * world)
+    res["all_to_all_single(timeout)"] = _caught(
+        lambda: done(pg.all_to_all_single(a2a, torch.full((2 * world,), float(rank)), [], [],
+                                          timeout=timedelta(seconds=9)), a2a))
+    return res
+
+
+def _checks(rank: int, world: int) -> dict:
+    """gloo's argument checks, the multi-tensor refusal, tensors that require grad."""
+    pg = dist.group.WORLD
+    res: dict = {}
+    z = torch.zeros
+    probes = {
+        "sizes": lambda: pg.allreduce([z(1), z(2)]),
+        "dtypes": lambda: pg.allreduce([z(2), z(2, dtype=torch.float16)]),
+        "empty": lambda: pg.allreduce([]),
+        "empty_coalesced": lambda: pg.allreduce_coalesced([]),
+        "two_sum": lambda: pg.allreduce([z(2), z(2)]),
+        "two_max": lambda: pg.allreduce([z(2), z(2)], op=dist.ReduceOp.MAX),
+        "two_int": lambda: pg.allreduce([z(2, dtype=torch.int32), z(2, dtype=torch.int32)]),
+        "reduce_two": lambda: pg.reduce([z(2), z(2)], dist.ReduceOptions()),
+        "rs_two": lambda: pg.reduce_scatter([z(1), z(1)], [[z(1)] * world, [z(1)] * world]),
+    }
+    for name, probe in probes.items():
+        res[name] = _caught(lambda: probe().wait())
+    leaf = _rank_values(rank).requires_grad_()
+    res["grad_leaf"] = _caught(lambda: (dist.all_reduce(leaf), leaf.detach().clone())[1])
+    inner = leaf * 2
+    res["grad_nonleaf"] = _caught(lambda: (dist.all_reduce(inner, op=dist.ReduceOp.AVG), inner.detach().clone())[1])
+
+    class Square(torch.nn.Module):  # torch's test_ddp_create_graph
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.tensor(1.0 + rank))
+
+        def forward(self):
+            return self.p.pow(2)
+
+    ddp = torch.nn.parallel.DistributedDataParallel(Square())
+
+    def create_graph():
+        for _ in range(3):
+            ddp().backward(create_graph=True)
+        return ddp.module.p.grad.detach().clone()
+    res["create_graph"] = _caught(create_graph)
+    return res
+
+
+@pytest.fixture(scope="module")
+def surface():
+    return spawn.run(W, _surface, backend="flatcomm", timeout_s=30)
+
+
+@pytest.fixture(scope="module")
+def checks():
+    return spawn.run(W, _checks, backend="flatcomm", timeout_s=30)
+
+
+def test_every_torch_form_runs(surface):
+    rows = [_rank_values(r).double() for r in range(W)]
+    total = (rows[0] + rows[1]).float()
+    want = {
+        "allreduce(t)": total, "allreduce(t, op, timeout)": total, "allreduce([t], opts)": total,
+        "allreduce([t], opts=)": total, "allreduce(t, op=MAX)": torch.maximum(rows[0], rows[1]).float(),
+        "allreduce([t], op=PREMUL)": (rows[0].float() * 0.5).double() + (rows[1].float() * 0.5).double(),
+        "broadcast(t, root=1)": rows[1].float(), "broadcast(t, 0)": rows[0].float(),
+    }
+    for rank, r in enumerate(surface):
+        for name, value in r.items():
+            assert not isinstance(value, tuple), f"rank {rank} {name}: {value}"
+        for name, ref in want.items():
+            assert torch.equal(r[name], ref.float()), (rank, name, r[name], ref)
+    assert torch.equal(surface[0]["reduce(t, root=0)"], total)
+    assert torch.equal(surface[1]["reduce(t, 1, op=AVG)"], (total.double() / 2).float())
+    assert torch.equal(surface[0]["reduce_scatter(out, ins)"], total)
+    assert torch.equal(surface[1]["reduce_scatter(out, ins)"], (total.double() * 2).float())
+    assert torch.equal(torch.stack(surface[1]["allgather(outs, t)"]), torch.stack([x.float() for x in rows]))
+    assert torch.equal(torch.stack(surface[0]["gather(outs, t, root=0)"]), torch.stack([x.float() for x in rows]))
+    assert torch.equal(surface[0]["scatter(t, ins, root=1)"], rows[1].float())
+    assert torch.equal(surface[1]["scatter(t, ins, root=1)"], rows[1].float() * 2)
+    assert torch.equal(surface[0]["all_to_all_single(timeout)"], torch.tensor([0.0, 0, 1, 1]))
+
+
+@pytest.mark.parametrize("probe,words", [
+    ("sizes", "invalid tensor size at index 1"), ("dtypes", "invalid tensor type at index 1"),
+    ("empty", "empty list"), ("empty_coalesced", "empty list"),
+    ("two_sum", "one tensor per rank"), ("two_max", "one tensor per rank"), ("two_int", "one tensor per rank"),
+    ("reduce_two", "one tensor per rank"), ("rs_two", "one tensor per rank"),
+])
+def test_gloo_checks_and_one_meaning_of_lists(checks, probe, words):
+    for r in checks:
+        assert isinstance(r[probe], tuple) and words in r[probe][1], r[probe]
+
+
+def test_requires_grad_reduced_in_place_as_gloo(checks):
+    rows = [_rank_values(r).double() for r in range(W)]
+    for r in checks:
+        assert torch.equal(r["grad_leaf"], (rows[0] + rows[1]).float()), r["grad_leaf"]
+        # inner = 2 * the reduced leaf on both ranks; its average is itself
+        assert torch.equal(r["grad_nonleaf"], 2 * (rows[0] + rows[1]).float()), r["grad_nonleaf"]
+        # DDP broadcast rank 0's p = 1: d/dp p^2 = 2 on both ranks, averaged, accumulated 3 times
+        assert isinstance(r["create_graph"], torch.Tensor), r["create_graph"]
+        assert torch.equal(r["create_graph"], torch.tensor(6.0)), r["create_graph"]
