@@ -216,3 +216,50 @@ def test_requires_grad_reduced_in_place_as_gloo(checks):
         # DDP broadcast rank 0's p = 1: d/dp p^2 = 2 on both ranks, averaged, accumulated 3 times
         assert isinstance(r["create_graph"], torch.Tensor), r["create_graph"]
         assert torch.equal(r["create_graph"], torch.tensor(6.0)), r["create_graph"]
+
+
+def _premul(rank: int, world: int) -> dict:
+    """An FSDP2 step with a gradient divide factor (FSDP2 passes PREMUL_SUM(1/3)), through
+    flatcomm.fsdp.apply and through the flatcomm backend (this world's group)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from _support.fsdp import _grads, _loss, _Tiny, _wrap
+    from flatcomm.fsdp import apply
+
+    def step(via_apply: bool) -> dict:
+        torch.manual_seed(0)
+        model = _wrap(_Tiny())
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(3.0)
+        if via_apply:
+            apply(model, "fp32", error_feedback=False)
+        _loss(model, rank, 0).backward()
+        return _grads(model)
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(rank)) * 1e3
+    pre = x.clone()
+    dist.all_reduce(pre, op=dist._make_nccl_premul_sum(1 / 3))
+    return {"apply": step(True), "backend": step(False), "x": x, "premul": pre}
+
+
+@pytest.fixture(scope="module")
+def premul():
+    return spawn.run(W, _premul, backend="flatcomm", timeout_s=60)
+
+
+def test_premul_sum_same_bits_through_fsdp_apply_and_backend(premul):
+    for r in premul:
+        assert r["apply"].keys() == r["backend"].keys() and r["apply"]
+        for name in r["apply"]:
+            assert torch.equal(r["apply"][name].view(torch.int32), r["backend"][name].view(torch.int32)), name
+
+
+def test_premul_sum_is_nccls_rule(premul):
+    """Each input times the factor rounded to its dtype, rounded once; then the fp32 sum."""
+    f = torch.tensor(1 / 3, dtype=torch.float32)
+    want = (premul[0]["x"] * f) + (premul[1]["x"] * f)
+    post = (premul[0]["x"] + premul[1]["x"]) * f
+    assert not torch.equal(want, post), "the inputs do not tell the two rules apart"
+    for r in premul:
+        assert torch.equal(r["premul"], want)
