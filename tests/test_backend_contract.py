@@ -31,6 +31,13 @@ def _ddp_step(model, x) -> torch.Tensor:
     return model.module.weight.grad.clone()
 
 
+def _fsdp2_backward(rank: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(torch.nn.Linear(8, 6))
+    model(torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))).sum().backward()
+
+
 def _failures(rank: int, world: int) -> dict:
     """Reductions that fail (ranks configured with different modes) on each path torch calls."""
     import flatcomm.backend as fb
@@ -44,6 +51,7 @@ def _failures(rank: int, world: int) -> dict:
     res["async"] = _caught(lambda: dist.all_reduce(torch.ones(7), async_op=True).wait())
     res["future"] = _caught(lambda: dist.all_reduce(torch.ones(7), async_op=True).get_future().wait())
     res["funcol"] = _caught(lambda: funcol.wait_tensor(funcol.all_reduce(torch.ones(7), "sum", dist.group.WORLD)))
+    res["fsdp2"] = _caught(lambda: _fsdp2_backward(rank))
     fb.configure(None, mode="ordered")  # agreed again: the group is still usable
     res["ddp_after"] = _caught(lambda: _ddp_step(model, x))
     ref = torch.nn.Linear(6, 5)
@@ -58,7 +66,7 @@ def failures():
     return spawn.run(W, _failures, backend="flatcomm", timeout_s=30)
 
 
-@pytest.mark.parametrize("path", ["ddp", "async", "future", "funcol"])
+@pytest.mark.parametrize("path", ["ddp", "async", "future", "funcol", "fsdp2"])
 def test_failed_reduction_raises_on_every_rank(failures, path):
     for r in failures:
         got = r[path]
