@@ -19,7 +19,7 @@ NVCC_FLAGS := -std=c++17 -O3 -fmad=false -Icsrc --threads 0 \
 TORCH ?= torch==2.13.0+cpu
 TORCH_INDEX ?=
 
-.PHONY: all venv build demo test test-fast test-cpp test-py typecheck bench microbench dist-check cuda-check clean
+.PHONY: all venv build demo test test-fast test-cpp test-py test-conformance typecheck bench microbench dist-check cuda-check clean
 
 all: build
 
@@ -38,7 +38,7 @@ $(DEMO_DEPS): $(BASE)
 
 # the tests, mypy and the frameworks of flatcomm.integrations (the `integrations` extra), keeping the installed torch
 $(DEPS): $(DEMO_DEPS) pyproject.toml
-	$(PY) -m pip install -q pytest pytest-benchmark hypothesis numpy mypy
+	$(PY) -m pip install -q pytest pytest-benchmark hypothesis numpy mypy expecttest
 	$(PY) -m pip install -q $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['integrations']))") \
 		"torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	touch $@
@@ -71,6 +71,17 @@ test-cpp:
 # source compiled by NVRTC, ~35 s) runs in `make cuda-check`, with the CUDA compile checks.
 test-py: build $(DEPS)
 	$(PY) -m pytest tests --durations=20 --ignore=tests/test_nvrtc.py
+
+# torch's own distributed suite (_DistTestBase) on the flatcomm backend, 2 and 3 ranks, ordered and
+# exact (tests/test_backend_conformance.py). Not in `make test` nor .ci/run: every test starts its
+# ranks, ~5-20 s each on 2 shared cores, 285 tests per configuration. CONFORMANCE_K narrows it
+# (pytest -k), e.g. make test-conformance CONFORMANCE_K="all_reduce or reduce_scatter or ddp".
+CONFORMANCE_K ?=
+test-conformance: build
+	@for n in 2 3; do for mode in ordered exact; do echo "== $$n ranks, $$mode"; \
+	  FLATCOMM_CONFORMANCE=1 WORLD_SIZE=$$n FLATCOMM_BACKEND_MODE=$$mode $(PY) -m pytest \
+	    tests/test_backend_conformance.py -q -rfEx -p no:cacheprovider $(if $(CONFORMANCE_K),-k "$(CONFORMANCE_K)") \
+	    || exit 1; done; done
 
 # The loop while editing (about 3 minutes on 2 cores): the single-process tests and a few multi-rank
 # smoke tests (markers: pyproject.toml). `make test` still runs everything.

@@ -31,7 +31,7 @@ FLOORS: List[Tuple[str, List[str]]] = [
                   "flatcomm.autotune.profiles", "flatcomm.autotune.race", "flatcomm.autotune.decide",
                   "flatcomm.autotune.measure", "flatcomm.autotune.tuner"]),
     ("facade", ["flatcomm.collectives", "flatcomm.hierarchical"]),
-    ("backend", ["flatcomm.backend.settings", "flatcomm.backend.work", "flatcomm.backend.reduce",
+    ("backend", ["flatcomm.backend.settings", "flatcomm.backend.work", "flatcomm.backend.reduce", "flatcomm.backend.forms",
                  "flatcomm.backend.group"]),
     ("training", ["flatcomm._training.checks", "flatcomm._training.residual_store", "flatcomm._training.adapt",
                   "flatcomm._training.options"]),

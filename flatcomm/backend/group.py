@@ -24,11 +24,13 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions  # (not re-exported by torch.distributed)
 from torch.distributed import PrefixStore
 
 from ..collectives import group_timeout
 from ..comm.groups import forget
 from . import reduce as _reduce
+from .forms import checked_list, reduce_form, torch_forms
 from .work import InnerWorks
 
 __all__ = ["FlatcommGroup", "create"]
@@ -86,38 +88,51 @@ class FlatcommGroup(dist.ProcessGroup):
         return group_timeout(self) or self._timeout
 
     # ---- reductions flatcomm runs (the rest: the inner backend) ------------------------------------
+    # Each method takes torch's canonical form; @torch_forms sends the others through torch's binding.
 
+    @torch_forms("allreduce", 1, dist.AllreduceOptions)
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
+        tensors = checked_list("allreduce", tensors, single=True)
         how = _reduce.plan(opts.reduceOp, tensors)
         if how is None:
             return self._inner(tensors[0]).allreduce(tensors, opts)
-        return _reduce.all_reduce(self, list(tensors), how, self._wait_limit(opts))
+        return _reduce.all_reduce(self, tensors, how, self._wait_limit(opts))
 
+    @torch_forms("allreduce_coalesced", 1, dist.AllreduceCoalescedOptions)
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        tensors = checked_list("allreduce_coalesced", tensors, single=False, same_size=False)
         how = _reduce.plan(opts.reduceOp, tensors)
         if how is None:
             return self._inner(tensors[0]).allreduce_coalesced(tensors, opts)
-        return _reduce.all_reduce(self, list(tensors), how, self._wait_limit(opts))
+        return _reduce.all_reduce(self, tensors, how, self._wait_limit(opts))
 
-    def reduce(self, tensors, opts=None):
-        opts = opts if opts is not None else dist.ReduceOptions()
+    def reduce(self, *args, **kwargs):
+        """``(tensors, opts=None)`` or ``(tensor, root, op=SUM, timeout=None)``, as torch binds it."""
+        tensors, opts = reduce_form(args, kwargs)
+        tensors = checked_list("reduce", tensors, single=True)
         how = _reduce.plan(opts.reduceOp, tensors)
         if how is None:
             return self._inner(tensors[0]).reduce(tensors, opts)
-        return _reduce.reduce(self, list(tensors), opts.rootRank, how, self._wait_limit(opts))
+        return _reduce.reduce(self, tensors, opts.rootRank, how, self._wait_limit(opts))
 
+    @torch_forms("reduce_scatter", 2, dist.ReduceScatterOptions, (0, 1))
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        how = _reduce.plan(opts.reduceOp, list(outputs) + [t for ts in input_lists for t in ts])
+        outputs = checked_list("reduce_scatter", outputs, single=True)
+        if len(input_lists) != 1:
+            raise ValueError(f"flatcomm: reduce_scatter takes one input list per output, got {len(input_lists)}")
+        inputs = checked_list("reduce_scatter", input_lists[0], single=False)
+        how = _reduce.plan(opts.reduceOp, outputs + inputs)
         if how is None:
-            return self._inner(outputs[0]).reduce_scatter(outputs, input_lists, opts)
-        return _reduce.reduce_scatter_lists(self, list(outputs), [list(ts) for ts in input_lists], how,
-                                            self._wait_limit(opts))
+            return self._inner(outputs[0]).reduce_scatter(outputs, [inputs], opts)
+        return _reduce.reduce_scatter_lists(self, outputs, [inputs], how, self._wait_limit(opts))
 
+    @torch_forms("reduce_scatter_single", 2, dist.ReduceScatterOptions, ())
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
+        output, input = checked_list("reduce_scatter_single", [output, input], single=False, same_size=False)
         how = _reduce.plan(opts.reduceOp, [output, input])
         if how is None:
             return self._inner(output)._reduce_scatter_base(output, input, opts)
@@ -125,14 +140,16 @@ class FlatcommGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
+    @torch_forms("reduce_scatter_tensor_coalesced", 2, dist.ReduceScatterOptions, (0, 1))
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        how = _reduce.plan(opts.reduceOp, list(outputs) + list(inputs))
+        outputs = checked_list("reduce_scatter_tensor_coalesced", outputs, single=False, same_size=False)
+        inputs = checked_list("reduce_scatter_tensor_coalesced", inputs, single=False, same_size=False)
+        how = _reduce.plan(opts.reduceOp, outputs + inputs)
         if how is None:
             inner = self._inner(outputs[0])
-            return InnerWorks([inner._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)],
-                              list(outputs))
-        return _reduce.reduce_scatter(self, list(outputs), list(inputs), how, self._wait_limit(opts))
+            return InnerWorks([inner._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+        return _reduce.reduce_scatter(self, outputs, inputs, how, self._wait_limit(opts))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -142,54 +159,64 @@ class FlatcommGroup(dist.ProcessGroup):
     # queue lock: a deadlock with the next op enqueued under the GIL. The inner backend's Python
     # bindings release the GIL, so every op goes through one of them.
 
+    @torch_forms("broadcast", 1, dist.BroadcastOptions)
     def broadcast(self, tensors, opts=None):
         return self._inner(tensors[0]).broadcast(tensors, opts if opts is not None else dist.BroadcastOptions())
 
+    @torch_forms("allgather", 2, AllgatherOptions, (0, 1))
     def allgather(self, output_lists, inputs, opts=None):
         return self._inner(inputs[0]).allgather(output_lists, inputs,
-                                                opts if opts is not None else dist.AllgatherOptions())
+                                                opts if opts is not None else AllgatherOptions())
 
+    @torch_forms("allgather_coalesced", 2, AllgatherOptions, (0, 1))
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         return self._inner(inputs[0]).allgather_coalesced(output_lists, inputs,
-                                                          opts if opts is not None else dist.AllgatherOptions())
+                                                          opts if opts is not None else AllgatherOptions())
 
+    @torch_forms("all_gather_single", 2, AllgatherOptions, ())
     def all_gather_single(self, output, input, opts=None):
-        return self._inner(input)._allgather_base(output, input, opts if opts is not None else dist.AllgatherOptions())
+        return self._inner(input)._allgather_base(output, input, opts if opts is not None else AllgatherOptions())
 
     _allgather_base = all_gather_single
 
+    @torch_forms("allgather_into_tensor_coalesced", 2, AllgatherOptions, (0, 1))
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else AllgatherOptions()
         inner = self._inner(inputs[0])
         return InnerWorks([inner._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)], list(outputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
+    @torch_forms("all_to_all_single", 4, dist.AllToAllOptions, (2, 3))
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         return self._inner(input).alltoall_base(output, input, output_splits, input_splits,
                                                 opts if opts is not None else dist.AllToAllOptions())
 
     alltoall_base = all_to_all_single
 
+    @torch_forms("alltoall", 2, dist.AllToAllOptions, (0, 1))
     def alltoall(self, outputs, inputs, opts=None):
         return self._inner(inputs[0]).alltoall(outputs, inputs, opts if opts is not None else dist.AllToAllOptions())
 
+    @torch_forms("gather", 2, dist.GatherOptions, (0, 1))
     def gather(self, output_lists, inputs, opts=None):
         return self._inner(inputs[0]).gather(output_lists, inputs, opts if opts is not None else dist.GatherOptions())
 
+    @torch_forms("scatter", 2, dist.ScatterOptions, (0, 1))
     def scatter(self, outputs, input_lists, opts=None):
         return self._inner(outputs[0]).scatter(outputs, input_lists,
                                                opts if opts is not None else dist.ScatterOptions())
 
-    def send(self, tensors, dst, tag=0):
-        return self._inner(tensors[0]).send(tensors, dst, tag)
+    def send(self, tensors, dstRank, tag=0):  # noqa: N803 - torch's keyword names
+        return self._inner(tensors[0]).send(tensors, dstRank, tag)
 
-    def recv(self, tensors, src, tag=0):
-        return self._inner(tensors[0]).recv(tensors, src, tag)
+    def recv(self, tensors, srcRank, tag=0):  # noqa: N803
+        return self._inner(tensors[0]).recv(tensors, srcRank, tag)
 
     def recv_anysource(self, tensors, tag=0):
         return self._inner(tensors[0]).recv_anysource(tensors, tag)
 
+    @torch_forms("barrier", 0, dist.BarrierOptions, ())
     def barrier(self, opts=None):
         return self._get_backend(torch.device("cpu")).barrier(opts if opts is not None else dist.BarrierOptions())
 

@@ -6,8 +6,9 @@ anyway. Each element's result depends only on the ranks' values for that element
 reduced alone, at an offset of a larger one, in pieces, or coalesced with others gets the same bits;
 that is why a coalesced call may simply be staged into one flat buffer per dtype.
 
-PREMUL_SUM(f) multiplies each rank's input by f (in the input's dtype) before the sum, as NCCL
-does; AVG divides the sum by the group size once, after the sum.
+The op is read by :func:`flatcomm.comm.args.reduce_op`, the translation the collectives and the
+FSDP backends use too: PREMUL_SUM(f) multiplies each rank's input by f (in the input's dtype) before
+the sum, as NCCL does; AVG divides the sum by the group size once, after the sum.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
+from ..comm.args import premultiplied, reduce_op
 from .settings import settings_for, topology_for
 from .work import ReductionWork
 
@@ -33,13 +35,7 @@ def plan(op, tensors: Sequence[torch.Tensor]) -> Optional[Tuple[str, object]]:
                           or t.device.type not in ("cpu", "cuda") for t in tensors):
         _warn_float64_sum(op, tensors)
         return None
-    if op == dist.ReduceOp.SUM:
-        return "sum", None
-    if op == dist.ReduceOp.AVG:
-        return "avg", None
-    if op == dist.ReduceOp.PREMUL_SUM:
-        return "sum", op.factor
-    return None
+    return reduce_op(op)
 
 
 _float64_warned = False
@@ -69,10 +65,10 @@ def _call_args(pg, dtype: torch.dtype) -> dict:
 
 def _staged(tensors: Sequence[torch.Tensor], factor) -> torch.Tensor:
     """One flat copy of ``tensors`` (the same dtype), pre-multiplied by ``factor`` if given."""
+    if factor is not None and len(tensors) == 1:
+        return premultiplied(tensors[0].reshape(-1), factor)
     buf = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
-    if factor is not None:
-        buf.mul_(factor)
-    return buf
+    return premultiplied(buf, factor, out=buf) if factor is not None else buf
 
 
 def _copy_back(pairs: List[Tuple[List[torch.Tensor], torch.Tensor]]) -> Callable[[], None]:

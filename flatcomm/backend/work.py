@@ -6,6 +6,12 @@ all of them: ``timedelta(0)`` (``Work.wait``'s default) means the group's own ti
 unbounded; an error of the collective (raised on every rank of the call, see the collectives'
 call header) is re-raised. ``get_future()`` completes with the output tensors once ``finish`` ran,
 as DDP's reducer expects.
+
+A failed future must be failed *in C++*: Python's ``Future.set_exception`` stores the exception as
+the future's value (raised only by Python's unwrap), so DDP's reducer, which reads the value in C++,
+took the exception object for its bucket and crashed (SIGSEGV in ``parseCppCommHookResult``). The
+future handed out is therefore a ``then`` of the one we complete: a callback that raises fails its
+child future with a C++ error, which the reducer rethrows and ``backward()`` raises in Python.
 """
 from __future__ import annotations
 
@@ -19,6 +25,11 @@ import torch.distributed as dist
 from ..collectives import Handle
 
 __all__ = ["ReductionWork"]
+
+
+def _unwrapped(source: torch.futures.Future):
+    """The source's value, or its exception raised (which fails the child future in C++)."""
+    return source.value()
 
 
 class ReductionWork(dist.Work):
@@ -35,7 +46,8 @@ class ReductionWork(dist.Work):
         self._lock = threading.Lock()
         self._done = False
         self._error: Optional[BaseException] = None
-        self._future: torch.futures.Future = torch.futures.Future()
+        self._source: torch.futures.Future = torch.futures.Future()
+        self._future = self._source.then(_unwrapped)
         if not self._handles:
             self._settle()
         else:
@@ -56,22 +68,22 @@ class ReductionWork(dist.Work):
             except BaseException as e:  # noqa: BLE001 - the waiter re-raises it
                 self._error = e
         if self._error is not None:
-            self._future.set_exception(self._error)
+            self._source.set_exception(self._error)
         else:
-            self._future.set_result(self._outputs)
+            self._source.set_result(self._outputs)
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         limit = timeout if timeout and timeout.total_seconds() > 0 else self._timeout
         for h in self._handles:
             h.wait(limit)  # raises TimeoutError naming the collective, or the collective's error
-        self._future.wait()  # finish runs right after the last handle: no further wait
+        self._source.wait()  # finish runs right after the last handle; raises its error
         return True
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        return self._source.done()
 
     def is_success(self) -> bool:
-        return self._future.done() and self._error is None
+        return self._source.done() and self._error is None
 
     def exception(self):
         return self._error
@@ -94,7 +106,13 @@ class InnerWorks(dist.Work):
         super().__init__()
         self._works = list(works)
         self._outputs = outputs
-        self._future = torch.futures.collect_all([w.get_future() for w in self._works]).then(lambda _: outputs)
+        futures = [w.get_future() for w in self._works]
+
+        def settled(_):
+            for f in futures:
+                f.value()  # raises a failed work's error: this future fails too (in C++, see above)
+            return outputs
+        self._future = torch.futures.collect_all(futures).then(settled)
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         for w in self._works:

@@ -31,7 +31,8 @@ from ..ops.codecs import MAX_BLOCK, Codec, CodecLike, resolve
 
 __all__ = ["Call", "ErrorFeedback", "MAX_EXACT_BLOCK", "MAX_HEADROOM", "OpLike", "align_of", "all_gather_call",
            "all_reduce_call", "alone", "as_flat", "bool_arg", "capped_chunks", "check_residual", "chunks_arg", "common_args",
-           "exact_args", "gather_shapes", "in_step", "int_arg", "one_stage_residual", "reduce_scale",
+           "exact_args", "gather_shapes", "in_step", "int_arg", "one_stage_residual", "premultiplied", "reduce_op",
+           "reduce_scale",
            "reduce_scatter_call", "scatter_shapes", "setup", "stats_arg", "tensor_arg", "two_stage_residual"]
 
 OpLike = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
@@ -161,21 +162,46 @@ def codec_arg(codec: Any, mode: str, what: str = "codec") -> Codec:
     return resolve(codec)
 
 
-def reduce_scale(op: OpLike, world: int) -> float:
-    """The factor a reduction applies to the sum: 1 for ``sum``, 1 / world for ``avg``."""
+def reduce_op(op: Any) -> Optional[Tuple[str, Optional[float]]]:
+    """The one translation of torch's ``ReduceOp`` (or "sum" / "avg") into a flatcomm sum.
+
+    Returns ``(flatcomm op, pre-factor)``: ``("sum", None)``, ``("avg", None)`` (the sum divided by
+    the group size once, after it), ``("sum", f)`` for ``PREMUL_SUM(f)`` (NCCL's rule: each input is
+    multiplied by ``f`` first, see :func:`premultiplied`, then summed); None for every other op
+    (MAX, MIN, PRODUCT, bitwise: not a sum). The collectives, the FSDP backends and the ``flatcomm``
+    torch backend all read ops through this function, so one op gives the same bits everywhere.
+    """
     if isinstance(op, str):
         name = op.lower()
-    elif op == dist.ReduceOp.SUM:  # == (not a dict lookup): ReduceOp objects hash differently
-        name = "sum"
-    elif op == dist.ReduceOp.AVG:
-        name = "avg"
-    else:
-        name = str(op)
-    if name == "sum":
-        return 1.0
-    if name == "avg":
-        return 1.0 / world
-    raise ValueError(f"flatcomm: op must be 'avg' or 'sum', got {op!r}")
+        return (name, None) if name in ("sum", "avg") else None
+    if op == dist.ReduceOp.SUM:  # == (not a dict lookup): ReduceOp objects hash differently
+        return "sum", None
+    if op == dist.ReduceOp.AVG:
+        return "avg", None
+    if op == dist.ReduceOp.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            raise ValueError("flatcomm: PREMUL_SUM without a factor")
+        return "sum", float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+    return None
+
+
+def premultiplied(t: torch.Tensor, factor: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """PREMUL_SUM's input, as NCCL computes it: ``factor`` rounded to ``t``'s dtype, then ``t`` times
+    it, rounded to ``t``'s dtype once (into ``out`` if given, else a new tensor)."""
+    f = torch.tensor(factor, dtype=t.dtype)  # 0-dim: a scalar operand of t's own dtype
+    return torch.mul(t, f, out=out) if out is not None else torch.mul(t, f)
+
+
+def reduce_scale(op: OpLike, world: int) -> float:
+    """The factor a reduction applies to the sum: 1 for ``sum``, 1 / world for ``avg``."""
+    how = reduce_op(op)
+    if how is not None and how[1] is not None:
+        raise ValueError("flatcomm: PREMUL_SUM(f) is not taken here: multiply the input first "
+                         "(flatcomm.comm.args.premultiplied, NCCL's rule) and pass op='sum'")
+    if how is None:
+        raise ValueError(f"flatcomm: op must be 'avg' or 'sum', got {op!r}")
+    return 1.0 if how[0] == "sum" else 1.0 / world
 
 
 def one_stage_residual(residual: object, what: str) -> Optional[torch.Tensor]:

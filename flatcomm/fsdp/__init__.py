@@ -20,9 +20,11 @@ FSDP1::
 
 **Ops.** FSDP2 passes ``AVG`` (fp32/bf16 reduce), ``SUM`` (fp16 reduce, or forced sum; FSDP then
 divides before/after itself) or ``PREMUL_SUM`` carrying ``op.factor`` (a gradient divide factor other
-than the world size). ``PREMUL_SUM`` is reduced as a ``SUM`` in fp32 and multiplied by the factor
-once, in fp32, before the result is written in the output dtype: the same bits a fused scale would
-give, for one extra pass over the shard. FSDP1 hooks average (FSDP1 divides only on its default path).
+than the world size). ``PREMUL_SUM(f)`` follows NCCL's rule, read by the one translation of torch's ops
+(:func:`flatcomm.comm.args.reduce_op`) that the ``flatcomm`` torch backend uses too: each rank's input
+is multiplied by ``f`` in its own dtype first, then summed; so an FSDP2 step with a divide factor
+gives the same bits through ``flatcomm.fsdp.apply`` and through ``init_process_group("flatcomm")``
+(an error-feedback residual then holds pre-multiplied values: keep the factor fixed). FSDP1 hooks average (FSDP1 divides only on its default path).
 
 **Dtypes.** Inputs may be fp32, bf16 or fp16 (``MixedPrecisionPolicy.reduce_dtype``); sums run in
 fp32 and the output is written in its own dtype. With the lossless ``fp32`` codec a bf16/fp16 input

@@ -18,6 +18,7 @@ from .. import collectives as C
 from .._training import adapt as _adapt
 from . import adapt as _fadapt
 from ..autotune import PRECISION
+from ..comm.args import premultiplied, reduce_op
 from ..comm.labels import label
 from ..ops.codecs import Codec, resolve
 from .residuals import Pieces, Residuals
@@ -58,23 +59,6 @@ class Stats(C.CommStats):
         self.decisions.update(getattr(other, "decisions", {}))
 
 
-def _op_scale(op: Any, world: int) -> Tuple[str, Optional[float]]:
-    """(flatcomm op, extra factor to apply after a sum) for the op FSDP passes."""
-    if isinstance(op, str):
-        return op.lower(), None
-    factor = getattr(op, "factor", None)
-    if op == dist.ReduceOp.PREMUL_SUM:
-        if factor is None:
-            raise ValueError("flatcomm: PREMUL_SUM without a factor")
-        f = float(factor if not isinstance(factor, torch.Tensor) else factor.item())
-        return "sum", f
-    if op == dist.ReduceOp.AVG:
-        return "avg", None
-    if op == dist.ReduceOp.SUM:
-        return "sum", None
-    raise ValueError(f"flatcomm: unsupported reduce op {op!r} (AVG, SUM or PREMUL_SUM)")
-
-
 def group_sig(group) -> Tuple[int, ...]:
     """The same value on every rank for the same group (unlike ``id(group)``)."""
     return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
@@ -107,61 +91,19 @@ class Done:
         return fut
 
 
-class _ScaledHandle:
-    """A :class:`flatcomm.collectives.Handle` whose result is multiplied by a factor on completion."""
-
-    def __init__(self, handle: C.Handle, finish, value: torch.Tensor):
-        self._h, self._finish, self._value, self._done = handle, finish, value, False
-
-    def _run_finish(self) -> None:
-        if not self._done:
-            self._done = True
-            self._finish()
-
-    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
-        self._h.wait(timeout)
-        self._run_finish()
-        return self._value
-
-    def is_completed(self) -> bool:
-        return self._h.is_completed()
-
-    def get_future(self) -> torch.futures.Future:
-        def cb(fut):
-            fut.value()
-            self._run_finish()
-            return self._value
-
-        return self._h.get_future().then(cb)
-
-
 def reduce(output: torch.Tensor, input: torch.Tensor, *, codec: Codec, op: Any, mode: str,
             group, async_op: bool, residual: Optional[torch.Tensor], chunks: Optional[int],
             stats: C.CommStats, first_call: Callable[..., bool]):
-    world = dist.get_world_size(group)
-    fop, factor = _op_scale(op, world)
+    how = reduce_op(op)
+    if how is None:
+        raise ValueError(f"flatcomm: unsupported reduce op {op!r} (AVG, SUM or PREMUL_SUM)")
+    fop, factor = how
+    if factor is not None:  # PREMUL_SUM: NCCL's rule, the input times the factor in its dtype, then the sum
+        input = premultiplied(input, factor)
     wc = wire_codec(codec, input.dtype)
-    # PREMUL_SUM's factor is applied locally: the collective itself is a sum either way.
     validate = first_call("rs", group_sig(group), input.numel(), input.dtype, output.dtype, wc.name, fop)
-    kw = dict(codec=wc, mode=mode, group=group, residual=residual, chunks=chunks, stats=stats,
-              validate=validate)
-    if factor is None:
-        return C.reduce_scatter(output, input, op=fop, async_op=async_op, **kw)
-    # PREMUL_SUM: fp32 sum, one fp32 multiply, then the output dtype (see the module docstring).
-    tmp = output if output.dtype == torch.float32 else torch.empty(
-        output.shape, dtype=torch.float32, device=output.device)
-
-    def finish():
-        if tmp is output:
-            output.mul_(factor)
-        else:
-            output.copy_(tmp.mul_(factor))
-
-    h = C.reduce_scatter(tmp, input, op="sum", async_op=async_op, **kw)
-    if h is None:
-        finish()
-        return None
-    return _ScaledHandle(h, finish, output)
+    return C.reduce_scatter(output, input, op=fop, async_op=async_op, codec=wc, mode=mode, group=group,
+                            residual=residual, chunks=chunks, stats=stats, validate=validate)
 
 
 class Backend:
