@@ -57,7 +57,7 @@ class Config:
     def fingerprint(self) -> int:
         p = self.plan
         local = p.topology.local_size if p.two_level else 0
-        desc = repr((self.schedule, p.codec, p.mode, p.feedback, p.world, local, self.lr, self.momentum,
+        desc = repr((self.schedule, p.codec, p.mode, p.feedback, p.error_decay, p.world, local, self.lr, self.momentum,
                      self.nesterov, self.alpha, self.verify_every,
                      [(f.names, f.sizes, str(f.residual_dtype)) for f in self.fragments]))
         return int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=8).digest(), "little")
@@ -72,7 +72,7 @@ def _number(v: Any, what: str, lo: float, hi: float, hi_open: bool = False) -> f
 
 
 def _configure(model, sync_every, codec, mode, outer_lr, outer_momentum, nesterov, fragments, delay, alpha,
-               group, error_feedback, residual_dtype, verify_every, topology) -> Config:
+               group, error_feedback, residual_dtype, verify_every, topology, error_decay=1.0) -> Config:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"flatcomm.diloco: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(mode, str) or mode not in MODES:
@@ -98,7 +98,7 @@ def _configure(model, sync_every, codec, mode, outer_lr, outer_momentum, nestero
     mu = _number(outer_momentum, "outer_momentum", 0.0, 1.0, hi_open=True)
     a = _number(alpha, "fragment_update_alpha", 0.0, 1.0)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    plan = sync.Plan(c, mode, group, topology, error_feedback)
+    plan = sync.Plan(c, mode, group, topology, error_feedback, _number(error_decay, "error_decay", 0.0, 1.0))
     if plan.gathered and plan.two_level:
         raise ValueError("flatcomm.diloco: mode='exact' with a lossy codec runs flat (an all-gather of the "
                          "encoded payloads); drop topology= or use codec='fp32'")
@@ -127,7 +127,7 @@ class DiLoCo:
                  nesterov: bool = True, fragments: Any = 1, fragment_sync_delay: int = 0,
                  fragment_update_alpha: float = 0.0, group=None, error_feedback: bool = True,
                  residual_dtype: torch.dtype = torch.float32, verify_every: int = 0,
-                 topology: Optional[Topology] = None) -> None:
+                 topology: Optional[Topology] = None, error_decay: float = 1.0) -> None:
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"flatcomm.diloco: inner_optimizer must be a torch.optim.Optimizer, "
                             f"got {type(inner_optimizer).__name__}")
@@ -139,7 +139,7 @@ class DiLoCo:
         self.config: Config = replicas.agree(
             self.group, self.device, lambda: _configure(
                 model, sync_every, codec, mode, outer_lr, outer_momentum, nesterov, fragments, fragment_sync_delay,
-                fragment_update_alpha, group, error_feedback, residual_dtype, verify_every, topology),
+                fragment_update_alpha, group, error_feedback, residual_dtype, verify_every, topology, error_decay),
             Config.fingerprint, "the DiLoCo configuration")
         self.fragments = self.config.fragments
         replicas.verify(self.group, self.device, [f.master for f in self.fragments],
