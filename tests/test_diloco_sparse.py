@@ -119,7 +119,7 @@ def test_diloco_sparseloco_recipe_equal_replicas_and_resume():
     for rank, per in enumerate(res):
         assert per["in flight at save"] and per["resumed bit for bit"] and per["residuals kept"], per
         assert per["decay changes the run"] and per["decay mismatch"] is True, per
-        assert per["syncs"] == 2 * STEPS // H
+        assert per["syncs"] == 2 * STEPS // H - 1  # the last fragment's sync is still in flight
         # each fragment's payload: ceil(numel / 128) chunks of 8 kept values
         assert all(0 < b < 0.1 * 4 * 683 for b in per["bytes per sync"]), per
 
