@@ -43,6 +43,13 @@ def _collectives(rank, world):
         torch.distributed.all_gather(hashes, y)
         out[f"two-stage {codec.name} equal"] = all(torch.equal(hashes[0], h) for h in hashes)
         out[f"two-stage {codec.name} sparse"] = int((y != 0).sum()) <= world * n * codec.keep / codec.block_size + world
+    # ranks keeping different counts per chunk would exchange payloads of other sizes: refused on every rank
+    x, _ = _data(rank, n)
+    try:
+        C.all_gather(torch.empty(world * n), x, codec=Codec("sparse", block_size=128, keep=8 + 8 * rank))
+        out["keep mismatch"] = False
+    except ValueError as e:
+        out["keep mismatch"] = "disagree" in str(e)
     return out
 
 

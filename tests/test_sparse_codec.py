@@ -74,6 +74,25 @@ def test_matches_reference(codec, n, chunk, keep):
         assert bool((err <= torch.maximum(vc.abs(), dc.abs()) * 2**-23 + 1e-45).all())
 
 
+@pytest.mark.parametrize("codec", CHUNKED)
+def test_spread_magnitudes_match_reference(codec):
+    """The threshold search's paths: kept values within the top exponent, a few exponents down,
+    and spread so widely (a handful per exponent) that the digit histogram decides; subnormals."""
+    g = torch.Generator().manual_seed(9)
+    n = 4096 * 4
+    top = torch.randn(n, generator=g)
+    few = torch.randn(n, generator=g) * 1e-3
+    few[torch.arange(0, 4096, 64)] *= 1e3 * 2.0 ** torch.arange(64).float().div(8).floor()  # 8 per exponent
+    wide = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 8)
+    tiny = torch.randn(n, generator=g) * 1e-40  # subnormal
+    for x in (top, few, wide, tiny):
+        r = torch.zeros(n)
+        r0 = r.clone()
+        p = _enc(x, codec, r)
+        rp, rr = ref.encode(x, codec, residual=r0)
+        assert torch.equal(p, rp) and torch.equal(r.view(torch.int32), rr.view(torch.int32))
+
+
 def test_stochastic_and_dtypes():
     x = torch.randn(5000)
     for dt in (torch.bfloat16, torch.float16):

@@ -76,9 +76,11 @@ FC_HD bool sparse_args_ok(int64_t block, int64_t k) {
 
 // ---- bit streams ---------------------------------------------------------------------------------
 
-FC_HD void put_bits(uint8_t* p, int64_t pos, uint32_t v, int32_t w) {  // p zeroed beforehand
-  for (int32_t b = 0; b < w; ++b)
-    if ((v >> b) & 1u) p[(pos + b) >> 3] |= static_cast<uint8_t>(1u << ((pos + b) & 7));
+// ORs the w (<= 24) low bits of v into the stream at bit pos (the stream is zeroed beforehand).
+FC_HD void put_bits(uint8_t* p, int64_t pos, uint32_t v, int32_t w) {
+  const uint32_t shifted = (v & ((1u << w) - 1u)) << (pos & 7);
+  const int32_t nbytes = static_cast<int32_t>(((pos & 7) + w + 7) >> 3);
+  for (int32_t j = 0; j < nbytes; ++j) p[(pos >> 3) + j] |= static_cast<uint8_t>(shifted >> (8 * j));
 }
 
 FC_HD uint32_t get_bits(const uint8_t* p, int64_t pos, int32_t w) {
@@ -87,23 +89,36 @@ FC_HD uint32_t get_bits(const uint8_t* p, int64_t pos, int32_t w) {
   return v;
 }
 
+FC_HD int32_t popcount32(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return __popc(v);
+#else
+  return __builtin_popcount(v);
+#endif
+}
+FC_HD int32_t ctz32(uint32_t v) {  // v != 0
+#if defined(__CUDA_ARCH__)
+  return __ffs(static_cast<int>(v)) - 1;
+#else
+  return __builtin_ctz(v);
+#endif
+}
+
 // ---- encoding one chunk --------------------------------------------------------------------------
 
 // The kept set's threshold: the k-th largest |v| bit pattern of a chunk and how many values equal
 // to it are kept (the lowest positions first), by radix select over the 31 bits in digits of 8, 8,
 // 8 and 7 bits. `top` is the histogram of the first digit (bits 23..30) over the whole chunk; `s`
-// `d0` is the threshold's first digit (bits 23..30, found from a histogram over the whole chunk),
-// `need` how many to take among the values of that digit, `s` the positions whose first digit is at
-// least d0 (ascending; usually a few hundred of 4,096): the later digits count only those of `s`
-// still tied with the threshold's prefix.
+// `d0` is the threshold's first digit (bits 23..30, the exponent), `need` how many to take among
+// the values of that digit, `cv` the ns values whose first digit is at least d0 (in position
+// order; usually a few hundred of 4,096): the later digits count only those still tied with the
+// threshold's prefix.
 struct SparseThreshold {
   uint32_t bits;
   int64_t ties;  // values with |v| bits == `bits` to keep
 };
 
-template <class AbsAt>
-FC_HD SparseThreshold sparse_threshold(const AbsAt& abs_at, uint32_t d0, int64_t need, const uint16_t* s,
-                                       int64_t ns) {
+FC_HD SparseThreshold sparse_threshold(uint32_t d0, int64_t need, const float* cv, int64_t ns) {
   uint32_t prefix = d0 << 23, mask = 0xffu << 23;
   uint32_t hist[256];
   for (int32_t pass = 0; pass < 3; ++pass) {
@@ -111,7 +126,7 @@ FC_HD SparseThreshold sparse_threshold(const AbsAt& abs_at, uint32_t d0, int64_t
     const uint32_t digits = pass == 2 ? 128u : 256u;
     for (uint32_t d = 0; d < digits; ++d) hist[d] = 0;
     for (int64_t c = 0; c < ns; ++c) {
-      const uint32_t ab = abs_at(s[c]);
+      const uint32_t ab = abs_bits(cv[c]);
       if ((ab & mask) == prefix) ++hist[(ab >> sh) & (digits - 1)];
     }
     uint32_t d = digits - 1;
@@ -122,25 +137,19 @@ FC_HD SparseThreshold sparse_threshold(const AbsAt& abs_at, uint32_t d0, int64_t
   return SparseThreshold{prefix, need};
 }
 
-// Encodes one chunk of m (<= g.chunk) values: x (dtype DT) plus r (fp32, or nullptr). Writes the
-// chunk's table (g.levels floats) and record (g.rec_bytes bytes, zeroed here) and, with r, leaves
-// r = v - decoded (unsent values: v). Scratch: cand (g.chunk entries), pos (g.keep), val (g.keep).
-template <int DT>
-FC_HD void sparse_encode_chunk(const typename Elem<DT>::T* x, float* r, int64_t m, const SparseGeom& g,
-                               float* table, uint8_t* rec, uint16_t* cand, uint16_t* pos, float* val) {
+// sparse_encode_chunk (below) with or without a residual, as a template parameter.
+template <int DT, bool HAS_R>
+FC_HD void sparse_encode_chunk_t(const typename Elem<DT>::T* x, float* r, int64_t m, const SparseGeom& g,
+                                 float* table, uint8_t* rec, uint16_t* cand, uint16_t* pos, float* val) {
   const int64_t kk = m < g.keep ? m : g.keep;
   for (int64_t b = 0; b < g.rec_bytes; ++b) rec[b] = 0;
-  // v = x + r, recomputed where needed (the same fp32 add gives the same bits each time).
-  auto v_at = [&](int64_t i) { return r ? Elem<DT>::load(x[i]) + r[i] : Elem<DT>::load(x[i]); };
+  // v = x + r, recomputed where needed (the same fp32 add gives the same bits each time): the chunk
+  // stays in cache, and no chunk-sized float buffer is needed (a GPU thread's local memory).
+  auto v_at = [&](int64_t i) { return HAS_R ? Elem<DT>::load(x[i]) + r[i] : Elem<DT>::load(x[i]); };
   auto abs_at = [&](int64_t i) { return abs_bits(v_at(i)); };
-  // One pass: the largest |v| (the non-finite test) and the histogram of the first digit.
-  uint32_t mx = 0, top[256];
-  for (int32_t d = 0; d < 256; ++d) top[d] = 0;
-  for (int64_t i = 0; i < m; ++i) {
-    const uint32_t ab = abs_at(i);
-    mx = umax(mx, ab);
-    ++top[ab >> 23];
-  }
+  float* cv = val;  // the candidates' values; the kept ones are compacted into its front
+  uint32_t mx = 0;  // the largest |v| bits: the non-finite test (a loop that vectorises)
+  for (int64_t i = 0; i < m; ++i) mx = umax(mx, abs_at(i));
   const int64_t high0 = g.keep * g.low_bits;  // the high bit vector's first bit
   if (!bits_finite(mx)) {  // non-finite rule: NaN table, canonical positions 0..kk-1, residual kept
     for (int32_t j = 0; j < g.levels; ++j) table[j] = u2f(0x7fc00000u);
@@ -150,26 +159,69 @@ FC_HD void sparse_encode_chunk(const typename Elem<DT>::T* x, float* r, int64_t 
     }
     return;
   }
-  // The threshold's first digit, then the positions at or above it.
-  int64_t need = kk;
-  uint32_t d0 = 255;
-  for (; d0 > 0 && top[d0] < need; --d0) need -= static_cast<int64_t>(top[d0]);
-  int64_t ns = 0;
-  for (int64_t i = 0; i < m; ++i)
-    if ((abs_at(i) >> 23) >= d0) cand[ns++] = static_cast<uint16_t>(i);
-  const SparseThreshold t = sparse_threshold(abs_at, d0, need, cand, ns);
-  // The kept set in ascending position order: everything above the threshold, and the first
-  // t.ties values equal to it (all of them are in cand).
+  // The threshold's first digit d0 (bits 23..30, the exponent): the largest d with at least kk
+  // values at or above it. The kept values usually share the top exponent or two, so a pass from
+  // the top digit usually finds enough candidates (values of digit >= d0); otherwise the next digit
+  // down, and after three tries a histogram of the digit picks d0. Each pass marks the candidates
+  // in a bit mask, 32 positions per word (a compare-shift-OR loop that vectorises); only the
+  // marked few (typically 3-10%) are then read again, in position order.
+  uint32_t marks[kSparseMaxChunk / 32];
+  const int64_t words = (m + 31) / 32;
+  auto mark = [&](uint32_t d) {
+    int64_t count = 0;
+    for (int64_t w = 0; w < words; ++w) {
+      uint32_t bits = 0;
+      if ((w + 1) * 32 <= m) {
+        for (int32_t j = 0; j < 32; ++j) bits |= ((abs_at(32 * w + j) >> 23) >= d ? 1u : 0u) << j;
+      } else {
+        for (int32_t j = 0; 32 * w + j < m; ++j) bits |= ((abs_at(32 * w + j) >> 23) >= d ? 1u : 0u) << j;
+      }
+      marks[w] = bits;
+      count += popcount32(bits);
+    }
+    return count;
+  };
+  uint32_t d0 = mx >> 23;
+  int64_t ns = mark(d0);
+  for (int32_t tries = 1; ns < kk && tries < 3; ++tries) ns = mark(--d0);
+  if (ns < kk) {
+    // Four interleaved histograms keep consecutive increments off one counter (most values share
+    // a few exponents: a store-to-load chain per value otherwise).
+    uint32_t sub[4][256];
+    for (int32_t d = 0; d < 256; ++d) sub[0][d] = sub[1][d] = sub[2][d] = sub[3][d] = 0;
+    for (int64_t i = 0; i < m; ++i) ++sub[i & 3][abs_at(i) >> 23];
+    int64_t at_or_above = ns;  // values of digit >= d0 (fewer than kk)
+    while (d0 > 0) {
+      --d0;
+      at_or_above += sub[0][d0] + sub[1][d0] + sub[2][d0] + sub[3][d0];
+      if (at_or_above >= kk) break;
+    }
+    ns = mark(d0);
+  }
+  // The candidates' positions and values, ascending, and how many lie above d0's digit.
+  int64_t above = 0, nc = 0;
+  for (int64_t w = 0; w < words; ++w) {
+    for (uint32_t bits = marks[w]; bits; bits &= bits - 1u) {
+      const int64_t i = 32 * w + ctz32(bits);
+      const float v = v_at(i);
+      cand[nc] = static_cast<uint16_t>(i);
+      cv[nc] = v;
+      above += (abs_bits(v) >> 23) > d0 ? 1 : 0;
+      ++nc;
+    }
+  }
+  const SparseThreshold t = sparse_threshold(d0, kk - above, cv, ns);
+  // The kept set in ascending position order, compacted in place (nk <= c): everything above the
+  // threshold, and the first t.ties values equal to it.
   int64_t ties = t.ties, nk = 0;
   uint32_t lo = 0xffffffffu, hi = 0;
   for (int64_t c = 0; c < ns && nk < kk; ++c) {
-    const int64_t i = cand[c];
-    const float v = v_at(i);
+    const float v = cv[c];
     const uint32_t ab = abs_bits(v);
     const bool take = ab > t.bits || (ab == t.bits && ties > 0);
     if (!take) continue;
     if (ab == t.bits) --ties;
-    pos[nk] = static_cast<uint16_t>(i);
+    pos[nk] = cand[c];
     val[nk] = v;
     ++nk;
     lo = ab < lo ? ab : lo;
@@ -187,7 +239,7 @@ FC_HD void sparse_encode_chunk(const typename Elem<DT>::T* x, float* r, int64_t 
   }
   for (int32_t j = 0; j < g.levels; ++j)
     table[j] = cnt[j] ? static_cast<float>(sum[j] / static_cast<double>(cnt[j])) : 0.0f;
-  if (r)
+  if (HAS_R)
     for (int64_t i = 0; i < m; ++i) r[i] = Elem<DT>::load(x[i]) + r[i];  // r = v: nothing sent yet
   const uint32_t low_mask = (1u << g.low_bits) - 1u;
   uint8_t* codes = rec + g.idx_bytes;
@@ -199,8 +251,18 @@ FC_HD void sparse_encode_chunk(const typename Elem<DT>::T* x, float* r, int64_t 
     put_bits(rec, e * g.low_bits, pos[e] & low_mask, g.low_bits);
     put_bits(rec, high0 + (pos[e] >> g.low_bits) + e, 1u, 1);
     put_bits(codes, e * g.bits, neg | (j << 1), g.bits);
-    if (r) r[pos[e]] = val[e] - d;
+    if (HAS_R) r[pos[e]] = val[e] - d;
   }
+}
+
+// Encodes one chunk of m (<= g.chunk) values: x (dtype DT) plus r (fp32, or nullptr). Writes the
+// chunk's table (g.levels floats) and record (g.rec_bytes bytes, zeroed here) and, with r, leaves
+// r = v - decoded (unsent values: v). Scratch: cand and val (g.chunk entries each), pos (g.keep).
+template <int DT>
+FC_HD void sparse_encode_chunk(const typename Elem<DT>::T* x, float* r, int64_t m, const SparseGeom& g,
+                               float* table, uint8_t* rec, uint16_t* cand, uint16_t* pos, float* val) {
+  if (r) sparse_encode_chunk_t<DT, true>(x, r, m, g, table, rec, cand, pos, val);
+  else sparse_encode_chunk_t<DT, false>(x, r, m, g, table, rec, cand, pos, val);
 }
 
 // ---- decoding one chunk --------------------------------------------------------------------------

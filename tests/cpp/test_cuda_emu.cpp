@@ -52,10 +52,7 @@ struct Buf {
 
 static int64_t esize(int32_t dt) { return dt == kF32 ? 4 : 2; }
 static const char* dname(int32_t dt) { return dt == kF32 ? "f32" : dt == kBF16 ? "bf16" : "f16"; }
-static const char* cname(int32_t c) {
-  static const char* n[] = {"f32", "bf16", "f16", "int8", "int4", "sign", "topk"};
-  return n[c];
-}
+static const char* cname(int32_t c) { return kCodecNames[c]; }
 
 // n random floats: normal values at a random scale, with zero blocks, huge values, inf, NaN, -0
 // and subnormals sprinkled in (each kind only sometimes, so clean inputs are covered as well).
