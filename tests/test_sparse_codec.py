@@ -215,9 +215,16 @@ def test_bad_arguments():
         C.Codec("sparse", block_size=64, keep=65)
     with pytest.raises(ValueError, match="multiple of 32"):
         C.Codec("sparse", block_size=100)
-    with pytest.raises(RuntimeError, match="re-encode"):
-        p, n = _payload()
-        C.decode_sum(p.unsqueeze(0), "sparse", n, reencode="sparse")
+    x = torch.randn(1000)
+    with pytest.raises(RuntimeError, match="re-encode"):  # no fused re-encode into a chunked codec
+        C.decode_sum(C.encode(x, "int8").unsqueeze(0), "int8", 1000, reencode="sparse")
+    # from chunked rows the re-encode runs in two passes: decode_sum, then encode
+    p, n = _payload()
+    P = torch.stack([p, p])
+    r1, r2 = torch.zeros(n), torch.zeros(n)
+    got = C.decode_sum(P, "sparse", n, scale=0.5, reencode="int8", residual=r1)
+    want = C.encode(C.decode_sum(P, "sparse", n, scale=0.5), "int8", residual=r2)
+    assert torch.equal(got, want) and torch.equal(r1, r2)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="subprocess per ISA")

@@ -347,7 +347,8 @@ def decode_sum(
 
     The sum runs in ascending row order for every element (``((d0 + d1) + d2) + ...``), then is
     multiplied once by ``scale``; the result is the same bits for any thread count. Without
-    ``reencode`` it returns the fp32 sum ([numel]). With ``reencode`` (any codec but topk) the sum
+    ``reencode`` it returns the fp32 sum ([numel]). With ``reencode`` (any codec but topk, sparse
+    and sparse4: :attr:`Codec.reencodes_fused`) the sum
     is encoded again in the same pass, with error feedback into ``residual`` if given (the second
     stage of an all-reduce), and the new payload is returned. ``out`` receives the result
     (fp32 sum, or payload) instead of a new tensor.
@@ -362,6 +363,9 @@ def decode_sum(
         ops.decode_sum_into(payloads, c.name, numel, c.block_size, k, float(scale), out)
         return out
     second = resolve(reencode, reencode_block_size)
+    if c.chunked:  # no fused pass over chunked sparse rows yet: the same result in two passes
+        total = ops.decode_sum(payloads, c.name, numel, c.block_size, k, float(scale))
+        return encode(total, second, residual=residual, stochastic=stochastic, seed=seed, out=out)
     args = (payloads, c.name, numel, c.block_size, k, float(scale), second.name,
             second.block_size, residual, stochastic, int(seed))
     if out is None:
