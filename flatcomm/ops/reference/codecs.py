@@ -224,7 +224,7 @@ def decode_sum(
                     out[c * block_size:(c + 1) * block_size] = float("nan")
                     continue
                 idx = torch.tensor([c * block_size + p for p in ent[0]], dtype=torch.int64)
-                val = torch.from_numpy(ent[1])
+                val = ent[1]
                 out[idx] = val if r == 0 else out[idx] + val
         elif codec == "topk":
             idx, val = topk_entries(payloads[r], n, ratio)

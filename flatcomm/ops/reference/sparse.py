@@ -1,6 +1,6 @@
 """Reference of the chunked sparse codecs (``sparse``: 2-bit, ``sparse4``: 4-bit), written from the
-format description in ``csrc/core/sparse.h`` with plain Python integers and numpy, one chunk at a
-time, independently of the kernels: the bytes and the residual bits they must reproduce.
+format description in ``csrc/core/sparse.h`` with plain Python integers and torch fp32 tensors, one
+chunk at a time, independently of the kernels: the bytes and the residual bits they must reproduce.
 
 Per chunk of ``chunk`` values: keep the ``keep`` largest |v| (ties to the lower position), split the
 kept magnitudes into ``2^(bits-1)`` bins evenly in their fp32 bit patterns, send each bin's mean
@@ -9,16 +9,26 @@ positions Elias-Fano coded. The residual becomes ``v - decoded`` (fp32), ``v`` f
 """
 from __future__ import annotations
 
+import struct
 from typing import List, Optional, Tuple
 
-import numpy as np
 import torch
 
 __all__ = ["CHUNKED_BITS", "geometry", "layout", "encode", "decode", "entries"]
 
 CHUNKED_BITS = {"sparse": 2, "sparse4": 4}
 _ALIGN = 16
-_QNAN = np.uint32(0x7FC00000).view(np.float32)
+_QNAN = struct.unpack("<f", struct.pack("<I", 0x7FC00000))[0]
+
+
+def _f32(x: float) -> float:
+    """x rounded to fp32 (nearest even), as a Python float."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def _bits(x: float) -> int:
+    """The fp32 bit pattern of an fp32 value."""
+    return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
 def geometry(bits: int, chunk: int, keep: int) -> dict:
@@ -60,36 +70,32 @@ def _get(buf: bytes, base: int, pos: int, width: int) -> int:
     return sum(((buf[base + ((pos + b) >> 3)] >> ((pos + b) & 7)) & 1) << b for b in range(width))
 
 
-def _abs_bits(v: np.ndarray) -> np.ndarray:
-    return v.astype(np.float32).view(np.uint32).astype(np.int64) & 0x7FFFFFFF
-
-
-def _encode_chunk(v: np.ndarray, g: dict, bits: int, keep: int) -> Tuple[List[float], List[int], List[int],
-                                                                         Optional[np.ndarray]]:
+def _encode_chunk(v: List[float], g: dict, bits: int, keep: int) -> Tuple[List[float], List[int], List[int],
+                                                                       Optional[List[float]]]:
     """(table, kept positions, codes, decoded values of the kept or None for a non-finite chunk)."""
     m = len(v)
     kk = min(keep, m)
-    ab = _abs_bits(v)
-    if not np.all(np.isfinite(v)):
+    ab = [_bits(x) & 0x7FFFFFFF for x in v]
+    if any(a >= 0x7F800000 for a in ab):
         return [float("nan")] * g["levels"], list(range(kk)), [0] * kk, None
-    order = sorted(range(m), key=lambda i: (-int(ab[i]), i))  # larger |v| first, then lower position
+    order = sorted(range(m), key=lambda i: (-ab[i], i))  # larger |v| first, then lower position
     pos = sorted(order[:kk])
-    lo, hi = min(int(ab[p]) for p in pos), max(int(ab[p]) for p in pos)
+    lo, hi = min(ab[p] for p in pos), max(ab[p] for p in pos)
     span = hi - lo + 1
-    bins = [(int(ab[p]) - lo) * g["levels"] // span for p in pos]
+    bins = [(ab[p] - lo) * g["levels"] // span for p in pos]
     table = []
     for j in range(g["levels"]):
-        mags = [abs(float(v[p])) for p, b in zip(pos, bins) if b == j]
+        mags = [abs(v[p]) for p, b in zip(pos, bins) if b == j]
         s = 0.0
         for x in mags:  # ascending position order, in float64
             s += x
-        table.append(float(np.float32(s / len(mags))) if mags else 0.0)
+        table.append(_f32(s / len(mags)) if mags else 0.0)
     codes, dec = [], []
     for p, b in zip(pos, bins):
-        neg = int(v[p].view(np.uint32) >> 31)
+        neg = _bits(v[p]) >> 31
         codes.append(neg | (b << 1))
         dec.append(-table[b] if neg else table[b])
-    return table, pos, codes, np.array(dec, dtype=np.float32)
+    return table, pos, codes, dec
 
 
 def encode(x: torch.Tensor, codec: str, *, residual: Optional[torch.Tensor] = None, chunk: int = 4096,
@@ -97,42 +103,42 @@ def encode(x: torch.Tensor, codec: str, *, residual: Optional[torch.Tensor] = No
     """(payload uint8, new residual or None) for ``x`` (any float dtype) plus ``residual``."""
     bits = CHUNKED_BITS[codec]
     xv = x.reshape(-1).to(torch.float32)
-    v = (xv + residual.reshape(-1) if residual is not None else xv).numpy().astype(np.float32)
-    n = v.size
+    v = (xv + residual.reshape(-1) if residual is not None else xv).contiguous()  # fp32 adds
+    n = v.numel()
     out = bytearray(wire_bytes(codec, n, chunk, keep))
-    new_r = residual.reshape(-1).clone().numpy() if residual is not None else None
+    new_r = residual.reshape(-1).clone() if residual is not None else None
     if n == 0:
-        return torch.tensor(list(out), dtype=torch.uint8), (torch.from_numpy(new_r) if new_r is not None else None)
+        return torch.tensor(list(out), dtype=torch.uint8), new_r
     nc, off, g = layout(codec, n, chunk, keep)
     for c in range(nc):
         vc = v[c * chunk:(c + 1) * chunk]
-        table, pos, codes, dec = _encode_chunk(vc, g, bits, keep)
-        out[4 * g["levels"] * c: 4 * g["levels"] * (c + 1)] = np.array(table, dtype=np.float32).tobytes()
+        table, pos, codes, dec = _encode_chunk(vc.tolist(), g, bits, keep)
+        out[4 * g["levels"] * c: 4 * g["levels"] * (c + 1)] = struct.pack(f"<{g['levels']}f", *table)
         base = off + c * g["rec_bytes"]
         for e, (p, code) in enumerate(zip(pos, codes)):
             _put(out, base, e * g["low"], p & ((1 << g["low"]) - 1), g["low"])
             _put(out, base, keep * g["low"] + (p >> g["low"]) + e, 1, 1)
             _put(out, base + g["idx_bytes"], e * bits, code, bits)
         if new_r is not None and dec is not None:
-            rc = vc.copy()
-            for p, d in zip(pos, dec):
-                rc[p] = np.float32(vc[p]) - np.float32(d)  # fp32 subtraction, correctly rounded
-            new_r[c * chunk:c * chunk + len(vc)] = rc
-    return (torch.tensor(list(out), dtype=torch.uint8),
-            torch.from_numpy(new_r) if new_r is not None else None)
+            rc = vc.clone()
+            idx = torch.tensor(pos, dtype=torch.int64)
+            rc[idx] = vc[idx] - torch.tensor(dec, dtype=torch.float32)  # fp32 subtraction
+            new_r[c * chunk:c * chunk + vc.numel()] = rc
+    return torch.tensor(list(out), dtype=torch.uint8), new_r
 
 
 def entries(payload: torch.Tensor, codec: str, n: int, chunk: int = 4096, keep: int = 64):
-    """Per chunk: None (non-finite chunk) or (positions, fp32 values), read from a valid payload."""
+    """Per chunk: None (non-finite chunk) or (positions, fp32 values as a tensor), from a valid payload."""
     bits = CHUNKED_BITS[codec]
-    buf = bytes(payload.numpy().tobytes())
+    buf = bytes(payload.reshape(-1).tolist())
     nc, off, g = layout(codec, n, chunk, keep)
-    tables = np.frombuffer(buf[:4 * g["levels"] * nc], dtype=np.float32).reshape(nc, g["levels"])
+    lv = g["levels"]
     result = []
     for c in range(nc):
         m = min(chunk, n - c * chunk)
         kk = min(keep, m)
-        if np.all(np.isnan(tables[c])):
+        table = struct.unpack(f"<{lv}f", buf[4 * lv * c:4 * lv * (c + 1)])
+        if all(t != t for t in table):
             result.append(None)
             continue
         base = off + c * g["rec_bytes"]
@@ -142,18 +148,18 @@ def entries(payload: torch.Tensor, codec: str, n: int, chunk: int = 4096, keep: 
         for e, q in enumerate(ones):
             pos.append(((q - e) << g["low"]) | _get(buf, base, e * g["low"], g["low"]))
             code = _get(buf, base + g["idx_bytes"], e * bits, bits)
-            a = np.float32(tables[c][code >> 1])
+            a = table[code >> 1]
             val.append(-a if code & 1 else a)
-        result.append((pos, np.array(val, dtype=np.float32)))
+        result.append((pos, torch.tensor(val, dtype=torch.float32)))
     return result
 
 
 def decode(payload: torch.Tensor, codec: str, n: int, chunk: int = 4096, keep: int = 64) -> torch.Tensor:
     """fp32 values of a valid payload: kept values, zeros elsewhere, NaN over a non-finite chunk."""
-    out = np.zeros(n, dtype=np.float32)
+    out = torch.zeros(n, dtype=torch.float32)
     for c, ent in enumerate(entries(payload, codec, n, chunk, keep)):
         if ent is None:
             out[c * chunk:(c + 1) * chunk] = _QNAN
-        else:
-            out[[c * chunk + p for p in ent[0]]] = ent[1]
-    return torch.from_numpy(out)
+        elif ent[0]:
+            out[torch.tensor([c * chunk + p for p in ent[0]], dtype=torch.int64)] = ent[1]
+    return out
