@@ -242,7 +242,7 @@ def resolve(codec: CodecLike, block_size: Optional[int] = None, ratio: Optional[
         block_size=base.block_size if block_size is None else block_size,  # checked, not truncated
         ratio=base.ratio if ratio is None else ratio,
         # a name's default keep follows the block size given here (min(64, block_size))
-        keep=keep if keep is not None else (base.keep if isinstance(codec, Codec) else None),
+        keep=keep if keep is not None else (base.keep if isinstance(codec, Codec) else None),  # type: ignore[arg-type]
     )
 
 

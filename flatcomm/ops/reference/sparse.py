@@ -133,7 +133,7 @@ def entries(payload: torch.Tensor, codec: str, n: int, chunk: int = 4096, keep: 
     buf = bytes(payload.reshape(-1).tolist())
     nc, off, g = layout(codec, n, chunk, keep)
     lv = g["levels"]
-    result = []
+    result: List[Optional[Tuple[List[int], torch.Tensor]]] = []
     for c in range(nc):
         m = min(chunk, n - c * chunk)
         kk = min(keep, m)
