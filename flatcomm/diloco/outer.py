@@ -57,9 +57,14 @@ class Config:
     def fingerprint(self) -> int:
         p = self.plan
         local = p.topology.local_size if p.two_level else 0
-        desc = repr((self.schedule, p.codec, p.mode, p.feedback, p.error_decay, p.world, local, self.lr, self.momentum,
+        desc = repr((self.schedule, p.codec, p.mode, p.feedback, p.world, local, self.lr, self.momentum,
                      self.nesterov, self.alpha, self.verify_every,
                      [(f.names, f.sizes, str(f.residual_dtype)) for f in self.fragments]))
+        # Options added later enter only when set, so earlier checkpoints keep their fingerprint.
+        if p.codec.chunked:
+            desc += f" keep={p.codec.keep}"
+        if p.error_decay != 1.0:
+            desc += f" error_decay={p.error_decay!r}"
         return int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=8).digest(), "little")
 
 

@@ -112,7 +112,9 @@ class Codec:
     name: str
     block_size: int = None  # type: ignore[assignment]  # None: the codec's default
     ratio: float = DEFAULT_TOPK_RATIO
-    keep: int = None  # type: ignore[assignment]  # None: min(64, block_size) for sparse/sparse4
+    # None: min(64, block_size) for sparse/sparse4. Not in repr: reprs of the other codecs (and the
+    # checkpoint fingerprints made from them) stay as they were.
+    keep: int = dataclasses.field(default=None, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or self.name not in CODECS:
