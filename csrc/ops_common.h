@@ -5,8 +5,10 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cctype>
 #include <string>
+#include <vector>
 
 #include "core/codec.h"
 #include "core/exact.h"
@@ -48,6 +50,8 @@ inline int32_t parse_reencode_codec(const std::string& name) {
   TORCH_CHECK(codec != core::kCodecTopK,
               "flatcomm: decode_sum_encode cannot re-encode as topk (it needs the whole sum); "
               "use decode_sum and encode");
+  TORCH_CHECK(!core::is_chunk_sparse(codec), "flatcomm: decode_sum_encode cannot re-encode as ", name,
+              " (a chunk's selection needs the chunk's whole sum); use decode_sum and encode");
   return codec;
 }
 
@@ -59,6 +63,16 @@ inline int32_t dtype_code(at::ScalarType t, const char* what) {
     default:
       TORCH_CHECK(false, "flatcomm: ", what, " must be float32, bfloat16 or float16, got ", t);
   }
+}
+
+// Chunked sparse codecs (core/sparse.h): chunk = block_size, k values kept per chunk.
+inline void check_sparse_args(int32_t codec, int64_t block, int64_t k) {
+  if (!core::is_chunk_sparse(codec)) return;
+  TORCH_CHECK(block >= 32 && block <= core::kSparseMaxChunk && block % 32 == 0, "flatcomm: ",
+              core::kCodecNames[codec], " needs a chunk (block_size) that is a multiple of 32 in [32, ",
+              core::kSparseMaxChunk, "], got ", block);
+  TORCH_CHECK(k >= 1 && k <= block, "flatcomm: ", core::kCodecNames[codec],
+              " needs 1 <= kept values per chunk (k) <= chunk size, got k = ", k, " for chunk ", block);
 }
 
 inline void check_block(int32_t codec, int64_t block) {
@@ -85,6 +99,7 @@ inline int64_t wire_bytes(int32_t codec, int64_t n, int64_t block, int64_t k) {
   check_numel(n);
   check_block(codec, block);
   check_topk(codec, n, k);
+  check_sparse_args(codec, block, k);
   TORCH_INTERNAL_ASSERT(core::layout_ok(codec, n, block, k));
   return core::layout(codec, n, block, k).total;
 }
@@ -103,6 +118,32 @@ inline void check_topk_indices(const uint8_t* payloads, int64_t rows, int64_t ro
                 "): index ", idx[e], " at entry ", e, " is out of range for numel ", n);
     TORCH_CHECK(false, "flatcomm: invalid topk payload (row ", r, "): indices must be strictly "
                 "ascending, but entry ", e, " is ", idx[e], " after ", idx[e - 1]);
+  }
+}
+
+// A chunked sparse payload must parse (core/sparse.h sparse_parse_chunk): every chunk's table
+// finite and >= 0 (or all NaN: a non-finite chunk), exactly `kept` positions, strictly ascending,
+// inside the chunk. One pass over the positions of each row, host memory only (as topk's check).
+inline void check_sparse_payload(const uint8_t* payloads, int64_t rows, int64_t row_stride, int32_t codec,
+                                 int64_t n, int64_t block, int64_t k) {
+  if (!core::is_chunk_sparse(codec) || n == 0) return;
+  static const char* const kWhy[] = {"", "", "a level table entry is inf, negative or NaN beside finite ones",
+                                     "the position bit vector does not hold exactly the kept count",
+                                     "a position is beyond the chunk", "positions are not strictly ascending"};
+  const core::Layout L = core::layout(codec, n, block, k);
+  const core::SparseGeom g = core::sparse_geom(core::code_bits(codec), block, k);
+  std::vector<uint16_t> pos(static_cast<size_t>(k));
+  std::vector<float> val(static_cast<size_t>(k));
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* p = payloads + r * row_stride;
+    const float* tables = reinterpret_cast<const float*>(p);
+    for (int64_t c = 0; c < L.nblocks; ++c) {
+      const core::SparseParse sp = core::sparse_parse_chunk(
+          tables + c * g.levels, p + L.codes_offset + c * g.rec_bytes, std::min(block, n - c * block), g,
+          pos.data(), val.data());
+      TORCH_CHECK(sp.status >= 0, "flatcomm: invalid ", core::kCodecNames[codec], " payload (row ", r,
+                  ", chunk ", c, ", entry ", sp.entry, "): ", kWhy[1 - sp.status]);
+    }
   }
 }
 
@@ -152,8 +193,8 @@ struct RowsLayout {
 
 inline RowsLayout decode_rows_layout(const std::string& name, int64_t row_numel, int64_t block) {
   const int32_t codec = parse_codec(name);
-  TORCH_CHECK(codec != core::kCodecTopK, "flatcomm: decode_rows does not take topk payloads (their size "
-              "depends on k); decode each row with decode");
+  TORCH_CHECK(codec != core::kCodecTopK && !core::is_chunk_sparse(codec), "flatcomm: decode_rows does not take ",
+              name, " payloads (their size depends on k); decode each row with decode");
   TORCH_CHECK(row_numel >= 1 && row_numel <= core::kMaxNumel, "flatcomm: row_numel must be in [1, 2^56], got ",
               row_numel);
   return RowsLayout{codec, wire_bytes(codec, row_numel, block, 0)};

@@ -94,6 +94,7 @@ struct OpsImpl {
     check_payload(payload, 1, wire_bytes(codec, n, block, k), name, n);
     check_out(payload, out, n, "out");
     if (B::kHostMemory && codec == core::kCodecTopK) check_topk_indices(payload.data_ptr<uint8_t>(), 1, 0, n, k);
+    if (B::kHostMemory) check_sparse_payload(payload.data_ptr<uint8_t>(), 1, 0, codec, n, block, k);
     DecodeArgs a{payload.data_ptr<uint8_t>(), n, codec, block, k, out.data_ptr(), out_dt};
     B::decode(a);
   }
@@ -138,6 +139,7 @@ struct OpsImpl {
     a.k = k;
     a.scale = static_cast<float>(scale);
     if (B::kHostMemory && codec == core::kCodecTopK) check_topk_indices(a.payloads, a.rows, a.row_stride, n, k);
+    if (B::kHostMemory) check_sparse_payload(a.payloads, a.rows, a.row_stride, codec, n, block, k);
     return a;
   }
 
@@ -171,6 +173,8 @@ struct OpsImpl {
     typename B::Guard guard(payloads);
     const std::string name(codec_name), out_name(out_codec_name);
     const int32_t codec = parse_codec(name), out_codec = parse_reencode_codec(out_name);
+    TORCH_CHECK(!core::is_chunk_sparse(codec), "flatcomm: decode_sum_encode does not take ", name,
+                " payloads yet; use decode_sum and encode");
     check_stochastic(out_codec, stochastic);
     DecodeSumArgs a = decode_sum_args(payloads, codec, n, block, k, scale, name);
     if (residual) {

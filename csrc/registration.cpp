@@ -79,6 +79,7 @@ bool launchable(int32_t codec, int64_t n, int64_t block, int64_t k) {
   if (core::is_blockwise(codec))
     return block >= core::kMinBlock && block <= core::kMaxBlock && block % 32 == 0;
   if (codec == core::kCodecTopK) return k >= 0 && k <= n && n <= core::kMaxTopkNumel;
+  if (core::is_chunk_sparse(codec)) return core::sparse_args_ok(block, k);
   return true;
 }
 
@@ -119,6 +120,7 @@ const char* codec_kind_name(int32_t c) {
     case core::CodecKind::kScaledInt: return "scaled_int";
     case core::CodecKind::kScaledSign: return "scaled_sign";
     case core::CodecKind::kSparse: return "sparse";
+    case core::CodecKind::kChunkSparse: return "chunk_sparse";
     case core::CodecKind::kNone: break;
   }
   return "none";

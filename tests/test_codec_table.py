@@ -56,15 +56,21 @@ def missing_places(names: Iterable[str]) -> List[str]:
     out = []
     for name in names:
         cid, cast = ids.get(name), TABLE[name].kind == "cast"
+        # The chunked sparse codecs share one branch per place, keyed by their kind (core/sparse.h).
+        chunked = cid is not None and TABLE[name].kind == "chunk_sparse"
         places = {
             "csrc/core/dispatch.h: its FLATCOMM_CODECS row": cid is not None,
             # Cast codecs run through Elem<dtype> in both kernels; every other kind has its branches.
-            "csrc/cpu/kernels_impl.h: its decode_range / encode_block branch": cast or (cid is not None and cid in impl),
-            "csrc/cuda/device.cuh: its decode1 / decode4 / encode_kernel branch": cast or (cid is not None and cid in cuh),
-            "tests/fuzz/fuzz_harness.h: its ref_decode branch": cid is not None and cid in harness,
+            "csrc/cpu/kernels_impl.h: its decode_range / encode_block branch":
+                cast or (cid is not None and cid in impl) or (chunked and "is_chunk_sparse(C)" in impl),
+            "csrc/cuda/device.cuh: its decode1 / decode4 / encode_kernel branch":
+                cast or (cid is not None and cid in cuh) or (chunked and "sparse_encode_chunk" in cuh),
+            "tests/fuzz/fuzz_harness.h: its ref_decode branch":
+                cid is not None and (cid in harness or (chunked and "is_chunk_sparse(codec)" in harness)),
             "flatcomm/ops/codecs.py: its _POLICY row": name in codecs._POLICY,
             "flatcomm/ops/reference/bits.py: CODECS and its tables": name in reference.CODECS
-            and (name in reference.bits.CAST or name in reference.bits.BLOCKWISE or TABLE[name].kind == "sparse"),
+            and (name in reference.bits.CAST or name in reference.bits.BLOCKWISE or TABLE[name].kind == "sparse"
+                 or name in reference.bits.CHUNKED),
             "flatcomm/ops/reference/codecs.py: its encode / decode_f32 branch": _reference_round_trips(name),
             "tests/test_encode_decode.py: its error bound or direct check": f'"{name}"' in bounds,
             "docs/semantics.md: the payload-format section": name in payload_doc,
@@ -78,9 +84,10 @@ def test_the_table_is_the_cpp_list():
     rows = _C.constants()["codecs"]
     assert [r["name"] for r in rows] == list(CODECS) == list(TABLE) == list(_C.constants()["codec_names"])
     assert [TABLE[r["name"]].id for r in rows] == list(range(len(rows)))
-    assert [TABLE[c].bits for c in CODECS] == [32, 16, 16, 8, 4, 1, 64]
-    assert [TABLE[c].kind for c in CODECS] == ["cast"] * 3 + ["scaled_int"] * 2 + ["scaled_sign", "sparse"]
-    assert [TABLE[c].dtype for c in CODECS] == [torch.float32, torch.bfloat16, torch.float16] + [None] * 4
+    assert [TABLE[c].bits for c in CODECS] == [32, 16, 16, 8, 4, 1, 64, 2, 4]
+    assert [TABLE[c].kind for c in CODECS] == ["cast"] * 3 + ["scaled_int"] * 2 + ["scaled_sign", "sparse"] + \
+        ["chunk_sparse"] * 2
+    assert [TABLE[c].dtype for c in CODECS] == [torch.float32, torch.bfloat16, torch.float16] + [None] * 6
     assert tuple(CODECS[i] for i in _C.constants()["blockwise_codecs"]) == BLOCKWISE
     assert tuple(CODECS[i] for i in _C.constants()["stochastic_codecs"]) == codecs.STOCHASTIC
     assert cupy_backend.CODEC_IDS == {c: TABLE[c].id for c in CODECS}
@@ -102,7 +109,8 @@ def test_the_independent_reference_agrees():
 def test_properties_follow_the_table():
     assert [c for c in CODECS if Codec(c).lossless] == ["fp32"]
     assert [c for c in CODECS if Codec(c).sparse] == ["topk"]
-    assert [c for c in CODECS if not Codec(c).reencodes_fused] == ["topk"]
+    assert [c for c in CODECS if not Codec(c).reencodes_fused] == ["topk", "sparse", "sparse4"]
+    assert [c for c in CODECS if Codec(c).chunked] == ["sparse", "sparse4"]
     assert [c for c in CODECS if Codec(c).stochastic] == ["bf16", "int8", "int4"]
     assert PRECISION == ("fp32", "bf16", "int8", "int4", "sign")  # most precise first
     assert [Codec(c).precision for c in PRECISION] == list(range(len(PRECISION)))

@@ -28,7 +28,7 @@ from flatcomm.tools import spawn
 from flatcomm import collectives as C
 from flatcomm.comm import groups, pipeline
 from flatcomm.ops import reference as R
-from flatcomm.ops.codecs import BLOCKWISE, CODECS, Codec, decode, decode_sum, encode
+from flatcomm.ops.codecs import CODECS, Codec, decode, decode_sum, encode
 
 from _support.collectives import (Checks, _expect, _identical_across_ranks, _Log, _with_delays, gather, inputs,
                                   same_bits)
@@ -40,7 +40,7 @@ SECTIONS = ("accuracy", "chunks", "determinism", "exact", "error_feedback", "asy
 
 
 def align_of(codec: str) -> int:
-    return Codec(codec).block_size if codec in BLOCKWISE else 32
+    return Codec(codec).align
 
 
 def blockmax(v: torch.Tensor, bs: int) -> torch.Tensor:
@@ -69,7 +69,7 @@ def codec_bound(v: torch.Tensor, codec: str, grid: List[int]) -> torch.Tensor:
         elif codec in ("int8", "int4"):
             qmax = R.QMAX[codec]
             e = blockmax(p, bs) / qmax * (0.5 + qmax * 2.0**-21) * (1 + 2.0**-20) + qmax * 2.0**-149
-        elif codec == "sign":  # decoded = sign(v) * mean|v| of the block
+        elif codec == "sign" or Codec(codec).chunked:  # decoded: sign(v) * a mean |v| of the block
             e = p.abs() + blockmax(p, bs)
         else:  # topk: kept values exact, others dropped
             e = p.abs()
@@ -125,7 +125,7 @@ def sim_all_reduce(xs, codec, scale, chunks) -> torch.Tensor:
         for a, b in ps:
             if b > a:
                 pay = torch.stack([encode(x[a:b], c) for x in xs])
-                if codec == "topk":
+                if not c.reencodes_fused:  # topk, sparse, sparse4: re-selected from the shard's sum
                     p2 = encode(decode_sum(pay, c, b - a, scale=scale), c)
                 else:
                     p2 = decode_sum(pay, c, b - a, scale=scale, reencode=c)

@@ -175,10 +175,11 @@ def test_padding_is_zeroed_like_the_cpu_op(codec):
     n = 1001
     k = k_of(codec, n)
     x = torch.randn(n)
-    ref = ops.encode(x, codec, 96 if codec in ("int8", "int4", "sign") else 0, k, None, False, 0)
+    block = 96 if codec in ("int8", "int4", "sign") or flatcomm.resolve(codec).chunked else 0
+    ref = ops.encode(x, codec, block, k, None, False, 0)
     buf = torch.full_like(ref, 0xFF)
     o, _ = make()
-    o.encode_into(x, codec, 96 if codec in ("int8", "int4", "sign") else 0, k, None, False, 0, buf)
+    o.encode_into(x, codec, block, k, None, False, 0, buf)
     zeroed = buf == 0
     # every byte the Python op zeroed is a padding byte, which the CPU op leaves zero too
     assert torch.all(ref[zeroed] == 0)
@@ -368,8 +369,8 @@ def test_layouts_match_the_payloads_the_ops_write(codec):
     g = torch.Generator().manual_seed(hash(codec) % 1000)
     c = cb.CODEC_IDS[codec]
     for n in ODD_SIZES:
-        for block in ((32, 96, 4096) if c in cb.BLOCKWISE else (0,)):
-            k = k_of(codec, n)
+        for block in ((32, 96, 4096) if c in cb.BLOCKWISE or c in cb.CHUNKED else (0,)):
+            k = k_of(codec, n, block) if c in cb.CHUNKED else k_of(codec, n)
             x = torch.randn(n, generator=g)
             ref = ops.encode(x, codec, block, k, None, False, 0)
             nb, co, total = cb.layout(c, n, block, k)
@@ -377,7 +378,7 @@ def test_layouts_match_the_payloads_the_ops_write(codec):
             assert total == flatcomm._C.wire_bytes(codec, n, block, k)
             lay = flatcomm._C.wire_layout(c, n, block, k)
             assert lay["head_end"] <= co <= lay["data_end"] <= total and total % 16 == 0
-            assert nb == (-(-n // block) if c in cb.BLOCKWISE else 0)
+            assert nb == (-(-n // block) if c in cb.BLOCKWISE or c in cb.CHUNKED else 0)
             buf = torch.full_like(ref, 0xFF)
             cb.Ops.zero_padding(buf, c, n, block, k)
             padding = buf == 0

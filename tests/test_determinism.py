@@ -34,10 +34,10 @@ def _run_everything():
             p = flatcomm.encode(xs, codec, residual=r, block_size=64, ratio=0.01, stochastic=stoch, seed=5)
             out += [p, r, flatcomm.decode(p, codec, N, block_size=64, ratio=0.01)]
         P = torch.stack([flatcomm.encode(rows[i], codec, block_size=256, ratio=0.01) for i in range(3)])
-        out.append(flatcomm.decode_sum(P, codec, N, ratio=0.01, scale=1 / 3))
+        out.append(flatcomm.decode_sum(P, codec, N, block_size=256, ratio=0.01, scale=1 / 3))
         if codec != "topk":
             r = r0.clone()
-            out += [flatcomm.decode_sum(P, codec, N, ratio=0.01, scale=1 / 3, reencode="int8" if codec != "int8" else "sign",
+            out += [flatcomm.decode_sum(P, codec, N, block_size=256, ratio=0.01, scale=1 / 3, reencode="int8" if codec != "int8" else "sign",
                                         residual=r, reencode_block_size=32), r]
     out.append(flatcomm.ordered_sum(rows))
     out.append(flatcomm.ordered_sum(rows.to(torch.float16)))

@@ -70,6 +70,9 @@ def test_payload_padding_is_zero(gen):
         elif codec == "topk":
             k = R.topk_k(n, RATIO)
             assert (p[4 * k:off] == 0).all() and (p[off + 4 * k:] == 0).all()
+        elif codec in R.CHUNKED:
+            nc, off2, g = R.sparse.layout(codec, n, b, min(64, b))
+            assert (p[4 * g["levels"] * nc:off2] == 0).all() and (p[off2 + nc * g["rec_bytes"]:] == 0).all()
         else:
             assert (p[n * R.CAST_BYTES[codec]:] == 0).all()
 
@@ -263,6 +266,27 @@ def test_nonfinite_poisons_only_its_block(gen, codec, bad, dtype):
     x2[poisoned] = 0
     d2 = flatcomm.decode(flatcomm.encode(x2, codec, residual=r_old.clone(), block_size=b), codec, n, block_size=b)
     assert_bits_equal(d[~poisoned], d2[~poisoned], "unaffected blocks")
+
+
+@pytest.mark.parametrize("codec", ["sparse", "sparse4"])
+def test_chunked_sparse_levels(gen, codec):
+    """Direct check: each chunk's kept values (the `keep` largest |v|) decode to their sign times a
+    level between the chunk's smallest and largest kept |v|; everything else decodes to zero."""
+    n, b, keep = 5000, 256, 16
+    x = make_input(gen, n, kind="mixed")
+    d = flatcomm.decode(flatcomm.encode(x, flatcomm.Codec(codec, block_size=b, keep=keep)),
+                        flatcomm.Codec(codec, block_size=b, keep=keep), n).double()
+    x64 = x.double()
+    for c in range(0, n, b):
+        xc, dc = x64[c:c + b], d[c:c + b]
+        kept = sorted(sorted(range(len(xc)), key=lambda i: (-abs(float(xc[i])), i))[:keep])
+        mask = torch.zeros(len(xc), dtype=torch.bool)
+        mask[kept] = True
+        assert (dc[~mask] == 0).all()
+        lo, hi = xc[mask].abs().min(), xc[mask].abs().max()
+        nz = dc[mask] != 0
+        assert (torch.sign(dc[mask][nz]) == torch.sign(xc[mask][nz])).all()
+        assert ((dc[mask].abs() >= lo * (1 - 2**-23)) | ~nz).all() and (dc[mask].abs() <= hi * (1 + 2**-23)).all()
 
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16", "fp16", "topk"])

@@ -33,7 +33,9 @@ def test_ef_identity_and_in_place(gen, codec, dtype, n):
         assert (r == 0).all()
     v = x.float() + r_old
     assert_bits_equal(r, v - d, "r_new = fp32(v - decode)")
-    if codec != "sign":  # and that subtraction is exact (Sterbenz) for all codecs but sign
+    # and that subtraction is exact (Sterbenz) for all codecs but sign and the chunked sparse ones,
+    # whose decoded level (a mean magnitude) may be more than 2x away from v
+    if codec != "sign" and codec not in R.CHUNKED:
         assert torch.equal(r.double(), v.double() - d.double())
 
 

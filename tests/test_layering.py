@@ -20,7 +20,7 @@ PKG = ROOT / "flatcomm"
 FLOORS: List[Tuple[str, List[str]]] = [
     ("base", ["flatcomm._C", "flatcomm._version", "flatcomm._compat", "flatcomm._bytes"]),
     ("ops", ["flatcomm.ops.native", "flatcomm.ops.codecs", "flatcomm.ops.sums",
-             "flatcomm.ops.reference.bits", "flatcomm.ops.reference.codecs", "flatcomm.ops.reference.sums",
+             "flatcomm.ops.reference.sparse", "flatcomm.ops.reference.bits", "flatcomm.ops.reference.codecs", "flatcomm.ops.reference.sums",
              "flatcomm.ops.reference", "flatcomm.ops.cupy_backend.kernels", "flatcomm.ops.cupy_backend.launches",
              "flatcomm.ops.cupy_backend.ops", "flatcomm.ops.cupy_backend"]),
     ("comm", ["flatcomm.comm.context", "flatcomm.comm.labels", "flatcomm.comm.groups", "flatcomm.comm.streams", "flatcomm.comm.worker", "flatcomm.comm.header", "flatcomm.comm.p2p",

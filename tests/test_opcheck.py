@@ -16,7 +16,10 @@ def _x(n, dtype=torch.float32, seed=0):
     return (torch.randn(n, generator=g) * 3).to(dtype)
 
 
-def _k(codec, n, ratio=0.05):
+def _k(codec, n, b, ratio=0.05):
+    """The op's k: topk's kept count, or the chunked sparse codecs' default kept per chunk of b."""
+    if codec in R.CHUNKED:
+        return min(64, b)
     return R.topk_k(n, ratio) if codec == "topk" else 0
 
 
@@ -31,7 +34,7 @@ for codec in R.CODECS:
 def test_opcheck_encode(codec, n, dtype, b, with_r, stoch):
     x = _x(n, dtype)
     r = _x(n, seed=1) * 0.01 if with_r else None
-    torch.library.opcheck(ops.encode, (x, codec, b, _k(codec, n), r, stoch, 3))
+    torch.library.opcheck(ops.encode, (x, codec, b, _k(codec, n, b), r, stoch, 3))
 
 
 @pytest.mark.parametrize("codec", R.CODECS)
@@ -39,7 +42,7 @@ def test_opcheck_encode(codec, n, dtype, b, with_r, stoch):
 def test_opcheck_decode(codec, out_dtype):
     n, b = 300, 64
     p = flatcomm.encode(_x(n), codec, block_size=b, ratio=0.05)
-    torch.library.opcheck(ops.decode, (p, codec, n, b, _k(codec, n), out_dtype))
+    torch.library.opcheck(ops.decode, (p, codec, n, b, _k(codec, n, b), out_dtype))
 
 
 @pytest.mark.parametrize("codec", R.CODECS)
@@ -47,7 +50,7 @@ def test_opcheck_decode(codec, out_dtype):
 def test_opcheck_decode_sum(codec, W):
     n, b = 300, 32
     P = torch.stack([flatcomm.encode(_x(n, seed=s), codec, block_size=b, ratio=0.05) for s in range(W)])
-    torch.library.opcheck(ops.decode_sum, (P, codec, n, b, _k(codec, n), 1.0 / W))
+    torch.library.opcheck(ops.decode_sum, (P, codec, n, b, _k(codec, n, b), 1.0 / W))
 
 
 @pytest.mark.parametrize("codec,out,with_r,stoch", [("int8", "int8", True, False), ("topk", "bf16", True, True),
@@ -56,7 +59,7 @@ def test_opcheck_decode_sum_encode(codec, out, with_r, stoch):
     n, b = 500, 64
     P = torch.stack([flatcomm.encode(_x(n, seed=s), codec, block_size=b, ratio=0.05) for s in range(2)])
     r = _x(n, seed=9) * 0.01 if with_r else None
-    torch.library.opcheck(ops.decode_sum_encode, (P, codec, n, b, _k(codec, n), 0.5, out, 32, r, stoch, 1))
+    torch.library.opcheck(ops.decode_sum_encode, (P, codec, n, b, _k(codec, n, b), 0.5, out, 32, r, stoch, 1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -80,7 +83,7 @@ _HAS_INTO = all(hasattr(ops, f"{o}_into") for o in ("encode", "decode", "decode_
 @pytest.mark.parametrize("codec", ["int8", "topk", "bf16", "sign"])
 def test_opcheck_into_variants(codec):
     n, b = 300, 64
-    k = _k(codec, n)
+    k = _k(codec, n, b)
     x = _x(n)
     payload = torch.empty(flatcomm.wire_bytes(codec, n, block_size=b, ratio=0.05), dtype=torch.uint8)
     torch.library.opcheck(ops.encode_into, (x, codec, b, k, _x(n, seed=2) * 0.01, False, 0, payload))
@@ -93,7 +96,7 @@ def test_opcheck_into_variants(codec):
                           (P, codec, n, b, k, 0.5, "int8", 32, torch.zeros(n), False, 0, out))
 
 
-@pytest.mark.parametrize("codec", [c for c in R.CODECS if c != "topk"])
+@pytest.mark.parametrize("codec", [c for c in R.CODECS if c != "topk" and c not in R.CHUNKED])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_opcheck_decode_rows_into(codec, out_dtype):
     m, b, rows = 100, 32, 3

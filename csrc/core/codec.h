@@ -8,6 +8,8 @@
 //                                    stored as q + 8; sign: bit (i & 7) of byte i / 8, 1 = negative
 //   topk:                            [uint32 index x k, padded to 16 B][fp32 value x k]
 //                                    indices strictly ascending
+//   sparse, sparse4 (chunked):       [fp32 level table per chunk, padded to 16 B][record per chunk]
+//                                    k = kept per chunk of `block` values (core/sparse.h)
 // A block is elements [b * B, min((b + 1) * B, n)). B is a multiple of 32, so every block starts on
 // a byte boundary of the codes.
 //
@@ -17,6 +19,7 @@
 // element: an element whose encoded value is not finite keeps its previous residual.
 #pragma once
 #include "dispatch.h"
+#include "sparse.h"
 
 namespace flatcomm {
 namespace core {
@@ -38,25 +41,33 @@ FC_HD bool layout_ok(int32_t codec, int64_t n, int64_t block, int64_t k) {
   if (!valid_codec_id(codec) || n < 0 || n > kMaxNumel) return false;
   if (is_blockwise(codec)) return block >= kMinBlock && block <= kMaxBlock && block % 32 == 0;
   if (codec == kCodecTopK) return n <= kMaxTopkNumel && (n == 0 ? k == 0 : (k >= 1 && k <= n));
+  if (is_chunk_sparse(codec)) return sparse_args_ok(block, k);
   return true;
 }
 
 struct Layout {
-  int64_t nblocks;       // blockwise: number of scale blocks
-  int64_t codes_offset;  // byte offset of codes (blockwise) or values (topk)
+  int64_t nblocks;       // blockwise: number of scale blocks; chunked sparse: of chunks
+  int64_t codes_offset;  // byte offset of codes (blockwise), values (topk) or records (chunked sparse)
   int64_t total;         // payload bytes, a multiple of 16
+  int64_t record_bytes;  // chunked sparse: bytes of one chunk's record (else 0)
 };
 
 // `block` is the block size for blockwise codecs, `k` the kept count for topk. Only for arguments
 // that pass layout_ok (others may overflow).
 FC_HD Layout layout(int32_t codec, int64_t n, int64_t block, int64_t k) {
-  Layout l{0, 0, 0};
+  Layout l{0, 0, 0, 0};
   if (n <= 0) return l;
   if (is_cast(codec)) {
     l.total = round_up(n * cast_bytes(codec), kAlign);
   } else if (codec == kCodecTopK) {
     l.codes_offset = round_up(4 * k, kAlign);
     l.total = round_up(l.codes_offset + 4 * k, kAlign);
+  } else if (is_chunk_sparse(codec)) {
+    const SparseGeom g = sparse_geom(code_bits(codec), block, k);
+    l.nblocks = ceil_div(n, block);
+    l.codes_offset = round_up(4 * g.levels * l.nblocks, kAlign);
+    l.record_bytes = g.rec_bytes;
+    l.total = round_up(l.codes_offset + g.rec_bytes * l.nblocks, kAlign);
   } else {
     l.nblocks = ceil_div(n, block);
     l.codes_offset = round_up(4 * l.nblocks, kAlign);
@@ -81,6 +92,9 @@ FC_HD DataEnds data_ends(int32_t codec, int64_t n, int64_t k, const Layout& l) {
   } else if (codec == kCodecTopK) {
     d.head_end = 4 * k;
     d.data_end = l.codes_offset + 4 * k;
+  } else if (is_chunk_sparse(codec)) {
+    d.head_end = 4 * (int64_t(1) << (code_bits(codec) - 1)) * l.nblocks;
+    d.data_end = l.codes_offset + l.record_bytes * l.nblocks;
   } else {
     d.head_end = 4 * l.nblocks;
     d.data_end = l.codes_offset + ceil_div(n * code_bits(codec), 8);

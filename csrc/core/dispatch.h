@@ -61,11 +61,13 @@ enum class CodecKind : int32_t {
   kScaledInt,   // symmetric integer codes of `bits` bits times one fp32 scale per block
   kScaledSign,  // 1 bit per value (the sign) times the block's mean |v|
   kSparse,      // topk: the k largest |v|, as uint32 index + fp32 value
+  kChunkSparse, // per chunk of `block` values the k largest |v|: coded positions + `bits`-bit codes
 };
 
 // One row per codec, in id order. The id is the row's position and goes on the wire (the
 // collectives' consistency check), so a new codec is appended, never inserted.
-//   bits:       cast: bits per value (its dtype's); scaled: bits per code; topk: per entry
+//   bits:       cast: bits per value (its dtype's); scaled and chunked sparse: bits per code;
+//               topk: per entry
 //   stochastic: encode accepts stochastic=true (stochastic rounding)
 //   dtype:      cast codecs: the DType of the stored values; others kNoDType
 //  X(id,        name,   kind,        bits, stochastic, dtype)
@@ -76,7 +78,9 @@ enum class CodecKind : int32_t {
   X(kCodecInt8, "int8", kScaledInt,    8,   true,       kNoDType) \
   X(kCodecInt4, "int4", kScaledInt,    4,   true,       kNoDType) \
   X(kCodecSign, "sign", kScaledSign,   1,   false,      kNoDType) \
-  X(kCodecTopK, "topk", kSparse,      64,   false,      kNoDType)
+  X(kCodecTopK, "topk", kSparse,      64,   false,      kNoDType) \
+  X(kCodecSparse,  "sparse",  kChunkSparse, 2, false,   kNoDType) \
+  X(kCodecSparse4, "sparse4", kChunkSparse, 4, false,   kNoDType)
 
 #define FC_CODEC_ENUM(id, ...) id,
 enum Codec : int32_t { FLATCOMM_CODECS(FC_CODEC_ENUM) kNumCodecs };
@@ -111,6 +115,8 @@ FC_HD constexpr bool is_cast(int32_t c) { return codec_kind(c) == CodecKind::kCa
 FC_HD constexpr bool is_blockwise(int32_t c) {
   return codec_kind(c) == CodecKind::kScaledInt || codec_kind(c) == CodecKind::kScaledSign;
 }
+// Per chunk of `block` values the k largest |v| (core/sparse.h): "sparse" and "sparse4".
+FC_HD constexpr bool is_chunk_sparse(int32_t c) { return codec_kind(c) == CodecKind::kChunkSparse; }
 FC_HD constexpr bool has_stochastic(int32_t c) { return codec_info(c).stochastic; }
 FC_HD constexpr int32_t code_bits(int32_t c) { return codec_info(c).bits; }      // scaled codecs
 FC_HD constexpr int64_t cast_bytes(int32_t c) { return codec_info(c).bits / 8; }  // cast codecs

@@ -29,6 +29,56 @@ static constexpr SignMaskTable make_sign_masks() {
 }
 alignas(32) static constexpr SignMaskTable kSignMasks = make_sign_masks();
 
+// ---- chunked sparse (core/sparse.h): one chunk at a time ----------------------------------------
+
+// Decodes [i0, i1) of a chunked sparse payload: each chunk touched is parsed whole (positions are
+// coded, not indexable), then its entries inside the range are scattered. The ops validate host
+// payloads first (check_sparse_payload); a chunk that fails here anyway decodes to NaN.
+template <int C, bool ACC>
+static void decode_range_sparse(const uint8_t* payload, int64_t n, int64_t block, int64_t k, int64_t i0,
+                                int64_t i1, float* out) {
+  const Layout L = layout(C, n, block, k);
+  const SparseGeom g = sparse_geom(code_bits(C), block, k);
+  const float* tables = reinterpret_cast<const float*>(payload);
+  uint16_t pos[kSparseMaxChunk];
+  float val[kSparseMaxChunk];
+  for (int64_t i = i0; i < i1;) {
+    const int64_t c = i / block, c0 = c * block;
+    const int64_t e = min_(i1, c0 + block);
+    const SparseParse sp = sparse_parse_chunk(tables + c * g.levels, payload + L.codes_offset + c * g.rec_bytes,
+                                              min_(block, n - c0), g, pos, val);
+    if (sp.status != kSparseOk) {
+      for (int64_t j = i; j < e; ++j) out[j - i0] = u2f(0x7fc00000u);  // NaN: non-finite chunk
+    } else {
+      if (!ACC)
+        for (int64_t j = i; j < e; ++j) out[j - i0] = 0.0f;
+      for (int64_t t = 0; t < sp.count; ++t) {
+        const int64_t j = c0 + pos[t];
+        if (j < i || j >= e) continue;
+        if (ACC) out[j - i0] += val[t]; else out[j - i0] = val[t];
+      }
+    }
+    i = e;
+  }
+}
+
+// Encodes the whole chunks of [i0, i1) (i0 a multiple of the chunk size): select, quantize and
+// update the residual chunk by chunk, while the chunk is in cache.
+template <int DT, int C>
+static void encode_range_sparse(const EncodeArgs& a, int64_t i0, int64_t i1) {
+  const Layout L = layout(C, a.n, a.block, a.k);
+  const SparseGeom g = sparse_geom(code_bits(C), a.block, a.k);
+  const auto* x = static_cast<const typename Elem<DT>::T*>(a.x);
+  float* tables = reinterpret_cast<float*>(a.payload);
+  uint16_t cand[kSparseMaxChunk], pos[kSparseMaxChunk];
+  float val[kSparseMaxChunk];
+  for (int64_t i = i0; i < i1; i += a.block) {
+    const int64_t c = i / a.block;
+    sparse_encode_chunk<DT>(x + i, a.residual ? a.residual + i : nullptr, min_(a.block, a.n - i), g,
+                            tables + c * g.levels, a.payload + L.codes_offset + c * g.rec_bytes, cand, pos, val);
+  }
+}
+
 // ---- decoding any 32-aligned element range ----------------------------------------------------
 
 // out[j - i0] = decode(i) (ACC = false) or out[j - i0] += decode(i) (ACC = true), i in [i0, i1).
@@ -45,6 +95,10 @@ static void decode_range(const uint8_t* payload, int64_t n, int64_t block, int64
       const float d = E::load(values[i]);
       if (ACC) out[i - i0] += d; else out[i - i0] = d;
     }
+    return;
+  }
+  if constexpr (is_chunk_sparse(C)) {
+    decode_range_sparse<C, ACC>(payload, n, block, k, i0, i1, out);
     return;
   }
   if (C == kCodecTopK) {
@@ -237,11 +291,14 @@ static void encode_range_c(const EncodeArgs& a, int64_t i0, int64_t i1, int64_t 
   }
 }
 
-// Every codec but topk, which selects over the whole tensor (encode_topk_impl).
+// Every codec but topk, which selects over the whole tensor (encode_topk_impl). The chunked sparse
+// codecs are not re-encoded fused (decode_sum_encode refuses them), so origin is 0 for them.
 template <int DT>
 static void encode_range_d(const EncodeArgs& a, int64_t i0, int64_t i1, int64_t origin) {
   by_codec(a.codec, [&](auto c) {
-    if constexpr (decltype(c)::value != kCodecTopK) encode_range_c<DT, decltype(c)::value>(a, i0, i1, origin);
+    constexpr int C = decltype(c)::value;
+    if constexpr (is_chunk_sparse(C)) encode_range_sparse<DT, C>(a, i0, i1);
+    else if constexpr (C != kCodecTopK) encode_range_c<DT, C>(a, i0, i1, origin);
   });
 }
 

@@ -27,7 +27,7 @@ void parallel_ranges(int64_t n, int64_t unit, const Fn& fn) {
 }
 
 int64_t unit_of(int32_t codec, int64_t block) {
-  return core::is_blockwise(codec) ? block : cpu::kTile;
+  return core::is_blockwise(codec) || core::is_chunk_sparse(codec) ? block : cpu::kTile;
 }
 
 struct CpuBackend {

@@ -333,6 +333,67 @@ topk_decode_kernel(const uint8_t* payloads, int64_t row_stride, int64_t rows, in
   }
 }
 
+// ---- chunked sparse (sparse, sparse4): one thread per chunk ---------------------------------------
+// A first, plain version: each thread runs core/sparse.h's chunk functions, the same code as the
+// CPU kernels (so the same bytes and residual bits), with its scratch in local memory. Correct on
+// any payload; not yet fast on a GPU (a CTA per chunk with a shared-memory radix select would be).
+
+template <int DT>
+__global__ void __launch_bounds__(kThreads) sparse_encode_kernel(const void* xv, float* residual, uint8_t* payload,
+                                                                 int64_t n, int32_t codec, int64_t block, int64_t k,
+                                                                 int64_t codes_offset) {
+  const SparseGeom g = sparse_geom(code_bits(codec), block, k);
+  const int64_t nchunks = ceil_div(n, block);
+  const auto* x = static_cast<const typename Elem<DT>::T*>(xv);
+  uint16_t cand[kSparseMaxChunk], pos[kSparseMaxChunk];
+  float val[kSparseMaxChunk];
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < nchunks;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = c * block;
+    sparse_encode_chunk<DT>(x + i, residual ? residual + i : nullptr, min64(block, n - i), g,
+                            reinterpret_cast<float*>(payload) + c * g.levels, payload + codes_offset + c * g.rec_bytes,
+                            cand, pos, val);
+  }
+}
+
+// out (n values of ODT) = the sum of `rows` payloads' chunks, row 0 assigned and later rows added in
+// ascending order at their kept positions, then times `scale` (kernels_impl.h decode_sum_tile and
+// decode_range_sparse). A chunk that does not parse decodes to NaN (the CUDA ops cannot raise
+// without a host sync: defined values instead, as topk).
+template <int ODT>
+__global__ void __launch_bounds__(kThreads) sparse_decode_kernel(const uint8_t* payloads, int64_t row_stride,
+                                                                 int64_t rows, int64_t n, int32_t codec, int64_t block,
+                                                                 int64_t k, int64_t codes_offset, float scale,
+                                                                 void* out) {
+  using E = Elem<ODT>;
+  const SparseGeom g = sparse_geom(code_bits(codec), block, k);
+  const int64_t nchunks = ceil_div(n, block);
+  uint16_t pos[kSparseMaxChunk];
+  float val[kSparseMaxChunk];
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < nchunks;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t c0 = c * block, m = min64(block, n - c0);
+    typename E::T* o = static_cast<typename E::T*>(out) + c0;
+    if (rows == 0)
+      for (int64_t j = 0; j < m; ++j) o[j] = E::store(0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* p = payloads + r * row_stride;
+      const SparseParse sp = sparse_parse_chunk(reinterpret_cast<const float*>(p) + c * g.levels,
+                                                p + codes_offset + c * g.rec_bytes, m, g, pos, val);
+      if (sp.status != kSparseOk) {
+        for (int64_t j = 0; j < m; ++j) o[j] = E::store(u2f(0x7fc00000u));
+        continue;
+      }
+      if (r == 0)
+        for (int64_t j = 0; j < m; ++j) o[j] = E::store(0.0f);
+      for (int64_t t = 0; t < sp.count; ++t)
+        o[pos[t]] = r == 0 ? E::store(val[t]) : E::store(E::load(o[pos[t]]) + val[t]);
+    }
+    if (scale != 1.0f)
+      for (int64_t j = 0; j < m; ++j) o[j] = E::store(E::load(o[j]) * scale);
+  }
+}
+
 // ---- encoding (all codecs but topk) -----------------------------------------------------------
 
 struct EncodeParams {

@@ -32,6 +32,8 @@ unsigned grid_for(int64_t items, int64_t per_cta) {
 bool valid_block(int32_t codec, int64_t block) {
   return !is_blockwise(codec) || (block >= kMinBlock && block <= kMaxBlock && block % 32 == 0);
 }
+// Chunked sparse codecs: the chunk (block) and the kept count k (core/sparse.h).
+bool valid_sparse(int32_t codec, int64_t block, int64_t k) { return !is_chunk_sparse(codec) || sparse_args_ok(block, k); }
 bool valid_topk(int64_t n, int64_t k) { return k >= 0 && k <= n && n <= kMaxTopkNumel; }
 // Sizes beyond kMaxNumel would overflow layout() (the ops reject them first; so does every launch).
 bool valid_numel(int64_t n) { return n <= kMaxNumel; }
@@ -100,6 +102,7 @@ cudaError_t encode(const EncodeArgs& a, cudaStream_t s) {
   if (a.codec == kCodecTopK) return encode_topk(a, s);
   if (!valid_dtype(a.x_dtype) || !valid_codec_id(a.codec) || !valid_block(a.codec, a.block) || !valid_numel(a.n))
     return cudaErrorInvalidValue;
+  if (!valid_sparse(a.codec, a.block, a.k)) return cudaErrorInvalidValue;
   if (a.n <= 0) return cudaSuccess;
   const bool vec = al16(a.x);
   return by_dtype(a.x_dtype, [&](auto dt) {
@@ -107,6 +110,11 @@ cudaError_t encode(const EncodeArgs& a, cudaStream_t s) {
       constexpr int C = decltype(c)::value;
       if constexpr (C == kCodecTopK) {
         return cudaErrorInvalidValue;  // handled above
+      } else if constexpr (is_chunk_sparse(C)) {
+        const int64_t co = layout(C, a.n, a.block, a.k).codes_offset;
+        sparse_encode_kernel<decltype(dt)::value><<<grid_for(ceil_div(a.n, a.block), kThreads), kThreads, 0, s>>>(
+            a.x, a.residual, a.payload, a.n, C, a.block, a.k, co);
+        return cudaGetLastError();
       } else {
         return run_encode<C>(a, XSource<decltype(dt)::value>{a.x}, vec, s);
       }
@@ -119,6 +127,7 @@ cudaError_t decode(const DecodeArgs& a, cudaStream_t s) {
   if (!valid_dtype(a.out_dtype) || !valid_codec_id(a.codec) || !valid_block(a.codec, a.block))
     return cudaErrorInvalidValue;
   if (a.codec == kCodecTopK && !valid_topk(a.n, a.k)) return cudaErrorInvalidValue;
+  if (!valid_sparse(a.codec, a.block, a.k)) return cudaErrorInvalidValue;
   if (a.n <= 0) return cudaSuccess;
   const int64_t co = layout(a.codec, a.n, a.block, a.k).codes_offset;
   const bool vec = al16(a.payload) && al16(a.out);
@@ -129,6 +138,9 @@ cudaError_t decode(const DecodeArgs& a, cudaStream_t s) {
       if constexpr (C == kCodecTopK) {
         topk_decode_kernel<ODT><<<grid_for(a.n, kTopkTile), kThreads, 0, s>>>(a.payload, 0, 1, a.n, a.k, co,
                                                                               1.0f, a.out);
+      } else if constexpr (is_chunk_sparse(C)) {
+        sparse_decode_kernel<ODT><<<grid_for(ceil_div(a.n, a.block), kThreads), kThreads, 0, s>>>(
+            a.payload, 0, 1, a.n, C, a.block, a.k, co, 1.0f, a.out);
       } else {
         decode_kernel<C, ODT><<<grid_for(a.n, 4 * kThreads), kThreads, 0, s>>>(a.payload, co, a.block, a.n,
                                                                                a.out, vec);
@@ -139,7 +151,7 @@ cudaError_t decode(const DecodeArgs& a, cudaStream_t s) {
 }
 
 cudaError_t decode_rows(const DecodeRowsArgs& a, cudaStream_t s) {
-  if (!valid_dtype(a.out_dtype) || !valid_codec_id(a.codec) || a.codec == kCodecTopK ||
+  if (!valid_dtype(a.out_dtype) || !valid_codec_id(a.codec) || a.codec == kCodecTopK || is_chunk_sparse(a.codec) ||
       !valid_block(a.codec, a.block) || a.row_numel < 1 || !valid_numel(a.row_numel) || a.rows < 1 ||
       a.n < 1 || !valid_numel(a.n) || ceil_div(a.n, a.row_numel) != a.rows)
     return cudaErrorInvalidValue;
@@ -151,7 +163,7 @@ cudaError_t decode_rows(const DecodeRowsArgs& a, cudaStream_t s) {
     constexpr int ODT = decltype(odt)::value;
     return by_codec(a.codec, [&](auto c) -> cudaError_t {
       constexpr int C = decltype(c)::value;
-      if constexpr (C == kCodecTopK) {
+      if constexpr (C == kCodecTopK || is_chunk_sparse(C)) {
         return cudaErrorInvalidValue;  // rejected above
       } else {
         decode_rows_kernel<C, ODT><<<grid, kThreads, 0, s>>>(a.payloads, a.row_stride, a.rows, a.row_numel, a.n,
@@ -168,6 +180,7 @@ cudaError_t decode_sum(const DecodeSumArgs& a, cudaStream_t s) {
   if (!valid_numel(a.n)) return cudaErrorInvalidValue;
   if (!valid_codec_id(a.codec) || !valid_block(a.codec, a.block) || a.rows < 0) return cudaErrorInvalidValue;
   if (a.codec == kCodecTopK && !valid_topk(a.n, a.k)) return cudaErrorInvalidValue;
+  if (!valid_sparse(a.codec, a.block, a.k)) return cudaErrorInvalidValue;
   if (a.n <= 0) return cudaSuccess;
   const int64_t co = layout(a.codec, a.n, a.block, a.k).codes_offset;
   const bool vec = rows_aligned(a) && al16(a.out);
@@ -176,6 +189,9 @@ cudaError_t decode_sum(const DecodeSumArgs& a, cudaStream_t s) {
     if constexpr (C == kCodecTopK) {
       topk_decode_kernel<kF32><<<grid_for(a.n, kTopkTile), kThreads, 0, s>>>(a.payloads, a.row_stride, a.rows,
                                                                              a.n, a.k, co, a.scale, a.out);
+    } else if constexpr (is_chunk_sparse(C)) {
+      sparse_decode_kernel<kF32><<<grid_for(ceil_div(a.n, a.block), kThreads), kThreads, 0, s>>>(
+          a.payloads, a.row_stride, a.rows, a.n, C, a.block, a.k, co, a.scale, a.out);
     } else {
       decode_sum_kernel<C><<<grid_for(a.n, 4 * kThreads), kThreads, 0, s>>>(a, co, vec);
     }
@@ -189,6 +205,7 @@ cudaError_t decode_sum_encode(const DecodeSumArgs& a, const EncodeArgs& enc, cud
   if (a.codec == kCodecTopK && !valid_topk(a.n, a.k)) return cudaErrorInvalidValue;
   if (!valid_codec_id(enc.codec) || enc.codec == kCodecTopK || !valid_block(enc.codec, enc.block) || enc.n != a.n)
     return cudaErrorInvalidValue;
+  if (is_chunk_sparse(a.codec) || is_chunk_sparse(enc.codec)) return cudaErrorInvalidValue;  // not fused yet
   if (a.n <= 0) return cudaSuccess;
   const int64_t co = layout(a.codec, a.n, a.block, a.k).codes_offset;
   const bool vec = rows_aligned(a);
@@ -196,7 +213,7 @@ cudaError_t decode_sum_encode(const DecodeSumArgs& a, const EncodeArgs& enc, cud
     constexpr int SC = decltype(src_c)::value;
     return by_codec(enc.codec, [&](auto c) -> cudaError_t {
       constexpr int C = decltype(c)::value;
-      if constexpr (C == kCodecTopK) {
+      if constexpr (C == kCodecTopK || is_chunk_sparse(C) || is_chunk_sparse(SC)) {
         return cudaErrorInvalidValue;  // rejected above
       } else {
         return run_encode<C>(enc, SumSource<SC>{a, co}, vec, s);

@@ -340,8 +340,11 @@ def codec_fields(codec, prefix: str = "") -> List[Tuple[str, int]]:
     """A codec's header fields (``"auto"``: :data:`AUTO_CODEC`); the topk ratio's exact bits."""
     if isinstance(codec, str) and codec == "auto":
         return [(prefix + "codec", AUTO_CODEC), (prefix + "block_size", 0), (prefix + "topk ratio", 0)]
+    # The chunked sparse codecs send their kept share (keep / block_size, exact in float64) in the
+    # ratio field: ranks keeping different counts per chunk would exchange payloads of other sizes.
+    ratio = codec.keep / codec.block_size if codec.chunked else codec.ratio
     return [(prefix + "codec", CODECS.index(codec.name)), (prefix + "block_size", codec.block_size),
-            (prefix + "topk ratio", float_bits(codec.ratio))]
+            (prefix + "topk ratio", float_bits(ratio))]
 
 
 def device_field(device: torch.device) -> Tuple[str, int]:

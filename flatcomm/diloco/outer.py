@@ -64,6 +64,11 @@ class Config:
         desc = repr((self.schedule, p.codec, p.mode, p.feedback, p.world, local, self.lr, self.momentum,
                      self.nesterov, self.alpha) + ((self.verify_every,) if with_verify else ()) +
                     ([(f.names, f.sizes, str(f.residual_dtype)) for f in self.fragments],))
+        # Options added later enter only when set, so earlier checkpoints keep their fingerprint.
+        if p.codec.chunked:
+            desc += f" keep={p.codec.keep}"
+        if p.error_decay != 1.0:
+            desc += f" error_decay={p.error_decay!r}"
         return int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=8).digest(), "little")
 
     def options(self) -> Dict[str, str]:
@@ -77,7 +82,8 @@ class Config:
                 "outer_momentum": repr(self.momentum), "nesterov": str(self.nesterov),
                 "fragment_update_alpha": repr(self.alpha),
                 "residual_dtype": str(self.fragments[0].residual_dtype) if self.fragments else "",
-                "model layout": hashlib.blake2b(layout, digest_size=8).hexdigest()}
+                "model layout": hashlib.blake2b(layout, digest_size=8).hexdigest(),
+                "codec keep": str(p.codec.keep) if p.codec.chunked else "-", "error_decay": repr(p.error_decay)}
 
 
 def _number(v: Any, what: str, lo: float, hi: float, hi_open: bool = False) -> float:
@@ -105,7 +111,7 @@ def _check_no_ddp(model: torch.nn.Module, group, allow_ddp: bool) -> None:
 
 
 def _configure(model, sync_every, codec, mode, outer_lr, outer_momentum, nesterov, fragments, delay, alpha,
-               group, error_feedback, residual_dtype, verify_every, topology, allow_ddp=False) -> Config:
+               group, error_feedback, residual_dtype, verify_every, topology, allow_ddp=False, error_decay=1.0) -> Config:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"flatcomm.diloco: model must be a torch.nn.Module, got {type(model).__name__}")
     _check_no_ddp(model, topology.group if isinstance(topology, Topology) else group, allow_ddp)
@@ -132,7 +138,7 @@ def _configure(model, sync_every, codec, mode, outer_lr, outer_momentum, nestero
     mu = _number(outer_momentum, "outer_momentum", 0.0, 1.0, hi_open=True)
     a = _number(alpha, "fragment_update_alpha", 0.0, 1.0)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    plan = sync.Plan(c, mode, group, topology, error_feedback)
+    plan = sync.Plan(c, mode, group, topology, error_feedback, _number(error_decay, "error_decay", 0.0, 1.0))
     if plan.gathered and plan.two_level:
         raise ValueError("flatcomm.diloco: mode='exact' with a lossy codec runs flat (an all-gather of the "
                          "encoded payloads); drop topology= or use codec='fp32'")
@@ -164,7 +170,8 @@ class DiLoCo:
                  nesterov: bool = True, fragments: Any = 1, fragment_sync_delay: int = 0,
                  fragment_update_alpha: float = 0.0, group=None, error_feedback: bool = True,
                  residual_dtype: torch.dtype = torch.float32, verify_every: int = 0,
-                 topology: Optional[Topology] = None, allow_ddp: bool = False) -> None:
+                 topology: Optional[Topology] = None, allow_ddp: bool = False,
+                 error_decay: float = 1.0) -> None:
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"flatcomm.diloco: inner_optimizer must be a torch.optim.Optimizer, "
                             f"got {type(inner_optimizer).__name__}")

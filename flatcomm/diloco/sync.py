@@ -32,8 +32,12 @@ __all__ = ["Pending", "Plan", "launch"]
 class Plan:
     """How every outer all-reduce of this run is made (codec, mode, where, error feedback)."""
 
-    def __init__(self, codec: Codec, mode: str, group, topology, error_feedback: bool) -> None:
+    def __init__(self, codec: Codec, mode: str, group, topology, error_feedback: bool,
+                 error_decay: float = 1.0) -> None:
         self.codec, self.mode, self.topology = codec, mode, topology
+        # SparseLoCo's decayed accumulator: the client residual is scaled by this before each sync
+        # (1.0: plain error feedback).
+        self.error_decay = float(error_decay)
         self.group = topology.group if topology is not None else group
         self.two_level = topology is not None and not topology.flat
         self.feedback = bool(error_feedback) and not codec.lossless
@@ -101,6 +105,8 @@ class Pending:
 def launch(plan: Plan, fragment: int, started: int, delta: torch.Tensor, residuals: List[torch.Tensor]) -> Pending:
     """Start the all-reduce of ``delta`` (consumed) with the fp32 working ``residuals``."""
     stats = C.CommStats()
+    if residuals and plan.error_decay != 1.0:
+        residuals[0].mul_(plan.error_decay)  # a working copy: committed only if the sync succeeds
     fb = plan.feedback_of(residuals)
     if plan.gathered:
         rows = torch.empty(plan.world * delta.numel(), dtype=torch.float32, device=delta.device)

@@ -1,8 +1,10 @@
 """Gradient codecs: encode with fused error feedback, decode, and fused decode-and-sum.
 
 Codecs: ``fp32``, ``bf16``, ``fp16`` (casts), ``int8``, ``int4`` (symmetric, one fp32 scale per
-block), ``sign`` (1 bit per value, scale = mean |v| of the block) and ``topk`` (the ``ratio`` share of
-largest magnitudes, sent as uint32 index + fp32 value). An encoded payload is one contiguous uint8
+block), ``sign`` (1 bit per value, scale = mean |v| of the block), ``topk`` (the ``ratio`` share of
+largest magnitudes, sent as uint32 index + fp32 value) and ``sparse`` / ``sparse4`` (the ``keep``
+largest of every chunk of ``block_size`` values, positions Elias-Fano coded, values as a sign and a
+1- or 3-bit level of a per-chunk table of mean magnitudes: csrc/core/sparse.h). An encoded payload is one contiguous uint8
 tensor (scales and indices inline), so a single collective moves it; its size is ``wire_bytes``.
 
 Non-finite values: if ``v = x + residual`` holds an inf or NaN in a block, every value of that block
@@ -22,8 +24,9 @@ import torch
 from .native import extension, ops
 
 __all__ = [
-    "BLOCKWISE", "CODECS", "Codec", "CodecFacts", "CodecLike", "DEFAULT_BLOCK_SIZE", "DEFAULT_TOPK_RATIO",
-    "MAX_BLOCK", "MAX_NUMEL", "MIN_BLOCK", "NOMINAL_REL_ERROR", "PRECISION", "STOCHASTIC", "TABLE", "WEIGHT_CODECS", "decode", "decode_rows",
+    "BLOCKWISE", "CODECS", "Codec", "CodecFacts", "CodecLike", "DEFAULT_BLOCK_SIZE", "DEFAULT_SPARSE_CHUNK",
+    "DEFAULT_SPARSE_KEEP", "DEFAULT_TOPK_RATIO", "MAX_BLOCK", "MAX_NUMEL", "MIN_BLOCK", "NOMINAL_REL_ERROR",
+    "PRECISION", "STOCHASTIC", "TABLE", "WEIGHT_CODECS", "decode", "decode_rows",
     "decode_sum", "encode", "reencode_sum", "resolve", "wire_bytes"
 ]
 
@@ -36,8 +39,8 @@ class CodecFacts:
 
     name: str
     id: int  # its position in the C++ list; on the wire in the consistency check
-    kind: str  # "cast", "scaled_int", "scaled_sign" or "sparse" (topk)
-    bits: int  # cast: per value; scaled: per code; sparse: per entry
+    kind: str  # "cast", "scaled_int", "scaled_sign", "sparse" (topk) or "chunk_sparse" (sparse, sparse4)
+    bits: int  # cast: per value; scaled and chunk_sparse: per code; sparse: per entry
     stochastic: bool  # encode takes stochastic=True
     dtype: Optional[torch.dtype]  # the dtype a cast codec stores, else None
     nominal_rel_error: Optional[float]  # for codec="auto" and the backoffs; None: never chosen
@@ -57,6 +60,8 @@ _POLICY: Dict[str, Dict[str, Any]] = {
     "int4": {"nominal_rel_error": 0.12, "weights": True},
     "sign": {"nominal_rel_error": 0.60, "weights": False},
     "topk": {"nominal_rel_error": None, "weights": False},
+    "sparse": {"nominal_rel_error": None, "weights": False},
+    "sparse4": {"nominal_rel_error": None, "weights": False},
 }
 
 
@@ -96,6 +101,10 @@ _CAST_ALIGN = MIN_BLOCK
 # its codes stay in L1). `python -m flatcomm.tools.bench.kernels --block-sizes` shows the trade-off measured.
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_TOPK_RATIO = 0.01
+# Chunked sparse codecs (sparse, sparse4; csrc/core/sparse.h): SparseLoCo's production setting, the
+# 64 largest of every 4,096 values (1.56%).
+DEFAULT_SPARSE_CHUNK = 4096
+DEFAULT_SPARSE_KEEP = 64
 # Largest numel (csrc/core/codec.h kMaxNumel): every payload size below it fits in int64.
 MAX_NUMEL: int = _LIMITS["max_numel"]
 
@@ -123,15 +132,29 @@ def unknown_codec(name: object) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    """A codec with its parameters. ``block_size`` is used by int8/int4/sign, ``ratio`` by topk."""
+    """A codec with its parameters. ``block_size`` is used by int8/int4/sign (default 256) and is
+    the chunk of sparse/sparse4 (default 4096), ``ratio`` is used by topk, ``keep`` (values kept per
+    chunk, default 64, or the chunk if smaller) by sparse/sparse4."""
 
     name: str
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int = None  # type: ignore[assignment]  # None: the codec's default
     ratio: float = DEFAULT_TOPK_RATIO
+    # None: min(64, block_size) for sparse/sparse4. Not in repr: reprs of the other codecs (and the
+    # checkpoint fingerprints made from them) stay as they were.
+    keep: int = dataclasses.field(default=None, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or self.name not in CODECS:
             raise ValueError(unknown_codec(self.name))
+        if self.block_size is None:
+            chunked = TABLE[self.name].kind == "chunk_sparse"
+            object.__setattr__(self, "block_size", DEFAULT_SPARSE_CHUNK if chunked else DEFAULT_BLOCK_SIZE)
+        if self.keep is None:
+            bs = self.block_size if isinstance(self.block_size, numbers.Integral) else DEFAULT_SPARSE_KEEP
+            object.__setattr__(self, "keep", min(DEFAULT_SPARSE_KEEP, int(bs)))
+        if isinstance(self.keep, bool) or not isinstance(self.keep, numbers.Integral):
+            raise TypeError(f"flatcomm: keep must be an int, got {self.keep!r}")
+        object.__setattr__(self, "keep", int(self.keep))
         # Types first: a float block size would be truncated on its way to the kernels, a string
         # ratio would fail deep inside a comparison.
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, numbers.Integral):
@@ -146,6 +169,11 @@ class Codec:
                              f"{MAX_BLOCK}], got {self.block_size}")
         if self.sparse and not (0.0 < self.ratio <= 1.0):
             raise ValueError(f"flatcomm: topk ratio must be in (0, 1], got {self.ratio}")
+        if self.chunked and not (MIN_BLOCK <= self.block_size <= MAX_BLOCK and self.block_size % MIN_BLOCK == 0):
+            raise ValueError(f"flatcomm: {self.name} chunk (block_size) must be a multiple of {MIN_BLOCK} in "
+                             f"[{MIN_BLOCK}, {MAX_BLOCK}], got {self.block_size}")
+        if self.chunked and not 1 <= self.keep <= self.block_size:
+            raise ValueError(f"flatcomm: {self.name} keep must be in [1, block_size={self.block_size}], got {self.keep}")
 
     @property
     def facts(self) -> CodecFacts:
@@ -166,6 +194,11 @@ class Codec:
     def sparse(self) -> bool:
         """Sends a selection of the values, as index + value (topk)."""
         return self.facts.kind == "sparse"
+
+    @property
+    def chunked(self) -> bool:
+        """Keeps the ``keep`` largest of every chunk of ``block_size`` values (sparse, sparse4)."""
+        return self.facts.kind == "chunk_sparse"
 
     @property
     def blockwise(self) -> bool:
@@ -191,7 +224,7 @@ class Codec:
     def align(self) -> int:
         """Shards and chunks start on multiples of this many values, so blocks line up with the
         whole tensor."""
-        return self.block_size if self.blockwise else _CAST_ALIGN
+        return self.block_size if self.blockwise or self.chunked else _CAST_ALIGN
 
     @property
     def precision(self) -> Optional[int]:
@@ -200,12 +233,14 @@ class Codec:
 
     @property
     def reencodes_fused(self) -> bool:
-        """A sum can be re-encoded in the fused decode-sum pass; topk re-selects on the whole
-        reduced shard instead."""
-        return not self.sparse
+        """A sum can be re-encoded in the fused decode-sum pass; topk and the chunked sparse codecs
+        re-select on the whole reduced shard instead."""
+        return not self.sparse and not self.chunked
 
     def k(self, numel: int) -> int:
-        """Values kept by topk for ``numel`` inputs (0 for other codecs)."""
+        """Values kept by topk for ``numel`` inputs, per chunk by sparse/sparse4 (0 for other codecs)."""
+        if self.chunked:
+            return self.keep
         if not self.sparse or numel == 0:
             return 0
         return min(numel, max(1, math.ceil(self.ratio * numel)))
@@ -220,20 +255,23 @@ class Codec:
 CodecLike = Union[str, Codec]
 
 
-def resolve(codec: CodecLike, block_size: Optional[int] = None, ratio: Optional[float] = None) -> Codec:
-    """A :class:`Codec` from a name or a Codec, with ``block_size`` / ``ratio`` overriding."""
+def resolve(codec: CodecLike, block_size: Optional[int] = None, ratio: Optional[float] = None,
+            keep: Optional[int] = None) -> Codec:
+    """A :class:`Codec` from a name or a Codec, with ``block_size`` / ``ratio`` / ``keep`` overriding."""
     if isinstance(codec, Codec):
         base = codec
     elif isinstance(codec, str):
         base = Codec(codec)
     else:
         raise TypeError(f"flatcomm: codec must be a name or a Codec, got {type(codec).__name__}")
-    if block_size is None and ratio is None:
+    if block_size is None and ratio is None and keep is None:
         return base
     return dataclasses.replace(
         base,
         block_size=base.block_size if block_size is None else block_size,  # checked, not truncated
         ratio=base.ratio if ratio is None else ratio,
+        # a name's default keep follows the block size given here (min(64, block_size))
+        keep=keep if keep is not None else (base.keep if isinstance(codec, Codec) else None),  # type: ignore[arg-type]
     )
 
 
@@ -338,7 +376,8 @@ def decode_sum(
 
     The sum runs in ascending row order for every element (``((d0 + d1) + d2) + ...``), then is
     multiplied once by ``scale``; the result is the same bits for any thread count. Without
-    ``reencode`` it returns the fp32 sum ([numel]). With ``reencode`` (any codec but topk) the sum
+    ``reencode`` it returns the fp32 sum ([numel]). With ``reencode`` (any codec but topk, sparse
+    and sparse4: :attr:`Codec.reencodes_fused`) the sum
     is encoded again in the same pass, with error feedback into ``residual`` if given (the second
     stage of an all-reduce), and the new payload is returned. ``out`` receives the result
     (fp32 sum, or payload) instead of a new tensor.
@@ -353,6 +392,9 @@ def decode_sum(
         ops.decode_sum_into(payloads, c.name, numel, c.block_size, k, float(scale), out)
         return out
     second = resolve(reencode, reencode_block_size)
+    if c.chunked:  # no fused pass over chunked sparse rows yet: the same result in two passes
+        total = ops.decode_sum(payloads, c.name, numel, c.block_size, k, float(scale))
+        return encode(total, second, residual=residual, stochastic=stochastic, seed=seed, out=out)
     args = (payloads, c.name, numel, c.block_size, k, float(scale), second.name,
             second.block_size, residual, stochastic, int(seed))
     if out is None:

@@ -34,7 +34,7 @@ def make(rec=None):
 
 
 def k_of(codec, n, block=256):
-    return flatcomm.resolve(codec, block, 0.3).k(n) if codec == "topk" else 0
+    return flatcomm.resolve(codec, block, 0.3).k(n)  # topk's kept count, sparse's per chunk, else 0
 
 
 def payloads(codec, n, rows=0, block=256):
@@ -43,7 +43,7 @@ def payloads(codec, n, rows=0, block=256):
 
 
 def record_all_launches():
-    """Every op over every codec / dtype, recorded: covers all 126 kernel instances."""
+    """Every op over every codec / dtype, recorded: covers all 132 kernel instances."""
     o, rec = make()
     n = 5000
     for dt in DTYPES:
@@ -53,7 +53,7 @@ def record_all_launches():
             k = k_of(c, n)
             o.encode(x, c, 256, k, r, c in ("int8", "int4", "bf16"), 7)
             o.decode_into(payloads(c, n), c, n, 256, k, torch.empty(n, dtype=dt))
-            if c != "topk":
+            if flatcomm.resolve(c).reencodes_fused:  # decode_rows refuses topk and the chunked codecs
                 o.decode_rows_into(payloads(c, n, rows=3), c, n, 256, torch.empty(3 * n - 7, dtype=dt))
         X = x.reshape(2, -1).contiguous()
         o.ordered_sum(X)
@@ -65,6 +65,7 @@ def record_all_launches():
         k = k_of(c, n)
         P = payloads(c, n, rows=3)
         o.decode_sum(P, c, n, 256, k, 0.5)
-        for oc in CODECS[:-1]:
-            o.decode_sum_encode(P, c, n, 256, k, 1.0, oc, 128, torch.zeros(n), False, 3)
+        if not flatcomm.resolve(c).chunked:  # chunked rows: decode_sum, then encode
+            for oc in (oc for oc in CODECS if flatcomm.resolve(oc).reencodes_fused):
+                o.decode_sum_encode(P, c, n, 256, k, 1.0, oc, 128, torch.zeros(n), False, 3)
     return rec.launches

@@ -143,6 +143,7 @@ static void test_isa_agreement() {
   for (int64_t i = 512; i < 768; ++i) x[i] = 0.0f;  // block 2 is all zero
   for (int32_t codec = 0; codec < kNumCodecs; ++codec) {
     if (codec == kCodecTopK) continue;  // not encoded block by block
+    const int64_t kc = is_chunk_sparse(codec) ? 16 : 0;  // chunked sparse: kept per chunk of `block`
     for (int stoch = 0; stoch < 2; ++stoch) {
       if (stoch && !has_stochastic(codec)) continue;
       std::vector<uint8_t> ref_payload;
@@ -150,24 +151,24 @@ static void test_isa_agreement() {
       const std::vector<float> res_old = random_values(n, 0.01f);
       for (const char* isa : isas) {
         if (!cpu::select_kernels(isa)) continue;
-        Layout L = layout(codec, n, block, 0);
+        Layout L = layout(codec, n, block, kc);
         std::vector<uint8_t> payload(L.total, 0);
         std::vector<float> res = res_old;
         EncodeArgs a{};
         a.x = x.data(); a.x_dtype = kF32; a.residual = res.data(); a.payload = payload.data();
-        a.n = n; a.codec = codec; a.block = block; a.stochastic = stoch; a.seed = 7;
+        a.n = n; a.codec = codec; a.block = block; a.k = kc; a.stochastic = stoch; a.seed = 7;
         cpu::kernels().encode(a, 0, n);
         if (ref_payload.empty()) {
           ref_payload = payload;
           ref_res = res;
           // Error feedback identity, checked in float64, and the non-finite rule.
           std::vector<float> dec(n);
-          DecodeArgs d{payload.data(), n, codec, block, 0, dec.data(), kF32};
+          DecodeArgs d{payload.data(), n, codec, block, kc, dec.data(), kF32};
           cpu::kernels().decode(d, 0, n);
           int bad = 0;
           for (int64_t i = 0; i < n; ++i) {
             double lhs = double(x[i]) + res_old[i], rhs = double(dec[i]) + res[i];
-            bool block_finite = is_blockwise(codec) ? (i / block != 1) : std::isfinite(dec[i]);
+            bool block_finite = is_blockwise(codec) || is_chunk_sparse(codec) ? (i / block != 1) : std::isfinite(dec[i]);
             if (!block_finite) {
               if (res[i] != res_old[i] || std::isfinite(dec[i])) ++bad;
             } else if (std::fabs(lhs - rhs) >

@@ -52,10 +52,7 @@ struct Buf {
 
 static int64_t esize(int32_t dt) { return dt == kF32 ? 4 : 2; }
 static const char* dname(int32_t dt) { return dt == kF32 ? "f32" : dt == kBF16 ? "bf16" : "f16"; }
-static const char* cname(int32_t c) {
-  static const char* n[] = {"f32", "bf16", "f16", "int8", "int4", "sign", "topk"};
-  return n[c];
-}
+static const char* cname(int32_t c) { return kCodecNames[c]; }
 
 // n random floats: normal values at a random scale, with zero blocks, huge values, inf, NaN, -0
 // and subnormals sprinkled in (each kind only sometimes, so clean inputs are covered as well).
@@ -119,6 +116,9 @@ static Out payload_out(std::vector<uint8_t> b, int32_t codec, int64_t n, int64_t
   if (codec == kCodecTopK)
     return Out{b, {Seg{0, static_cast<size_t>(L.codes_offset), kRaw},
                    Seg{static_cast<size_t>(L.codes_offset), b.size() - static_cast<size_t>(L.codes_offset), kF32}}};
+  if (is_chunk_sparse(codec))  // fp32 level tables (NaN for a non-finite chunk), then records
+    return Out{b, {Seg{0, static_cast<size_t>(L.codes_offset), kF32},
+                   Seg{static_cast<size_t>(L.codes_offset), b.size() - static_cast<size_t>(L.codes_offset), kRaw}}};
   return raw(b);
 }
 using Outputs = std::vector<Out>;
@@ -173,7 +173,13 @@ static int64_t pick_size(bool large) {
 }
 static int64_t pick_block(int32_t codec) {
   static const int64_t blocks[] = {32, 64, 96, 256, 1024, 4096};
-  return is_blockwise(codec) ? blocks[rng() % 6] : 0;
+  return is_blockwise(codec) || is_chunk_sparse(codec) ? blocks[rng() % 6] : 0;
+}
+// The k of a codec: topk's kept count (its own draw, below) or a chunked sparse codec's kept values
+// per chunk of `block`; 0 for the rest.
+static int64_t pick_sparse_k(int32_t codec, int64_t block) {
+  if (!is_chunk_sparse(codec)) return 0;
+  return rng() % 4 == 0 ? block : 1 + static_cast<int64_t>(rng() % (block < 96 ? block : 96));
 }
 static const cpu::KernelTable& K() { return cpu::kernels(); }
 
@@ -198,7 +204,8 @@ static std::vector<uint8_t> cpu_payload(int32_t codec, int64_t n, int64_t block,
 
 static void test_encode(int32_t codec, int32_t dt, int64_t n, bool with_residual, bool stochastic, bool misalign) {
   const int64_t block = pick_block(codec);
-  const int64_t k = codec == kCodecTopK ? (rng() % 4 == 0 ? (rng() % 2 ? 0 : n) : static_cast<int64_t>(rng() % (n + 1))) : 0;
+  const int64_t k = codec == kCodecTopK ? (rng() % 4 == 0 ? (rng() % 2 ? 0 : n) : static_cast<int64_t>(rng() % (n + 1)))
+                                        : pick_sparse_k(codec, block);
   const Layout L = layout(codec, n, block, k);
   const size_t off = misalign ? static_cast<size_t>(esize(dt)) : 0;
   Buf x(n * esize(dt), off);
@@ -230,7 +237,7 @@ static void test_encode(int32_t codec, int32_t dt, int64_t n, bool with_residual
 
 static void test_decode(int32_t codec, int32_t odt, int64_t n, bool misalign) {
   const int64_t block = pick_block(codec);
-  const int64_t k = codec == kCodecTopK ? static_cast<int64_t>(rng() % (n + 1)) : 0;
+  const int64_t k = codec == kCodecTopK ? static_cast<int64_t>(rng() % (n + 1)) : pick_sparse_k(codec, block);
   const std::vector<uint8_t> payload0 = cpu_payload(codec, n, block, k);
   const std::string what = describe("decode", codec, odt, n, block, k, misalign ? " misaligned" : "");
   compare(what, [&](bool gpu, uint8_t poison) {
@@ -278,7 +285,7 @@ static void test_decode_rows(int32_t codec, int32_t odt, int64_t m, int64_t rows
 
 static void test_decode_sum(int32_t codec, int64_t n, int64_t rows, bool odd_stride) {
   const int64_t block = pick_block(codec);
-  const int64_t k = codec == kCodecTopK ? static_cast<int64_t>(rng() % (n + 1)) : 0;
+  const int64_t k = codec == kCodecTopK ? static_cast<int64_t>(rng() % (n + 1)) : pick_sparse_k(codec, block);
   const int64_t stride = layout(codec, n, block, k).total + (odd_stride ? 4 : 16);
   const std::vector<uint8_t> rows0 = payload_rows(codec, n, block, k, rows, stride);
   static const float scales[] = {1.0f, 0.5f, 1.0f / 3.0f};
@@ -537,7 +544,7 @@ int main(int argc, char** argv) {
           test_encode(codec, dt, pick_size(large), rng() % 2, stoch, rng() % 3 == 0);
         }
         test_decode(codec, dt, pick_size(rng() % 2), rng() % 3 == 0);
-        if (codec != kCodecTopK) {
+        if (codec != kCodecTopK && !is_chunk_sparse(codec)) {  // decode_rows refuses both
           static const int64_t kRowSizes[] = {1, 3, 33, 96, 97, 256, 1000, 1031};
           test_decode_rows(codec, dt, kRowSizes[rng() % 8], 1 + static_cast<int64_t>(rng() % 4), rng() % 3 == 0);
         }
@@ -546,7 +553,7 @@ int main(int argc, char** argv) {
         test_decode_sum(codec, pick_size(rows == 1), rows, rng() % 2);
       test_decode_sum(codec, pick_size(false), rng() % 2 ? 0 : 6, false);
       for (int32_t enc = 0; enc < kNumCodecs; ++enc)
-        if (enc != kCodecTopK) test_decode_sum_encode(codec, enc, pick_size(rng() % 4 == 0), 1 + rng() % 3, rng() % 2);
+        if (enc != kCodecTopK && !is_chunk_sparse(enc) && !is_chunk_sparse(codec)) test_decode_sum_encode(codec, enc, pick_size(rng() % 4 == 0), 1 + rng() % 3, rng() % 2);
     }
     for (int32_t dt = 0; dt < kNumDTypes; ++dt) {
       test_ordered_sum(dt, pick_size(true), 1 + rng() % 4, rng() % 2 ? 0 : 1 + rng() % 5, rng() % 3 == 0);

@@ -14,7 +14,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   DecodeArgs d{payload.p(), a.n, a.codec, a.block, a.k, out.p(), a.dtype};
   // Memory safety holds for every byte string, even one the op would reject (an invalid topk row).
   in_ranges(a.n, unit_of(a.codec, a.block), a.seed, [&](int64_t i0, int64_t i1) { cpu::kernels().decode(d, i0, i1); });
-  if (a.codec == kCodecTopK && !topk_row_valid(payload.p(), a.n, a.k)) return 0;
+  if (!row_valid(payload.p(), a.codec, a.n, a.block, a.k)) return 0;
   std::vector<float> want;
   std::vector<char> present;
   ref_decode(payload.p(), a.codec, a.n, a.block, a.k, want, present);

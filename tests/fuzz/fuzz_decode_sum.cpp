@@ -12,16 +12,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Buf out(static_cast<size_t>(4 * a.n));
   DecodeSumArgs s{payloads.p(), L.total, a.rows, a.n, a.codec, a.block, a.k, a.scale, out.f()};
   in_ranges(a.n, cpu::kTile, a.seed, [&](int64_t i0, int64_t i1) { cpu::kernels().decode_sum(s, i0, i1); });
-  if (a.codec == kCodecTopK)
-    for (int64_t r = 0; r < a.rows; ++r)
-      if (!topk_row_valid(payloads.p() + r * L.total, a.n, a.k)) return 0;
+  for (int64_t r = 0; r < a.rows; ++r)
+    if (!row_valid(payloads.p() + r * L.total, a.codec, a.n, a.block, a.k)) return 0;
   std::vector<float> acc(a.n, 0.0f), d;
   std::vector<char> present;
   for (int64_t r = 0; r < a.rows; ++r) {
     ref_decode(payloads.p() + r * L.total, a.codec, a.n, a.block, a.k, d, present);
     for (int64_t i = 0; i < a.n; ++i) {
       if (r == 0) acc[i] = d[i];
-      else if (present[i]) acc[i] = acc[i] + d[i];  // topk: an absent element gets no "+ 0" (keeps -0)
+      else if (present[i]) acc[i] = acc[i] + d[i];  // topk / sparse: an absent element gets no "+ 0" (keeps -0)
     }
   }
   for (int64_t i = 0; i < a.n; ++i) {

@@ -84,8 +84,10 @@ inline Args parse(const uint8_t* data, size_t size) {
   a.k = (mode & 0x40) ? static_cast<int64_t>(raw_k) : (a.n > 0 ? 1 + static_cast<int64_t>(raw_k % a.n) : 0);
   a.rows = r.get<uint8_t>() % (kMaxRows + 1);
   a.scale = r.get<float>();
-  a.out_codec = r.get<uint8_t>() % (kNumCodecs - 1);  // re-encode: any codec but topk
-  if (a.out_codec >= kCodecTopK) ++a.out_codec;
+  // re-encode: any codec but topk and the chunked sparse codecs (decode_sum_encode refuses them)
+  static constexpr int32_t kReencodable[] = {kCodecF32, kCodecBF16, kCodecF16, kCodecInt8, kCodecInt4, kCodecSign};
+  static_assert(sizeof(kReencodable) / sizeof(kReencodable[0]) == kNumCodecs - 3, "a new codec: re-encodable?");
+  a.out_codec = kReencodable[r.get<uint8_t>() % (kNumCodecs - 3)];
   a.out_block = (r.get<uint16_t>() % 128 + 1) * 32;
   const uint8_t flags = r.get<uint8_t>();
   a.residual = flags & 1;
@@ -115,7 +117,8 @@ inline Buf payload_rows(const Args& a, int64_t row_bytes, int64_t rows) {
 // and then layout() must equal the same formulas evaluated in 128-bit integers.
 inline void check_layout(int32_t codec, int64_t n, int64_t block, int64_t k) {
   if (!layout_ok(codec, n, block, k)) {
-    FUZZ_CHECK(n < 0 || n > kMaxNumel || !valid_codec_id(codec) || is_blockwise(codec) || codec == kCodecTopK, n, k);
+    FUZZ_CHECK(n < 0 || n > kMaxNumel || !valid_codec_id(codec) || is_blockwise(codec) || codec == kCodecTopK ||
+                   is_chunk_sparse(codec), n, k);
     return;
   }
   using i128 = __int128;
@@ -129,6 +132,13 @@ inline void check_layout(int32_t codec, int64_t n, int64_t block, int64_t k) {
   } else if (codec == kCodecTopK) {
     offset = rup(i128(4) * k, kAlign);
     total = rup(offset + i128(4) * k, kAlign);
+  } else if (is_chunk_sparse(codec)) {  // core/sparse.h: tables, then fixed-size records
+    int low = 0;
+    while ((i128(k) << (low + 1)) <= block) ++low;
+    const i128 rec = cdiv(i128(k) * low + k + ((block - 1) >> low) + 1, 8) + cdiv(i128(k) * code_bits(codec), 8);
+    nblocks = cdiv(n, block);
+    offset = rup(4 * (i128(1) << (code_bits(codec) - 1)) * nblocks, kAlign);
+    total = rup(offset + rec * nblocks, kAlign);
   } else {
     nblocks = cdiv(n, block);
     offset = rup(4 * nblocks, kAlign);
@@ -148,13 +158,42 @@ inline void ref_decode(const uint8_t* p, int32_t codec, int64_t n, int64_t block
                        std::vector<float>& out, std::vector<char>& present) {
   const Layout L = layout(codec, n, block, k);
   out.assign(n, 0.0f);
-  present.assign(n, codec != kCodecTopK);
+  present.assign(n, codec != kCodecTopK && !is_chunk_sparse(codec));
   auto f32_at = [&](int64_t byte) { float f; memcpy(&f, p + byte, 4); return f; };
   if (codec == kCodecTopK) {
     for (int64_t e = 0; e < k; ++e) {
       uint32_t j;
       memcpy(&j, p + 4 * e, 4);
       if (j < n) { out[j] = f32_at(L.codes_offset + 4 * e); present[j] = 1; }
+    }
+    return;
+  }
+  if (is_chunk_sparse(codec)) {  // only for payloads that parse (sparse_row_valid)
+    const int bits = code_bits(codec), levels = 1 << (bits - 1);
+    int low = 0;
+    while ((k << (low + 1)) <= block) ++low;
+    const int64_t high = k + ((block - 1) >> low) + 1, idx_bytes = (k * low + high + 7) / 8;
+    const int64_t rec = idx_bytes + (k * bits + 7) / 8;
+    auto bit = [&](const uint8_t* b, int64_t i) { return (b[i / 8] >> (i % 8)) & 1; };
+    for (int64_t c = 0; c * block < n; ++c) {
+      const int64_t c0 = c * block, m = n - c0 < block ? n - c0 : block;
+      if (f32_at(4 * c * levels) != f32_at(4 * c * levels)) {  // non-finite chunk: NaN everywhere
+        for (int64_t j = 0; j < m; ++j) { out[c0 + j] = f32_at(4 * c * levels); present[c0 + j] = 1; }
+        continue;
+      }
+      const uint8_t* r = p + L.codes_offset + c * rec;
+      int64_t e = 0;
+      for (int64_t q = 0; q < high; ++q) {
+        if (!bit(r, k * low + q)) continue;
+        int64_t lo = 0, code = 0;
+        for (int b = 0; b < low; ++b) lo |= int64_t(bit(r, e * low + b)) << b;
+        for (int b = 0; b < bits; ++b) code |= int64_t(bit(r + idx_bytes, e * bits + b)) << b;
+        const int64_t j = c0 + (((q - e) << low) | lo);
+        const float a = f32_at(4 * (c * levels + (code >> 1)));
+        out[j] = (code & 1) ? -a : a;
+        present[j] = 1;
+        ++e;
+      }
     }
     return;
   }
@@ -173,7 +212,7 @@ inline void ref_decode(const uint8_t* p, int32_t codec, int64_t n, int64_t block
     else if (codec == kCodecSign) out[i] = ((c[i / 8] >> (i & 7)) & 1) ? -s : s;
   }
 }
-static_assert(kNumCodecs == 7, "ref_decode: a new codec needs its branch above");
+static_assert(kNumCodecs == 9, "ref_decode: a new codec needs its branch above");
 
 // Same value, or both NaN (the one documented freedom: which NaN).
 inline bool same_float(float a, float b) {
@@ -192,7 +231,9 @@ inline void in_ranges(int64_t n, int64_t unit, uint64_t bits, const Fn& fn) {
   }
 }
 
-inline int64_t unit_of(int32_t codec, int64_t block) { return is_blockwise(codec) ? block : cpu::kTile; }
+inline int64_t unit_of(int32_t codec, int64_t block) {
+  return is_blockwise(codec) || is_chunk_sparse(codec) ? block : cpu::kTile;
+}
 
 // The arguments of the decoder targets: false when there is nothing to run (the size arithmetic,
 // checked first, is all an input with a huge numel or arguments the ops reject exercises).
@@ -241,6 +282,28 @@ inline ExactInput exact_input(const Args& a, int64_t n) {
 // Whether the ops accept this topk row (CPU: an error otherwise; CUDA: NaN tiles).
 inline bool topk_row_valid(const uint8_t* row, int64_t n, int64_t k) {
   return topk_first_bad(reinterpret_cast<const uint32_t*>(row), k, n) == k;
+}
+
+// Whether the ops accept this chunked sparse row (CPU: an error otherwise; CUDA: NaN chunks).
+inline bool sparse_row_valid(const uint8_t* row, int32_t codec, int64_t n, int64_t block, int64_t k) {
+  const Layout L = layout(codec, n, block, k);
+  const SparseGeom g = sparse_geom(code_bits(codec), block, k);
+  std::vector<uint16_t> pos(k);
+  std::vector<float> val(k);
+  for (int64_t c = 0; c < L.nblocks; ++c) {
+    const SparseParse sp = sparse_parse_chunk(reinterpret_cast<const float*>(row) + c * g.levels,
+                                              row + L.codes_offset + c * g.rec_bytes,
+                                              n - c * block < block ? n - c * block : block, g, pos.data(), val.data());
+    if (sp.status < 0) return false;
+  }
+  return true;
+}
+
+// Whether the ops accept row r of a payload stack (topk and chunked sparse rows are checked).
+inline bool row_valid(const uint8_t* row, int32_t codec, int64_t n, int64_t block, int64_t k) {
+  if (codec == kCodecTopK) return topk_row_valid(row, n, k);
+  if (is_chunk_sparse(codec)) return sparse_row_valid(row, codec, n, block, k);
+  return true;
 }
 
 }  // namespace fuzz

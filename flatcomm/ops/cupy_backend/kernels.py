@@ -18,7 +18,7 @@ __all__ = [
     "BF16", "BLOCKWISE", "CODEC_IDS", "DECODE_SUM_ARGS", "DROPPED_SYSTEM_HEADERS", "DTYPES",
     "ENCODE_PARAMS", "EXACT_ARGS", "F16", "F32", "INT4", "INT8", "K_CAST_TILE", "K_MAX_GRID",
     "K_SCAN_THREADS", "K_THREADS", "K_TOPK_BINS", "K_TOPK_CHUNK", "K_TOPK_TILE", "K_WARPS", "MAX_BLOCK",
-    "MAX_TOPK_NUMEL", "MIN_BLOCK", "NON_TOPK", "NS", "NVRTC_OPTIONS", "ORDERED_SUM_ARGS", "PTR", "SIGN", "STOCHASTIC",
+    "MAX_TOPK_NUMEL", "MIN_BLOCK", "NON_TOPK", "CHUNKED", "NS", "NVRTC_OPTIONS", "ORDERED_SUM_ARGS", "PTR", "SIGN", "STOCHASTIC",
     "STRUCTS", "SUM_SOURCE", "TOPK", "X_SOURCE", "al16", "ceil_div", "csrc_dir", "grid_for",
     "is_blockwise", "k_encode", "k_encode_sum", "k_t", "kernel_names", "layout", "module_of", "modules",
     "nvrtc_source", "pack", "seed_key", "topk_scratch_layout"
@@ -91,7 +91,10 @@ CODEC_IDS = {name: i for i, name in enumerate(_K["codec_names"])}
 F32, BF16, F16 = _K["dtype_f32"], _K["dtype_bf16"], _K["dtype_f16"]
 INT8, INT4, SIGN, TOPK = (CODEC_IDS[c] for c in ("int8", "int4", "sign", "topk"))
 DTYPES = (F32, BF16, F16)
-NON_TOPK = tuple(c for c in CODEC_IDS.values() if c != TOPK)
+# The chunked sparse codecs (sparse, sparse4): one thread per chunk, their own two kernels.
+CHUNKED = tuple(row["id"] for row in _K["codecs"] if row["kind"] == "chunk_sparse")
+# The codecs encoded block by block (encode_kernel) and decoded per element: all but topk and CHUNKED.
+NON_TOPK = tuple(c for c in CODEC_IDS.values() if c != TOPK and c not in CHUNKED)
 BLOCKWISE = tuple(_K["blockwise_codecs"])
 STOCHASTIC = tuple(_K["stochastic_codecs"])
 MIN_BLOCK, MAX_BLOCK, MAX_TOPK_NUMEL = _K["min_block"], _K["max_block"], _K["max_topk_numel"]
@@ -116,15 +119,16 @@ def k_t(name: str, *targs: int) -> str:
 
 
 def kernel_names() -> List[str]:
-    """Every kernel instance the launches below use (the 126 of kernels.cu)."""
+    """Every kernel instance the launches below use (the 132 of kernels.cu)."""
     names = []
     for c in NON_TOPK:
         names += [k_encode(c, dt) for dt in DTYPES]
-        names += [k_encode_sum(c, sc) for sc in CODEC_IDS.values()]
+        names += [k_encode_sum(c, sc) for sc in CODEC_IDS.values() if sc not in CHUNKED]
         names += [k_t("decode_kernel", c, dt) for dt in DTYPES]
         names += [k_t("decode_rows_kernel", c, dt) for dt in DTYPES]
         names.append(k_t("decode_sum_kernel", c))
     for dt in DTYPES:
+        names += [k_t(k, dt) for k in ("sparse_encode_kernel", "sparse_decode_kernel")]
         names += [k_t(k, dt) for k in ("topk_decode_kernel", "topk_fill_kernel", "ordered_sum_kernel",
                                        "exact_exponents_kernel", "exact_sum_kernel", "to_fixed_kernel")]
     names += [k_t(k) for k in ("topk_hist_kernel", "topk_select_kernel", "topk_count_kernel",
@@ -141,6 +145,8 @@ def module_of(name: str) -> str:
     fam, first = m.group(1), m.group(2)
     if fam.startswith("topk_") and fam != "topk_decode_kernel":
         return "topk_encode"
+    if fam.startswith("sparse_"):
+        return "sparse"
     if fam == "encode_kernel":
         return f"{'reencode' if 'SumSource' in name else 'encode'}_{first}"
     if fam in ("decode_kernel", "decode_rows_kernel", "decode_sum_kernel", "topk_decode_kernel"):

@@ -10,7 +10,7 @@ except ImportError:  # cupy needs numpy: without it only the registration runs
     np = None  # type: ignore[assignment]
 
 from .kernels import (
-    CODEC_IDS, DECODE_SUM_ARGS, DTYPES, ENCODE_PARAMS, EXACT_ARGS, F32,
+    CHUNKED, CODEC_IDS, DECODE_SUM_ARGS, DTYPES, ENCODE_PARAMS, EXACT_ARGS, F32,
     K_CAST_TILE, K_SCAN_THREADS, K_THREADS, K_TOPK_BINS, K_TOPK_CHUNK, K_TOPK_TILE, K_WARPS,
     MAX_BLOCK, MAX_TOPK_NUMEL, MIN_BLOCK, NON_TOPK, ORDERED_SUM_ARGS, STOCHASTIC, SUM_SOURCE, TOPK, X_SOURCE,
     al16, ceil_div, grid_for, is_blockwise, k_encode, k_encode_sum, k_t, layout, pack, seed_key,
@@ -48,6 +48,10 @@ class Launches:
     def _valid_topk(n: int, k: int) -> bool:
         return 0 <= k <= n <= MAX_TOPK_NUMEL
 
+    @staticmethod
+    def _valid_sparse(c: int, block: int, k: int) -> bool:
+        return c not in CHUNKED or (32 <= block <= 4096 and block % 32 == 0 and 1 <= k <= block)
+
     def _check(self, ok: bool, what: str) -> None:
         if not ok:
             raise LaunchError(f"flatcomm: CUDA {what} failed: invalid argument")
@@ -71,8 +75,16 @@ class Launches:
         if e["codec"] == TOPK:
             return self.encode_topk(e)
         self._check(e["x_dtype"] in DTYPES and e["codec"] in CODEC_IDS.values()
-                    and self._valid_block(e["codec"], e["block"]), "encode")
+                    and self._valid_block(e["codec"], e["block"])
+                    and self._valid_sparse(e["codec"], e["block"], e["k"]), "encode")
         if e["n"] <= 0:
+            return
+        if e["codec"] in CHUNKED:
+            co = layout(e["codec"], e["n"], e["block"], e["k"])[1]
+            self.run(k_t("sparse_encode_kernel", e["x_dtype"]), grid_for(ceil_div(e["n"], e["block"]), K_THREADS),
+                     K_THREADS, 0, (np.uint64(e["x"]), np.uint64(e["residual"]), np.uint64(e["payload"]),
+                                    np.int64(e["n"]), np.int32(e["codec"]), np.int64(e["block"]), np.int64(e["k"]),
+                                    np.int64(co)))
             return
         self._run_encode(e["codec"], k_encode(e["codec"], e["x_dtype"]), pack(X_SOURCE, x=e["x"]), e,
                          al16(e["x"]))
@@ -110,7 +122,8 @@ class Launches:
         """d: payload, n, codec, block, k, out, out_dtype."""
         c, n = d["codec"], d["n"]
         self._check(d["out_dtype"] in DTYPES and c in CODEC_IDS.values() and self._valid_block(c, d["block"])
-                    and (c != TOPK or self._valid_topk(n, d["k"])), "decode")
+                    and (c != TOPK or self._valid_topk(n, d["k"])) and self._valid_sparse(c, d["block"], d["k"]),
+                    "decode")
         if n <= 0:
             return
         co = layout(c, n, d["block"], d["k"])[1]
@@ -119,6 +132,10 @@ class Launches:
             self.run(k_t("topk_decode_kernel", d["out_dtype"]), grid_for(n, K_TOPK_TILE), K_THREADS, 0,
                      (U64(d["payload"]), I64(0), I64(1), I64(n), I64(d["k"]), I64(co), np.float32(1.0),
                       U64(d["out"])))
+        elif c in CHUNKED:
+            self.run(k_t("sparse_decode_kernel", d["out_dtype"]), grid_for(ceil_div(n, d["block"]), K_THREADS),
+                     K_THREADS, 0, (U64(d["payload"]), I64(0), I64(1), I64(n), np.int32(c), I64(d["block"]),
+                                    I64(d["k"]), I64(co), np.float32(1.0), U64(d["out"])))
         else:
             vec = al16(d["payload"]) and al16(d["out"])
             self.run(k_t("decode_kernel", c, d["out_dtype"]), grid_for(n, 4 * K_THREADS), K_THREADS, 0,
@@ -140,7 +157,8 @@ class Launches:
     def _check_sum(self, a: dict, what: str) -> None:
         c = a["codec"]
         self._check(c in CODEC_IDS.values() and self._valid_block(c, a["block"]) and a["rows"] >= 0
-                    and (c != TOPK or self._valid_topk(a["n"], a["k"])), what)
+                    and (c != TOPK or self._valid_topk(a["n"], a["k"]))
+                    and self._valid_sparse(c, a["block"], a["k"]), what)
 
     @staticmethod
     def _rows_aligned(a: dict) -> bool:
@@ -158,6 +176,10 @@ class Launches:
             self.run(k_t("topk_decode_kernel", F32), grid_for(n, K_TOPK_TILE), K_THREADS, 0,
                      (U64(a["payloads"]), I64(a["row_stride"]), I64(a["rows"]), I64(n), I64(a["k"]), I64(co),
                       np.float32(a["scale"]), U64(a["out"])))
+        elif c in CHUNKED:
+            self.run(k_t("sparse_decode_kernel", F32), grid_for(ceil_div(n, a["block"]), K_THREADS), K_THREADS, 0,
+                     (U64(a["payloads"]), I64(a["row_stride"]), I64(a["rows"]), I64(n), np.int32(c), I64(a["block"]),
+                      I64(a["k"]), I64(co), np.float32(a["scale"]), U64(a["out"])))
         else:
             vec = self._rows_aligned(a) and al16(a["out"])
             self.run(k_t("decode_sum_kernel", c), grid_for(n, 4 * K_THREADS), K_THREADS, 0,
@@ -165,6 +187,7 @@ class Launches:
 
     def decode_sum_encode(self, a: dict, e: dict) -> None:
         self._check_sum(a, "decode_sum_encode")
+        self._check(a["codec"] not in CHUNKED, "decode_sum_encode")
         self._check(e["codec"] in NON_TOPK and self._valid_block(e["codec"], e["block"]) and e["n"] == a["n"],
                     "decode_sum_encode")
         if a["n"] <= 0:

@@ -12,7 +12,7 @@ except ImportError:  # cupy needs numpy: without it only the registration runs
     np = None  # type: ignore[assignment]
 
 from ..native import extension as _C
-from .kernels import BF16, F16, F32, MAX_BLOCK, STOCHASTIC, TOPK, _K, _MASK64, ceil_div, topk_scratch_layout
+from .kernels import BF16, CHUNKED, F16, F32, MAX_BLOCK, STOCHASTIC, TOPK, _K, _MASK64, ceil_div, topk_scratch_layout
 from .launches import Launches
 
 __all__ = [
@@ -51,6 +51,8 @@ def parse_reencode_codec(name: str) -> int:
     c = parse_codec(name)
     _check(c != TOPK, "flatcomm: decode_sum_encode cannot re-encode as topk (it needs the whole sum); "
            "use decode_sum and encode")
+    _check(c not in CHUNKED, "flatcomm: decode_sum_encode cannot re-encode as ", name,
+           " (a chunk's selection needs the chunk's whole sum); use decode_sum and encode")
     return c
 
 
@@ -247,6 +249,8 @@ class Ops:
                                residual, stochastic, seed, payload) -> None:
         with _Guard(payloads):
             c, oc = parse_codec(codec), parse_reencode_codec(out_codec)
+            _check(c not in CHUNKED, "flatcomm: decode_sum_encode does not take ", codec,
+                   " payloads yet; use decode_sum and encode")
             check_stochastic(oc, stochastic)
             a = self._sum_args(payloads, c, numel, block_size, k, scale, codec)
             if residual is not None:

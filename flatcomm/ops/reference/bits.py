@@ -8,7 +8,7 @@ from typing import Tuple
 import torch
 
 __all__ = [
-    "CODECS", "CAST", "BLOCKWISE", "CAST_BYTES", "CODE_BITS", "QMAX", "STOCHASTIC", "ALIGN", "TILE",
+    "CODECS", "CAST", "BLOCKWISE", "CHUNKED", "CAST_BYTES", "CODE_BITS", "QMAX", "STOCHASTIC", "ALIGN", "TILE",
     "ABS_MASK", "INF_BITS", "QNAN_BITS", "FLT_MAX", "FLT_MIN_NORMAL", "SIGN_HUGE_BITS", "SIGN_LANES",
     "EXP_ZERO", "EXP_NONFINITE", "DEFAULT_HEADROOM", "f32_bits", "f32_from_bits", "abs_bits",
     "f32_to_bf16_bits", "bf16_bits_to_f32", "f32_to_f16_bits", "f16_bits_to_f32", "load_f32",
@@ -17,7 +17,8 @@ __all__ = [
 ]
 
 
-CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk")
+CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk", "sparse", "sparse4")
+CHUNKED = ("sparse", "sparse4")  # chunked sparse: the k largest of each chunk (reference/sparse.py)
 CAST = ("fp32", "bf16", "fp16")
 BLOCKWISE = ("int8", "int4", "sign")
 CAST_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -191,13 +192,18 @@ def layout(codec: str, n: int, block_size: int = 256, k: int = 0) -> Tuple[int, 
     if codec == "topk":
         off = _round_up(4 * k, ALIGN)
         return 0, off, _round_up(off + 4 * k, ALIGN)
+    if codec in CHUNKED:  # k: kept per chunk of block_size
+        from .sparse import layout as chunked_layout, wire_bytes as chunked_bytes
+        nb, off, _ = chunked_layout(codec, n, block_size, k)
+        return nb, off, chunked_bytes(codec, n, block_size, k)
     nb = -(-n // block_size)
     off = _round_up(4 * nb, ALIGN)
     return nb, off, _round_up(off + -(-n * CODE_BITS[codec] // 8), ALIGN)
 
 
-def wire_bytes(codec: str, n: int, block_size: int = 256, ratio: float = 0.01) -> int:
-    return layout(codec, n, block_size, topk_k(n, ratio) if codec == "topk" else 0)[2]
+def wire_bytes(codec: str, n: int, block_size: int = 256, ratio: float = 0.01, keep: int = 64) -> int:
+    k = topk_k(n, ratio) if codec == "topk" else (min(keep, block_size) if codec in CHUNKED else 0)
+    return layout(codec, n, block_size, k)[2]
 
 
 def _assemble(total: int, *pieces: Tuple[int, torch.Tensor]) -> torch.Tensor:

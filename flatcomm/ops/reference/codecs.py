@@ -5,6 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import sparse
 from .bits import *  # noqa: F401,F403
 from .bits import _M64, _assemble, _blocked, _fmax, _fmin, _full, _u8, _zeros_u8
 
@@ -25,12 +26,19 @@ def encode(
     ratio: float = 0.01,
     stochastic: bool = False,
     seed: int = 0,
+    keep: int = 64,
 ) -> torch.Tensor:
-    """Payload bytes of ``flatcomm.encode`` (bit-exact); updates ``residual`` in place like the kernel."""
+    """Payload bytes of ``flatcomm.encode`` (bit-exact); updates ``residual`` in place like the kernel.
+    ``keep``: the chunked sparse codecs' kept values per chunk of ``block_size`` (at most the chunk)."""
     if codec not in CODECS:
         raise ValueError(f"reference: unknown codec {codec!r}")
     if stochastic and codec not in STOCHASTIC:
         raise ValueError("reference: stochastic rounding is available for int8, int4 and bf16 only")
+    if codec in sparse.CHUNKED_BITS:
+        p, new_r = sparse.encode(x, codec, residual=residual, chunk=block_size, keep=min(keep, block_size))
+        if residual is not None and new_r is not None:
+            residual.view(-1).copy_(new_r)
+        return p
     n = x.numel()
     k = topk_k(n, ratio) if codec == "topk" else 0
     nb, off, total = layout(codec, n, block_size, k)
@@ -136,11 +144,13 @@ def block_scales(payload: torch.Tensor, codec: str, n: int, block_size: int = 25
 
 
 def decode_f32(payload: torch.Tensor, codec: str, n: int, *, block_size: int = 256,
-               ratio: float = 0.01) -> torch.Tensor:
+               ratio: float = 0.01, keep: int = 64) -> torch.Tensor:
     """fp32 values of a payload, parsed from its bytes."""
     payload = payload.reshape(-1)
     if n == 0:
         return torch.zeros(0, dtype=torch.float32)
+    if codec in sparse.CHUNKED_BITS:
+        return sparse.decode(payload, codec, n, block_size, min(keep, block_size))
     if codec == "fp32":
         return _payload_f32(payload, 0, n)
     if codec in ("bf16", "fp16"):
@@ -175,7 +185,7 @@ def decode_rows(payloads: torch.Tensor, codec: str, row_numel: int, numel: int, 
     """``flatcomm.decode_rows`` (bit-exact): the fp32 decode of each row ([R, nbytes]) one after the
     other, cut to ``numel`` values (in ((R - 1) * row_numel, R * row_numel]), then an RNE store to ``dtype``."""
     rows = payloads.shape[0]
-    if codec == "topk" or not (rows >= 1 and (rows - 1) * row_numel < numel <= rows * row_numel):
+    if codec == "topk" or codec in sparse.CHUNKED_BITS or not (rows >= 1 and (rows - 1) * row_numel < numel <= rows * row_numel):
         raise ValueError(f"reference: decode_rows of {rows} {codec} rows of {row_numel} into {numel} values")
     v = torch.cat([decode_f32(payloads[r], codec, row_numel, block_size=block_size) for r in range(rows)])
     return store_as(v[:numel], dtype)
@@ -194,16 +204,29 @@ def decode_sum(
     reencode_block_size: int = 256,
     stochastic: bool = False,
     seed: int = 0,
+    keep: int = 64,
 ) -> torch.Tensor:
     """``flatcomm.decode_sum`` (bit-exact): ((d0 + d1) + d2) + ..., then one multiply by fp32(scale).
 
-    topk rows only add at their kept indices (other elements are left untouched, not "+ 0.0").
+    topk and chunked sparse rows only add at their kept positions (other elements are left
+    untouched, not "+ 0.0"); a non-finite chunk of a chunked row sets its chunk to NaN.
     With ``reencode`` the fp32 sum is encoded like :func:`encode` (same global element indices).
     """
     rows = payloads.shape[0]
     out = torch.zeros(n, dtype=torch.float32)
     for r in range(rows):
-        if codec == "topk":
+        if codec in sparse.CHUNKED_BITS:
+            if r == 0:
+                out = torch.zeros(n, dtype=torch.float32)
+            kk = min(keep, block_size)
+            for c, ent in enumerate(sparse.entries(payloads[r], codec, n, block_size, kk)):
+                if ent is None:
+                    out[c * block_size:(c + 1) * block_size] = float("nan")
+                    continue
+                idx = torch.tensor([c * block_size + p for p in ent[0]], dtype=torch.int64)
+                val = ent[1]
+                out[idx] = val if r == 0 else out[idx] + val
+        elif codec == "topk":
             idx, val = topk_entries(payloads[r], n, ratio)
             if r == 0:
                 out = torch.zeros(n, dtype=torch.float32)
