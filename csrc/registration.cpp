@@ -155,6 +155,7 @@ pybind11::dict constants() {
   d["align"] = core::kAlign;
   d["max_numel"] = core::kMaxNumel;
   d["max_topk_numel"] = core::kMaxTopkNumel;
+  d["max_sparse_chunk"] = core::kSparseMaxChunk;
   d["exp_nonfinite"] = core::kExpNonFinite;
   d["threads"] = gpu::kThreads;
   d["warps"] = gpu::kWarps;

@@ -183,7 +183,8 @@ class DiLoCo:
         self.config: Config = replicas.agree(
             self.group, self.device, lambda: _configure(
                 model, sync_every, codec, mode, outer_lr, outer_momentum, nesterov, fragments, fragment_sync_delay,
-                fragment_update_alpha, group, error_feedback, residual_dtype, verify_every, topology, allow_ddp),
+                fragment_update_alpha, group, error_feedback, residual_dtype, verify_every, topology, allow_ddp,
+                error_decay),
             Config.fingerprint, "the DiLoCo configuration")
         self.fragments = self.config.fragments
         replicas.verify(self.group, self.device, [f.master for f in self.fragments],

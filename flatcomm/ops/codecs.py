@@ -21,11 +21,12 @@ from typing import Any, Dict, Optional, Union, overload
 
 import torch
 
+from .codec_names import unknown_codec
 from .native import extension, ops
 
 __all__ = [
     "BLOCKWISE", "CODECS", "Codec", "CodecFacts", "CodecLike", "DEFAULT_BLOCK_SIZE", "DEFAULT_SPARSE_CHUNK",
-    "DEFAULT_SPARSE_KEEP", "DEFAULT_TOPK_RATIO", "MAX_BLOCK", "MAX_NUMEL", "MIN_BLOCK", "NOMINAL_REL_ERROR",
+    "DEFAULT_SPARSE_KEEP", "DEFAULT_TOPK_RATIO", "MAX_BLOCK", "MAX_NUMEL", "MAX_SPARSE_CHUNK", "MIN_BLOCK", "NOMINAL_REL_ERROR",
     "PRECISION", "STOCHASTIC", "TABLE", "WEIGHT_CODECS", "decode", "decode_rows",
     "decode_sum", "encode", "reencode_sum", "resolve", "wire_bytes"
 ]
@@ -101,33 +102,14 @@ _CAST_ALIGN = MIN_BLOCK
 # its codes stay in L1). `python -m flatcomm.tools.bench.kernels --block-sizes` shows the trade-off measured.
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_TOPK_RATIO = 0.01
-# Chunked sparse codecs (sparse, sparse4; csrc/core/sparse.h): SparseLoCo's production setting, the
-# 64 largest of every 4,096 values (1.56%).
-DEFAULT_SPARSE_CHUNK = 4096
+# Chunked sparse codecs (sparse, sparse4; csrc/core/sparse.h): chunks are multiples of MIN_BLOCK up to
+# MAX_SPARSE_CHUNK (4,096: a position fits 12 bits). Default: SparseLoCo's production setting, the 64
+# largest of every 4,096 values (1.56%).
+MAX_SPARSE_CHUNK: int = _LIMITS["max_sparse_chunk"]
+DEFAULT_SPARSE_CHUNK = MAX_SPARSE_CHUNK
 DEFAULT_SPARSE_KEEP = 64
 # Largest numel (csrc/core/codec.h kMaxNumel): every payload size below it fits in int64.
 MAX_NUMEL: int = _LIMITS["max_numel"]
-
-
-# Names people write for a codec (torch's dtype names): the error suggests the codec.
-_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
-
-
-def unknown_codec(name: object) -> str:
-    """The error for a codec name that is not one, with "did you mean" for another case or a dtype name
-    (names are matched exactly, in lower case, everywhere a codec is named).
-
-    Args:
-        name: what was given.
-    """
-    msg = f"flatcomm: unknown codec {name!r}; expected one of {', '.join(CODECS)}"
-    key = name.strip().lower() if isinstance(name, str) else ""
-    guess = key if key in CODECS else _ALIASES.get(key)
-    if guess:
-        msg += f" (did you mean {guess!r}? codec names are lower case)" if guess == key else f" (did you mean {guess!r}?)"
-    elif key == "auto":
-        msg += " ('auto', in lower case, where the API chooses the codec for you)"
-    return msg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +127,7 @@ class Codec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or self.name not in CODECS:
-            raise ValueError(unknown_codec(self.name))
+            raise ValueError(unknown_codec(self.name, CODECS))
         if self.block_size is None:
             chunked = TABLE[self.name].kind == "chunk_sparse"
             object.__setattr__(self, "block_size", DEFAULT_SPARSE_CHUNK if chunked else DEFAULT_BLOCK_SIZE)
@@ -169,9 +151,10 @@ class Codec:
                              f"{MAX_BLOCK}], got {self.block_size}")
         if self.sparse and not (0.0 < self.ratio <= 1.0):
             raise ValueError(f"flatcomm: topk ratio must be in (0, 1], got {self.ratio}")
-        if self.chunked and not (MIN_BLOCK <= self.block_size <= MAX_BLOCK and self.block_size % MIN_BLOCK == 0):
+        if self.chunked and not (MIN_BLOCK <= self.block_size <= MAX_SPARSE_CHUNK
+                                 and self.block_size % MIN_BLOCK == 0):
             raise ValueError(f"flatcomm: {self.name} chunk (block_size) must be a multiple of {MIN_BLOCK} in "
-                             f"[{MIN_BLOCK}, {MAX_BLOCK}], got {self.block_size}")
+                             f"[{MIN_BLOCK}, {MAX_SPARSE_CHUNK}], got {self.block_size}")
         if self.chunked and not 1 <= self.keep <= self.block_size:
             raise ValueError(f"flatcomm: {self.name} keep must be in [1, block_size={self.block_size}], got {self.keep}")
 

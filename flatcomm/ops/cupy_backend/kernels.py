@@ -101,6 +101,7 @@ MIN_BLOCK, MAX_BLOCK, MAX_TOPK_NUMEL = _K["min_block"], _K["max_block"], _K["max
 K_THREADS, K_WARPS, K_SCAN_THREADS = _K["threads"], _K["warps"], _K["scan_threads"]
 K_CAST_TILE, K_TOPK_TILE, K_MAX_GRID = _K["cast_tile"], _K["topk_tile"], _K["max_grid"]
 K_TOPK_CHUNK, K_TOPK_BINS = _K["topk_chunk"], _K["topk_bins"]
+MAX_SPARSE_CHUNK = _K["max_sparse_chunk"]
 
 
 # ---- kernel names and modules ---------------------------------------------------------------------

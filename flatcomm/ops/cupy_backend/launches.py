@@ -12,7 +12,7 @@ except ImportError:  # cupy needs numpy: without it only the registration runs
 from .kernels import (
     CHUNKED, CODEC_IDS, DECODE_SUM_ARGS, DTYPES, ENCODE_PARAMS, EXACT_ARGS, F32,
     K_CAST_TILE, K_SCAN_THREADS, K_THREADS, K_TOPK_BINS, K_TOPK_CHUNK, K_TOPK_TILE, K_WARPS,
-    MAX_BLOCK, MAX_TOPK_NUMEL, MIN_BLOCK, NON_TOPK, ORDERED_SUM_ARGS, STOCHASTIC, SUM_SOURCE, TOPK, X_SOURCE,
+    MAX_BLOCK, MAX_SPARSE_CHUNK, MAX_TOPK_NUMEL, MIN_BLOCK, NON_TOPK, ORDERED_SUM_ARGS, STOCHASTIC, SUM_SOURCE, TOPK, X_SOURCE,
     al16, ceil_div, grid_for, is_blockwise, k_encode, k_encode_sum, k_t, layout, pack, seed_key,
     topk_scratch_layout,
 )
@@ -42,7 +42,7 @@ class Launches:
 
     @staticmethod
     def _valid_block(c: int, block: int) -> bool:
-        return not is_blockwise(c) or (MIN_BLOCK <= block <= MAX_BLOCK and block % 32 == 0)
+        return not is_blockwise(c) or (MIN_BLOCK <= block <= MAX_BLOCK and block % MIN_BLOCK == 0)
 
     @staticmethod
     def _valid_topk(n: int, k: int) -> bool:
@@ -50,7 +50,7 @@ class Launches:
 
     @staticmethod
     def _valid_sparse(c: int, block: int, k: int) -> bool:
-        return c not in CHUNKED or (32 <= block <= 4096 and block % 32 == 0 and 1 <= k <= block)
+        return c not in CHUNKED or (MIN_BLOCK <= block <= MAX_SPARSE_CHUNK and block % MIN_BLOCK == 0 and 1 <= k <= block)
 
     def _check(self, ok: bool, what: str) -> None:
         if not ok:
