@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+__all__ = ["unknown_codec"]
+
 # Names people write for a codec (torch's dtype names): the error suggests the codec.
 _ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
