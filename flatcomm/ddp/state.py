@@ -17,10 +17,11 @@ from ..comm.labels import label
 from . import accordion as _accordion
 from .._training import adapt as _adapt
 from . import checkpoint as _ckpt
-from . import traffic as _comm
+from . import traffic
 from . import stats as _stats
 from .._training.checks import register_ddp_hook
 from ..ops.codecs import Codec
+from .buckets import Buckets
 from .residuals import Residuals
 
 __all__ = ["CODEC_DEFAULTS", "State", "StatsDict", "hook", "register"]
@@ -92,10 +93,8 @@ class State:
                 "track_norms", "history")
     # Where the traffic goes: flatcomm's private group and the topology (both set at the first call).
     _GROUPS = ("group", "topology")
-    # Per-bucket state, keyed by the bucket's parameter ids: residuals, auto's decisions, the saved
-    # layout to replay after a load, auto's buckets sent by the backend; internal: keep_fp32 answers, auto keys' buckets, layouts seen.
-    _BUCKETS = ("residuals", "decisions", "replay", "replay_tiered", "backend_sent", "replay_backend", "_kept",
-                "_key_where", "_seen_layouts")
+    # Per-bucket state (flatcomm.ddp.buckets): residuals, auto's decisions, the layout a load replays.
+    _BUCKETS = ("buckets",)
     # The step: hook rounds so far, whether the next bucket starts one, the GradScaler scale seen.
     _STEP = ("step", "_new_step", "scale_seen")
     # Statistics: the per-step records, auto's measured errors and moves.
@@ -134,20 +133,8 @@ class State:
         # -- groups: resolved at the first hook call (creating groups is collective)
         self.group = group
         self.topology = None
-        # -- per-bucket state
-        self.residuals = Residuals(track_norms)  # error feedback, per bucket, owned by parameters
-        self.decisions: Dict[Tuple[int, ...], Any] = {}
-        # After a same-world-size load: the saved buffer keys, replayed by the first step.
-        self.replay: Optional[List[Tuple[int, ...]]] = None
-        self.replay_tiered = False  # whether the replayed buffers were saved by a hierarchical State
-        # auto's buckets handed to the backend: key -> the step it last sent (a checkpoint saves the
-        # last step's, whose layout the first step after a load replays: the backend's sum order
-        # over more than two ranks depends on where a value sits in the bucket).
-        self.backend_sent: Dict[Tuple[int, ...], int] = {}
-        self.replay_backend: set = set()  # the replayed keys among them (after a load)
-        self._kept: Dict[int, bool] = {}  # id(p) -> keep_fp32(name, p), asked once per parameter
-        self._key_where: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # auto key -> (DDP bucket index, numel)
-        self._seen_layouts: set = set()  # bucket keys whose call header was validated
+        # -- per-bucket state: error feedback, decisions, replay, layouts (read through the properties)
+        self.buckets = Buckets(track_norms)
         # -- the step
         self.step = 0
         self._new_step = True
@@ -160,6 +147,33 @@ class State:
         self._names: Optional[Dict[int, str]] = None
         self._inflight = 0
         self._cond = threading.Condition()
+
+    # ---- the per-bucket state, read-only (what checkpoints and tests look at) -----------------------
+
+    @property
+    def residuals(self) -> Residuals:
+        """The error-feedback residuals, one flat buffer per bucket (:mod:`flatcomm.ddp.residuals`)."""
+        return self.buckets.residuals
+
+    @property
+    def decisions(self) -> Dict[Tuple[int, ...], Any]:
+        """``codec="auto"``: per bucket key (its parameters' ids), the tuner's Decision."""
+        return self.buckets.decisions
+
+    @property
+    def replay(self) -> Optional[List[Tuple[int, ...]]]:
+        """After a same-world-size load, until the next step ends: the saved bucket keys it replays."""
+        return self.buckets.replay
+
+    @property
+    def replay_tiered(self) -> bool:
+        """Whether the replayed buffers were saved by a hierarchical State."""
+        return self.buckets.replay_tiered
+
+    @property
+    def backend_sent(self) -> Dict[Tuple[int, ...], int]:
+        """``codec="auto"``: the buckets handed to the backend's all-reduce -> the step it last sent."""
+        return self.buckets.backend_sent
 
     def attach(self, model: torch.nn.Module) -> None:
         """Give the State its DDP model (``ddp.register_comm_hook(State(...), hook)`` creates it
@@ -290,20 +304,24 @@ class State:
         holds the bucket buffer, averaged in place."""
         group = self.ensure_group()
         if self.topology is None:
-            _comm.first_call(self, group)
+            traffic.first_call(self, group)
         if self._new_step:
             self._new_step = False
-            _comm.new_step(self, group, bucket.buffer().device)
+            traffic.new_step(self, group, bucket.buffer().device)
         step, index, tensor = self.step, bucket.index(), bucket.buffer()
-        whole, layout, parts = _comm.plan_parts(self, bucket)
+        whole, layout, parts = self.buckets.plan(bucket, self._keep if self.keep_fn is not None else None)
         if bucket.is_last():
             self.step += 1
             self._new_step = True
-            self.replay = None  # only the first step after a load can have DDP's initial layout
-            self.replay_backend = set()
+            self.buckets.end_step()
         if parts is None:
-            return _comm.reduce(self, group, _comm.Piece(tensor, whole, layout, step, index, f"bucket{index}"))
-        return _comm.reduce_parts(self, group, tensor, layout, parts, step, index)
+            return traffic.reduce(self, group, traffic.Piece(tensor, whole, layout, step, index, f"bucket{index}"))
+        return traffic.reduce_parts(self, group, tensor, layout, parts, step, index)
+
+    def _keep(self, p: torch.nn.Parameter) -> bool:
+        """keep_fp32's answer for a parameter (asked once per parameter, by Buckets)."""
+        keep = self.keep_fn
+        return keep is not None and bool(keep(self.name_map().get(id(p), ""), p))
 
     def started(self) -> None:
         """One more all-reduce in flight (:meth:`wait` waits for it; :meth:`finished` ends it)."""
