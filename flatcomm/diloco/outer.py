@@ -26,7 +26,7 @@ from . import checkpoint, replicas, sync
 from .schedule import Schedule, split
 from .state import Fragment, Workspace, local_tensor, outer_step
 
-__all__ = ["Config", "DiLoCo", "FragmentStats"]
+__all__ = ["Config", "DiLoCo", "FragmentStats", "Options"]
 
 
 @dataclasses.dataclass
@@ -110,8 +110,34 @@ def _check_no_ddp(model: torch.nn.Module, group, allow_ddp: bool) -> None:
             f"If DDP's all-reduce is replaced by a hook that keeps the local gradient, pass allow_ddp=True")
 
 
-def _configure(model, sync_every, codec, mode, outer_lr, outer_momentum, nesterov, fragments, delay, alpha,
-               group, error_feedback, residual_dtype, verify_every, topology, allow_ddp=False, error_decay=1.0) -> Config:
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """:class:`DiLoCo`'s keyword options as given (checked by :func:`_configure`); see DiLoCo's
+    docstring for each."""
+
+    sync_every: int
+    codec: Any = "int4"
+    mode: str = "ordered"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    fragments: Any = 1
+    fragment_sync_delay: int = 0
+    fragment_update_alpha: float = 0.0
+    group: Any = None
+    error_feedback: bool = True
+    residual_dtype: torch.dtype = torch.float32
+    verify_every: int = 0
+    topology: Optional[Topology] = None
+    allow_ddp: bool = False
+    error_decay: float = 1.0
+
+
+def _configure(model: torch.nn.Module, o: Options) -> Config:
+    """The checked configuration of ``model`` under options ``o`` (the same on every replica)."""
+    sync_every, codec, mode, group, topology = o.sync_every, o.codec, o.mode, o.group, o.topology
+    nesterov, error_feedback, residual_dtype, verify_every = o.nesterov, o.error_feedback, o.residual_dtype, o.verify_every
+    fragments, delay, alpha, allow_ddp = o.fragments, o.fragment_sync_delay, o.fragment_update_alpha, o.allow_ddp
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"flatcomm.diloco: model must be a torch.nn.Module, got {type(model).__name__}")
     _check_no_ddp(model, topology.group if isinstance(topology, Topology) else group, allow_ddp)
@@ -134,11 +160,11 @@ def _configure(model, sync_every, codec, mode, outer_lr, outer_momentum, nestero
     if topology is not None and group is not None:
         raise ValueError("flatcomm.diloco: pass either group= or topology= (the topology has its own group)")
     schedule = Schedule(sync_every, len(fragments) if isinstance(fragments, (list, tuple)) else fragments, delay)
-    lr = _number(outer_lr, "outer_lr", 0.0, math.inf)
-    mu = _number(outer_momentum, "outer_momentum", 0.0, 1.0, hi_open=True)
+    lr = _number(o.outer_lr, "outer_lr", 0.0, math.inf)
+    mu = _number(o.outer_momentum, "outer_momentum", 0.0, 1.0, hi_open=True)
     a = _number(alpha, "fragment_update_alpha", 0.0, 1.0)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    plan = sync.Plan(c, mode, group, topology, error_feedback, _number(error_decay, "error_decay", 0.0, 1.0))
+    plan = sync.Plan(c, mode, group, topology, error_feedback, _number(o.error_decay, "error_decay", 0.0, 1.0))
     if plan.gathered and plan.two_level:
         raise ValueError("flatcomm.diloco: mode='exact' with a lossy codec runs flat (an all-gather of the "
                          "encoded payloads); drop topology= or use codec='fp32'")
@@ -180,11 +206,11 @@ class DiLoCo:
         self.device = local_tensor(first).device if first is not None else torch.device("cpu")
         if self.device.type != "cuda":
             self.device = torch.device("cpu")
+        options = Options(sync_every, codec, mode, outer_lr, outer_momentum, nesterov, fragments,
+                          fragment_sync_delay, fragment_update_alpha, group, error_feedback, residual_dtype,
+                          verify_every, topology, allow_ddp, error_decay)
         self.config: Config = replicas.agree(
-            self.group, self.device, lambda: _configure(
-                model, sync_every, codec, mode, outer_lr, outer_momentum, nesterov, fragments, fragment_sync_delay,
-                fragment_update_alpha, group, error_feedback, residual_dtype, verify_every, topology, allow_ddp,
-                error_decay),
+            self.group, self.device, lambda: _configure(model, options),
             Config.fingerprint, "the DiLoCo configuration")
         self.fragments = self.config.fragments
         replicas.verify(self.group, self.device, [f.master for f in self.fragments],
@@ -192,7 +218,8 @@ class DiLoCo:
         self.step = 0  # inner steps taken
         self.syncs = 0  # outer syncs applied (all fragments)
         self.pending: Optional[sync.Pending] = None
-        self._finished_at = 0  # inner step of the last finish(): every weight was its master then
+        # inner step of the last finish(): every weight was its master then (saved by checkpoints)
+        self.finished_at = 0
         self._work = Workspace()
         self.fragment_stats = [FragmentStats() for _ in self.fragments]
         replicas.announce()  # where this replica runs: a failed sync names the replicas that exited
@@ -234,7 +261,7 @@ class DiLoCo:
         if self.pending is not None:  # the inner steps since it started are dropped, as on schedule
             fresh.add(self.pending.fragment)
             self._apply(alpha=0.0)
-        if self._finished_at == self.step:
+        if self.finished_at == self.step:
             return
         for i, f in enumerate(self.fragments):
             if i not in fresh and self._last_applied(i) < self.step:
@@ -242,13 +269,13 @@ class DiLoCo:
                 self._apply(alpha=0.0)
             else:
                 f.set_weights(f.master, 0.0)
-        self._finished_at = self.step
+        self.finished_at = self.step
 
     def _last_applied(self, i: int) -> int:
         """The inner step after which fragment ``i``'s weights were last set from its master."""
         sch = self.config.schedule
         t = self.step
-        while t > self._finished_at and sch.applies(t) != i:
+        while t > self.finished_at and sch.applies(t) != i:
             t -= 1
         return t
 

@@ -198,7 +198,7 @@ class Backend:
         return done
 
     def _send(self, output: torch.Tensor, input: torch.Tensor, pieces: Pieces, codec: Codec, op: Any,
-              group, async_op: bool, world: int, key_numel: int):
+              group, *, async_op: bool, world: int, key_numel: int):
         """One reduce-scatter of ``pieces`` with their residuals (``key_numel``: the auto key's size)."""
         residual = None
         if self.error_feedback and (not codec.lossless or self._res.holds(pieces)):

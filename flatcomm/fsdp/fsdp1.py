@@ -148,7 +148,8 @@ class FSDP1State(Backend):
         if output is None:
             self._all_reduce(grad, name, codec, group, world, mask)
         elif mask is None:
-            self._send(output, grad, [(name, grad.numel() // world)], codec, "avg", group, False, world, grad.numel())
+            self._send(output, grad, [(name, grad.numel() // world)], codec, "avg", group, async_op=False, world=world,
+                       key_numel=grad.numel())
         else:
             self._reduce_scatter_kept(output, grad, name, codec, group, world, mask)
         return None

@@ -87,12 +87,12 @@ class ReduceScatter(Backend):
         rest, kept = _fadapt.split(pieces, self._is_kept) if self._keep_fn is not None else (pieces, [])
         if not kept or not rest:
             return self._send(output_tensor, input_tensor, pieces, codec if rest else resolve("fp32"),
-                              op, group, async_op, world, numel)
+                              op, group, async_op=async_op, world=world, key_numel=numel)
         # keep_fp32: the codec's parameters and the kept ones in two reduce-scatters (fsdp_adapt)
         for side, side_codec in ((rest, codec), (kept, resolve("fp32"))):
             part = torch.empty(sum(c for _, c in side), dtype=output_tensor.dtype, device=output_tensor.device)
             self._send(part, _fadapt.take(input_tensor, world, pieces, side), side, side_codec, op, group,
-                       False, world, numel)
+                       async_op=False, world=world, key_numel=numel)
             _fadapt.put(output_tensor, part, pieces, side)
         return Done(output_tensor) if async_op else None
 
