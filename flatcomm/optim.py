@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
+from ._snapshot import Snapshot
 from ._training.checks import register_ddp_hook
 from .ops.codecs import Codec, resolve
 
@@ -141,9 +142,10 @@ class OnebitAdam(torch.optim.Optimizer):
         return self.steps_done >= self.warmup_steps
 
     @property
-    def stats(self) -> C.CommStats:
-        """This rank's compressed-phase all-reduces so far: bytes, calls, seconds (read-only)."""
-        return self._stats
+    def stats(self) -> Snapshot:
+        """This rank's compressed-phase all-reduces so far: bytes, calls, seconds (a read-only
+        :class:`flatcomm.stats.Snapshot`, ``source="optim"``; ``last_wire_bytes`` in its detail)."""
+        return Snapshot.of("optim", self._stats, {"last_wire_bytes": self.last_wire_bytes})
 
     def _group(self):
         if self._comm_group is None:

@@ -18,7 +18,7 @@ PKG = ROOT / "flatcomm"
 # modules are listed bottom first too: a module may import those listed before it in its own
 # subpackage (a subpackage's __init__ is its face: it may import all of its modules, none imports it).
 FLOORS: List[Tuple[str, List[str]]] = [
-    ("base", ["flatcomm._C", "flatcomm._version", "flatcomm._compat", "flatcomm._bytes"]),
+    ("base", ["flatcomm._C", "flatcomm._version", "flatcomm._compat", "flatcomm._bytes", "flatcomm._snapshot"]),
     ("ops", ["flatcomm.ops.native", "flatcomm.ops.codec_names", "flatcomm.ops.codecs", "flatcomm.ops.sums",
              "flatcomm.ops.reference.sparse", "flatcomm.ops.reference.bits", "flatcomm.ops.reference.codecs", "flatcomm.ops.reference.sums",
              "flatcomm.ops.reference", "flatcomm.ops.cupy_backend.kernels", "flatcomm.ops.cupy_backend.launches",

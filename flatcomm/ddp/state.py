@@ -20,6 +20,7 @@ from . import checkpoint as _ckpt
 from . import traffic
 from . import stats as _stats
 from .._training.checks import register_ddp_hook
+from .._snapshot import COUNTERS, Snapshot
 from ..ops.codecs import Codec
 from .buckets import Buckets
 from .residuals import Residuals
@@ -33,9 +34,11 @@ __all__ = ["CODEC_DEFAULTS", "State", "StatsDict", "hook", "register"]
 CODEC_DEFAULTS = {"sign": {"block_size": 64, "start_step": 20}}
 
 
-class StatsDict(dict):
-    """What :attr:`State.stats` returns: a plain dict. Calling it, the spelling of flatcomm 0.1
-    (``state.stats()``, when ``stats`` was a method), returns it too, with a DeprecationWarning."""
+class StatsDict(Snapshot):
+    """What :attr:`State.stats` returns: a :class:`flatcomm.stats.Snapshot` (``source="ddp"``; its
+    counters summed over the steps kept) whose keys are those of flatcomm 0.2's plain dict.
+    Calling it, the spelling of flatcomm 0.1 (``state.stats()``, when ``stats`` was a method),
+    returns it too, with a DeprecationWarning."""
 
     def __call__(self) -> "StatsDict":
         warnings.warn("flatcomm: State.stats is a property: write state.stats, not state.stats()",
@@ -191,8 +194,10 @@ class State:
 
     @property
     def stats(self) -> "StatsDict":
-        """Per step and per bucket, on this rank (plain dicts; the last ``history`` steps), read
-        once every launched all-reduce has finished. A read-only property, like
+        """Per step and per bucket, on this rank (the last ``history`` steps), read once every
+        launched all-reduce has finished: a read-only :class:`flatcomm.stats.Snapshot` whose
+        counters sum the steps kept and whose keys (``codec``, ``steps``, ``decisions``, ...) are
+        the plain dict's of earlier versions. A read-only property, like
         ``ReduceScatter.stats``; the old call ``state.stats()`` still works, with a DeprecationWarning.
 
         Per bucket: ``wire_bytes`` (this rank put on the wire), ``fp32_bytes`` (a plain fp32 ring
@@ -207,17 +212,19 @@ class State:
         """
         self.wait()
         out = self.recorder.steps()
-        return StatsDict({"codec": "auto" if self.auto else self.codec.name, "block_size": self.codec.block_size,
-                "mode": self.mode, "error_feedback": self.error_feedback,
-                # codec="auto": per bucket, what the tuner chose and why
-                "decisions": [{"codec": d.codec, "chunks": d.chunks, "reason": d.reason,
-                               "predicted_s": dict(d.predicted_s),
-                               **self.monitor.measured_fields(k)} for k, d in self.decisions.items()],
-                # codec="auto" with backoff: each move to a more precise codec, with its numbers
-                "adaptations": [dict(a) for a in self.adaptations],
-                "world_size": dist.get_world_size(self.group) if self.group is not None else None,
-                "topology": self.topology.describe() if self.topology is not None else None,
-                "steps": out})
+        detail = {"codec": "auto" if self.auto else self.codec.name, "block_size": self.codec.block_size,
+                  "mode": self.mode, "error_feedback": self.error_feedback,
+                  # codec="auto": per bucket, what the tuner chose and why
+                  "decisions": [{"codec": d.codec, "chunks": d.chunks, "reason": d.reason,
+                                 "predicted_s": dict(d.predicted_s),
+                                 **self.monitor.measured_fields(k)} for k, d in self.decisions.items()],
+                  # codec="auto" with backoff: each move to a more precise codec, with its numbers
+                  "adaptations": [dict(a) for a in self.adaptations],
+                  "world_size": dist.get_world_size(self.group) if self.group is not None else None,
+                  "topology": self.topology.describe() if self.topology is not None else None,
+                  "steps": out}
+        sums = {f: sum(s[f] for s in out) for f in COUNTERS if f != "calls"}
+        return StatsDict("ddp", calls=sum(len(s["buckets"]) for s in out), **sums, detail=detail)
 
     # ---- checkpoints (flatcomm.ddp.checkpoint) --------------------------------------------------
 

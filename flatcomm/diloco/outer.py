@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .._snapshot import Snapshot
 from ..comm.header import MODES
 from ..comm.labels import label
 from ..comm.topology import Topology
@@ -350,11 +351,17 @@ class DiLoCo:
     # ---- stats and checkpoints ----------------------------------------------------------------------
 
     @property
-    def stats(self) -> Dict[str, Any]:
+    def stats(self) -> Snapshot:
+        """A read-only :class:`flatcomm.stats.Snapshot` (``source="diloco"``): ``calls`` the
+        fragments' outer all-reduces, ``wire_bytes`` this rank sent, ``exchange_s`` the time the
+        training loop waited for them; keys ``syncs``, ``inner_steps``, ``wire_bytes``, ``wait_s``
+        and per fragment ``fragments``."""
         fs = self.fragment_stats
-        return {"syncs": self.syncs, "inner_steps": self.step, "wire_bytes": sum(s.wire_bytes for s in fs),
-                "wait_s": sum(s.wait_s for s in fs), "fragments": [dataclasses.asdict(s) | {
-                    "bytes_per_sync": s.bytes_per_sync, "numel": f.numel} for s, f in zip(fs, self.fragments)]}
+        wire, wait = sum(s.wire_bytes for s in fs), sum(s.wait_s for s in fs)
+        detail = {"syncs": self.syncs, "inner_steps": self.step, "wire_bytes": wire, "wait_s": wait,
+                  "fragments": [dataclasses.asdict(s) | {"bytes_per_sync": s.bytes_per_sync, "numel": f.numel}
+                                for s, f in zip(fs, self.fragments)]}
+        return Snapshot("diloco", calls=sum(s.syncs for s in fs), wire_bytes=wire, exchange_s=wait, detail=detail)
 
     def state_dict(self) -> Dict[str, Any]:
         """Everything to resume bit for bit (a sync in flight is drained into it); see
