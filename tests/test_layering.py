@@ -43,7 +43,7 @@ FLOORS: List[Tuple[str, List[str]]] = [
                       "flatcomm.optim", "flatcomm.reproducible.determinism", "flatcomm.reproducible.layout",
                       "flatcomm.reproducible.accumulator", "flatcomm.stats",
                       "flatcomm.diloco.schedule", "flatcomm.diloco.state", "flatcomm.diloco.sync",
-                      "flatcomm.diloco.replicas", "flatcomm.diloco.checkpoint", "flatcomm.diloco.outer",
+                      "flatcomm.diloco.replicas", "flatcomm.diloco.options", "flatcomm.diloco.checkpoint", "flatcomm.diloco.outer",
                       "flatcomm.diloco.replica_state"]),
     ("checkpoints", ["flatcomm.rank_states"]),
     ("adapters", ["flatcomm.integrations._common", "flatcomm.integrations.lightning",

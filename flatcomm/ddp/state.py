@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import math
 import threading
-import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -19,8 +18,9 @@ from .._training import adapt as _adapt
 from . import checkpoint as _ckpt
 from . import traffic
 from . import stats as _stats
+from .stats import StatsDict
 from .._training.checks import register_ddp_hook
-from .._snapshot import COUNTERS, Snapshot
+from .._snapshot import COUNTERS
 from ..ops.codecs import Codec
 from .buckets import Buckets
 from .residuals import Residuals
@@ -32,18 +32,6 @@ __all__ = ["CODEC_DEFAULTS", "State", "StatsDict", "hook", "register"]
 # training, the residual; smaller blocks and lossless first steps keep both close (measured by
 # tools/bench/adam_probe.py and convergence.py: docs/benchmarks.md, "Why sign lost under Adam").
 CODEC_DEFAULTS = {"sign": {"block_size": 64, "start_step": 20}}
-
-
-class StatsDict(Snapshot):
-    """What :attr:`State.stats` returns: a :class:`flatcomm.stats.Snapshot` (``source="ddp"``; its
-    counters summed over the steps kept) whose keys are those of flatcomm 0.2's plain dict.
-    Calling it, the spelling of flatcomm 0.1 (``state.stats()``, when ``stats`` was a method),
-    returns it too, with a DeprecationWarning."""
-
-    def __call__(self) -> "StatsDict":
-        warnings.warn("flatcomm: State.stats is a property: write state.stats, not state.stats()",
-                      DeprecationWarning, stacklevel=2)
-        return self
 
 
 class State:
@@ -370,7 +358,21 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: Any = 
     ``"ordered"`` or ``"exact"`` (fp32 only) asks for determinism: auto then chooses among
     flatcomm's own collectives only.
 
-    Returns the :class:`State` (for ``state_dict()``, ``stats``, ``decisions``).
+    Args:
+        ddp_model: the :class:`~torch.nn.parallel.DistributedDataParallel` model to hook.
+        codec: the gradients' codec (default ``"int8"``, see above).
+        options: keywords of :class:`State`, as listed above.
+
+    Returns:
+        The :class:`State` (for ``state_dict()``, ``stats``, ``decisions``).
+
+    Example::
+
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(model)
+        >>> state = flatcomm.ddp.register(ddp, "int8", start_step=10)
+        >>> loss_fn(ddp(x), y).backward()          # the hook sends int8 with error feedback
+        >>> state.stats["steps"][-1]["compression"]
+        >>> torch.save(state.state_dict(), f"flatcomm{rank}.pt")
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"flatcomm.ddp.register needs a DistributedDataParallel model, got "

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from typing import Any, Dict, List, NamedTuple
 
 from .. import collectives as C
+from .._snapshot import Snapshot
 from ..ops.codecs import Codec
 
-__all__ = ["Recorder", "Sent", "fp32_ring_bytes"]
+__all__ = ["Recorder", "Sent", "StatsDict", "fp32_ring_bytes"]
 
 
 class Sent(NamedTuple):
@@ -126,3 +128,15 @@ class Recorder:
             s["buckets"].sort(key=lambda b: b["bucket"])
             out.append(s)
         return out
+
+
+class StatsDict(Snapshot):
+    """What :attr:`State.stats` returns: a :class:`flatcomm.stats.Snapshot` (``source="ddp"``; its
+    counters summed over the steps kept) whose keys are those of flatcomm 0.2's plain dict.
+    Calling it, the spelling of flatcomm 0.1 (``state.stats()``, when ``stats`` was a method),
+    returns it too, with a DeprecationWarning."""
+
+    def __call__(self) -> "StatsDict":
+        warnings.warn("flatcomm: State.stats is a property: write state.stats, not state.stats()",
+                      DeprecationWarning, stacklevel=2)
+        return self

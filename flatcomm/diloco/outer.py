@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import numbers
 import time
 from typing import Any, Dict, List, Optional
 
@@ -24,6 +23,7 @@ from ..comm.labels import label
 from ..comm.topology import Topology
 from ..ops.codecs import resolve
 from . import checkpoint, replicas, sync
+from .options import Options, check_no_ddp, number
 from .schedule import Schedule, split
 from .state import Fragment, Workspace, local_tensor, outer_step
 
@@ -87,53 +87,6 @@ class Config:
                 "codec keep": str(p.codec.keep) if p.codec.chunked else "-", "error_decay": repr(p.error_decay)}
 
 
-def _number(v: Any, what: str, lo: float, hi: float, hi_open: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or float(v) < lo \
-            or float(v) > hi or (hi_open and float(v) == hi):
-        raise ValueError(f"flatcomm.diloco: {what} must be a finite number in [{lo}, {hi}{')' if hi_open else ']'}, "
-                         f"got {v!r}")
-    return float(v)
-
-
-def _check_no_ddp(model: torch.nn.Module, group, allow_ddp: bool) -> None:
-    """Refuse a DistributedDataParallel over ``model`` whose all-reduce spans replicas."""
-    if not isinstance(allow_ddp, bool):
-        raise TypeError(f"flatcomm.diloco: allow_ddp must be True or False, got {allow_ddp!r}")
-    ranks = [] if allow_ddp else replicas.ddp_across_replicas(model, group)
-    if ranks:
-        raise ValueError(
-            f"flatcomm.diloco: the model is wrapped in DistributedDataParallel over ranks {ranks}, which "
-            f"hold several DiLoCo replicas: DDP would all-reduce every gradient at every inner step and "
-            f"DiLoCo would sync on top, so the replicas never train alone (all the traffic of DDP, plus "
-            f"DiLoCo's). Remove DDP: build DiLoCo on the bare module (model = ddp.module, the same "
-            f"optimizer) and call that module in the training loop. Or make DDP run inside one replica "
-            f"only (DDP(process_group=the ranks of one replica), DiLoCo(group=the ranks across replicas)). "
-            f"If DDP's all-reduce is replaced by a hook that keeps the local gradient, pass allow_ddp=True")
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """:class:`DiLoCo`'s keyword options as given (checked by :func:`_configure`); see DiLoCo's
-    docstring for each."""
-
-    sync_every: int
-    codec: Any = "int4"
-    mode: str = "ordered"
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    fragments: Any = 1
-    fragment_sync_delay: int = 0
-    fragment_update_alpha: float = 0.0
-    group: Any = None
-    error_feedback: bool = True
-    residual_dtype: torch.dtype = torch.float32
-    verify_every: int = 0
-    topology: Optional[Topology] = None
-    allow_ddp: bool = False
-    error_decay: float = 1.0
-
-
 def _configure(model: torch.nn.Module, o: Options) -> Config:
     """The checked configuration of ``model`` under options ``o`` (the same on every replica)."""
     sync_every, codec, mode, group, topology = o.sync_every, o.codec, o.mode, o.group, o.topology
@@ -141,7 +94,7 @@ def _configure(model: torch.nn.Module, o: Options) -> Config:
     fragments, delay, alpha, allow_ddp = o.fragments, o.fragment_sync_delay, o.fragment_update_alpha, o.allow_ddp
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"flatcomm.diloco: model must be a torch.nn.Module, got {type(model).__name__}")
-    _check_no_ddp(model, topology.group if isinstance(topology, Topology) else group, allow_ddp)
+    check_no_ddp(model, topology.group if isinstance(topology, Topology) else group, allow_ddp)
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"flatcomm.diloco: mode must be one of {MODES}, got {mode!r}")
     if isinstance(codec, str) and codec == "auto":
@@ -161,11 +114,11 @@ def _configure(model: torch.nn.Module, o: Options) -> Config:
     if topology is not None and group is not None:
         raise ValueError("flatcomm.diloco: pass either group= or topology= (the topology has its own group)")
     schedule = Schedule(sync_every, len(fragments) if isinstance(fragments, (list, tuple)) else fragments, delay)
-    lr = _number(o.outer_lr, "outer_lr", 0.0, math.inf)
-    mu = _number(o.outer_momentum, "outer_momentum", 0.0, 1.0, hi_open=True)
-    a = _number(alpha, "fragment_update_alpha", 0.0, 1.0)
+    lr = number(o.outer_lr, "outer_lr", 0.0, math.inf)
+    mu = number(o.outer_momentum, "outer_momentum", 0.0, 1.0, hi_open=True)
+    a = number(alpha, "fragment_update_alpha", 0.0, 1.0)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    plan = sync.Plan(c, mode, group, topology, error_feedback, _number(o.error_decay, "error_decay", 0.0, 1.0))
+    plan = sync.Plan(c, mode, group, topology, error_feedback, number(o.error_decay, "error_decay", 0.0, 1.0))
     if plan.gathered and plan.two_level:
         raise ValueError("flatcomm.diloco: mode='exact' with a lossy codec runs flat (an all-gather of the "
                          "encoded payloads); drop topology= or use codec='fp32'")
@@ -190,6 +143,35 @@ class DiLoCo:
     A ``DistributedDataParallel`` over ``model`` whose process group spans several replicas is
     refused (its all-reduce would run at every inner step) unless ``allow_ddp=True`` (for a DDP
     whose comm hook keeps the local gradient, as the framework adapters register).
+
+    Args:
+        model: the module the replicas train (its parameters that require a gradient are synced).
+        inner_optimizer: the optimizer of the inner steps; DiLoCo hooks its ``step()``.
+        sync_every: inner steps between two syncs of a fragment (H).
+        codec: the pseudo-gradient's codec on the wire (default ``"int4"``; not ``"auto"``).
+        mode: ``"ordered"`` (default) or ``"exact"`` (bits independent of the replica count).
+        outer_lr: the outer SGD's learning rate (default 0.7).
+        outer_momentum: its momentum in [0, 1) (default 0.9).
+        nesterov: Nesterov momentum (default True).
+        fragments: how many fragments (Streaming DiLoCo) or a list of parameter-name lists.
+        fragment_sync_delay: inner steps between a fragment's send and its apply (overlap).
+        fragment_update_alpha: the local weights' share when a fragment is applied (0: the master).
+        group: the outer group, one rank per replica (default: the world).
+        error_feedback: keep the codec's residuals (default True).
+        residual_dtype: ``torch.float32`` (default) or ``torch.bfloat16`` residuals.
+        verify_every: compare the replicas' masters every this many syncs (0: never).
+        topology: a :class:`flatcomm.Topology` for a two-level outer sync (instead of ``group``).
+        allow_ddp: accept a DDP over ``model`` that spans replicas (its hook must keep gradients local).
+        error_decay: the residual's decay per sync in [0, 1] (default 1: kept whole).
+
+    Example::
+
+        >>> model = torch.nn.Linear(16, 16)
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        >>> outer = flatcomm.diloco.DiLoCo(model, opt, sync_every=100, codec="int4")
+        >>> for x in batches:  # every replica alone; a sync after every 100 steps
+        ...     opt.zero_grad(); model(x).sum().backward(); opt.step()
+        >>> outer.stats.wire_bytes, outer.stats["syncs"]
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,

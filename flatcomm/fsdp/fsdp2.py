@@ -212,6 +212,32 @@ def apply(model: torch.nn.Module, codec: Any = "fp32", *, error_feedback: bool =
     the first forward; with ``fully_shard(reshard_after_forward=k)`` the backward gather stays in
     groups of ``k`` ranks (hpZ). ``rs.weights`` says what was done, ``rs.stats.bytes_by_kind``
     where the bytes go. See :mod:`flatcomm.fsdp.weights`.
+
+    Args:
+        model: the root module, after ``fully_shard`` (parameter names are relative to it).
+        codec: the gradients' reduce-scatter codec (default ``"fp32"``, lossless), or ``"auto"``.
+        error_feedback: keep residuals for a lossy codec (default True).
+        mode: ``"ordered"`` (default) or ``"exact"`` (fp32 only).
+        chunks: pipeline chunks per reduce-scatter (default: automatic).
+        block_size: the codec's block size (default: the codec's).
+        ratio: ``topk``'s kept fraction.
+        tuner: ``codec="auto"``'s :class:`flatcomm.autotune.Tuner` (default one per group).
+        start_step: reductions per parameter sent in lossless fp32 before the codec starts.
+        keep_fp32: parameters always sent (and gathered) exactly: a predicate, name patterns or ``"small"``.
+        backoff: ``codec="auto"``: a :class:`flatcomm.ddp.Backoff` (or False).
+        weights: the weight all-gathers' codec (qwZ), or None (FSDP's own).
+
+    Returns:
+        The :class:`ReduceScatter` (``stats``, ``state_dict()``, ``load_state_dict()``).
+
+    Example::
+
+        >>> for layer in model.layers:
+        ...     fully_shard(layer)
+        >>> fully_shard(model)
+        >>> rs = flatcomm.fsdp.apply(model, "int8", keep_fp32="small")
+        >>> model(x).sum().backward()
+        >>> rs.stats.wire_bytes, rs.stats.bytes_by_kind
     """
     from torch.distributed.fsdp import FSDPModule
 
