@@ -95,3 +95,21 @@ def test_the_checker_finds_a_missing_argument():
 def test_help_of_diloco_reads_like_torch():
     text = flatcomm.diloco.DiLoCo.__doc__ or ""
     assert "Args:" in text and "Example::" in text and ">>> outer = flatcomm.diloco.DiLoCo(" in text
+
+
+def test_the_backend_process_group_overrides_are_typed():
+    """Every ProcessGroup method flatcomm's group overrides declares its argument and return types."""
+    import torch.distributed as dist
+
+    from flatcomm.backend.group import FlatcommGroup
+
+    overrides = [n for n, f in vars(FlatcommGroup).items()
+                 if inspect.isfunction(f) and not n.startswith("_") and hasattr(dist.ProcessGroup, n)]
+    assert {"allreduce", "reduce_scatter", "broadcast", "barrier"} <= set(overrides)
+    untyped = []
+    for n in overrides:
+        sig = inspect.signature(getattr(FlatcommGroup, n))
+        params = [p for p in sig.parameters.values() if p.name != "self"]
+        if sig.return_annotation is inspect.Signature.empty or any(p.annotation is inspect.Parameter.empty for p in params):
+            untyped.append(n)
+    assert not untyped, f"untyped overrides: {untyped}"

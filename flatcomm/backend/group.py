@@ -225,10 +225,11 @@ class FlatcommGroup(dist.ProcessGroup):
 
     @torch_forms("barrier", 0, dist.BarrierOptions, ())
     def barrier(self, opts: Optional[dist.BarrierOptions] = None) -> dist.Work:
-        return self._inner(torch.empty(0)).barrier(opts if opts is not None else dist.BarrierOptions())
+        cpu: Any = self._get_backend(torch.device("cpu"))  # (torch's stub lacks the ops of its backends)
+        return cpu.barrier(opts if opts is not None else dist.BarrierOptions())
 
     def monitored_barrier(self, timeout: Optional[datetime.timedelta] = None, wait_all_ranks: bool = False) -> None:
-        gloo = self._inner(torch.empty(0))  # the CPU backend
+        gloo: Any = self._get_backend(torch.device("cpu"))
         return gloo.monitored_barrier(timeout if timeout is not None else self._timeout, wait_all_ranks)
 
 
