@@ -327,8 +327,8 @@ def test_private_reach_checker_finds_one() -> None:
     user = ("def f(state, x):\n    state._kept[1] = True\n    getattr(state, '_n')\n"
             "    x._local_tensor\n    return state.public\n")
     own = "class T:\n    def g(self, other):\n        self._m = 1\n        return other._m\n"
-    bad = _cross_module_private_reads({"flatcomm.a": owner, "flatcomm.b": user, "flatcomm.c": own})
-    assert sorted(b.split(" (")[0] for b in bad) == ["flatcomm.b:2 state._kept", "flatcomm.b:3 getattr(state, '_n')"], bad
+    bad = _cross_module_private_reads({"pkg.a": owner, "pkg.b": user, "pkg.c": own})
+    assert sorted(b.split(" (")[0] for b in bad) == ["pkg.b:2 state._kept", "pkg.b:3 getattr(state, '_n')"], bad
 
 
 def _is_tools(name: str) -> bool:
