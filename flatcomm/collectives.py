@@ -59,6 +59,31 @@ def all_reduce(
     ``topology`` (a :class:`flatcomm.Topology`): reduce inside the node with ``intra_codec``,
     exchange ``codec`` across nodes (``residual``: that tier's, see :mod:`flatcomm.hierarchical`).
     A plain Tensor as ``residual`` raises ``TypeError``: an all-reduce has two residuals.
+
+    Args:
+        tensor: the values, reduced in place (fp32, bf16 or fp16; any shape, contiguous).
+        codec: ``"fp32"`` (default, lossless), ``"bf16"``, ``"fp16"``, ``"int8"``, ``"int4"``,
+            ``"sign"``, ``"topk"``, ``"auto"`` or a :class:`flatcomm.Codec`.
+        op: ``"avg"`` (default), ``"sum"`` or a ``torch.distributed.ReduceOp`` (SUM, AVG, PREMUL_SUM).
+        mode: ``"ordered"`` (default: fixed order, same bits every run) or ``"exact"`` (fp32:
+            bits independent of the rank count).
+        group: the process group (default: the world; flatcomm uses a private copy).
+        async_op: return a :class:`Handle` to ``wait()`` on instead of blocking.
+        residual: an :class:`ErrorFeedback` for a lossy codec.
+        chunks: pipeline chunks (default: automatic).
+        stats: a :class:`CommStats` the call adds its bytes and seconds to.
+        validate: check the call's header against every rank's (default True).
+        exact_block: ``mode="exact"``'s block of values sharing one exponent.
+        headroom: ``mode="exact"``'s bits of headroom for the integer sum.
+        tuner: ``codec="auto"``'s :class:`flatcomm.autotune.Tuner`.
+        topology: a :class:`flatcomm.Topology` for the two-level path.
+        intra_codec: the node tier's codec with ``topology`` (default ``"fp32"``).
+
+    Example::
+
+        >>> ef = flatcomm.ErrorFeedback.zeros(grad.numel())
+        >>> flatcomm.all_reduce(grad, codec="int8", residual=ef)      # the average, int8 on the wire
+        >>> h = flatcomm.all_reduce(t, codec="fp32", op="sum", async_op=True); h.wait()
     """
     spec = CallSpec(codec=codec, op=op, mode=mode, async_op=async_op, residual=residual, chunks=chunks, stats=stats,
                     validate=validate, exact_block=exact_block, headroom=headroom, intra_codec=intra_codec)
@@ -108,6 +133,29 @@ def reduce_scatter(
     the codec and chunks per input size, the same on every rank (``Handle.decision``).
     ``topology`` (a :class:`flatcomm.Topology`): two levels, see :mod:`flatcomm.hierarchical`.
     ``residual`` may also be an :class:`ErrorFeedback` (its ``client`` is used).
+
+    Args:
+        output: this rank's shard of the result (``input.numel() / world`` values).
+        input: the values to reduce, ``world`` shards one after another.
+        codec: the wire codec (as :func:`all_reduce`; default ``"fp32"``).
+        op: ``"avg"`` (default), ``"sum"`` or a ``torch.distributed.ReduceOp``.
+        mode: ``"ordered"`` (default) or ``"exact"``.
+        group: the process group (default: the world).
+        async_op: return a :class:`Handle` instead of blocking.
+        residual: error feedback: an fp32 tensor of ``input``'s numel or an :class:`ErrorFeedback`.
+        chunks: pipeline chunks (default: automatic).
+        stats: a :class:`CommStats` to add to.
+        validate: check the call's header against every rank's (default True).
+        exact_block: ``mode="exact"``'s block size.
+        headroom: ``mode="exact"``'s headroom bits.
+        tuner: ``codec="auto"``'s tuner.
+        topology: a :class:`flatcomm.Topology` for the two-level path.
+        intra_codec: the node tier's codec with ``topology``.
+
+    Example::
+
+        >>> shard = torch.empty(grad.numel() // world)
+        >>> flatcomm.reduce_scatter(shard, grad, codec="int8", residual=torch.zeros_like(grad))
     """
     spec = CallSpec(codec=codec, op=op, mode=mode, async_op=async_op, residual=residual, chunks=chunks, stats=stats,
                     validate=validate, exact_block=exact_block, headroom=headroom, intra_codec=intra_codec)
@@ -141,6 +189,23 @@ def all_gather(
     sent) and every rank, the sender included, receives the decoded values.
     ``topology`` (a :class:`flatcomm.Topology`): two levels, see :mod:`flatcomm.hierarchical`.
     ``residual`` may also be an :class:`ErrorFeedback` (its ``client`` is used).
+
+    Args:
+        output: the gathered values, ``world`` x ``input.numel()``, rank 0's first.
+        input: this rank's values.
+        codec: the wire codec (as :func:`all_reduce`; default ``"fp32"``).
+        group: the process group (default: the world).
+        async_op: return a :class:`Handle` instead of blocking.
+        residual: error feedback for a lossy codec (fp32, ``input``'s numel, or an :class:`ErrorFeedback`).
+        stats: a :class:`CommStats` to add to.
+        validate: check the call's header against every rank's (default True).
+        topology: a :class:`flatcomm.Topology` for the two-level path.
+        intra_codec: the node tier's codec with ``topology``.
+
+    Example::
+
+        >>> out = torch.empty(world * w.numel())
+        >>> flatcomm.all_gather(out, w, codec="bf16")
     """
     spec = CallSpec(codec=codec, async_op=async_op, residual=residual, stats=stats, validate=validate,
                     intra_codec=intra_codec)

@@ -48,8 +48,7 @@ Every rank must call ``step()`` with the same parameter groups (the all-reduce i
 parameter without a gradient counts as a zero gradient in the compressed phase (every rank sends
 the same layout); in the warm-up it is skipped, as torch does. Parameters must be fp32 and dense.
 Checkpoints: :meth:`OnebitAdam.state_dict` holds the moments, the step count and each group's
-residuals (loaded only at the same world size, codec and group sizes: the server residuals belong
-to the shard layout).
+residuals (loaded at the same world size, codec and group sizes only: residuals follow the shards).
 """
 from __future__ import annotations
 
@@ -60,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
+from ._snapshot import Snapshot
 from ._training.checks import register_ddp_hook
 from .ops.codecs import Codec, resolve
 
@@ -141,9 +141,9 @@ class OnebitAdam(torch.optim.Optimizer):
         return self.steps_done >= self.warmup_steps
 
     @property
-    def stats(self) -> C.CommStats:
-        """This rank's compressed-phase all-reduces so far: bytes, calls, seconds (read-only)."""
-        return self._stats
+    def stats(self) -> Snapshot:
+        """This rank's compressed-phase all-reduces so far (a :class:`flatcomm.stats.Snapshot`)."""
+        return Snapshot.of("optim", self._stats, {"last_wire_bytes": self.last_wire_bytes})
 
     def _group(self):
         if self._comm_group is None:

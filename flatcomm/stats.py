@@ -11,7 +11,8 @@ Usage::
 
 A :class:`Record` is one measurement: one collective (one DDP bucket of one step, one call of
 ``flatcomm.collectives.*`` with a :class:`~flatcomm.collectives.CommStats`, one step of
-``flatcomm.reproducible``). ``size_bytes`` is the logical fp32 payload (``4 * numel``, the *size*
+``flatcomm.reproducible``, the counters of a front end's ``.stats`` :class:`Snapshot`: exporters
+take those too, :func:`from_snapshot`). ``size_bytes`` is the logical fp32 payload (``4 * numel``, the *size*
 of nccl-tests); ``algbw = size_bytes / seconds`` and ``busbw = algbw * factor(kind, world)`` with
 the nccl-tests factors (all_reduce ``2(n-1)/n``; reduce_scatter, all_gather, all_to_all ``(n-1)/n``;
 broadcast, reduce ``1``), both in GB/s (1e9 bytes per second). ``fp32_bytes`` is what an
@@ -27,7 +28,10 @@ import os
 import re
 from typing import Any, Dict, Iterable, List, Optional, Union
 
-__all__ = ["Record", "algbw", "busbw", "bus_factor", "from_ddp_state", "from_comm_stats", "from_step_stats",
+from ._snapshot import Snapshot
+
+__all__ = ["Record", "Snapshot", "algbw", "busbw", "bus_factor", "from_ddp_state", "from_comm_stats",
+           "from_snapshot", "from_step_stats",
            "JsonLinesExporter", "TensorBoardExporter", "PrometheusExporter", "prometheus_text", "METRICS"]
 
 _FACTORS = {
@@ -120,14 +124,20 @@ class Record:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-RecordLike = Union[Record, Dict[str, Any]]
+RecordLike = Union[Record, Dict[str, Any], Snapshot]
 
 
-def _rec(r: RecordLike) -> Record:
+def _rec(r: Union[Record, Dict[str, Any]]) -> Record:
     return r if isinstance(r, Record) else Record.from_dict(r)
 
 
-# ---- sources -------------------------------------------------------------------------------------
+def _records(records: Union[Snapshot, Iterable[RecordLike]]) -> List[Record]:
+    """What an exporter writes: records, their dicts, and snapshots (each its records)."""
+    items = [records] if isinstance(records, Snapshot) else records
+    out: List[Record] = []
+    for r in items:
+        out += from_snapshot(r) if isinstance(r, Snapshot) else [_rec(r)]
+    return out
 
 
 def from_comm_stats(cs, *, numel: int, step: int = 0, name: str = "", codec: str = "", kind: str = "all_reduce",
@@ -169,6 +179,17 @@ def from_ddp_state(state, *, per_step: bool = False) -> List[Record]:
     return out
 
 
+def from_snapshot(snap: Snapshot, *, step: Optional[int] = None) -> List[Record]:
+    """Records of a front end's ``.stats``: DDP's per bucket and step (:func:`from_ddp_state`), else
+    one of the counters (``name`` = the source, ``step`` = DiLoCo's syncs unless given)."""
+    if snap.source == "ddp":
+        return from_ddp_state(snap)
+    at = step if step is not None else int(snap.get("syncs", 0))
+    kind = "reduce_scatter" if snap.source == "fsdp" else "all_reduce"
+    return [Record(step=at, name=snap.source, kind=kind, wire_bytes=int(snap.wire_bytes), encode_s=snap.encode_s,
+                   exchange_s=snap.exchange_s, decode_s=snap.decode_s)]
+
+
 def from_step_stats(st, *, numel: int, world: int, name: str = "reproducible") -> Record:
     """A :class:`Record` from :class:`flatcomm.reproducible.StepStats` (``acc.stats``): ``total_s`` =
     ``reduce_s``, ``digest`` carried over, ``rel_error`` 0 (exact) or NaN for a skipped step."""
@@ -176,8 +197,6 @@ def from_step_stats(st, *, numel: int, world: int, name: str = "reproducible") -
                   exchange_s=st.reduce_s, total_s=st.reduce_s, rel_error=0.0 if st.applied else float("nan"),
                   digest=st.digest or None)
 
-
-# ---- metrics shared by the exporters ---------------------------------------------------------------
 
 # (metric name, type, help, value of a Record or None to skip). Counters add up over records; gauges
 # keep the last record's value per label set.
@@ -237,8 +256,8 @@ class JsonLinesExporter(_Exporter):
         self._f = open(self.path, "a", encoding="utf-8")
 
     def write(self, records: Iterable[RecordLike]) -> None:
-        for r in records:
-            d = {k: _json_safe(v) for k, v in _rec(r).to_dict().items()}
+        for r in _records(records):
+            d = {k: _json_safe(v) for k, v in r.to_dict().items()}
             self._f.write(json.dumps(d, allow_nan=False, sort_keys=True) + "\n")
         self._f.flush()
 
@@ -278,7 +297,7 @@ class TensorBoardExporter(_Exporter):
         self.writer = SummaryWriter(log_dir=log_dir, **writer_kwargs)
 
     def write(self, records: Iterable[RecordLike]) -> None:
-        for r in map(_rec, records):
+        for r in _records(records):
             for metric, _kind, _help, get in METRICS:
                 if _kind == "counter" or metric == "flatcomm_step":
                     continue
@@ -311,7 +330,7 @@ class PrometheusExporter(_Exporter):
             self._metrics[metric] = cls(metric, help_, list(LABELS), registry=self.registry)
 
     def write(self, records: Iterable[RecordLike]) -> None:
-        for r in map(_rec, records):
+        for r in _records(records):
             labels = _labels(r)
             for metric, kind, _help, get in METRICS:
                 v = get(r)
@@ -360,7 +379,7 @@ def prometheus_text(records: Iterable[RecordLike]) -> str:
     One sample per metric and label set ``name, codec, kind, world``: counters are summed over the
     records, gauges hold the last record's value. Metrics without a value are left out.
     """
-    recs = [_rec(r) for r in records]
+    recs = _records(records)
     lines: List[str] = []
     for metric, kind, help_, get in METRICS:
         samples: Dict[tuple, float] = {}

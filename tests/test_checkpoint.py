@@ -70,13 +70,13 @@ def _roundtrip(obj):
 def _w_resume(rank, world, codecs, total, cut):
     out = {}
     for codec in codecs:
-        ddp, state, opt = _make(codec)
-        _steps(rank, ddp, opt, 0, total)
-        straight = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+        # one run, saved at `cut` (saving changes nothing) and continued: the uninterrupted run
         ddp, state, opt = _make(codec)
         _steps(rank, ddp, opt, 0, cut)
         ckpt = _roundtrip({"model": ddp.module.state_dict(), "opt": opt.state_dict(),
                            "flatcomm": state.state_dict()})
+        _steps(rank, ddp, opt, cut, total)
+        straight = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
         ddp, state, opt = _make(codec)  # a fresh process would build exactly this
         ddp.module.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])

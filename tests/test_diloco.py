@@ -322,14 +322,19 @@ def _resumed(rank, world, ckpt):
     return out
 
 
+def _straight_then_resumed(rank, world, ckpt):
+    # one spawn for both (starting ranks dominates here); each rank reads only its own files
+    return _straight(rank, world, ckpt), _resumed(rank, world, ckpt)
+
+
 def _bits_equal(a, b):
     return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
 
 
 def test_resume_bit_for_bit_at_three_kill_points():
     with tempfile.TemporaryDirectory() as ckpt:
-        straight = spawn.run(2, _straight, ckpt, timeout_s=60)
-        resumed = spawn.run(2, _resumed, ckpt, timeout_s=60)
+        both = spawn.run(2, _straight_then_resumed, ckpt, timeout_s=90)
+    straight, resumed = [s for s, _ in both], [r for _, r in both]
     for rank in range(2):
         (w, m), (w2, m2) = straight[rank]
         assert _bits_equal(w, w2) and _bits_equal(m, m2), "saving a checkpoint changed the run"

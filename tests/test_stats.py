@@ -325,15 +325,42 @@ def _w_ddp(rank, world):
         ddp.zero_grad()
         ddp(x).square().mean().backward()
     recs = [r.to_dict() for r in fs.from_ddp_state(state)]
+    snaps = {"ddp": state.stats, "diloco": _diloco_snapshot()}
+    out = {k: (v.counters(), v.as_dict() if k == "diloco" else v["codec"],
+               [r.to_dict() for r in fs.from_snapshot(v)]) for k, v in snaps.items()}
+    out["ddp sums"] = {f: sum(st[f] for st in state.stats["steps"]) for f in ("wire_bytes", "encode_s")}
     # a plain collective with CommStats, too
     cs = C.CommStats()
     t = torch.randn(1000)
     C.all_reduce(t, codec="int8", op="sum", stats=cs)
-    return recs, fs.from_comm_stats(cs, numel=1000, codec="int8", world=world).to_dict()
+    return recs, fs.from_comm_stats(cs, numel=1000, codec="int8", world=world).to_dict(), out
+
+
+def _diloco_snapshot():
+    from flatcomm.diloco import DiLoCo
+
+    net = torch.nn.Linear(5, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    outer = DiLoCo(net, opt, sync_every=2, codec="int8")
+    for _ in range(4):
+        opt.zero_grad()
+        net(torch.randn(2, 5)).sum().backward()
+        opt.step()
+    outer.close()
+    return outer.stats
 
 
 def test_from_ddp_state_real_one_rank(tmp_path):
-    [(recs, cs_rec)] = spawn.run(1, _w_ddp, timeout_s=60)
+    [(recs, cs_rec, snaps)] = spawn.run(1, _w_ddp, timeout_s=60)
+    ddp_counters, codec, ddp_recs = snaps["ddp"]
+    assert codec == "int8" and ddp_recs == recs  # a DDP snapshot's records are the State's
+    assert ddp_counters["calls"] == len(recs)
+    assert ddp_counters["wire_bytes"] == snaps["ddp sums"]["wire_bytes"]  # (0 at one rank)
+    assert ddp_counters["encode_s"] == pytest.approx(snaps["ddp sums"]["encode_s"]) and ddp_counters["encode_s"] > 0
+    dl_counters, dl_dict, [dl_rec] = snaps["diloco"]
+    assert dl_dict["syncs"] == 2 and dl_dict["inner_steps"] == 4 and dl_counters["calls"] == 2
+    assert dl_counters["wire_bytes"] == dl_dict["wire_bytes"] == dl_rec["wire_bytes"]
+    assert (dl_rec["name"], dl_rec["step"]) == ("diloco", 2)
     recs = [fs.Record.from_dict(d) for d in recs]
     assert {r.step for r in recs} == {0, 1, 2}
     assert len(recs) >= 3 and all(r.name.startswith("bucket") for r in recs)
@@ -373,7 +400,7 @@ def test_stats_is_a_property_everywhere_and_the_old_ddp_call_warns():
 
     state = flatcomm.ddp.State("int8", track_norms=False)
     st = state.stats  # no step yet: nothing recorded
-    assert isinstance(st, dict) and st["steps"] == [] and st["codec"] == "int8"
+    assert isinstance(st, fs.Snapshot) and st["steps"] == [] and st["codec"] == "int8" and st.source == "ddp"
     with pytest.warns(DeprecationWarning, match="state.stats, not state.stats"):
         old = state.stats()
     assert old == st
@@ -381,9 +408,52 @@ def test_stats_is_a_property_everywhere_and_the_old_ddp_call_warns():
         warnings.simplefilter("error")
         assert state.stats["codec"] == "int8"  # the new spelling does not warn
     opt = flatcomm.optim.OnebitAdam(torch.nn.Linear(3, 2).parameters(), warmup_steps=1)
-    assert isinstance(opt.stats, C.CommStats) and opt.stats.wire_bytes == 0
+    assert isinstance(opt.stats, fs.Snapshot) and opt.stats.wire_bytes == 0 and opt.stats.source == "optim"
     acc = reproducible.ExactGradAccumulator(torch.nn.Linear(3, 2), micro_batches=1)
     assert isinstance(acc.stats, reproducible.StepStats)
     for obj in (state, opt):
         with pytest.raises(AttributeError):
             obj.stats = None  # read-only
+
+
+def test_every_front_end_returns_the_same_read_only_snapshot(tmp_path):
+    """FSDP's and the optimizer's stats: a frozen Snapshot with CommStats' counters, their old
+    reads (attributes, keys) kept, and the exporters take them as they are."""
+    import dataclasses
+    import warnings
+
+    import flatcomm.fsdp
+    import flatcomm.optim
+
+    rs = flatcomm.fsdp.ReduceScatter("int8")
+    rs.counters.add(C.CommStats(calls=3, wire_bytes=1200, encode_s=0.5, exchange_s=0.25, decode_s=0.125))
+    rs.counters.weights_forward_bytes = 200
+    snap = rs.stats
+    assert type(snap) is fs.Snapshot and snap.source == "fsdp"
+    assert snap.counters() == {"calls": 3, "wire_bytes": 1200, "encode_s": 0.5, "exchange_s": 0.25, "decode_s": 0.125}
+    assert snap.bytes_by_kind == {"weights_forward": 200, "weights_backward": 0, "gradients": 1000}
+    assert snap["decisions"] == {} and snap.decisions == {} and "weights_forward_bytes" in snap
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snap.wire_bytes = 0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        snap.detail["x"] = 1  # type: ignore[index]
+    with pytest.raises(AttributeError, match="no field 'wire_byte'"):
+        snap.wire_byte  # a typo is an error
+    rs.counters.wire_bytes += 1
+    assert snap.wire_bytes == 1200 and rs.stats.wire_bytes == 1201  # a snapshot: taken when read
+    with pytest.warns(DeprecationWarning, match="read-only snapshot"):
+        rs.stats = C.CommStats()  # the old way of starting over still works
+    assert rs.stats.wire_bytes == 0 and isinstance(rs.counters, flatcomm.fsdp.Stats)
+    opt = flatcomm.optim.OnebitAdam(torch.nn.Linear(3, 2).parameters(), warmup_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert opt.stats.last_wire_bytes == 0 and opt.stats.as_dict() == {"last_wire_bytes": 0}
+    recs = fs.from_snapshot(snap) + fs.from_snapshot(opt.stats)
+    assert [(r.name, r.kind, r.wire_bytes, r.total_s) for r in recs] == [
+        ("fsdp", "reduce_scatter", 1200, 0.875), ("optim", "all_reduce", 0, 0.0)]
+    path = tmp_path / "s.jsonl"
+    with fs.JsonLinesExporter(path) as ex:
+        ex.write(snap)  # a snapshot by itself, or in a list with records
+        ex.write([opt.stats, recs[0]])
+    assert [r.name for r in fs.JsonLinesExporter.read(path)] == ["fsdp", "optim", "fsdp"]
+    assert "flatcomm_wire_bytes_total" in fs.prometheus_text([snap])

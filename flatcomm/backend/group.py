@@ -20,7 +20,7 @@ so they never pair with the caller's own ops on this group.
 from __future__ import annotations
 
 import datetime
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -78,7 +78,7 @@ class FlatcommGroup(dist.ProcessGroup):
         forget(self)
         super().shutdown()
 
-    def _inner(self, t: torch.Tensor):
+    def _inner(self, t: torch.Tensor) -> Any:
         return self._get_backend(t.device)
 
     def _wait_limit(self, opts) -> Optional[datetime.timedelta]:
@@ -91,7 +91,7 @@ class FlatcommGroup(dist.ProcessGroup):
     # Each method takes torch's canonical form; @torch_forms sends the others through torch's binding.
 
     @torch_forms("allreduce", 1, dist.AllreduceOptions)
-    def allreduce(self, tensors, opts=None):
+    def allreduce(self, tensors: List[torch.Tensor], opts: Optional[dist.AllreduceOptions] = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllreduceOptions()
         tensors = checked_list("allreduce", tensors, single=True)
         how = _reduce.plan(opts.reduceOp, tensors)
@@ -100,7 +100,7 @@ class FlatcommGroup(dist.ProcessGroup):
         return _reduce.all_reduce(self, tensors, how, self._wait_limit(opts))
 
     @torch_forms("allreduce_coalesced", 1, dist.AllreduceCoalescedOptions)
-    def allreduce_coalesced(self, tensors, opts=None):
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Optional[dist.AllreduceCoalescedOptions] = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         tensors = checked_list("allreduce_coalesced", tensors, single=False, same_size=False)
         how = _reduce.plan(opts.reduceOp, tensors)
@@ -108,7 +108,7 @@ class FlatcommGroup(dist.ProcessGroup):
             return self._inner(tensors[0]).allreduce_coalesced(tensors, opts)
         return _reduce.all_reduce(self, tensors, how, self._wait_limit(opts))
 
-    def reduce(self, *args, **kwargs):
+    def reduce(self, *args: Any, **kwargs: Any) -> dist.Work:
         """``(tensors, opts=None)`` or ``(tensor, root, op=SUM, timeout=None)``, as torch binds it."""
         tensors, opts = reduce_form(args, kwargs)
         tensors = checked_list("reduce", tensors, single=True)
@@ -118,7 +118,8 @@ class FlatcommGroup(dist.ProcessGroup):
         return _reduce.reduce(self, tensors, opts.rootRank, how, self._wait_limit(opts))
 
     @torch_forms("reduce_scatter", 2, dist.ReduceScatterOptions, (0, 1))
-    def reduce_scatter(self, outputs, input_lists, opts=None):
+    def reduce_scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]],
+                       opts: Optional[dist.ReduceScatterOptions] = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         outputs = checked_list("reduce_scatter", outputs, single=True)
         if len(input_lists) != 1:
@@ -130,7 +131,8 @@ class FlatcommGroup(dist.ProcessGroup):
         return _reduce.reduce_scatter_lists(self, outputs, [inputs], how, self._wait_limit(opts))
 
     @torch_forms("reduce_scatter_single", 2, dist.ReduceScatterOptions, ())
-    def reduce_scatter_single(self, output, input, opts=None):
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Optional[dist.ReduceScatterOptions] = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         output, input = checked_list("reduce_scatter_single", [output, input], single=False, same_size=False)
         how = _reduce.plan(opts.reduceOp, [output, input])
@@ -141,7 +143,8 @@ class FlatcommGroup(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     @torch_forms("reduce_scatter_tensor_coalesced", 2, dist.ReduceScatterOptions, (0, 1))
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+    def reduce_scatter_tensor_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                        opts: Optional[dist.ReduceScatterOptions] = None) -> dist.Work:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         outputs = checked_list("reduce_scatter_tensor_coalesced", outputs, single=False, same_size=False)
         inputs = checked_list("reduce_scatter_tensor_coalesced", inputs, single=False, same_size=False)
@@ -160,27 +163,30 @@ class FlatcommGroup(dist.ProcessGroup):
     # bindings release the GIL, so every op goes through one of them.
 
     @torch_forms("broadcast", 1, dist.BroadcastOptions)
-    def broadcast(self, tensors, opts=None):
+    def broadcast(self, tensors: List[torch.Tensor], opts: Optional[dist.BroadcastOptions] = None) -> dist.Work:
         return self._inner(tensors[0]).broadcast(tensors, opts if opts is not None else dist.BroadcastOptions())
 
     @torch_forms("allgather", 2, AllgatherOptions, (0, 1))
-    def allgather(self, output_lists, inputs, opts=None):
+    def allgather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Optional[AllgatherOptions] = None) -> dist.Work:
         return self._inner(inputs[0]).allgather(output_lists, inputs,
                                                 opts if opts is not None else AllgatherOptions())
 
     @torch_forms("allgather_coalesced", 2, AllgatherOptions, (0, 1))
-    def allgather_coalesced(self, output_lists, inputs, opts=None):
+    def allgather_coalesced(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor],
+                            opts: Optional[AllgatherOptions] = None) -> dist.Work:
         return self._inner(inputs[0]).allgather_coalesced(output_lists, inputs,
                                                           opts if opts is not None else AllgatherOptions())
 
     @torch_forms("all_gather_single", 2, AllgatherOptions, ())
-    def all_gather_single(self, output, input, opts=None):
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: Optional[AllgatherOptions] = None) -> dist.Work:
         return self._inner(input)._allgather_base(output, input, opts if opts is not None else AllgatherOptions())
 
     _allgather_base = all_gather_single
 
     @torch_forms("allgather_into_tensor_coalesced", 2, AllgatherOptions, (0, 1))
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+    def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                    opts: Optional[AllgatherOptions] = None) -> dist.Work:
         opts = opts if opts is not None else AllgatherOptions()
         inner = self._inner(inputs[0])
         return InnerWorks([inner._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)], list(outputs))
@@ -188,40 +194,42 @@ class FlatcommGroup(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     @torch_forms("all_to_all_single", 4, dist.AllToAllOptions, (2, 3))
-    def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_splits: List[int],
+                          input_splits: List[int], opts: Optional[dist.AllToAllOptions] = None) -> dist.Work:
         return self._inner(input).alltoall_base(output, input, output_splits, input_splits,
                                                 opts if opts is not None else dist.AllToAllOptions())
 
     alltoall_base = all_to_all_single
 
     @torch_forms("alltoall", 2, dist.AllToAllOptions, (0, 1))
-    def alltoall(self, outputs, inputs, opts=None):
+    def alltoall(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Optional[dist.AllToAllOptions] = None) -> dist.Work:
         return self._inner(inputs[0]).alltoall(outputs, inputs, opts if opts is not None else dist.AllToAllOptions())
 
     @torch_forms("gather", 2, dist.GatherOptions, (0, 1))
-    def gather(self, output_lists, inputs, opts=None):
+    def gather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Optional[dist.GatherOptions] = None) -> dist.Work:
         return self._inner(inputs[0]).gather(output_lists, inputs, opts if opts is not None else dist.GatherOptions())
 
     @torch_forms("scatter", 2, dist.ScatterOptions, (0, 1))
-    def scatter(self, outputs, input_lists, opts=None):
+    def scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts: Optional[dist.ScatterOptions] = None) -> dist.Work:
         return self._inner(outputs[0]).scatter(outputs, input_lists,
                                                opts if opts is not None else dist.ScatterOptions())
 
-    def send(self, tensors, dstRank, tag=0):  # noqa: N803 - torch's keyword names
+    def send(self, tensors: List[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:  # noqa: N803 - torch's keyword names
         return self._inner(tensors[0]).send(tensors, dstRank, tag)
 
-    def recv(self, tensors, srcRank, tag=0):  # noqa: N803
+    def recv(self, tensors: List[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:  # noqa: N803
         return self._inner(tensors[0]).recv(tensors, srcRank, tag)
 
-    def recv_anysource(self, tensors, tag=0):
+    def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> dist.Work:
         return self._inner(tensors[0]).recv_anysource(tensors, tag)
 
     @torch_forms("barrier", 0, dist.BarrierOptions, ())
-    def barrier(self, opts=None):
-        return self._get_backend(torch.device("cpu")).barrier(opts if opts is not None else dist.BarrierOptions())
+    def barrier(self, opts: Optional[dist.BarrierOptions] = None) -> dist.Work:
+        cpu: Any = self._get_backend(torch.device("cpu"))  # (torch's stub lacks the ops of its backends)
+        return cpu.barrier(opts if opts is not None else dist.BarrierOptions())
 
-    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        gloo = self._get_backend(torch.device("cpu"))
+    def monitored_barrier(self, timeout: Optional[datetime.timedelta] = None, wait_all_ranks: bool = False) -> None:
+        gloo: Any = self._get_backend(torch.device("cpu"))
         return gloo.monitored_barrier(timeout if timeout is not None else self._timeout, wait_all_ranks)
 
 

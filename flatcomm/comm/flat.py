@@ -32,7 +32,7 @@ of enqueueing the work on CUDA (``exchange_s`` is then about 0). CPU tensors tak
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -164,7 +164,6 @@ def _raw_reduce(pipe: Pipeline, src: torch.Tensor, p: Plan, codec: Codec, scale:
 
 def _ordered_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, chunks: int, c: Codec, scale: float,
                         residual: Optional[ErrorFeedback]) -> None:
-    me, world = p.rank, p.world
     client = residual.client if residual is not None else None
     server = residual.server if residual is not None and not c.lossless else None
     if residual is not None and c.lossless:
@@ -184,49 +183,68 @@ def _ordered_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, chunks: int
             _raw_all_reduce(pipe, flat, p, c, scale)
         return
 
-    def send(j):
-        buf, sizes = pipe.encode_pieces(flat, p, j, c, client)
-        a, b = p.piece(me, j)
-        return pipe.all_to_all(buf, sizes, c.wire_bytes(b - a), world)
+    kept = residual.server if keeps_rounding and residual is not None else None
+    _Ordered(pipe, flat, p, c, scale, (client, server, kept), on_cpu).run(chunks)
 
-    def reduce(j, state):
+
+class _Ordered:
+    """The staged ordered all-reduce of :func:`_ordered_all_reduce`, a method per pipeline phase
+    of a chunk: :meth:`send` (encode, all-to-all), :meth:`reduce` (decode-sum-re-encode this
+    rank's piece, all-gather it), :meth:`finish` (decode every rank's piece into ``flat``).
+    ``residuals``: (client, server, where the bf16/fp16 rounding is kept), each or None."""
+
+    def __init__(self, pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale: float,
+                 residuals: Tuple[Optional[torch.Tensor], ...], on_cpu: bool) -> None:
+        self.pipe, self.flat, self.p, self.c, self.scale, self.on_cpu = pipe, flat, p, c, scale, on_cpu
+        self.client, self.server, self.kept = residuals
+
+    def run(self, chunks: int) -> None:
+        self.pipe.run(chunks, self.send, self.reduce, self.finish)
+
+    def send(self, j: int):
+        p, c = self.p, self.c
+        buf, sizes = self.pipe.encode_pieces(self.flat, p, j, c, self.client)
+        a, b = p.piece(p.rank, j)
+        return self.pipe.all_to_all(buf, sizes, c.wire_bytes(b - a), p.world)
+
+    def reduce(self, j: int, state):
         work, recv = state
+        pipe, p, c, flat = self.pipe, self.p, self.c, self.flat
         pipe.wait(work)
-        a, b = p.piece(me, j)
-        rows = recv.view(world, -1)
+        a, b = p.piece(p.rank, j)
+        rows = recv.view(p.world, -1)
         # Every rank sends a payload as large as the largest shard's for this chunk (padding),
         # because all_gather_into_tensor moves equal sizes.
-        width = max(c.wire_bytes(y - x) for x, y in (p.piece(d, j) for d in range(world)))
+        width = max(c.wire_bytes(y - x) for x, y in (p.piece(d, j) for d in range(p.world)))
         send_buf = pipe.empty(width, torch.uint8, flat.device)  # padding past nbytes is never read
         nbytes = c.wire_bytes(b - a)
-        r = server[a:b] if server is not None else None
+        r = self.server[a:b] if self.server is not None else None
 
-        pipe.timed("decode_s", lambda: reencode_sum(rows, c, b - a, scale=scale, residual=r, out=send_buf[:nbytes]))
-        if keeps_rounding:  # (the fp32 payload is the sum itself)
-            rounding_into(send_buf[:nbytes].view(torch.float32), flat.dtype, residual.server[a:b])
-        if on_cpu:  # each piece at its own size, as the zero-copy path of a peer sends it
-            recv = pipe.empty(world * width, torch.uint8, flat.device)
-            rows_out = recv.view(world, width)
-            sizes = [c.wire_bytes(y - x) for x, y in (p.piece(d, j) for d in range(world))]
-            outs = [rows_out[d, :sizes[d]] for d in range(world)]
-            outs[me].copy_(send_buf[:nbytes])
-            return pipe.gather_pieces(send_buf[:nbytes], outs), recv
-        return pipe.all_gather(send_buf, world)
+        pipe.timed("decode_s", lambda: reencode_sum(rows, c, b - a, scale=self.scale, residual=r, out=send_buf[:nbytes]))
+        if self.kept is not None:  # (the fp32 payload is the sum itself)
+            rounding_into(send_buf[:nbytes].view(torch.float32), flat.dtype, self.kept[a:b])
+        if not self.on_cpu:
+            return pipe.all_gather(send_buf, p.world)
+        # CPU: each piece at its own size, as the zero-copy path of a peer sends it
+        recv = pipe.empty(p.world * width, torch.uint8, flat.device)
+        rows_out = recv.view(p.world, width)
+        sizes = [c.wire_bytes(y - x) for x, y in (p.piece(d, j) for d in range(p.world))]
+        outs = [rows_out[d, :sizes[d]] for d in range(p.world)]
+        outs[p.rank].copy_(send_buf[:nbytes])
+        return pipe.gather_pieces(send_buf[:nbytes], outs), recv
 
-    def finish(j, state):
+    def finish(self, j: int, state) -> None:
         work, recv = state
-        pipe.wait(work)
-        rows = recv.view(world, -1)
+        self.pipe.wait(work)
+        rows = recv.view(self.p.world, -1)
 
         def dec():
-            for d in range(world):
-                a, b = p.piece(d, j)
+            for d in range(self.p.world):
+                a, b = self.p.piece(d, j)
                 if b > a:
-                    decode(rows[d, :c.wire_bytes(b - a)], c, b - a, out=flat[a:b])
+                    decode(rows[d, :self.c.wire_bytes(b - a)], self.c, b - a, out=self.flat[a:b])
 
-        pipe.timed("decode_s", dec)
-
-    pipe.run(chunks, send, reduce, finish)
+        self.pipe.timed("decode_s", dec)
 
 
 def _raw_all_reduce_p2p(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale: float, chunks: int) -> None:

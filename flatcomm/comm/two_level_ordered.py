@@ -66,117 +66,138 @@ def _padded_src(flat: torch.Tensor, g: int, m: int, empty: Callable) -> torch.Te
 def all_reduce(topo: Topology, call: Call, seg: List[int], validate: bool, tiers, empty: Callable) -> None:
     """Ordered two-level all-reduce of ``call.src`` in place, forwarding payloads (module docstring).
     ``seg``: segment boundaries within the shard; ``empty(numel, dtype)``: pooled staging."""
-    flat, m, align, scale, inter_fb = call.src, call.m, call.align, call.scale, call.inter_fb
-    codec = cast(Codec, call.inter)  # forwards_payloads: a named inter codec, not "auto"
-    g, n, nodes, me, dev = topo.local_size, flat.numel(), topo.nodes, topo.local_rank, flat.device
-    k = len(seg) - 1
-    if k == 0:  # no values (every rank agreed on numel 0 in the call's header): nothing to exchange
+    if len(seg) - 1 == 0:  # no values (every rank agreed on numel 0 in the call's header): nothing to exchange
         return
-    rows = _padded_src(flat, g, m, empty).view(g, m)
-    shard = empty(m, torch.float32)
-    real = [max(0, min(m, n - lr * m)) for lr in range(g)]  # each local rank's data in its shard
-    # Per segment, every local rank's plan across nodes (real data only: padding in a block would
-    # change sign's scale) and one payload row width for the whole node (the gathers move equal sizes).
-    plans = [[_plan(max(0, min(seg[j + 1], real[lr]) - seg[j]), topo, align) for lr in range(g)]
-             for j in range(k)]
-    width = [max(codec.wire_bytes(b - a) for p in plans[j] for a, b in (p.piece(d, 0) for d in range(nodes)))
-             for j in range(k)]
-    scratch = [empty(g * (seg[j + 1] - seg[j]), torch.float32) for j in range(k)]
-    payloads = [empty(g * nodes * width[j], torch.uint8) for j in range(k)]
-    client = inter_fb.client if inter_fb is not None else None
-    server = inter_fb.server if inter_fb is not None and not codec.lossless else None
-    if inter_fb is not None and codec.lossless:  # nothing re-encodes: the server residual goes out now
-        inter_fb.client.add_(inter_fb.server)
-        inter_fb.server.zero_()
-    fields = header.signature(_ALL_REDUCE, n, codec, "ordered", scale, flat.dtype, k, _NO_EXACT)
+    _Forwarding(topo, call, seg, validate, tiers, empty).run()
 
-    node_agrees: concurrent.futures.Future = concurrent.futures.Future()
 
-    def node_reduce(j: int) -> None:
+class _Forwarding:
+    """One call of :func:`all_reduce`: its buffers and plans, and a method per phase. The node's
+    phases (:meth:`node_reduce`, :meth:`node_spread`) run as jobs on the node group's worker; the
+    inter tier (:meth:`across`: :meth:`send`, :meth:`reduce`, :meth:`finish` per segment) on the
+    inter group's."""
+
+    def __init__(self, topo: Topology, call: Call, seg: List[int], validate: bool, tiers, empty: Callable) -> None:
+        flat, m, align = call.src, call.m, call.align
+        codec = cast(Codec, call.inter)  # forwards_payloads: a named inter codec, not "auto"
+        g, n, nodes = topo.local_size, flat.numel(), topo.nodes
+        self.topo, self.seg, self.validate, self.tiers, self.codec = topo, seg, validate, tiers, codec
+        self.flat, self.m, self.scale, self.k = flat, m, call.scale, len(seg) - 1
+        self.rows = _padded_src(flat, g, m, empty).view(g, m)
+        self.shard = empty(m, torch.float32)
+        self.real = [max(0, min(m, n - lr * m)) for lr in range(g)]  # each local rank's data in its shard
+        # Per segment, every local rank's plan across nodes (real data only: padding in a block would
+        # change sign's scale) and one payload row width for the whole node (the gathers move equal sizes).
+        self.plans = [[_plan(max(0, min(seg[j + 1], self.real[lr]) - seg[j]), topo, align) for lr in range(g)]
+                      for j in range(self.k)]
+        self.width = [max(codec.wire_bytes(b - a) for p in self.plans[j]
+                          for a, b in (p.piece(d, 0) for d in range(nodes))) for j in range(self.k)]
+        self.scratch = [empty(g * (seg[j + 1] - seg[j]), torch.float32) for j in range(self.k)]
+        self.payloads = [empty(g * nodes * self.width[j], torch.uint8) for j in range(self.k)]
+        inter_fb = call.inter_fb
+        self.client = inter_fb.client if inter_fb is not None else None
+        self.server = inter_fb.server if inter_fb is not None and not codec.lossless else None
+        if inter_fb is not None and codec.lossless:  # nothing re-encodes: the server residual goes out now
+            inter_fb.client.add_(inter_fb.server)
+            inter_fb.server.zero_()
+        self.fields = header.signature(_ALL_REDUCE, n, codec, "ordered", self.scale, flat.dtype, self.k, _NO_EXACT)
+        self.node_agrees: concurrent.futures.Future = concurrent.futures.Future()
+        self.spread: List[_node.Job] = []
+        self.reduced: List[_node.Job] = []
+        self.pipe: Pipeline
+
+    def run(self) -> None:
+        topo, dev = self.topo, self.flat.device
+        self.reduced = [_node.queued(self.tiers.intra, topo.intra_group, dev, functools.partial(self.node_reduce, j))
+                        for j in range(self.k)]
+        try:
+            _node.queued(None, topo.inter_group, dev, self.across).wait()  # its pipeline counts its own time
+            for job in self.spread:
+                job.wait()
+        except BaseException:
+            _settle(self.reduced + self.spread)
+            raise
+
+    def node_reduce(self, j: int) -> None:
+        """Segment j's lossless reduce-scatter in the node (at j == 0, first the node's agreement)."""
         if j == 0:  # the node agrees on the call before the first payload byte moves
             try:
-                Pipeline(topo.intra_group, tiers.intra, fields, dev, validate).release()
+                Pipeline(self.topo.intra_group, self.tiers.intra, self.fields, self.flat.device, self.validate).release()
             except BaseException as e:
-                node_agrees.set_exception(e)
+                self.node_agrees.set_exception(e)
                 raise
-            node_agrees.set_result(None)
-        a, b = seg[j], seg[j + 1]
-        _node.reduce(topo, shard[a:b], rows[:, a:b], scratch[j])
-        tiers.intra.wire_bytes += (g - 1) * (b - a) * 4
+            self.node_agrees.set_result(None)
+        a, b = self.seg[j], self.seg[j + 1]
+        _node.reduce(self.topo, self.shard[a:b], self.rows[:, a:b], self.scratch[j])
+        self.tiers.intra.wire_bytes += (self.topo.local_size - 1) * (b - a) * 4
 
-    def across() -> None:
+    def across(self) -> None:
         """The inter tier of every segment, pipelined like a chunked all-reduce: segment j+1's
         payloads go out while j is re-encoded and its result gathered."""
         # The node agreed before anything moves (an argument error anywhere was already every
         # rank's error, in the call's header among all ranks); a failure here is a broken node.
-        node_agrees.result()
-        pipe = Pipeline(topo.inter_group, tiers.inter,
-                        header.signature(_ALL_REDUCE, real[me], codec, "ordered", 1.0, torch.float32, k, _NO_EXACT), dev,
-                        validate)
-        tiers.inter.calls += 1
+        self.node_agrees.result()
+        fields = header.signature(_ALL_REDUCE, self.real[self.topo.local_rank], self.codec, "ordered", 1.0,
+                                  torch.float32, self.k, _NO_EXACT)
+        self.pipe = Pipeline(self.topo.inter_group, self.tiers.inter, fields, self.flat.device, self.validate)
+        self.tiers.inter.calls += 1
+        self.pipe.run(self.k, self.send, self.reduce, self.finish)
+        self.pipe.release()
 
-        def send(j):
-            reduced[j].wait()  # CUDA: this side stream waits for the node's sum
-            plan, a = plans[j][me], seg[j]
-            w = plan.bounds[-1]
-            if w == 0:  # every rank of this inter group has the same shard: all skip
-                return None
-            buf, sizes = pipe.encode_pieces(shard[a:a + w], plan, 0, codec,
-                                            client[a:a + w] if client is not None else None)
-            pa, pb = plan.piece(topo.node, 0)
-            return pipe.all_to_all(buf, sizes, codec.wire_bytes(pb - pa), nodes)
+    def send(self, j: int):
+        """Segment j's piece of this rank's shard, encoded, to every node (its all-to-all)."""
+        self.reduced[j].wait()  # CUDA: this side stream waits for the node's sum
+        plan, a, codec = self.plans[j][self.topo.local_rank], self.seg[j], self.codec
+        w = plan.bounds[-1]
+        if w == 0:  # every rank of this inter group has the same shard: all skip
+            return None
+        buf, sizes = self.pipe.encode_pieces(self.shard[a:a + w], plan, 0, codec,
+                                             self.client[a:a + w] if self.client is not None else None)
+        pa, pb = plan.piece(self.topo.node, 0)
+        return self.pipe.all_to_all(buf, sizes, codec.wire_bytes(pb - pa), self.topo.nodes)
 
-        def reduce(j, state):
-            if state is None:
-                return None
-            work, recv = state
-            pipe.wait(work)
-            a = seg[j]
-            pa, pb = plans[j][me].piece(topo.node, 0)
-            nbytes = codec.wire_bytes(pb - pa)
-            out = pipe.empty(width[j], torch.uint8, dev)  # padding past nbytes is never read
-            r = server[a + pa:a + pb] if server is not None else None
+    def reduce(self, j: int, state):
+        """This rank's piece of segment j: decoded, summed, re-encoded; its payload all-gathered."""
+        if state is None:
+            return None
+        work, recv = state
+        self.pipe.wait(work)
+        topo, codec, a, width = self.topo, self.codec, self.seg[j], self.width[j]
+        pa, pb = self.plans[j][topo.local_rank].piece(topo.node, 0)
+        nbytes = codec.wire_bytes(pb - pa)
+        out = self.pipe.empty(width, torch.uint8, self.flat.device)  # padding past nbytes is never read
+        r = self.server[a + pa:a + pb] if self.server is not None else None
+        self.pipe.timed("decode_s", lambda: reencode_sum(recv.view(topo.nodes, -1), codec, pb - pa, residual=r,
+                                                         out=out[:nbytes]))
+        per_rank = topo.nodes * width
+        self.tiers.inter.wire_bytes += width * (topo.nodes - 1)
+        me = topo.local_rank
+        return header.all_gather_single(self.payloads[j][me * per_rank:(me + 1) * per_rank], out,
+                                        group=topo.inter_group, async_op=True)
 
-            pipe.timed("decode_s", lambda: reencode_sum(recv.view(nodes, -1), codec, pb - pa, residual=r,
-                                                        out=out[:nbytes]))
-            per_rank = nodes * width[j]
-            tiers.inter.wire_bytes += width[j] * (nodes - 1)
-            return header.all_gather_single(payloads[j][me * per_rank:(me + 1) * per_rank], out,
-                                            group=topo.inter_group, async_op=True)
+    def finish(self, j: int, work) -> None:
+        self.pipe.wait(work)
+        self.spread.append(_node.queued(self.tiers.intra, self.topo.intra_group, self.flat.device,
+                                        functools.partial(self.node_spread, j)))
 
-        def finish(j, work):
-            pipe.wait(work)
-            spread.append(_node.queued(tiers.intra, topo.intra_group, dev, functools.partial(node_spread, j)))
+    def node_spread(self, j: int) -> None:
+        """The node all-gathers segment j's payloads; every rank decodes all of them."""
+        topo, me = self.topo, self.topo.local_rank
+        per_rank = topo.nodes * self.width[j]
+        _node.gather(topo, self.payloads[j], self.payloads[j][me * per_rank:(me + 1) * per_rank])
+        self.tiers.intra.wire_bytes += (topo.local_size - 1) * per_rank
+        _timed_into(self.tiers.intra, "decode_s", functools.partial(self.decode, j))
 
-        pipe.run(k, send, reduce, finish)
-        pipe.release()
-
-    def node_spread(j: int) -> None:
-        per_rank = nodes * width[j]
-        _node.gather(topo, payloads[j], payloads[j][me * per_rank:(me + 1) * per_rank])
-        tiers.intra.wire_bytes += (g - 1) * per_rank
-        got = payloads[j].view(g, nodes, width[j])
-
-        def decode():
-            for lr in range(g):
-                base = lr * m + seg[j]
-                for d in range(nodes):
-                    pa, pb = plans[j][lr].piece(d, 0)
-                    if pb > pa:
-                        decode_sum(got[lr, d, :codec.wire_bytes(pb - pa)].view(1, -1), codec, pb - pa,
-                                   scale=scale, out=flat[base + pa:base + pb])
-
-        _timed_into(tiers.intra, "decode_s", decode)
-
-    spread: List[_node.Job] = []
-    reduced = [_node.queued(tiers.intra, topo.intra_group, dev, functools.partial(node_reduce, j)) for j in range(k)]
-    try:
-        _node.queued(None, topo.inter_group, dev, across).wait()  # its pipeline counts its own time
-        for job in spread:
-            job.wait()
-    except BaseException:
-        _settle(reduced + spread)
-        raise
+    def decode(self, j: int) -> None:
+        topo, codec = self.topo, self.codec
+        got = self.payloads[j].view(topo.local_size, topo.nodes, self.width[j])
+        for lr in range(topo.local_size):
+            base = lr * self.m + self.seg[j]
+            for d in range(topo.nodes):
+                pa, pb = self.plans[j][lr].piece(d, 0)
+                if pb > pa:
+                    decode_sum(got[lr, d, :codec.wire_bytes(pb - pa)].view(1, -1), codec, pb - pa,
+                               scale=self.scale, out=self.flat[base + pa:base + pb])
 
 
 def _settle(pending) -> None:
@@ -202,70 +223,111 @@ def staged(topo: Topology, call: Call, seg: List[int], codec: Callable, validate
     """The two-level all-reduce with codec collectives in the node and the one-hop all-reduce
     across nodes (any intra codec, dtype, and ``codec="auto"``): ``codec`` is the chooser of
     :func:`flatcomm.comm.two_level.inter_codec`, asked per segment."""
-    flat, m, ci, scale, inter_fb, intra_fb = call.src, call.m, call.intra, call.scale, call.inter_fb, call.intra_fb
-    g, n = topo.local_size, flat.numel()
-    src = _padded_src(flat, g, m, empty)
-    rows = src.view(g, m)
-    shard = empty(m, torch.float32)
-    k = len(seg) - 1
-    real = max(0, min(m, n - topo.local_rank * m))
-    rs: List[Any] = []
-    ar: List[Any] = []
-    ag: List[Any] = []
-    try:  # every handle of the call settles before it raises (see _settle)
-        for j in range(k):  # the intra client residual is laid out segment by segment (G x width each)
-            a, b = seg[j], seg[j + 1]
-            piece = src if k == 1 else empty(g * (b - a), src.dtype).view(g, b - a).copy_(rows[:, a:b]).view(-1)
-            res = intra_fb.client[g * a:g * b] if intra_fb is not None else None
-            rs.append(one_hop.reduce_scatter(shard[a:b], piece, CallSpec(
-                codec=ci, op="sum", validate=validate, residual=res, stats=tiers.intra, async_op=True),
-                topo.intra_group))
-        for j in range(k):
-            rs[j].wait()
-            a, b = seg[j], min(seg[j + 1], real)
-            if b > a:
-                fb = ErrorFeedback(inter_fb.client[a:b], inter_fb.server[a:b]) if inter_fb is not None else None
-                c = codec(b - a, topo.inter_group, shard.device, "all_reduce")
-                ar.append(one_hop.all_reduce(shard[a:b], CallSpec(
-                    codec=c, op="sum", residual=fb, validate=validate, stats=tiers.inter, async_op=True),
-                    topo.inter_group))
-            else:
-                ar.append(None)
-        whole = k == 1 and src is flat
-        for j in range(k):
-            if ar[j] is not None:
-                ar[j].wait()
-            a, b = seg[j], seg[j + 1]
-            if scale != 1.0:
-                shard[a:b].mul_(scale)
-            hi = min(b, real)
-            if inter_fb is not None and flat.dtype != torch.float32 and topo.node == 0 and hi > a:
-                # what rounding to the data's dtype drops, kept once (every node holds this
-                # shard; node 0's rank keeps it): the inter tier's next encode adds it
-                lost = empty(hi - a)
-                one_hop.rounding_into(shard[a:hi], flat.dtype, lost)
-                inter_fb.client[a:hi].add_(lost, alpha=1.0 / scale)
-            out = flat if whole else empty(g * (b - a), flat.dtype)
-            if ci.lossless and flat.dtype == torch.float32:
-                tiers.intra.wire_bytes += (g - 1) * (b - a) * 4
-                ag.append((out, _node.queued(tiers.intra, topo.intra_group, flat.device,
-                                             functools.partial(_node.gather, topo, out, shard[a:b]))))
+    _Staged(topo, call, seg, codec, validate, tiers, empty).run()
+
+
+class _Staged:
+    """One call of :func:`staged`, a method per phase: the node's reduce-scatter of every segment
+    (:meth:`scatter`), the one-hop all-reduce across nodes (:meth:`across`), the node's all-gather
+    (:meth:`gather`) and the copy back into the caller's tensor (:meth:`write_back`)."""
+
+    def __init__(self, topo: Topology, call: Call, seg: List[int], codec: Callable, validate: bool, tiers,
+                 empty: Callable) -> None:
+        self.topo, self.call, self.seg, self.choose, self.validate, self.tiers = topo, call, seg, codec, validate, tiers
+        self.empty = empty
+        flat, m = call.src, call.m
+        self.g, self.n = topo.local_size, flat.numel()
+        self.src = _padded_src(flat, self.g, m, empty)
+        self.rows = self.src.view(self.g, m)
+        self.shard = empty(m, torch.float32)
+        self.k = len(seg) - 1
+        self.real = max(0, min(m, self.n - topo.local_rank * m))
+        self.whole = self.k == 1 and self.src is flat  # the gather writes the caller's tensor itself
+        self.rs: List[Any] = []
+        self.ar: List[Any] = []
+        self.ag: List[Any] = []
+
+    def run(self) -> None:
+        try:  # every handle of the call settles before it raises (see _settle)
+            self.scatter()
+            self.across()
+            self.gather()
+            self.write_back()
+        except BaseException:
+            _settle(self.rs + self.ar + self.ag)
+            raise
+
+    def scatter(self) -> None:
+        call, g = self.call, self.g
+        for j in range(self.k):  # the intra client residual is laid out segment by segment (G x width each)
+            a, b = self.seg[j], self.seg[j + 1]
+            piece = self.src if self.k == 1 else \
+                self.empty(g * (b - a), self.src.dtype).view(g, b - a).copy_(self.rows[:, a:b]).view(-1)
+            res = call.intra_fb.client[g * a:g * b] if call.intra_fb is not None else None
+            self.rs.append(one_hop.reduce_scatter(self.shard[a:b], piece, CallSpec(
+                codec=call.intra, op="sum", validate=self.validate, residual=res, stats=self.tiers.intra,
+                async_op=True), self.topo.intra_group))
+
+    def across(self) -> None:
+        inter_fb = self.call.inter_fb
+        for j in range(self.k):
+            self.rs[j].wait()
+            a, b = self.seg[j], min(self.seg[j + 1], self.real)
+            if b <= a:
+                self.ar.append(None)
                 continue
-            res = intra_fb.server[a:b] if intra_fb is not None else None
-            ag.append((out, one_hop.all_gather(out, shard[a:b], CallSpec(
-                codec=ci, validate=validate, residual=res, stats=tiers.intra, async_op=True), topo.intra_group)))
-        for j, (out, h) in enumerate(ag):
+            fb = ErrorFeedback(inter_fb.client[a:b], inter_fb.server[a:b]) if inter_fb is not None else None
+            c = self.choose(b - a, self.topo.inter_group, self.shard.device, "all_reduce")
+            self.ar.append(one_hop.all_reduce(self.shard[a:b], CallSpec(
+                codec=c, op="sum", residual=fb, validate=self.validate, stats=self.tiers.inter, async_op=True),
+                self.topo.inter_group))
+
+    def gather(self) -> None:
+        for j in range(self.k):
+            if self.ar[j] is not None:
+                self.ar[j].wait()
+            a, b = self.seg[j], self.seg[j + 1]
+            self._rounded(a, b)
+            self.ag.append(self._gather_one(a, b))
+
+    def _rounded(self, a: int, b: int) -> None:
+        """Segment [a, b) of the shard scaled; with error feedback into another dtype, what rounding
+        to the data's dtype drops, kept once (every node holds this shard; node 0's rank keeps it):
+        the inter tier's next encode adds it."""
+        flat, scale, inter_fb = self.call.src, self.call.scale, self.call.inter_fb
+        if scale != 1.0:
+            self.shard[a:b].mul_(scale)
+        hi = min(b, self.real)
+        if inter_fb is not None and flat.dtype != torch.float32 and self.topo.node == 0 and hi > a:
+            lost = self.empty(hi - a)
+            one_hop.rounding_into(self.shard[a:hi], flat.dtype, lost)
+            inter_fb.client[a:hi].add_(lost, alpha=1.0 / scale)
+
+    def _gather_one(self, a: int, b: int) -> tuple:
+        """(where the node's gather of segment [a, b) lands, its handle or node job)."""
+        call, topo, g = self.call, self.topo, self.g
+        flat = call.src
+        out = flat if self.whole else self.empty(g * (b - a), flat.dtype)
+        if call.intra.lossless and flat.dtype == torch.float32:
+            self.tiers.intra.wire_bytes += (g - 1) * (b - a) * 4
+            return out, _node.queued(self.tiers.intra, topo.intra_group, flat.device,
+                                     functools.partial(_node.gather, topo, out, self.shard[a:b]))
+        res = call.intra_fb.server[a:b] if call.intra_fb is not None else None
+        return out, one_hop.all_gather(out, self.shard[a:b], CallSpec(
+            codec=call.intra, validate=self.validate, residual=res, stats=self.tiers.intra, async_op=True),
+            topo.intra_group)
+
+    def write_back(self) -> None:
+        flat, g, m = self.call.src, self.g, self.call.m
+        for j, (out, h) in enumerate(self.ag):
             h.wait()  # a Handle or a node Job
-            if whole:
+            if self.whole:
                 continue
-            a, b = seg[j], seg[j + 1]
-            if src is flat:
-                rows[:, a:b].copy_(out.view(g, b - a))
-            else:  # padded: write back the part that holds data
-                for lr in range(g):
-                    lo, hi = lr * m + a, min(lr * m + b, n)
-                    if hi > lo:
-                        flat[lo:hi].copy_(out[lr * (b - a):lr * (b - a) + hi - lo])
-    except BaseException:
-        _settle(rs + ar + ag)
-        raise
+            a, b = self.seg[j], self.seg[j + 1]
+            if self.src is flat:
+                self.rows[:, a:b].copy_(out.view(g, b - a))
+                continue
+            for lr in range(g):  # padded: write back the part that holds data
+                lo, hi = lr * m + a, min(lr * m + b, self.n)
+                if hi > lo:
+                    flat[lo:hi].copy_(out[lr * (b - a):lr * (b - a) + hi - lo])

@@ -34,7 +34,8 @@ shared with :mod:`flatcomm.fsdp`). The server residual is folded into the client
 parameter moves: ``client += server / scale`` (the total that the next step adds is unchanged).
 
 **Where the code lives.** ``state`` holds :class:`State`, :func:`hook` and :func:`register`;
-``traffic`` the hook's communication, ``residuals`` the per-bucket error feedback, ``stats`` the
+``buckets`` the per-bucket machinery (residuals, decisions, replay, layouts), ``traffic`` the
+hook's communication, ``residuals`` the per-bucket error feedback, ``stats`` the
 statistics, ``checkpoint`` the state dicts, ``accordion`` the Accordion policy, ``tiers`` the
 two-level residuals; the options, exceptions and backoff are shared with FSDP
 (``flatcomm._training``).

@@ -114,11 +114,9 @@ def load_state_dict(state, sd, *, allow_codec_change: bool = False) -> None:
     _restore(state, loaded.params, loaded.client, loaded.server, loaded.buckets, loaded.world, loaded.tiered)
     if loaded.decisions is not None and loaded.backend_buckets:  # replayed as sent (see State.backend_sent)
         keys = [tuple(id(loaded.params[n]) for n in names) for names in loaded.backend_buckets]
-        state.replay = (state.replay or []) + keys
-        state.replay_backend = set(keys)
-        state.backend_sent = {k: loaded.step - 1 for k in keys}  # a save before the next step keeps them
+        state.buckets.restore_backend(keys, loaded.step - 1)
     if loaded.decisions is not None:
-        state.decisions = loaded.decisions
+        state.buckets.restore_decisions(loaded.decisions)
     state.step = loaded.step
     state.scale_seen = loaded.scale_seen
 
@@ -303,9 +301,7 @@ def _checked(state, sd: dict, field: str, params) -> Dict[str, torch.Tensor]:
 
 
 def _restore(state, params, client, server, buckets, world: int, tiered: bool = False) -> None:
-    saved = state.residuals.restore(params, client, server, buckets, world, tiered)
-    state.replay = saved or None
-    state.replay_tiered = bool(tiered)
+    state.buckets.restore(params, client, server, buckets, world, tiered)
 
 
 def _decision_entry(names: List[str], d) -> list:

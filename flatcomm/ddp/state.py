@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import math
 import threading
-import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -17,10 +16,13 @@ from ..comm.labels import label
 from . import accordion as _accordion
 from .._training import adapt as _adapt
 from . import checkpoint as _ckpt
-from . import traffic as _comm
+from . import traffic
 from . import stats as _stats
+from .stats import StatsDict
 from .._training.checks import register_ddp_hook
+from .._snapshot import COUNTERS
 from ..ops.codecs import Codec
+from .buckets import Buckets
 from .residuals import Residuals
 
 __all__ = ["CODEC_DEFAULTS", "State", "StatsDict", "hook", "register"]
@@ -30,16 +32,6 @@ __all__ = ["CODEC_DEFAULTS", "State", "StatsDict", "hook", "register"]
 # training, the residual; smaller blocks and lossless first steps keep both close (measured by
 # tools/bench/adam_probe.py and convergence.py: docs/benchmarks.md, "Why sign lost under Adam").
 CODEC_DEFAULTS = {"sign": {"block_size": 64, "start_step": 20}}
-
-
-class StatsDict(dict):
-    """What :attr:`State.stats` returns: a plain dict. Calling it, the spelling of flatcomm 0.1
-    (``state.stats()``, when ``stats`` was a method), returns it too, with a DeprecationWarning."""
-
-    def __call__(self) -> "StatsDict":
-        warnings.warn("flatcomm: State.stats is a property: write state.stats, not state.stats()",
-                      DeprecationWarning, stacklevel=2)
-        return self
 
 
 class State:
@@ -92,10 +84,8 @@ class State:
                 "track_norms", "history")
     # Where the traffic goes: flatcomm's private group and the topology (both set at the first call).
     _GROUPS = ("group", "topology")
-    # Per-bucket state, keyed by the bucket's parameter ids: residuals, auto's decisions, the saved
-    # layout to replay after a load, auto's buckets sent by the backend; internal: keep_fp32 answers, auto keys' buckets, layouts seen.
-    _BUCKETS = ("residuals", "decisions", "replay", "replay_tiered", "backend_sent", "replay_backend", "_kept",
-                "_key_where", "_seen_layouts")
+    # Per-bucket state (flatcomm.ddp.buckets): residuals, auto's decisions, the layout a load replays.
+    _BUCKETS = ("buckets",)
     # The step: hook rounds so far, whether the next bucket starts one, the GradScaler scale seen.
     _STEP = ("step", "_new_step", "scale_seen")
     # Statistics: the per-step records, auto's measured errors and moves.
@@ -134,20 +124,8 @@ class State:
         # -- groups: resolved at the first hook call (creating groups is collective)
         self.group = group
         self.topology = None
-        # -- per-bucket state
-        self.residuals = Residuals(track_norms)  # error feedback, per bucket, owned by parameters
-        self.decisions: Dict[Tuple[int, ...], Any] = {}
-        # After a same-world-size load: the saved buffer keys, replayed by the first step.
-        self.replay: Optional[List[Tuple[int, ...]]] = None
-        self.replay_tiered = False  # whether the replayed buffers were saved by a hierarchical State
-        # auto's buckets handed to the backend: key -> the step it last sent (a checkpoint saves the
-        # last step's, whose layout the first step after a load replays: the backend's sum order
-        # over more than two ranks depends on where a value sits in the bucket).
-        self.backend_sent: Dict[Tuple[int, ...], int] = {}
-        self.replay_backend: set = set()  # the replayed keys among them (after a load)
-        self._kept: Dict[int, bool] = {}  # id(p) -> keep_fp32(name, p), asked once per parameter
-        self._key_where: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # auto key -> (DDP bucket index, numel)
-        self._seen_layouts: set = set()  # bucket keys whose call header was validated
+        # -- per-bucket state: error feedback, decisions, replay, layouts (read through the properties)
+        self.buckets = Buckets(track_norms)
         # -- the step
         self.step = 0
         self._new_step = True
@@ -160,6 +138,33 @@ class State:
         self._names: Optional[Dict[int, str]] = None
         self._inflight = 0
         self._cond = threading.Condition()
+
+    # ---- the per-bucket state, read-only (what checkpoints and tests look at) -----------------------
+
+    @property
+    def residuals(self) -> Residuals:
+        """The error-feedback residuals, one flat buffer per bucket (:mod:`flatcomm.ddp.residuals`)."""
+        return self.buckets.residuals
+
+    @property
+    def decisions(self) -> Dict[Tuple[int, ...], Any]:
+        """``codec="auto"``: per bucket key (its parameters' ids), the tuner's Decision."""
+        return self.buckets.decisions
+
+    @property
+    def replay(self) -> Optional[List[Tuple[int, ...]]]:
+        """After a same-world-size load, until the next step ends: the saved bucket keys it replays."""
+        return self.buckets.replay
+
+    @property
+    def replay_tiered(self) -> bool:
+        """Whether the replayed buffers were saved by a hierarchical State."""
+        return self.buckets.replay_tiered
+
+    @property
+    def backend_sent(self) -> Dict[Tuple[int, ...], int]:
+        """``codec="auto"``: the buckets handed to the backend's all-reduce -> the step it last sent."""
+        return self.buckets.backend_sent
 
     def attach(self, model: torch.nn.Module) -> None:
         """Give the State its DDP model (``ddp.register_comm_hook(State(...), hook)`` creates it
@@ -177,8 +182,10 @@ class State:
 
     @property
     def stats(self) -> "StatsDict":
-        """Per step and per bucket, on this rank (plain dicts; the last ``history`` steps), read
-        once every launched all-reduce has finished. A read-only property, like
+        """Per step and per bucket, on this rank (the last ``history`` steps), read once every
+        launched all-reduce has finished: a read-only :class:`flatcomm.stats.Snapshot` whose
+        counters sum the steps kept and whose keys (``codec``, ``steps``, ``decisions``, ...) are
+        the plain dict's of earlier versions. A read-only property, like
         ``ReduceScatter.stats``; the old call ``state.stats()`` still works, with a DeprecationWarning.
 
         Per bucket: ``wire_bytes`` (this rank put on the wire), ``fp32_bytes`` (a plain fp32 ring
@@ -193,17 +200,19 @@ class State:
         """
         self.wait()
         out = self.recorder.steps()
-        return StatsDict({"codec": "auto" if self.auto else self.codec.name, "block_size": self.codec.block_size,
-                "mode": self.mode, "error_feedback": self.error_feedback,
-                # codec="auto": per bucket, what the tuner chose and why
-                "decisions": [{"codec": d.codec, "chunks": d.chunks, "reason": d.reason,
-                               "predicted_s": dict(d.predicted_s),
-                               **self.monitor.measured_fields(k)} for k, d in self.decisions.items()],
-                # codec="auto" with backoff: each move to a more precise codec, with its numbers
-                "adaptations": [dict(a) for a in self.adaptations],
-                "world_size": dist.get_world_size(self.group) if self.group is not None else None,
-                "topology": self.topology.describe() if self.topology is not None else None,
-                "steps": out})
+        detail = {"codec": "auto" if self.auto else self.codec.name, "block_size": self.codec.block_size,
+                  "mode": self.mode, "error_feedback": self.error_feedback,
+                  # codec="auto": per bucket, what the tuner chose and why
+                  "decisions": [{"codec": d.codec, "chunks": d.chunks, "reason": d.reason,
+                                 "predicted_s": dict(d.predicted_s),
+                                 **self.monitor.measured_fields(k)} for k, d in self.decisions.items()],
+                  # codec="auto" with backoff: each move to a more precise codec, with its numbers
+                  "adaptations": [dict(a) for a in self.adaptations],
+                  "world_size": dist.get_world_size(self.group) if self.group is not None else None,
+                  "topology": self.topology.describe() if self.topology is not None else None,
+                  "steps": out}
+        sums = {f: sum(s[f] for s in out) for f in COUNTERS if f != "calls"}
+        return StatsDict("ddp", calls=sum(len(s["buckets"]) for s in out), **sums, detail=detail)
 
     # ---- checkpoints (flatcomm.ddp.checkpoint) --------------------------------------------------
 
@@ -290,20 +299,24 @@ class State:
         holds the bucket buffer, averaged in place."""
         group = self.ensure_group()
         if self.topology is None:
-            _comm.first_call(self, group)
+            traffic.first_call(self, group)
         if self._new_step:
             self._new_step = False
-            _comm.new_step(self, group, bucket.buffer().device)
+            traffic.new_step(self, group, bucket.buffer().device)
         step, index, tensor = self.step, bucket.index(), bucket.buffer()
-        whole, layout, parts = _comm.plan_parts(self, bucket)
+        whole, layout, parts = self.buckets.plan(bucket, self._keep if self.keep_fn is not None else None)
         if bucket.is_last():
             self.step += 1
             self._new_step = True
-            self.replay = None  # only the first step after a load can have DDP's initial layout
-            self.replay_backend = set()
+            self.buckets.end_step()
         if parts is None:
-            return _comm.reduce(self, group, _comm.Piece(tensor, whole, layout, step, index, f"bucket{index}"))
-        return _comm.reduce_parts(self, group, tensor, layout, parts, step, index)
+            return traffic.reduce(self, group, traffic.Piece(tensor, whole, layout, step, index, f"bucket{index}"))
+        return traffic.reduce_parts(self, group, tensor, layout, parts, step, index)
+
+    def _keep(self, p: torch.nn.Parameter) -> bool:
+        """keep_fp32's answer for a parameter (asked once per parameter, by Buckets)."""
+        keep = self.keep_fn
+        return keep is not None and bool(keep(self.name_map().get(id(p), ""), p))
 
     def started(self) -> None:
         """One more all-reduce in flight (:meth:`wait` waits for it; :meth:`finished` ends it)."""
@@ -345,7 +358,21 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, codec: Any = 
     ``"ordered"`` or ``"exact"`` (fp32 only) asks for determinism: auto then chooses among
     flatcomm's own collectives only.
 
-    Returns the :class:`State` (for ``state_dict()``, ``stats``, ``decisions``).
+    Args:
+        ddp_model: the :class:`~torch.nn.parallel.DistributedDataParallel` model to hook.
+        codec: the gradients' codec (default ``"int8"``, see above).
+        options: keywords of :class:`State`, as listed above.
+
+    Returns:
+        The :class:`State` (for ``state_dict()``, ``stats``, ``decisions``).
+
+    Example::
+
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(model)
+        >>> state = flatcomm.ddp.register(ddp, "int8", start_step=10)
+        >>> loss_fn(ddp(x), y).backward()          # the hook sends int8 with error feedback
+        >>> state.stats["steps"][-1]["compression"]
+        >>> torch.save(state.state_dict(), f"flatcomm{rank}.pt")
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"flatcomm.ddp.register needs a DistributedDataParallel model, got "

@@ -8,11 +8,25 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Dict, List
+import warnings
+from typing import Any, Dict, List, NamedTuple
 
 from .. import collectives as C
+from .._snapshot import Snapshot
+from ..ops.codecs import Codec
 
-__all__ = ["Recorder", "fp32_ring_bytes"]
+__all__ = ["Recorder", "Sent", "StatsDict", "fp32_ring_bytes"]
+
+
+class Sent(NamedTuple):
+    """Which all-reduce a record is about: the step, DDP's bucket index, the values sent, the
+    group's size and the codec they went with."""
+
+    step: int
+    bucket: int
+    numel: int
+    world: int
+    codec: Codec
 
 
 def fp32_ring_bytes(numel: int, world: int) -> int:
@@ -55,10 +69,10 @@ class Recorder:
                 first = self._records[-1]["step"] - self.history + 1
                 self._records = [r for r in self._records if r["step"] >= first]
 
-    def bucket(self, step: int, index: int, numel: int, world: int, codec, cs: C.CommStats, comm_s: float,
-               res, v_sq: Any) -> None:
+    def bucket(self, sent: Sent, cs: C.CommStats, comm_s: float, res, v_sq: Any) -> None:
         """One flatcomm all-reduce of a bucket; ``res``: its residual buffer (None: none kept),
         whose ``client_sq`` is updated here (the next step's input norm and the backoff read it)."""
+        step, index, numel, world, codec = sent
         rec: Dict[str, Any] = {
             "step": step, "bucket": index, "numel": numel, "codec": codec.name,
             "wire_bytes": cs.wire_bytes, "fp32_bytes": fp32_ring_bytes(numel, world),
@@ -114,3 +128,15 @@ class Recorder:
             s["buckets"].sort(key=lambda b: b["bucket"])
             out.append(s)
         return out
+
+
+class StatsDict(Snapshot):
+    """What :attr:`State.stats` returns: a :class:`flatcomm.stats.Snapshot` (``source="ddp"``; its
+    counters summed over the steps kept) whose keys are those of flatcomm 0.2's plain dict.
+    Calling it, the spelling of flatcomm 0.1 (``state.stats()``, when ``stats`` was a method),
+    returns it too, with a DeprecationWarning."""
+
+    def __call__(self) -> "StatsDict":
+        warnings.warn("flatcomm: State.stats is a property: write state.stats, not state.stats()",
+                      DeprecationWarning, stacklevel=2)
+        return self

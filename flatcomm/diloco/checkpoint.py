@@ -63,7 +63,7 @@ def state_dict(outer) -> Dict[str, Any]:
         "options": outer.config.options(),
         "step": outer.step,
         "syncs": outer.syncs,
-        "finished_at": outer._finished_at,
+        "finished_at": outer.finished_at,
         "fragments": [{"names": list(f.names), "master": f.master.detach().cpu().clone(),
                        "momentum": f.momentum.detach().cpu().clone(),
                        "residuals": [r.detach().cpu().clone() for r in f.residuals]} for f in outer.fragments],
@@ -190,4 +190,4 @@ def load_state_dict(outer, sd: Dict[str, Any]) -> None:
     for f, s in zip(outer.fragments, prepared["fragments"]):
         f.commit(s["master"], s["momentum"], s["residuals"])
     outer.step, outer.syncs, outer.pending = prepared["step"], prepared["syncs"], prepared["in_flight"]
-    outer._finished_at = prepared["finished_at"]
+    outer.finished_at = prepared["finished_at"]

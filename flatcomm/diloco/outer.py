@@ -12,21 +12,22 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import numbers
 import time
 from typing import Any, Dict, List, Optional
 
 import torch
 
+from .._snapshot import Snapshot
 from ..comm.header import MODES
 from ..comm.labels import label
 from ..comm.topology import Topology
 from ..ops.codecs import resolve
 from . import checkpoint, replicas, sync
+from .options import Options, check_no_ddp, number
 from .schedule import Schedule, split
 from .state import Fragment, Workspace, local_tensor, outer_step
 
-__all__ = ["Config", "DiLoCo", "FragmentStats"]
+__all__ = ["Config", "DiLoCo", "FragmentStats", "Options"]
 
 
 @dataclasses.dataclass
@@ -86,35 +87,14 @@ class Config:
                 "codec keep": str(p.codec.keep) if p.codec.chunked else "-", "error_decay": repr(p.error_decay)}
 
 
-def _number(v: Any, what: str, lo: float, hi: float, hi_open: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or float(v) < lo \
-            or float(v) > hi or (hi_open and float(v) == hi):
-        raise ValueError(f"flatcomm.diloco: {what} must be a finite number in [{lo}, {hi}{')' if hi_open else ']'}, "
-                         f"got {v!r}")
-    return float(v)
-
-
-def _check_no_ddp(model: torch.nn.Module, group, allow_ddp: bool) -> None:
-    """Refuse a DistributedDataParallel over ``model`` whose all-reduce spans replicas."""
-    if not isinstance(allow_ddp, bool):
-        raise TypeError(f"flatcomm.diloco: allow_ddp must be True or False, got {allow_ddp!r}")
-    ranks = [] if allow_ddp else replicas.ddp_across_replicas(model, group)
-    if ranks:
-        raise ValueError(
-            f"flatcomm.diloco: the model is wrapped in DistributedDataParallel over ranks {ranks}, which "
-            f"hold several DiLoCo replicas: DDP would all-reduce every gradient at every inner step and "
-            f"DiLoCo would sync on top, so the replicas never train alone (all the traffic of DDP, plus "
-            f"DiLoCo's). Remove DDP: build DiLoCo on the bare module (model = ddp.module, the same "
-            f"optimizer) and call that module in the training loop. Or make DDP run inside one replica "
-            f"only (DDP(process_group=the ranks of one replica), DiLoCo(group=the ranks across replicas)). "
-            f"If DDP's all-reduce is replaced by a hook that keeps the local gradient, pass allow_ddp=True")
-
-
-def _configure(model, sync_every, codec, mode, outer_lr, outer_momentum, nesterov, fragments, delay, alpha,
-               group, error_feedback, residual_dtype, verify_every, topology, allow_ddp=False, error_decay=1.0) -> Config:
+def _configure(model: torch.nn.Module, o: Options) -> Config:
+    """The checked configuration of ``model`` under options ``o`` (the same on every replica)."""
+    sync_every, codec, mode, group, topology = o.sync_every, o.codec, o.mode, o.group, o.topology
+    nesterov, error_feedback, residual_dtype, verify_every = o.nesterov, o.error_feedback, o.residual_dtype, o.verify_every
+    fragments, delay, alpha, allow_ddp = o.fragments, o.fragment_sync_delay, o.fragment_update_alpha, o.allow_ddp
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"flatcomm.diloco: model must be a torch.nn.Module, got {type(model).__name__}")
-    _check_no_ddp(model, topology.group if isinstance(topology, Topology) else group, allow_ddp)
+    check_no_ddp(model, topology.group if isinstance(topology, Topology) else group, allow_ddp)
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"flatcomm.diloco: mode must be one of {MODES}, got {mode!r}")
     if isinstance(codec, str) and codec == "auto":
@@ -134,11 +114,11 @@ def _configure(model, sync_every, codec, mode, outer_lr, outer_momentum, nestero
     if topology is not None and group is not None:
         raise ValueError("flatcomm.diloco: pass either group= or topology= (the topology has its own group)")
     schedule = Schedule(sync_every, len(fragments) if isinstance(fragments, (list, tuple)) else fragments, delay)
-    lr = _number(outer_lr, "outer_lr", 0.0, math.inf)
-    mu = _number(outer_momentum, "outer_momentum", 0.0, 1.0, hi_open=True)
-    a = _number(alpha, "fragment_update_alpha", 0.0, 1.0)
+    lr = number(o.outer_lr, "outer_lr", 0.0, math.inf)
+    mu = number(o.outer_momentum, "outer_momentum", 0.0, 1.0, hi_open=True)
+    a = number(alpha, "fragment_update_alpha", 0.0, 1.0)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    plan = sync.Plan(c, mode, group, topology, error_feedback, _number(error_decay, "error_decay", 0.0, 1.0))
+    plan = sync.Plan(c, mode, group, topology, error_feedback, number(o.error_decay, "error_decay", 0.0, 1.0))
     if plan.gathered and plan.two_level:
         raise ValueError("flatcomm.diloco: mode='exact' with a lossy codec runs flat (an all-gather of the "
                          "encoded payloads); drop topology= or use codec='fp32'")
@@ -163,6 +143,35 @@ class DiLoCo:
     A ``DistributedDataParallel`` over ``model`` whose process group spans several replicas is
     refused (its all-reduce would run at every inner step) unless ``allow_ddp=True`` (for a DDP
     whose comm hook keeps the local gradient, as the framework adapters register).
+
+    Args:
+        model: the module the replicas train (its parameters that require a gradient are synced).
+        inner_optimizer: the optimizer of the inner steps; DiLoCo hooks its ``step()``.
+        sync_every: inner steps between two syncs of a fragment (H).
+        codec: the pseudo-gradient's codec on the wire (default ``"int4"``; not ``"auto"``).
+        mode: ``"ordered"`` (default) or ``"exact"`` (bits independent of the replica count).
+        outer_lr: the outer SGD's learning rate (default 0.7).
+        outer_momentum: its momentum in [0, 1) (default 0.9).
+        nesterov: Nesterov momentum (default True).
+        fragments: how many fragments (Streaming DiLoCo) or a list of parameter-name lists.
+        fragment_sync_delay: inner steps between a fragment's send and its apply (overlap).
+        fragment_update_alpha: the local weights' share when a fragment is applied (0: the master).
+        group: the outer group, one rank per replica (default: the world).
+        error_feedback: keep the codec's residuals (default True).
+        residual_dtype: ``torch.float32`` (default) or ``torch.bfloat16`` residuals.
+        verify_every: compare the replicas' masters every this many syncs (0: never).
+        topology: a :class:`flatcomm.Topology` for a two-level outer sync (instead of ``group``).
+        allow_ddp: accept a DDP over ``model`` that spans replicas (its hook must keep gradients local).
+        error_decay: the residual's decay per sync in [0, 1] (default 1: kept whole).
+
+    Example::
+
+        >>> model = torch.nn.Linear(16, 16)
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        >>> outer = flatcomm.diloco.DiLoCo(model, opt, sync_every=100, codec="int4")
+        >>> for x in batches:  # every replica alone; a sync after every 100 steps
+        ...     opt.zero_grad(); model(x).sum().backward(); opt.step()
+        >>> outer.stats.wire_bytes, outer.stats["syncs"]
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,
@@ -180,11 +189,11 @@ class DiLoCo:
         self.device = local_tensor(first).device if first is not None else torch.device("cpu")
         if self.device.type != "cuda":
             self.device = torch.device("cpu")
+        options = Options(sync_every, codec, mode, outer_lr, outer_momentum, nesterov, fragments,
+                          fragment_sync_delay, fragment_update_alpha, group, error_feedback, residual_dtype,
+                          verify_every, topology, allow_ddp, error_decay)
         self.config: Config = replicas.agree(
-            self.group, self.device, lambda: _configure(
-                model, sync_every, codec, mode, outer_lr, outer_momentum, nesterov, fragments, fragment_sync_delay,
-                fragment_update_alpha, group, error_feedback, residual_dtype, verify_every, topology, allow_ddp,
-                error_decay),
+            self.group, self.device, lambda: _configure(model, options),
             Config.fingerprint, "the DiLoCo configuration")
         self.fragments = self.config.fragments
         replicas.verify(self.group, self.device, [f.master for f in self.fragments],
@@ -192,7 +201,8 @@ class DiLoCo:
         self.step = 0  # inner steps taken
         self.syncs = 0  # outer syncs applied (all fragments)
         self.pending: Optional[sync.Pending] = None
-        self._finished_at = 0  # inner step of the last finish(): every weight was its master then
+        # inner step of the last finish(): every weight was its master then (saved by checkpoints)
+        self.finished_at = 0
         self._work = Workspace()
         self.fragment_stats = [FragmentStats() for _ in self.fragments]
         replicas.announce()  # where this replica runs: a failed sync names the replicas that exited
@@ -234,7 +244,7 @@ class DiLoCo:
         if self.pending is not None:  # the inner steps since it started are dropped, as on schedule
             fresh.add(self.pending.fragment)
             self._apply(alpha=0.0)
-        if self._finished_at == self.step:
+        if self.finished_at == self.step:
             return
         for i, f in enumerate(self.fragments):
             if i not in fresh and self._last_applied(i) < self.step:
@@ -242,13 +252,13 @@ class DiLoCo:
                 self._apply(alpha=0.0)
             else:
                 f.set_weights(f.master, 0.0)
-        self._finished_at = self.step
+        self.finished_at = self.step
 
     def _last_applied(self, i: int) -> int:
         """The inner step after which fragment ``i``'s weights were last set from its master."""
         sch = self.config.schedule
         t = self.step
-        while t > self._finished_at and sch.applies(t) != i:
+        while t > self.finished_at and sch.applies(t) != i:
             t -= 1
         return t
 
@@ -323,11 +333,17 @@ class DiLoCo:
     # ---- stats and checkpoints ----------------------------------------------------------------------
 
     @property
-    def stats(self) -> Dict[str, Any]:
+    def stats(self) -> Snapshot:
+        """A read-only :class:`flatcomm.stats.Snapshot` (``source="diloco"``): ``calls`` the
+        fragments' outer all-reduces, ``wire_bytes`` this rank sent, ``exchange_s`` the time the
+        training loop waited for them; keys ``syncs``, ``inner_steps``, ``wire_bytes``, ``wait_s``
+        and per fragment ``fragments``."""
         fs = self.fragment_stats
-        return {"syncs": self.syncs, "inner_steps": self.step, "wire_bytes": sum(s.wire_bytes for s in fs),
-                "wait_s": sum(s.wait_s for s in fs), "fragments": [dataclasses.asdict(s) | {
-                    "bytes_per_sync": s.bytes_per_sync, "numel": f.numel} for s, f in zip(fs, self.fragments)]}
+        wire, wait = sum(s.wire_bytes for s in fs), sum(s.wait_s for s in fs)
+        detail = {"syncs": self.syncs, "inner_steps": self.step, "wire_bytes": wire, "wait_s": wait,
+                  "fragments": [dataclasses.asdict(s) | {"bytes_per_sync": s.bytes_per_sync, "numel": f.numel}
+                                for s, f in zip(fs, self.fragments)]}
+        return Snapshot("diloco", calls=sum(s.syncs for s in fs), wire_bytes=wire, exchange_s=wait, detail=detail)
 
     def state_dict(self) -> Dict[str, Any]:
         """Everything to resume bit for bit (a sync in flight is drained into it); see

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -19,6 +20,7 @@ from .._training import adapt as _adapt
 from . import adapt as _fadapt
 from ..autotune import PRECISION
 from ..comm.args import premultiplied, reduce_op
+from .._snapshot import Snapshot
 from ..comm.labels import label
 from ..ops.codecs import Codec, resolve
 from .residuals import Pieces, Residuals
@@ -139,9 +141,29 @@ class Backend:
         self.adaptations: List[dict] = self._monitor.adaptations  # the backoff's moves, with numbers
         self._reductions: Dict[Tuple[str, int], int] = {}  # auto key -> reductions so far (backoff)
         self.chunks = chunks
-        self.stats = Stats()
+        self.counters = Stats()  # what the collectives add to (read: .stats)
         self._res = Residuals()
         self._validated: set = set()
+
+    @property
+    def stats(self) -> Snapshot:
+        """This rank's reductions (and weight all-gathers) so far: a read-only
+        :class:`flatcomm.stats.Snapshot` (``source="fsdp"``) with the counters of
+        :class:`~flatcomm.collectives.CommStats` and, as attributes and keys, ``decisions``
+        (``codec="auto"``: ``(kind, numel)`` -> Decision), ``weights_forward_bytes``,
+        ``weights_backward_bytes`` and ``bytes_by_kind``."""
+        c = self.counters
+        fwd, bwd = getattr(c, "weights_forward_bytes", 0), getattr(c, "weights_backward_bytes", 0)
+        return Snapshot.of("fsdp", c, {"decisions": dict(getattr(c, "decisions", {})), "weights_forward_bytes": fwd,
+                                       "weights_backward_bytes": bwd,
+                                       "bytes_by_kind": {"weights_forward": fwd, "weights_backward": bwd,
+                                                         "gradients": c.wire_bytes - fwd - bwd}})
+
+    @stats.setter
+    def stats(self, counters: C.CommStats) -> None:
+        warnings.warn("flatcomm.fsdp: .stats is a read-only snapshot now; to start counting over, assign "
+                      ".counters (a flatcomm.fsdp.Stats) instead", DeprecationWarning, stacklevel=2)
+        self.counters = counters if isinstance(counters, Stats) else Stats(**dataclasses.asdict(counters))
 
     def _first_call(self, *signature) -> bool:
         """True the first time a call signature is seen: only then does the collective run its
@@ -171,9 +193,9 @@ class Backend:
                                     device, lambda k: {"kind": k[0], "numel": k[1]}, "reductions of this size")
                 d = self._decided[key]
         self._reductions[key] = self._reductions.get(key, 0) + 1
-        if not isinstance(self.stats, Stats):  # someone swapped in a plain CommStats
-            self.stats = Stats(**dataclasses.asdict(self.stats))
-        self.stats.decisions[key] = d
+        if not isinstance(self.counters, Stats):  # someone swapped in a plain CommStats
+            self.counters = Stats(**dataclasses.asdict(self.counters))
+        self.counters.decisions[key] = d
         return resolve(d.codec, self._block_size)
 
     def _measured(self, codec: Codec, numel: int, kind: str, x: torch.Tensor, residual: Optional[torch.Tensor]):
@@ -198,7 +220,7 @@ class Backend:
         return done
 
     def _send(self, output: torch.Tensor, input: torch.Tensor, pieces: Pieces, codec: Codec, op: Any,
-              group, async_op: bool, world: int, key_numel: int):
+              group, *, async_op: bool, world: int, key_numel: int):
         """One reduce-scatter of ``pieces`` with their residuals (``key_numel``: the auto key's size)."""
         residual = None
         if self.error_feedback and (not codec.lossless or self._res.holds(pieces)):
@@ -206,7 +228,7 @@ class Backend:
         measured = self._measured(codec, key_numel, "reduce_scatter", input, residual)
         with label("flatcomm.fsdp.reduce_scatter"):
             h = reduce(output, input, codec=codec, op=op, mode=self.mode, group=group, async_op=async_op,
-                       residual=residual, chunks=self.chunks, stats=self.stats, first_call=self._first_call)
+                       residual=residual, chunks=self.chunks, stats=self.counters, first_call=self._first_call)
         if measured is not None:
             measured(h)
         return h
@@ -267,8 +289,8 @@ class Backend:
         def apply() -> None:
             if self._auto:
                 self._decided, self._decisions_loaded = saved, True
-                if isinstance(self.stats, Stats):
-                    self.stats.decisions.update(saved)
+                if isinstance(self.counters, Stats):
+                    self.counters.decisions.update(saved)
         return apply, {kk: vv for kk, vv in state_dict.items() if not kk.endswith("." + _DECISIONS_KEY)}
 
     def _prefix(self) -> str:

@@ -148,7 +148,8 @@ class FSDP1State(Backend):
         if output is None:
             self._all_reduce(grad, name, codec, group, world, mask)
         elif mask is None:
-            self._send(output, grad, [(name, grad.numel() // world)], codec, "avg", group, False, world, grad.numel())
+            self._send(output, grad, [(name, grad.numel() // world)], codec, "avg", group, async_op=False, world=world,
+                       key_numel=grad.numel())
         else:
             self._reduce_scatter_kept(output, grad, name, codec, group, world, mask)
         return None
@@ -191,7 +192,7 @@ class FSDP1State(Backend):
     def _send_all(self, flat: torch.Tensor, ef: Optional[C.ErrorFeedback], codec: Codec, group) -> None:
         measured = self._measured(codec, flat.numel(), "all_reduce", flat, ef.client if ef is not None else None)
         C.all_reduce(flat, codec=wire_codec(codec, flat.dtype), op="avg", mode=self.mode,
-                     group=group, residual=ef, chunks=self.chunks, stats=self.stats,
+                     group=group, residual=ef, chunks=self.chunks, stats=self.counters,
                      validate=self._first_call("ar", group_sig(group), flat.numel(), flat.dtype, codec.name))
         if measured is not None:
             measured(None)
@@ -217,7 +218,7 @@ class FSDP1State(Backend):
             out = torch.empty(idx.shape[1], dtype=output.dtype, device=output.device)
             measured = self._measured(c, numel, "reduce_scatter", x, r)
             reduce(out, x, codec=c, op="avg", mode=self.mode, group=group, async_op=False, residual=r,
-                    chunks=self.chunks, stats=self.stats, first_call=self._first_call)
+                    chunks=self.chunks, stats=self.counters, first_call=self._first_call)
             if measured is not None:
                 measured(None)
             if res is not None and r is not None:

@@ -87,12 +87,12 @@ class ReduceScatter(Backend):
         rest, kept = _fadapt.split(pieces, self._is_kept) if self._keep_fn is not None else (pieces, [])
         if not kept or not rest:
             return self._send(output_tensor, input_tensor, pieces, codec if rest else resolve("fp32"),
-                              op, group, async_op, world, numel)
+                              op, group, async_op=async_op, world=world, key_numel=numel)
         # keep_fp32: the codec's parameters and the kept ones in two reduce-scatters (fsdp_adapt)
         for side, side_codec in ((rest, codec), (kept, resolve("fp32"))):
             part = torch.empty(sum(c for _, c in side), dtype=output_tensor.dtype, device=output_tensor.device)
             self._send(part, _fadapt.take(input_tensor, world, pieces, side), side, side_codec, op, group,
-                       False, world, numel)
+                       async_op=False, world=world, key_numel=numel)
             _fadapt.put(output_tensor, part, pieces, side)
         return Done(output_tensor) if async_op else None
 
@@ -212,6 +212,32 @@ def apply(model: torch.nn.Module, codec: Any = "fp32", *, error_feedback: bool =
     the first forward; with ``fully_shard(reshard_after_forward=k)`` the backward gather stays in
     groups of ``k`` ranks (hpZ). ``rs.weights`` says what was done, ``rs.stats.bytes_by_kind``
     where the bytes go. See :mod:`flatcomm.fsdp.weights`.
+
+    Args:
+        model: the root module, after ``fully_shard`` (parameter names are relative to it).
+        codec: the gradients' reduce-scatter codec (default ``"fp32"``, lossless), or ``"auto"``.
+        error_feedback: keep residuals for a lossy codec (default True).
+        mode: ``"ordered"`` (default) or ``"exact"`` (fp32 only).
+        chunks: pipeline chunks per reduce-scatter (default: automatic).
+        block_size: the codec's block size (default: the codec's).
+        ratio: ``topk``'s kept fraction.
+        tuner: ``codec="auto"``'s :class:`flatcomm.autotune.Tuner` (default one per group).
+        start_step: reductions per parameter sent in lossless fp32 before the codec starts.
+        keep_fp32: parameters always sent (and gathered) exactly: a predicate, name patterns or ``"small"``.
+        backoff: ``codec="auto"``: a :class:`flatcomm.ddp.Backoff` (or False).
+        weights: the weight all-gathers' codec (qwZ), or None (FSDP's own).
+
+    Returns:
+        The :class:`ReduceScatter` (``stats``, ``state_dict()``, ``load_state_dict()``).
+
+    Example::
+
+        >>> for layer in model.layers:
+        ...     fully_shard(layer)
+        >>> fully_shard(model)
+        >>> rs = flatcomm.fsdp.apply(model, "int8", keep_fp32="small")
+        >>> model(x).sum().backward()
+        >>> rs.stats.wire_bytes, rs.stats.bytes_by_kind
     """
     from torch.distributed.fsdp import FSDPModule
 

@@ -202,7 +202,7 @@ class HybridFSDP1State(FSDP1State):
                 ef = self.cross.ef.get(name)
                 if ef is None or ef.client.numel() != m:
                     ef = self.cross.ef[name] = C.ErrorFeedback.zeros(m, flat.device)
-            C.all_reduce(flat, codec=self.inter_codec, topology=self.topology, residual=ef, stats=self.stats)
+            C.all_reduce(flat, codec=self.inter_codec, topology=self.topology, residual=ef, stats=self.counters)
             if flat is not grad:
                 grad.copy_(flat)
             return None

@@ -121,11 +121,11 @@ def _in_backward() -> bool:
 
 class WeightAllGather:
     """An FSDP2 all-gather (``FSDPModule.set_custom_all_gather``) for one module: counts the bytes
-    by kind into ``owner.stats`` and, with ``node=(group, k)``, does hpZ (module docstring)."""
+    by kind into ``owner.counters`` and, with ``node=(group, k)``, does hpZ (module docstring)."""
 
     def __init__(self, owner: Any, params: Sequence[torch.Tensor], fingerprint: int,
                  node: Optional[Tuple[Any, int]] = None):
-        self.owner = owner  # has .stats (a flatcomm.fsdp.Stats)
+        self.owner = owner  # has .counters (a flatcomm.fsdp.Stats)
         self.params = list(params)  # the module's sharded parameters (version counters)
         self.specs: List[_Spec] = []  # of its quantized parameters
         self.fingerprint = fingerprint  # the same on every rank for the same options
@@ -146,7 +146,7 @@ class WeightAllGather:
         return tuple(v for p in self.params for v in (p._version, p._local_tensor._version))  # type: ignore[attr-defined]
 
     def _count(self, kind: str, nbytes: int) -> None:
-        st = self.owner.stats
+        st = self.owner.counters
         st.wire_bytes += nbytes
         st.calls += 1
         if hasattr(st, kind):
@@ -315,7 +315,7 @@ def _managed(module: torch.nn.Module) -> List[torch.Tensor]:
 
 def apply(model: torch.nn.Module, owner: Any, weights: Any, *, keep_fp32: Any = None) -> Weights:
     """Quantize the weight all-gathers of every ``FSDPModule`` in ``model`` with ``weights`` (see the
-    module docstring); bytes are counted in ``owner.stats``. Called by :func:`flatcomm.fsdp.apply`."""
+    module docstring); bytes are counted in ``owner.counters``. Called by :func:`flatcomm.fsdp.apply`."""
     from torch.distributed.fsdp import FSDPModule
 
     from .._training import adapt

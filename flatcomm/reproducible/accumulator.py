@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .._bytes import tensor_bytes
 from ..comm.header import check_consistent
-from .layout import GRAD_DTYPES, layout
+from .layout import GRAD_DTYPES, layout, trainable
 from ..ops.sums import (
     DEFAULT_EXACT_BLOCK,
     DEFAULT_HEADROOM,
@@ -48,6 +48,29 @@ class StepStats:
     wire_bytes: int = 0            # bytes this rank put into collectives (payload, not protocol)
 
 
+def _check_replayed(g: torch.Tensor, first_g: Optional[torch.Tensor], step: int) -> None:
+    """A replayed pass must reach the exponents of the first: the same weights and micro-batches."""
+    if first_g is not None and not torch.equal(g, first_g):
+        raise RuntimeError(
+            f"flatcomm.reproducible: step {step}: the micro-batch gradients changed when "
+            "the step was replayed (same weights, same micro-batches): the loop body is not "
+            "deterministic. Call flatcomm.reproducible.configure(), keep randomness inside the "
+            "body seeded (seed=...), and keep side effects out of the body.")
+
+
+def _check_arguments(micro_batches: int, margin: int, span: int, on_nonfinite: str, headroom: int) -> None:
+    if on_nonfinite not in _ON_NONFINITE:
+        raise ValueError(f"flatcomm.reproducible: on_nonfinite must be one of {_ON_NONFINITE}, "
+                         f"got {on_nonfinite!r}")
+    if margin < 0 or span < 0:
+        raise ValueError(f"flatcomm.reproducible: margin and span must be >= 0, got {margin}, {span}")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"flatcomm.reproducible: micro_batches must be a positive int, got {micro_batches!r}")
+    if micro_batches > (1 << headroom):
+        raise ValueError(f"flatcomm.reproducible: {micro_batches} micro-batches exceed the 2^{headroom} "
+                         f"contributions that int64 fixed point with headroom {headroom} can add")
+
+
 class ExactGradAccumulator:
     """Exact, rank-count independent gradient accumulation over a fixed set of micro-batches.
 
@@ -78,19 +101,10 @@ class ExactGradAccumulator:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise TypeError("flatcomm.reproducible: pass the plain module, not a DistributedDataParallel "
                             "wrapper (its all-reduce would average rank-dependent fp32 sums)")
-        named = self._named(model)
+        named = trainable(model)
         if not named:
             raise ValueError("flatcomm.reproducible: no parameter requires a gradient")
-        if on_nonfinite not in _ON_NONFINITE:
-            raise ValueError(f"flatcomm.reproducible: on_nonfinite must be one of {_ON_NONFINITE}, "
-                             f"got {on_nonfinite!r}")
-        if margin < 0 or span < 0:
-            raise ValueError(f"flatcomm.reproducible: margin and span must be >= 0, got {margin}, {span}")
-        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ValueError(f"flatcomm.reproducible: micro_batches must be a positive int, got {micro_batches!r}")
-        if micro_batches > (1 << headroom):
-            raise ValueError(f"flatcomm.reproducible: {micro_batches} micro-batches exceed the 2^{headroom} "
-                             f"contributions that int64 fixed point with headroom {headroom} can add")
+        _check_arguments(micro_batches, margin, span, on_nonfinite, headroom)
         self.group = group
         if dist.is_available() and dist.is_initialized():
             self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -107,6 +121,16 @@ class ExactGradAccumulator:
         self.block, self.headroom = block_size, headroom
         self._chunk = max(1, TO_EXACT_CHUNK // block_size) * block_size
 
+        self._build(named, block_size)
+        self.step_count = 0
+        self.stats = StepStats()
+        self._active: Optional[object] = None
+        self._check_consistent()
+
+    # ---- construction helpers -------------------------------------------------------------------
+
+    def _build(self, named: List[Tuple[str, torch.nn.Parameter]], block_size: int) -> None:
+        """The flat layout of the parameters and the accumulation buffers (one device, float dtypes)."""
         devices = {p.device for _, p in named}
         if len(devices) != 1:
             raise ValueError(f"flatcomm.reproducible: parameters on several devices {sorted(map(str, devices))}")
@@ -125,27 +149,6 @@ class ExactGradAccumulator:
         self._acc = torch.zeros(start, dtype=torch.int64, device=self.device)
         self._views = [[g.flat[o:o + p.numel()].view_as(p) for p, o in zip(g.params, g.offsets)]
                        for g in self._groups]
-        self.step_count = 0
-        self.stats = StepStats()
-        self._active: Optional[object] = None
-        self._check_consistent()
-
-    # ---- construction helpers -------------------------------------------------------------------
-
-    @staticmethod
-    def _named(model) -> List[Tuple[str, torch.nn.Parameter]]:
-        if isinstance(model, torch.nn.Module):
-            items = list(model.named_parameters())
-        else:
-            items = []
-            for i, x in enumerate(model):
-                items.append(tuple(x) if isinstance(x, tuple) else (f"param{i}", x))
-        seen, out = set(), []
-        for name, p in items:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append((name, p))
-        return out
 
     @staticmethod
     def _suggest(m: int, w: int) -> str:
@@ -188,35 +191,10 @@ class ExactGradAccumulator:
         first_g: Optional[torch.Tensor] = None
         try:
             while True:
-                self._acc.zero_()
-                self._gmax.fill_(ZERO_EXPONENT)
-                local_overflow = False
-                for i in self.local_indices:
-                    self._bind_zeroed_grads()
-                    t0 = time.perf_counter()
-                    if self.seed is None:
-                        yield i
-                    else:
-                        with self._seeded(i):
-                            yield i
-                    t1 = time.perf_counter()
-                    local_overflow = self._accumulate(local_overflow)
-                    stats.compute_s += t1 - t0
-                    stats.accumulate_s += time.perf_counter() - t1
-                    stats.local_micro_batches += 1
+                yield from self._one_pass(stats)
                 t0 = time.perf_counter()
-                g = self._gmax.clone()
-                # The integer SUM goes out with the exponent MAX (one round trip instead of two);
-                # on the rare steps that replay or skip, its result is simply not used.
-                sum_work = self._all_reduce(self._acc, dist.ReduceOp.SUM, stats, async_op=True)
-                self._wait(self._all_reduce(g, dist.ReduceOp.MAX, stats, async_op=True))
-                self._wait(sum_work)
-                if first_g is not None and not torch.equal(g, first_g):
-                    raise RuntimeError(
-                        f"flatcomm.reproducible: step {stats.step}: the micro-batch gradients changed when "
-                        "the step was replayed (same weights, same micro-batches): the loop body is not "
-                        "deterministic. Call flatcomm.reproducible.configure(), keep randomness inside the "
-                        "body seeded (seed=...), and keep side effects out of the body.")
+                g = self._reduce(stats)
+                _check_replayed(g, first_g, stats.step)
                 nonfinite = g == NONFINITE_EXPONENT
                 if bool(nonfinite.any()):
                     decided = True
@@ -244,6 +222,34 @@ class ExactGradAccumulator:
                     self._clear_grads()
 
     # ---- pieces of the step -----------------------------------------------------------------------
+
+    def _one_pass(self, stats: StepStats) -> Iterator[int]:
+        """One pass over this rank's micro-batches (yielded to the loop body), each accumulated."""
+        self._acc.zero_()
+        self._gmax.fill_(ZERO_EXPONENT)
+        local_overflow = False
+        for i in self.local_indices:
+            self._bind_zeroed_grads()
+            t0 = time.perf_counter()
+            if self.seed is None:
+                yield i
+            else:
+                with self._seeded(i):
+                    yield i
+            t1 = time.perf_counter()
+            local_overflow = self._accumulate(local_overflow)
+            stats.compute_s += t1 - t0
+            stats.accumulate_s += time.perf_counter() - t1
+            stats.local_micro_batches += 1
+
+    def _reduce(self, stats: StepStats) -> torch.Tensor:
+        """The exponents' MAX over ranks (returned); the integer SUM goes out with it (one round
+        trip instead of two; on the rare steps that replay or skip, its result is simply not used)."""
+        g = self._gmax.clone()
+        sum_work = self._all_reduce(self._acc, dist.ReduceOp.SUM, stats, async_op=True)
+        self._wait(self._all_reduce(g, dist.ReduceOp.MAX, stats, async_op=True))
+        self._wait(sum_work)
+        return g
 
     def _bind_zeroed_grads(self) -> None:
         for g, views in zip(self._groups, self._views):

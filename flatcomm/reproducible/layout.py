@@ -3,11 +3,11 @@ starting on a block, so a block's exponent covers values of one tensor only."""
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 import torch
 
-__all__ = ["GRAD_DTYPES", "Group", "layout"]
+__all__ = ["GRAD_DTYPES", "Group", "layout", "trainable"]
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -44,3 +44,20 @@ def layout(named: Sequence[Tuple[str, torch.nn.Parameter]], block_size: int,
         groups.append(Group(dtype, [named[i][1] for i in idx], offsets, flat, start))
         start += off
     return groups, block_param
+
+
+def trainable(model: Any) -> List[Tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of every parameter that requires a gradient, each once: of a module, or
+    of an iterable of parameters or (name, parameter) pairs."""
+    if isinstance(model, torch.nn.Module):
+        items = list(model.named_parameters())
+    else:
+        items = []
+        for i, x in enumerate(model):
+            items.append(tuple(x) if isinstance(x, tuple) else (f"param{i}", x))
+    seen, out = set(), []
+    for name, p in items:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out

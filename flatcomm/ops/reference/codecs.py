@@ -51,49 +51,63 @@ def encode(
     else:
         r_old = None
     seed &= _M64
-    idx = torch.arange(n, dtype=torch.int64)
-
-    def update_residual(new: torch.Tensor, keep_new: torch.Tensor) -> None:
-        if residual is not None:
-            assert r_old is not None  # loaded above whenever there is a residual
-            residual.view(-1).copy_(torch.where(keep_new, new, r_old))
-
     if codec in CAST:
-        if codec == "fp32":
-            d = v
-            data = _u8(v)
-        elif codec == "bf16":
-            if stochastic:
-                u = f32_bits(v)
-                rnd = (u + (random_u32(seed, idx) & 0xFFFF)) >> 16
-                h = torch.where((u & ABS_MASK) >= INF_BITS, f32_to_bf16_bits(v), rnd & 0xFFFF)
-            else:
-                h = f32_to_bf16_bits(v)
-            d = bf16_bits_to_f32(h)
-            data = _u8(torch.where(h >= 1 << 15, h - (1 << 16), h).to(torch.int16))
+        new, ok, parts = _encode_cast(v, codec, stochastic, seed)
+    elif codec == "topk":
+        new, ok, parts = _encode_topk(v, k, off)
+    else:
+        new, ok, parts = _encode_blocks(v, codec, block_size, nb, off, stochastic, seed)
+    if residual is not None:
+        assert r_old is not None  # loaded above whenever there is a residual
+        # the residual keeps its old value where the encoding is not finite (the kernel's rule)
+        residual.view(-1).copy_(torch.where(ok, new, r_old))
+    return _assemble(total, *parts)
+
+
+# Each codec family's encoding: (the new residual, where it replaces the old one, the payload's
+# (offset, bytes) parts).
+_Encoded = Tuple[torch.Tensor, torch.Tensor, Tuple[Tuple[int, torch.Tensor], ...]]
+
+
+def _encode_cast(v: torch.Tensor, codec: str, stochastic: bool, seed: int) -> _Encoded:
+    if codec == "fp32":
+        d = v
+        data = _u8(v)
+    elif codec == "bf16":
+        if stochastic:
+            u = f32_bits(v)
+            rnd = (u + (random_u32(seed, torch.arange(v.numel(), dtype=torch.int64)) & 0xFFFF)) >> 16
+            h = torch.where((u & ABS_MASK) >= INF_BITS, f32_to_bf16_bits(v), rnd & 0xFFFF)
         else:
-            h = f32_to_f16_bits(v)
-            d = f16_bits_to_f32(h)
-            data = _u8(torch.where(h >= 1 << 15, h - (1 << 16), h).to(torch.int16))
-        update_residual(v - d, torch.isfinite(d))
-        return _assemble(total, (0, data))
+            h = f32_to_bf16_bits(v)
+        d = bf16_bits_to_f32(h)
+        data = _u8(torch.where(h >= 1 << 15, h - (1 << 16), h).to(torch.int16))
+    else:
+        h = f32_to_f16_bits(v)
+        d = f16_bits_to_f32(h)
+        data = _u8(torch.where(h >= 1 << 15, h - (1 << 16), h).to(torch.int16))
+    return v - d, torch.isfinite(d), ((0, data),)
 
-    if codec == "topk":
-        ab = abs_bits(v)
-        # larger |v| bits first, ties to the lower index (stable sort keeps index order)
-        order = torch.sort(ab, descending=True, stable=True).indices[:k]
-        kept = torch.sort(order).values
-        take = torch.zeros(n, dtype=torch.bool)
-        take[kept] = True
-        update_residual(torch.where(take, _full(v, 0.0), v), ab < INF_BITS)
-        return _assemble(total, (0, _u8(kept.to(torch.int32))), (off, _u8(v[kept])))
 
-    # blockwise
+def _encode_topk(v: torch.Tensor, k: int, off: int) -> _Encoded:
+    n = v.numel()
+    ab = abs_bits(v)
+    # larger |v| bits first, ties to the lower index (stable sort keeps index order)
+    order = torch.sort(ab, descending=True, stable=True).indices[:k]
+    kept = torch.sort(order).values
+    take = torch.zeros(n, dtype=torch.bool)
+    take[kept] = True
+    return torch.where(take, _full(v, 0.0), v), ab < INF_BITS, ((0, _u8(kept.to(torch.int32))), (off, _u8(v[kept])))
+
+
+def _encode_blocks(v: torch.Tensor, codec: str, block_size: int, nb: int, off: int, stochastic: bool,
+                   seed: int) -> _Encoded:
+    """sign, int8, int4: a scale per block, then the codes."""
+    n = v.numel()
     vb = _blocked(v, block_size)
     counts = torch.clamp(n - torch.arange(nb, dtype=torch.int64) * block_size, max=block_size)
     mab = abs_bits(vb).amax(dim=1)
     finite_block = mab < INF_BITS
-    gidx = _blocked(idx, block_size)  # global element index (padding: 0, discarded)
     if codec == "sign":
         scale = sign_block_scale(vb, counts, mab)
         neg = (vb < 0).reshape(-1)[:n].to(torch.int64)
@@ -107,6 +121,7 @@ def encode(
         t = (vb * pre[:, None]) * inv[:, None]
         t = _fmax(_fmin(t, qmax), -qmax)  # NaN (non-finite blocks only) becomes qmax
         if stochastic:
+            gidx = _blocked(torch.arange(n, dtype=torch.int64), block_size)  # global index (padding: 0, discarded)
             q = _fmin(floor_small(t + random_unit(seed, gidx)), qmax)
         else:
             q = round_half_even(t)
@@ -118,9 +133,7 @@ def encode(
         else:
             nib = torch.nn.functional.pad(qi + 8, (0, n % 2), value=8).reshape(-1, 2)
             codes = (nib[:, 0] | (nib[:, 1] << 4)).to(torch.uint8)
-    fin = finite_block.repeat_interleave(block_size)[:n]
-    update_residual(v - d, fin)
-    return _assemble(total, (0, _u8(scale)), (off, codes))
+    return v - d, finite_block.repeat_interleave(block_size)[:n], ((0, _u8(scale)), (off, codes))
 
 
 # ---- decode ---------------------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ def _time_rank(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
             rounds[name].append((time.perf_counter() - t0) / h)
             tx[name].append(_tx() - b0)
     res = {"params": sum(p.numel() for p in m.parameters()), "rounds": rounds, "tx": tx,
-           "diloco_stats": outer.stats}
+           "diloco_stats": outer.stats.as_dict()}
     outer.close()
     del models
     ddp = DDP(_model(cfg["params"]), bucket_cap_mb=25)

@@ -114,7 +114,7 @@ class _Run:
         if s == self.cfg["warmup"]:
             self.call_s = 0.0
             if self.rs is not None:
-                self.rs.stats = type(self.rs.stats)()
+                self.rs.counters = type(self.rs.counters)()
         tok, target = _batch(self.rank, s, self.cfg)
         dist.barrier()
         t0 = time.perf_counter()

@@ -256,7 +256,7 @@ class _Run:
 
     def reset_stats(self) -> None:
         if self.rs is not None:
-            self.rs.stats = type(self.rs.stats)()
+            self.rs.counters = type(self.rs.counters)()
 
     def record(self, cfg: dict) -> Dict[str, Any]:
         m, steps, counted = self.meter, cfg["steps"], cfg["count_steps"]
