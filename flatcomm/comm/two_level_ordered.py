@@ -28,7 +28,7 @@ from typing import Any, Callable, List, cast
 
 import torch
 
-from . import flat as one_hop, header, node as _node
+from . import flat as one_hop, header, node as _node, signature
 from .args import ErrorFeedback
 from . import pipeline
 from .pipeline import CommStats, Pipeline, Plan, drain, shard_bounds
@@ -40,7 +40,7 @@ from ..ops.codecs import Codec, decode_sum, reencode_sum
 __all__ = ["all_reduce", "forwards_payloads", "staged"]
 
 
-_NO_EXACT = header.exact_fields("ordered", 0, 0)
+_NO_EXACT = signature.exact_fields("ordered", 0, 0)
 _ALL_REDUCE = header.KIND_IDS["all_reduce"]  # each tier's own header: a one-hop all-reduce's
 
 
@@ -88,7 +88,7 @@ def all_reduce(topo: Topology, call: Call, seg: List[int], validate: bool, tiers
     if inter_fb is not None and codec.lossless:  # nothing re-encodes: the server residual goes out now
         inter_fb.client.add_(inter_fb.server)
         inter_fb.server.zero_()
-    fields = header.signature(_ALL_REDUCE, n, codec, "ordered", scale, flat.dtype, k, _NO_EXACT)
+    fields = signature.signature(_ALL_REDUCE, n, codec, "ordered", scale, flat.dtype, k, _NO_EXACT)
 
     node_agrees: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -111,7 +111,7 @@ def all_reduce(topo: Topology, call: Call, seg: List[int], validate: bool, tiers
         # rank's error, in the call's header among all ranks); a failure here is a broken node.
         node_agrees.result()
         pipe = Pipeline(topo.inter_group, tiers.inter,
-                        header.signature(_ALL_REDUCE, real[me], codec, "ordered", 1.0, torch.float32, k, _NO_EXACT), dev,
+                        signature.signature(_ALL_REDUCE, real[me], codec, "ordered", 1.0, torch.float32, k, _NO_EXACT), dev,
                         validate)
         tiers.inter.calls += 1
 
