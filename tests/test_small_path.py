@@ -11,7 +11,7 @@ import torch
 from flatcomm.tools import spawn
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-SIZES = (1, 3, 7, 33, 1000, 4099)
+SIZES = (1, 3, 7, 33, 1000, 4093, 30001)  # 30001: over the slot, the two-exchange path
 
 
 def _inputs(rank: int, n: int, dtype: torch.dtype, kind: str) -> torch.Tensor:
@@ -66,9 +66,12 @@ def _small_vs_large(rank: int, world: int, mode: str) -> dict:
             super().__init__(*args, **kwargs)
 
     small.Posted = Spy
+    gathered = small._gathered
+    small._gathered = lambda *args: taken.append(1) or gathered(*args)  # the two-exchange path
     fast = _run_all(rank, world, mode)
     calls = len(taken)
-    header.SLOT_MAX_BYTES = 0  # every rank: no slot, so every call takes the large path
+    header.SLOT_MAX_BYTES = 0  # every rank: no slot and no gathering, so every call takes the large path
+    small.GATHER_TABLE_BYTES = 0
     slow = _run_all(rank, world, mode)
     return {"fast": fast, "slow": slow, "small_calls": calls, "large_calls": len(taken) - calls}
 
@@ -103,7 +106,7 @@ def _two_rank_sum(rank: int, world: int, mode: str) -> list:
 
     outs = []
     for dt in DTYPES:
-        x = _inputs(rank, 4099, dt, "narrow")
+        x = _inputs(rank, 4093, dt, "narrow")
         flatcomm.all_reduce(x, op="sum", mode=mode, codec="fp32")
         outs.append(x)
     return outs
@@ -115,7 +118,7 @@ def test_small_path_sum_is_the_float64_sum_rounded_once(mode):
     sum rounded once to fp32, then to the tensor's dtype (a reference, not the path itself)."""
     got = spawn.run(2, _two_rank_sum, mode, timeout_s=60)
     for i, dt in enumerate(DTYPES):
-        ref = (_inputs(0, 4099, dt, "narrow").double() + _inputs(1, 4099, dt, "narrow").double()).float().to(dt)
+        ref = (_inputs(0, 4093, dt, "narrow").double() + _inputs(1, 4093, dt, "narrow").double()).float().to(dt)
         assert torch.equal(_bits(got[0][i]), _bits(ref)), dt
         assert torch.equal(_bits(got[1][i]), _bits(ref)), dt
 

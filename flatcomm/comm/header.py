@@ -52,8 +52,8 @@ DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "privateuseone")
 MAGIC = 0x666C6174  # "flat"
 REASON_BYTES = 128
 # A row's payload slot: at most SLOT_MAX_BYTES, and every rank's within SLOT_TABLE_BYTES (docs/backend.md).
-SLOT_MAX_BYTES = 64 << 10
-SLOT_TABLE_BYTES = 256 << 10
+SLOT_MAX_BYTES = 16 << 10
+SLOT_TABLE_BYTES = 64 << 10
 _FIXED = 3  # magic, call number, status
 # Status of a row: the call's arguments passed, or were rejected with a ValueError / TypeError (every
 # rank then raises the first failed rank's kind of error, with every failed rank's reason).
@@ -316,8 +316,10 @@ class CallHeader:
         if reason is not None:
             _publish(group, self.call, reason)
         self.slot = slot_bytes(dist.get_world_size(group))
-        mine = row(self.call, OK if reason is None else status, fields, FIELDS, reason or "", self.slot, payload)
-        self.work, self.table = _exchange_table(group, mine, device, True)
+        # Kept here: the exchange must not hold the row's last reference, or gloo's thread frees it,
+        # which takes the GIL while it holds its queue lock and stalls the next call's enqueue.
+        self.mine = row(self.call, OK if reason is None else status, fields, FIELDS, reason or "", self.slot, payload)
+        self.work, self.table = _exchange_table(group, self.mine, device, True)
 
     def payloads(self, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of every rank's payload slot, [world, nbytes] uint8 (contiguous),

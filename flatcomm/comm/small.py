@@ -2,13 +2,16 @@
 
 A flatcomm collective first all-gathers a fixed-size header row per rank
 (:mod:`flatcomm.comm.header`), then moves its payloads in more rounds (an all-to-all and an
-all-gather). For a small message those rounds are the whole cost: each is a round trip through
-the backend (on gloo over loopback, ~0.3 ms for an all-gather; the point-to-point exchanges of
-:mod:`flatcomm.comm.p2p` several times that), where gloo's own small all-reduce is about one.
-When the call's data fits the row's payload slot (:func:`flatcomm.comm.header.slot_bytes`), each
-rank puts it there and the header exchange is the whole call. Every rank checks the table as
-before (a mismatch raises the same named error on every rank, and no payload is used), then
-computes its result from every rank's row, with the kernels of the large path on the same values:
+all-gather, on CPU point-to-point transfers, :mod:`flatcomm.comm.p2p`). For a small message those
+rounds are the whole cost: each is a round trip through the backend (gloo over loopback: ~0.2 ms
+for a small all-gather; the point-to-point exchanges several times that), where gloo's own small
+all-reduce is about one. When the call's data fits the row's payload slot
+(:func:`flatcomm.comm.header.slot_bytes`: 16 KB up to 4 ranks), each rank puts it there and the
+header exchange is the whole call; up to :data:`GATHER_TABLE_BYTES` of payloads in all, the header
+goes first and one all-gather of the payloads follows (two exchanges, on the group's worker). Every
+rank checks the header table as before (a mismatch raises the same named error on every rank, and
+no payload is used), then computes its result from every rank's payload, with the kernels of the
+large path on the same values:
 
 * all-reduce, ordered: the rows decoded and summed in ascending rank order in fp32, times the
   scale (``decode_sum``), rounded to the tensor's dtype once;
@@ -27,6 +30,7 @@ large path's encoding does. An all-reduce first folds its server residual into t
 large path does for a lossless codec) and keeps what rounding the sum to the tensor's dtype dropped
 in the server residual of the shard this rank owns on the large path, so nothing is lost and every
 rank holds the same bits; the result then may differ from the large path's by that residual's order.
+A call whose check fails gives the residual back as it was.
 """
 from __future__ import annotations
 
@@ -36,8 +40,10 @@ import time
 from typing import Callable, List, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions  # (not re-exported by torch.distributed)
 
-from . import groups, header, worker
+from . import groups, header, pipeline, worker
 from .args import Call
 from .labels import label
 from .pipeline import CommStats
@@ -66,6 +72,11 @@ def _fits(group, a: Call, mode: str) -> bool:
         return False
     if mode != "exact" and not a.codec.cast:
         return False
+    return a.world * _nbytes(a, mode, a.src.numel()) <= GATHER_TABLE_BYTES
+
+
+def _in_slot(a: Call, mode: str) -> bool:
+    """The payload fits the header row's slot: one exchange (else two: the header, then the payload)."""
     return _nbytes(a, mode, a.src.numel()) <= header.slot_bytes(a.world)
 
 
@@ -79,6 +90,11 @@ def fits_reduce_scatter(group, a: Call, mode: str) -> bool:
     return _fits(group, a, mode)
 
 
+# Up to this many bytes in all (every rank's payload) a call gathers the payloads and reduces them
+# locally (two exchanges) rather than taking the large path (three, on point-to-point transfers).
+GATHER_TABLE_BYTES = 4 << 20
+
+
 class Posted:
     """A small call whose one exchange (its call header, with the payload) is in flight.
     :meth:`finish` waits for it (bounded by the group's timeout), checks the table and writes the
@@ -86,8 +102,9 @@ class Posted:
     of :meth:`future`)."""
 
     def __init__(self, group, a: Call, payload: torch.Tensor, result: Callable[[torch.Tensor], None],
-                 stats: Optional[CommStats], what: str = "a small collective"):
-        self.t0, self.what = time.perf_counter(), what
+                 stats: Optional[CommStats], what: str = "a small collective",
+                 undo: Optional[Callable[[], None]] = None):
+        self.t0, self.what, self.undo = time.perf_counter(), what, undo
         self.header = header.CallHeader(group, a.fields, torch.device("cpu"), payload=payload)
         self.nbytes, self.world, self.result, self.stats = payload.numel(), a.world, result, stats
         self.lock = threading.Lock()
@@ -122,6 +139,8 @@ class Posted:
                     self._complete()
                 except BaseException as e:  # noqa: BLE001 - every waiter raises it
                     self.error = e
+                    if self.undo is not None:  # a residual the payload took, given back
+                        self.undo()
                 self.done = True
         if self.error is not None:
             raise self.error
@@ -185,19 +204,46 @@ class PostedHandle:
         return self._future
 
 
-def run(group, a: Call, payload: Callable[[], torch.Tensor], result: Callable[[torch.Tensor], None],
-        spec: CallSpec, keep: Sequence[Optional[torch.Tensor]], what: str,
-        value: torch.Tensor) -> Optional[Union[worker.Handle, PostedHandle]]:
-    """Run a small call: posted from the caller's thread when the group's worker is idle (no thread
-    hop; the result is written by ``wait()``), else queued on the worker in order. ``value``: what
-    the handle returns (the caller's output tensor)."""
+def _gathered(group, a: Call, payload: Callable[[], torch.Tensor], result: Callable[[torch.Tensor], None],
+              stats: Optional[CommStats]) -> None:
+    """A call whose payload is over the slot (on the group's worker): the header first, checked,
+    then one all-gather of the payloads (equal sizes: the header agreed on them), reduced here."""
+    t0 = time.perf_counter()
+    h = header.CallHeader(group, a.fields, torch.device("cpu"))
+    try:
+        h.finish()
+    except BaseException:
+        pipeline.drain([h.work])
+        raise
+    data = payload()  # after the check: a residual it takes is never lost to a failed call
+    rows = torch.empty(a.world * data.numel(), dtype=torch.uint8)
+    pg = group if group is not None else dist.group.WORLD  # (None: one rank, exchanging alone in tests)
+    pg._get_backend(torch.device("cpu"))._allgather_base(rows, data, AllgatherOptions()).wait()
+    t1 = time.perf_counter()
+    result(rows.view(a.world, -1))
+    if stats is not None:
+        stats.calls += 1
+        stats.wire_bytes += data.numel() * (a.world - 1)
+        stats.exchange_s += t1 - t0
+        stats.decode_s += time.perf_counter() - t1
+
+
+def run(group, a: Call, mode: str, parts: tuple, spec: CallSpec, keep: Sequence[Optional[torch.Tensor]],
+        what: str, value: torch.Tensor) -> Optional[Union[worker.Handle, PostedHandle]]:
+    """Run the call: in the slot, posted from the caller's thread when the group's worker is idle
+    (no thread hop; the result is written by ``wait()``), else queued on the worker in order; over
+    the slot, on the worker (:func:`_gathered`). ``parts``: (payload, result, undo) functions;
+    ``value``: what the handle returns (the caller's output tensor)."""
     key = worker.key_of(group)
+    payload, result, undo = parts
+    if not _in_slot(a, mode):
+        return worker.run(key, lambda: _gathered(group, a, payload, result, spec.stats), value, spec.async_op, keep,
+                          what, group)
 
     def post() -> Posted:
-        return Posted(group, a, payload(), result, spec.stats, what)
+        return Posted(group, a, payload(), result, spec.stats, what, undo)
 
-    name = "flatcomm." + what.split(" ", 1)[0]
-    with label(name):
+    with label("flatcomm." + what.split(" ", 1)[0]):
         posted = worker.post_if_idle(key, post) if not worker.is_on(key) else None
         if posted is None:
             return worker.run(key, lambda: post().finish(), value, spec.async_op, keep, what, group)
@@ -218,13 +264,21 @@ def all_reduce(group, a: Call, spec: CallSpec, value: torch.Tensor) -> Optional[
     """An all-reduce that :func:`fits_all_reduce` (``value``: the caller's tensor)."""
     flat, c, n, fb, mode = a.src, a.codec, a.src.numel(), a.feedback, spec.mode
 
+    saved: List[torch.Tensor] = []
+
     def payload() -> torch.Tensor:
         if mode == "exact":
             return flat.view(torch.uint8)
         if fb is not None:  # the server residual goes out with this payload (see the docstring)
+            saved[:] = [fb.client.clone(), fb.server.clone()]
             fb.client.add_(fb.server, alpha=1.0 / a.scale)
             fb.server.zero_()
         return encode(flat, c, residual=fb.client if fb is not None else None)
+
+    def undo() -> None:
+        if fb is not None and saved:
+            fb.client.copy_(saved[0])
+            fb.server.copy_(saved[1])
 
     def result(rows: torch.Tensor) -> None:
         if mode == "exact":
@@ -239,15 +293,25 @@ def all_reduce(group, a: Call, spec: CallSpec, value: torch.Tensor) -> Optional[
             flat.copy_(total)
 
     keep = (flat,) if fb is None else (flat, fb.client, fb.server)
-    return run(group, a, payload, result, spec, keep, f"all_reduce of {n} values ({c.name}, one exchange)", value)
+    return run(group, a, mode, (payload, result, undo), spec, keep, f"all_reduce of {n} values ({c.name})", value)
 
 
 def reduce_scatter(group, a: Call, spec: CallSpec, value: torch.Tensor) -> Optional[Union[worker.Handle, PostedHandle]]:
     """A reduce-scatter that :func:`fits_reduce_scatter`: rank r sums every row's shard r."""
     src, out, c, m, mode = a.src, a.out, a.codec, a.out.numel(), spec.mode
 
+    r = a.residual
+    saved: List[torch.Tensor] = []
+
     def payload() -> torch.Tensor:
-        return src.view(torch.uint8) if mode == "exact" else encode(src, c, residual=a.residual)
+        if mode == "exact":
+            return src.view(torch.uint8)
+        saved[:] = [r.clone()] if r is not None else []
+        return encode(src, c, residual=r)
+
+    def undo() -> None:
+        if r is not None and saved:
+            r.copy_(saved[0])
 
     def result(rows: torch.Tensor) -> None:
         if mode == "exact":
@@ -262,5 +326,5 @@ def reduce_scatter(group, a: Call, spec: CallSpec, value: torch.Tensor) -> Optio
         else:
             out.copy_(decode_sum(shard, c, m, scale=a.scale))
 
-    return run(group, a, payload, result, spec, (src, out, a.residual),
-               f"reduce_scatter of {src.numel()} values ({c.name}, one exchange)", value)
+    return run(group, a, mode, (payload, result, undo), spec, (src, out, r),
+               f"reduce_scatter of {src.numel()} values ({c.name})", value)
