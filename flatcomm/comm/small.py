@@ -38,7 +38,7 @@ import collections
 import datetime
 import threading
 import time
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -128,7 +128,8 @@ class Posted:
                 self.header.work.wait(timeout) if timeout else self.header.work.wait()
             except Exception as e:  # noqa: BLE001 - the exchange's error is raised by _settle
                 if not self.header.work.is_completed():
-                    raise TimeoutError(f"flatcomm: {self.what} did not finish within {timeout.total_seconds()} s "
+                    within = f"{timeout.total_seconds()} s" if timeout else "the group's timeout"
+                    raise TimeoutError(f"flatcomm: {self.what} did not finish within {within} "
                                        f"(still in flight; the group's own timeout fails it if a peer never "
                                        f"joins)") from e
         self.settle(None)
@@ -166,19 +167,26 @@ class Posted:
             self.stats.decode_s += time.perf_counter() - t1
 
 
-class PostedHandle:
-    """The :class:`flatcomm.comm.worker.Handle` of a posted small call (the same methods)."""
+class PostedHandle(worker.Handle):
+    """The :class:`flatcomm.comm.worker.Handle` of a posted small call (every method overridden:
+    there is no worker future behind it)."""
 
-    decision = None
-
-    def __init__(self, posted: Posted, value: torch.Tensor):
+    def __init__(self, posted: Posted, value: torch.Tensor):  # noqa: super().__init__ not called (see above)
         self._posted, self._value = posted, value
         self._future: Optional[torch.futures.Future] = None
 
     def wait(self, timeout: Union[None, float, datetime.timedelta] = None) -> torch.Tensor:
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-            timeout = datetime.timedelta(seconds=timeout)
-        self._posted.finish(timeout or None)
+        """As :meth:`flatcomm.comm.worker.Handle.wait` (``timeout``: seconds, a timedelta, or None
+        for the group's own)."""
+        limit: Optional[datetime.timedelta] = None
+        if isinstance(timeout, datetime.timedelta):
+            limit = timeout if timeout.total_seconds() > 0 else None
+        elif timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+                raise ValueError(f"flatcomm: Handle.wait timeout must be seconds > 0, a timedelta or None, "
+                                 f"got {timeout!r}")
+            limit = datetime.timedelta(seconds=float(timeout))
+        self._posted.finish(limit)
         return self._value
 
     def cancel(self) -> bool:
@@ -226,7 +234,7 @@ def _gathered(group, a: Call, payload: Callable[[], torch.Tensor], result: Calla
     data = payload()  # after the check: a residual it takes is never lost to a failed call
     rows = torch.empty(a.world * data.numel(), dtype=torch.uint8)
     pg = group if group is not None else dist.group.WORLD  # (None: one rank, exchanging alone in tests)
-    pg._get_backend(torch.device("cpu"))._allgather_base(rows, data, AllgatherOptions()).wait()
+    cast(Any, pg)._get_backend(torch.device("cpu"))._allgather_base(rows, data, AllgatherOptions()).wait()
     t1 = time.perf_counter()
     result(rows.view(a.world, -1))
     if stats is not None:
@@ -237,19 +245,20 @@ def _gathered(group, a: Call, payload: Callable[[], torch.Tensor], result: Calla
 
 
 def run(group, a: Call, mode: str, parts: tuple, spec: CallSpec, keep: Sequence[Optional[torch.Tensor]],
-        what: str, value: torch.Tensor) -> Optional[Union[worker.Handle, PostedHandle]]:
+        what: str, value: torch.Tensor) -> Optional[worker.Handle]:
     """Run the call: in the slot, posted from the caller's thread when the group's worker is idle
     (no thread hop; the result is written by ``wait()``), else queued on the worker in order; over
     the slot, on the worker (:func:`_gathered`). ``parts``: (payload, result, undo) functions;
     ``value``: what the handle returns (the caller's output tensor)."""
     key = worker.key_of(group)
     payload, result, undo = parts
+    stats = cast(Optional[CommStats], spec.stats)  # (a one-hop call's: checked by the argument layer)
     if not _in_slot(a, mode):
-        return worker.run(key, lambda: _gathered(group, a, payload, result, spec.stats), value, spec.async_op, keep,
+        return worker.run(key, lambda: _gathered(group, a, payload, result, stats), value, spec.async_op, keep,
                           what, group)
 
     def post() -> Posted:
-        return Posted(group, a, payload(), result, spec.stats, what, undo)
+        return Posted(group, a, payload(), result, stats, what, undo)
 
     with label("flatcomm." + what.split(" ", 1)[0]):
         posted = worker.post_if_idle(key, post) if not worker.is_on(key) else None
@@ -268,7 +277,7 @@ def _exact(rows: torch.Tensor, a: Call, dtype: torch.dtype, out: torch.Tensor) -
     out.copy_(val)
 
 
-def all_reduce(group, a: Call, spec: CallSpec, value: torch.Tensor) -> Optional[Union[worker.Handle, PostedHandle]]:
+def all_reduce(group, a: Call, spec: CallSpec, value: torch.Tensor) -> Optional[worker.Handle]:
     """An all-reduce that :func:`fits_all_reduce` (``value``: the caller's tensor)."""
     flat, c, n, fb, mode = a.src, a.codec, a.src.numel(), a.feedback, spec.mode
 
@@ -296,6 +305,7 @@ def all_reduce(group, a: Call, spec: CallSpec, value: torch.Tensor) -> Optional[
         else:
             total = decode_sum(rows, c, n, scale=a.scale)
             if fb is not None and flat.dtype != torch.float32:  # what the rounding drops stays with the shard's owner
+                assert a.plan is not None  # (an all-reduce's Call has its plan)
                 lo, hi = a.plan.bounds[a.rank], a.plan.bounds[a.rank + 1]
                 rounding_into(total[lo:hi], flat.dtype, fb.server[lo:hi])
             flat.copy_(total)
@@ -304,7 +314,7 @@ def all_reduce(group, a: Call, spec: CallSpec, value: torch.Tensor) -> Optional[
     return run(group, a, mode, (payload, result, undo), spec, keep, f"all_reduce of {n} values ({c.name})", value)
 
 
-def reduce_scatter(group, a: Call, spec: CallSpec, value: torch.Tensor) -> Optional[Union[worker.Handle, PostedHandle]]:
+def reduce_scatter(group, a: Call, spec: CallSpec, value: torch.Tensor) -> Optional[worker.Handle]:
     """A reduce-scatter that :func:`fits_reduce_scatter`: rank r sums every row's shard r."""
     src, out, c, m, mode = a.src, a.out, a.codec, a.out.numel(), spec.mode
 
@@ -326,6 +336,7 @@ def reduce_scatter(group, a: Call, spec: CallSpec, value: torch.Tensor) -> Optio
             size = m * src.element_size()
             _exact(rows[:, a.rank * size:(a.rank + 1) * size], a, src.dtype, out)
             return
+        assert c.dtype is not None  # (a cast codec)
         size = m * c.dtype.itemsize  # a cast codec's payload: the values, then zero padding
         shard = torch.zeros(a.world, c.wire_bytes(m), dtype=torch.uint8)
         shard[:, :size] = rows[:, a.rank * size:(a.rank + 1) * size]
