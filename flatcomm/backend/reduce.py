@@ -62,9 +62,15 @@ def guard(pg, kind: str, tensors: Sequence[torch.Tensor], op) -> None:
     dtype) then all raise the header's error naming the field and every rank's value, at once,
     instead of meeting in mismatched exchanges (a wait for the timeout, or gloo aborting the
     process on a size mismatch). One small exchange, waited for here (bounded by the group's
-    timeout). CPU tensors only (a CUDA reduction's check would synchronise the host)."""
+    timeout). CPU tensors only (a CUDA reduction's check would synchronise the host); on the world
+    group always, on a subgroup once a float reduction made flatcomm's private copy of it."""
     t = tensors[0]
     if t.device.type != "cpu" or not groups.exchanges(pg):
+        return
+    if pg is not dist.group.WORLD and not groups.has_private(pg):
+        # A subgroup's private copy is made only by a float reduction: made here, by an integer one,
+        # it would take its name from each member's count of groups (use_local_synchronization),
+        # which may differ between members (see docs/backend.md): such calls pass unchecked.
         return
     dtype = t.dtype
     fields = [("collective", header.KIND_IDS[kind]), ("numel", sum(x.numel() for x in tensors)),
