@@ -96,6 +96,7 @@ class FlatcommGroup(dist.ProcessGroup):
         tensors = checked_list("allreduce", tensors, single=True)
         how = _reduce.plan(opts.reduceOp, tensors)
         if how is None:
+            _reduce.guard(self, "all_reduce", tensors, opts.reduceOp)
             return self._inner(tensors[0]).allreduce(tensors, opts)
         return _reduce.all_reduce(self, tensors, how, self._wait_limit(opts))
 
@@ -105,6 +106,7 @@ class FlatcommGroup(dist.ProcessGroup):
         tensors = checked_list("allreduce_coalesced", tensors, single=False, same_size=False)
         how = _reduce.plan(opts.reduceOp, tensors)
         if how is None:
+            _reduce.guard(self, "all_reduce", tensors, opts.reduceOp)
             return self._inner(tensors[0]).allreduce_coalesced(tensors, opts)
         return _reduce.all_reduce(self, tensors, how, self._wait_limit(opts))
 
@@ -114,6 +116,7 @@ class FlatcommGroup(dist.ProcessGroup):
         tensors = checked_list("reduce", tensors, single=True)
         how = _reduce.plan(opts.reduceOp, tensors)
         if how is None:
+            _reduce.guard(self, "all_reduce", tensors, opts.reduceOp)
             return self._inner(tensors[0]).reduce(tensors, opts)
         return _reduce.reduce(self, tensors, opts.rootRank, how, self._wait_limit(opts))
 
@@ -127,6 +130,7 @@ class FlatcommGroup(dist.ProcessGroup):
         inputs = checked_list("reduce_scatter", input_lists[0], single=False)
         how = _reduce.plan(opts.reduceOp, outputs + inputs)
         if how is None:
+            _reduce.guard(self, "reduce_scatter", inputs, opts.reduceOp)
             return self._inner(outputs[0]).reduce_scatter(outputs, [inputs], opts)
         return _reduce.reduce_scatter_lists(self, outputs, [inputs], how, self._wait_limit(opts))
 
@@ -137,6 +141,7 @@ class FlatcommGroup(dist.ProcessGroup):
         output, input = checked_list("reduce_scatter_single", [output, input], single=False, same_size=False)
         how = _reduce.plan(opts.reduceOp, [output, input])
         if how is None:
+            _reduce.guard(self, "reduce_scatter", [input], opts.reduceOp)
             return self._inner(output)._reduce_scatter_base(output, input, opts)
         return _reduce.reduce_scatter(self, [output], [input], how, self._wait_limit(opts))
 
@@ -150,6 +155,7 @@ class FlatcommGroup(dist.ProcessGroup):
         inputs = checked_list("reduce_scatter_tensor_coalesced", inputs, single=False, same_size=False)
         how = _reduce.plan(opts.reduceOp, outputs + inputs)
         if how is None:
+            _reduce.guard(self, "reduce_scatter", inputs, opts.reduceOp)
             inner = self._inner(outputs[0])
             return InnerWorks([inner._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
         return _reduce.reduce_scatter(self, outputs, inputs, how, self._wait_limit(opts))

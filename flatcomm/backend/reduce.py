@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
+from ..comm import groups, header, worker
 from ..comm.args import premultiplied, reduce_op
 from .settings import settings_for, topology_for
 from .work import ReductionWork
 
-__all__ = ["FLOATS", "all_reduce", "plan", "reduce", "reduce_scatter", "reduce_scatter_lists"]
+__all__ = ["FLOATS", "all_reduce", "guard", "plan", "reduce", "reduce_scatter", "reduce_scatter_lists"]
 
 FLOATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -52,6 +53,36 @@ def _warn_float64_sum(op, tensors: Sequence[torch.Tensor]) -> None:
         warnings.warn("flatcomm backend: float64 sums run on the inner backend (gloo / NCCL), in its order: not "
                       "flatcomm's same-bits sum (fp32, bf16 and fp16 only); cast to float32 for it. Said once.",
                       RuntimeWarning, stacklevel=3)
+
+
+def guard(pg, kind: str, tensors: Sequence[torch.Tensor], op) -> None:
+    """Before a reduction passes through to the inner backend: the ranks' call headers, exchanged
+    and checked on flatcomm's private group, in order with flatcomm's own calls there. Ranks that
+    disagree (one reduces floats with flatcomm's sum, another integers; another op, size or
+    dtype) then all raise the header's error naming the field and every rank's value, at once,
+    instead of meeting in mismatched exchanges (a wait for the timeout, or gloo aborting the
+    process on a size mismatch). One small exchange, waited for here (bounded by the group's
+    timeout). CPU tensors only (a CUDA reduction's check would synchronise the host); on the world
+    group always, on a subgroup once a float reduction made flatcomm's private copy of it."""
+    t = tensors[0]
+    if t.device.type != "cpu" or not groups.exchanges(pg):
+        return
+    if pg is not dist.group.WORLD and not groups.has_private(pg):
+        # A subgroup's private copy is made only by a float reduction: made here, by an integer one,
+        # it would take its name from each member's count of groups (use_local_synchronization),
+        # which may differ between members (see docs/backend.md): such calls pass unchecked.
+        return
+    dtype = t.dtype
+    fields = [("collective", header.KIND_IDS[kind]), ("numel", sum(x.numel() for x in tensors)),
+              ("dtype", header.ALL_DTYPES.index(dtype) if dtype in header.ALL_DTYPES else len(header.ALL_DTYPES)),
+              ("reduce op", int(getattr(op, "op", op)) + 1), ("device", header.DEVICE_TYPES.index("cpu"))]
+    priv = groups.private_group(pg)
+    key, cpu = worker.key_of(priv), torch.device("cpu")
+    posted = worker.post_if_idle(key, lambda: header.CallHeader(priv, fields, cpu))
+    if posted is None:  # flatcomm calls in flight on the group: in order after them, on its worker
+        worker.call(key, lambda: header.CallHeader(priv, fields, cpu).finish())
+    else:
+        posted.finish()
 
 
 def _call_args(pg, dtype: torch.dtype) -> dict:

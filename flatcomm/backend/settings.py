@@ -57,7 +57,18 @@ _SETTINGS, _TOPOLOGY = "backend settings", "backend topology"  # slots of a grou
 _default: Optional[Settings] = None  # configure() with no group: every group's default
 
 
+_env_seen: Dict[Any, Settings] = {}  # the environment's values -> their Settings (read at every reduction)
+
+
 def _from_env() -> Settings:
+    key = (os.environ.get(_ENV_MODE), os.environ.get(_ENV_CODEC), os.environ.get(_ENV_LOCAL))
+    if key not in _env_seen:
+        _env_seen.clear()
+        _env_seen[key] = _parse_env()
+    return _env_seen[key]
+
+
+def _parse_env() -> Settings:
     local = os.environ.get(_ENV_LOCAL)
     try:
         local_size = int(local) if local else None

@@ -2,7 +2,7 @@
 
 A reduction is one or more flatcomm collectives (one per dtype of a coalesced call) and a local
 ``finish`` step (copy a staged result back into the caller's tensors). ``wait(timeout)`` waits for
-all of them: ``timedelta(0)`` (``Work.wait``'s default) means the group's own timeout, so no wait is
+all of them, on the calling thread: ``timedelta(0)`` (``Work.wait``'s default) means the group's own timeout, so no wait is
 unbounded; an error of the collective (raised on every rank of the call, see the collectives'
 call header) is re-raised. ``get_future()`` completes with the output tensors once ``finish`` ran,
 as DDP's reducer expects.
@@ -34,7 +34,11 @@ def _unwrapped(source: torch.futures.Future):
 
 class ReductionWork(dist.Work):
     """``handles``: the flatcomm calls in flight; ``outputs``: what the future completes with;
-    ``finish``: run once, after every handle succeeded; ``timeout``: the group's timeout."""
+    ``finish``: run once, after every handle succeeded; ``timeout``: the group's timeout.
+
+    Nothing is chained at construction: ``wait()`` waits for the handles and runs ``finish`` on
+    the waiting thread (a synchronous ``dist.all_reduce`` then costs no thread hop); the future is
+    built on the first ``get_future()``."""
 
     def __init__(self, handles: Sequence[Optional[Handle]], outputs: List[torch.Tensor],
                  finish: Optional[Callable[[], None]], timeout: Optional[datetime.timedelta]):
@@ -46,27 +50,31 @@ class ReductionWork(dist.Work):
         self._lock = threading.Lock()
         self._done = False
         self._error: Optional[BaseException] = None
-        self._source: torch.futures.Future = torch.futures.Future()
-        self._future = self._source.then(_unwrapped)
-        if not self._handles:
-            self._settle()
-        else:
-            torch.futures.collect_all([h.get_future() for h in self._handles]).then(lambda _: self._settle())
+        self._source: Optional[torch.futures.Future] = None
+        self._future: Optional[torch.futures.Future] = None
+        self._published = False
 
     def _settle(self) -> None:
-        """Run ``finish`` once every handle is done (on the thread that completed the last one)."""
+        """Run ``finish`` once every handle is done (on the thread that sees the last one done)."""
         with self._lock:
-            if self._done:
+            if not self._done:
+                self._done = True
+                try:
+                    errors = [h.exception() for h in self._handles if h.exception() is not None]
+                    if errors:
+                        raise cast(BaseException, errors[0])
+                    if self._finish is not None:
+                        self._finish()
+                except BaseException as e:  # noqa: BLE001 - the waiter re-raises it
+                    self._error = e
+        self._publish()
+
+    def _publish(self) -> None:
+        """Complete the future handed out, if any, once settled (exactly once)."""
+        with self._lock:
+            if not self._done or self._source is None or self._published:
                 return
-            self._done = True
-            try:
-                errors = [h.exception() for h in self._handles if h.exception() is not None]
-                if errors:
-                    raise cast(BaseException, errors[0])
-                if self._finish is not None:
-                    self._finish()
-            except BaseException as e:  # noqa: BLE001 - the waiter re-raises it
-                self._error = e
+            self._published = True
         if self._error is not None:
             self._source.set_exception(self._error)
         else:
@@ -75,24 +83,47 @@ class ReductionWork(dist.Work):
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         limit = timeout if timeout and timeout.total_seconds() > 0 else self._timeout
         for h in self._handles:
-            h.wait(limit)  # raises TimeoutError naming the collective, or the collective's error
-        self._source.wait()  # finish runs right after the last handle; raises its error
+            try:
+                h.wait(limit)  # raises TimeoutError naming the collective, or the collective's error
+            except TimeoutError:
+                if not h.is_completed():
+                    raise  # still in flight: wait again
+            except BaseException:  # noqa: BLE001 - kept by the handle; _settle raises it
+                pass
+        self._settle()
+        if self._error is not None:
+            raise self._error
         return True
 
     def is_completed(self) -> bool:
-        return self._source.done()
+        if not self._done and all(h.is_completed() for h in self._handles):
+            self._settle()
+        return self._done
 
     def is_success(self) -> bool:
-        return self._source.done() and self._error is None
+        return self.is_completed() and self._error is None
 
     def exception(self):
-        return self._error
+        return self._error if self.is_completed() else None
 
     def result(self) -> List[torch.Tensor]:
         self.wait()
         return self._outputs
 
     def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._future is None:
+                self._source = torch.futures.Future()
+                self._future = self._source.then(_unwrapped)
+                chain = True
+            else:
+                chain = False
+        if chain:
+            if self._handles:
+                torch.futures.collect_all([h.get_future() for h in self._handles]).then(lambda _: self._settle())
+            else:
+                self._settle()
+            self._publish()
         return self._future
 
     def synchronize(self) -> None:

@@ -11,7 +11,7 @@ next call. With ``async_op=True`` the failed call returns a Handle whose ``wait(
 The checks of the one-hop collectives are here (:func:`all_reduce_call`, :func:`reduce_scatter_call`,
 :func:`all_gather_call`); the two-level ones (:mod:`flatcomm.comm.two_level`) build on the same
 pieces. Every field that decides a payload's size or layout goes into the header
-(:func:`flatcomm.comm.header.signature`), exactly.
+(:func:`flatcomm.comm.signature.signature`), exactly.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Any, Callable, List, Optional, Tuple, TypeVar, Union
 import torch
 import torch.distributed as dist
 
-from . import groups, header, worker
+from . import groups, header, signature, worker
 from .header import DTYPES, MODES
 from .pipeline import CommStats, Plan, default_chunks, plan, shard_bounds
 from .spec import CallSpec
@@ -345,8 +345,8 @@ def all_reduce_call(group, tensor, spec: CallSpec) -> Call:
     bounds = shard_bounds(n, world, align)
     longest = max(bounds[d + 1] - bounds[d] for d in range(world))
     nchunks = capped_chunks(k or default_chunks(max(1, n // world), c, world, mode, flat.dtype), longest, align)
-    fields = header.signature(header.KIND_IDS["all_reduce"], n, c, mode, scale, flat.dtype, nchunks,
-                              header.exact_fields(mode, block, room) + [header.device_field(flat.device)])
+    fields = signature.signature(header.KIND_IDS["all_reduce"], n, c, mode, scale, flat.dtype, nchunks,
+                              signature.exact_fields(mode, block, room) + [signature.device_field(flat.device)])
     return Call(c, world, rank, scale, flat, flat, fields, plan(bounds, nchunks, align, rank), nchunks,
                 feedback=residual, exact_block=block, headroom=room)
 
@@ -365,8 +365,8 @@ def reduce_scatter_call(group, output, input, spec: CallSpec) -> Call:
     align = align_of(c, mode, block)
     nchunks = capped_chunks(k or default_chunks(out.numel(), c, world, mode, src.dtype, "reduce_scatter"),
                             out.numel(), align)
-    fields = header.signature(header.KIND_IDS["reduce_scatter"], src.numel(), c, mode, scale, src.dtype, nchunks,
-                              header.exact_fields(mode, block, room) + [header.device_field(src.device)])
+    fields = signature.signature(header.KIND_IDS["reduce_scatter"], src.numel(), c, mode, scale, src.dtype, nchunks,
+                              signature.exact_fields(mode, block, room) + [signature.device_field(src.device)])
     p = plan([d * out.numel() for d in range(world + 1)], nchunks, align, rank)
     return Call(c, world, rank, scale, src, out, fields, p, nchunks, residual=r, exact_block=block, headroom=room)
 
@@ -381,6 +381,6 @@ def all_gather_call(group, output, input, spec: CallSpec) -> Call:
     n = src.numel()
     gather_shapes(src, out, world)
     check_residual(r, n, src, "residual")
-    fields = header.signature(header.KIND_IDS["all_gather"], n, c, "ordered", 1.0, src.dtype, 1,
-                              [header.device_field(src.device)])
+    fields = signature.signature(header.KIND_IDS["all_gather"], n, c, "ordered", 1.0, src.dtype, 1,
+                              [signature.device_field(src.device)])
     return Call(c, world, dist.get_rank(group), 1.0, src, out, fields, residual=r)

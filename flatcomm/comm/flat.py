@@ -37,11 +37,12 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import args, exact, groups, p2p, worker
+from . import args, exact, groups, p2p, small, worker
 from .args import ErrorFeedback
 from . import pipeline
 from .header import KIND_IDS
 from .pipeline import Pipeline, Plan, zero_copy
+from .small import rounding_into
 from .spec import CallSpec
 from ..ops.codecs import Codec, decode, encode, reencode_sum
 
@@ -54,6 +55,8 @@ def all_reduce(tensor: torch.Tensor, spec: CallSpec = CallSpec(), group=None) ->
     a = args.in_step(group, KIND_IDS["all_reduce"], spec.async_op, lambda: args.all_reduce_call(group, tensor, spec))
     if isinstance(a, worker.Handle):
         return a
+    if small.fits_all_reduce(group, a, spec.mode):  # one exchange: the data rides in the call header
+        return small.all_reduce(group, a, spec, tensor)
     flat, c, n = a.src, a.codec, a.src.numel()
     mode, residual, stats, validate = spec.mode, a.feedback, spec.stats, spec.validate
 
@@ -64,6 +67,7 @@ def all_reduce(tensor: torch.Tensor, spec: CallSpec = CallSpec(), group=None) ->
                 exact.all_reduce(pipe, flat, a.plan, a.chunks, a.scale, a.exact_block, a.headroom)
             else:
                 _ordered_all_reduce(pipe, flat, a.plan, a.chunks, c, a.scale, residual)
+
 
     keep = (flat,) if residual is None else (flat, residual.client, residual.server)
     return worker.run(worker.key_of(group), body, tensor, spec.async_op, keep,
@@ -78,6 +82,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, spec: CallSpec = C
                      lambda: args.reduce_scatter_call(group, output, input, spec))
     if isinstance(a, worker.Handle):
         return a
+    if small.fits_reduce_scatter(group, a, spec.mode):
+        return small.reduce_scatter(group, a, spec, output)
     src, out, c, r = a.src, a.out, a.codec, a.residual
     mode, stats, validate = spec.mode, spec.stats, spec.validate
 
@@ -266,13 +272,6 @@ def _raw_all_reduce_p2p(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, s
         return pipe.gather_pieces(flat[a:b], [flat[slice(*p.piece(d, j))] for d in range(world)])
 
     pipe.run(chunks, send, reduce, lambda j, work: pipe.wait(work))
-
-
-def rounding_into(total: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> None:
-    """``out = total - dtype(total)`` (exact in fp32), 0 where the rounding overflows (an inf
-    output is the overflow's signal; the residual stays finite)."""
-    torch.sub(total, total.to(dtype).float(), out=out)
-    out.masked_fill_(~torch.isfinite(out), 0.0)
 
 
 def _raw_all_reduce(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale: float) -> None:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from . import context
 
-__all__ = ["EXCHANGE_ALONE", "exchanges", "forget", "group_timeout", "is_private", "private_group",
+__all__ = ["EXCHANGE_ALONE", "exchanges", "forget", "has_private", "group_timeout", "is_private", "private_group",
            "settle_at_exit"]
 
 _lock = threading.Lock()
@@ -85,6 +85,13 @@ def _alive(pg) -> bool:
 
 def is_private(group) -> bool:
     return group is not None and group in _owned
+
+
+def has_private(group) -> bool:
+    """Whether flatcomm already made its private copy of ``group`` (default: the world)."""
+    ctx = context.existing(_parent(group))
+    cached = ctx.get(_PRIVATE) if ctx is not None else None
+    return cached is not None and _alive(cached)
 
 
 def forget(group) -> None:

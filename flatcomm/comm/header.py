@@ -20,22 +20,28 @@ A reason longer than the row's :data:`REASON_BYTES` travels whole through the pr
 store (torch.distributed's key-value store, no collective): the failing rank writes it there before
 it sends its row, and the row ends in a marker byte that tells the others to read it. The success
 path's header stays small (the row's size never depends on a reason).
+
+Every row of a call header ends in a payload slot of :func:`slot_bytes` (of the group size only):
+a small collective (:mod:`flatcomm.comm.small`) sends its data there and makes no other exchange;
+other calls leave it zeroed. A rank on the small path and one on the large path still exchange rows
+of equal size, and both raise on their disagreement before any other byte moves.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import struct
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions  # (not re-exported by torch.distributed)
 
 from . import context, groups, worker
-from ..ops.codecs import CODECS, Codec
+from ..ops.codecs import CODECS
 
-__all__ = ["AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "KIND_IDS", "MAGIC", "MODES", "REASON_BYTES", "call_numbers",
-           "check", "check_consistent", "codec_fields", "device_field", "error_of", "exact_fields", "fail_in_step",
-           "float_bits", "header_device", "length", "row", "signature"]
+__all__ = ["ALL_DTYPES", "AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "KIND_IDS", "MAGIC", "MODES", "REASON_BYTES",
+           "SLOT_MAX_BYTES", "call_numbers", "check", "check_consistent", "error_of", "fail_in_step",
+           "float_bits", "header_device", "length", "row", "slot_bytes"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -45,6 +51,9 @@ DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "privateuseone")
 
 MAGIC = 0x666C6174  # "flat"
 REASON_BYTES = 128
+# A row's payload slot: at most SLOT_MAX_BYTES, and every rank's within SLOT_TABLE_BYTES (docs/backend.md).
+SLOT_MAX_BYTES = 16 << 10
+SLOT_TABLE_BYTES = 64 << 10
 _FIXED = 3  # magic, call number, status
 # Status of a row: the call's arguments passed, or were rejected with a ValueError / TypeError (every
 # rank then raises the first failed rank's kind of error, with every failed rank's reason).
@@ -68,10 +77,18 @@ def _float_of(bits: int) -> float:
 _MORE = 0xFF  # the last reason byte of a row whose reason continues in the store (never in UTF-8)
 
 
-def row(call: int, status: int, fields: Sequence[Tuple[str, int]], names: Sequence[str], reason: str = "") -> torch.Tensor:
+def slot_bytes(world: int) -> int:
+    """The payload slot of every call header row on a group of ``world`` ranks (a multiple of 16)."""
+    return min(SLOT_MAX_BYTES, SLOT_TABLE_BYTES // max(world, 1)) // 16 * 16
+
+
+def row(call: int, status: int, fields: Sequence[Tuple[str, int]], names: Sequence[str], reason: str = "",
+        slot: int = 0, payload: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One rank's header: ``names``' fields in that order (a field not in ``fields`` is 0), so its
-    length depends only on ``names``. A reason over :data:`REASON_BYTES` keeps its start and the
-    :data:`_MORE` marker (the whole of it goes through :func:`_publish`)."""
+    length depends only on ``names`` and ``slot``. A reason over :data:`REASON_BYTES` keeps its
+    start and the :data:`_MORE` marker (the whole of it goes through :func:`_publish`). ``slot``:
+    bytes of the payload slot after the reason (a multiple of 8); ``payload``: uint8 bytes placed
+    at its start (the rest is zero)."""
     given = dict(fields)
     unknown = set(given) - set(names)
     assert not unknown, f"header fields {unknown} are not in {names}"
@@ -79,14 +96,23 @@ def row(call: int, status: int, fields: Sequence[Tuple[str, int]], names: Sequen
     raw = reason.encode("utf-8", "replace")
     if len(raw) > REASON_BYTES:
         raw = raw[:REASON_BYTES - 1] + bytes([_MORE])
-    text = torch.zeros(REASON_BYTES, dtype=torch.uint8)
+    out = torch.zeros(length(len(names), slot), dtype=torch.int64)
+    out[:len(vals)] = torch.tensor(vals, dtype=torch.int64)
+    tail = out[len(vals):].view(torch.uint8)  # the reason, then the slot
     if raw:
-        text[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return torch.cat([torch.tensor(vals, dtype=torch.int64), text.view(torch.int64)])
+        tail[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if payload is not None:
+        assert payload.numel() <= slot, f"a payload of {payload.numel()} bytes in a slot of {slot}"
+        tail[REASON_BYTES:REASON_BYTES + payload.numel()] = payload
+    return out
 
 
-def length(nfields: int) -> int:
-    return _FIXED + nfields + REASON_BYTES // 8
+def length(nfields: int, slot: int = 0) -> int:
+    return _FIXED + nfields + (REASON_BYTES + slot) // 8
+
+
+def _reason_of(table: torch.Tensor, r: int, nfields: int) -> torch.Tensor:
+    return table[r, _FIXED + nfields:_FIXED + nfields + REASON_BYTES // 8]
 
 
 def _reason_bytes(r: torch.Tensor) -> bytes:
@@ -123,7 +149,7 @@ def _whole_reasons(group, table: torch.Tensor, nfields: int, ranks: Sequence[int
     """Row -> the whole reason, for the failed rows whose reason continues in the store."""
     out = {}
     for r in range(table.shape[0]):
-        if int(table[r, 2]) == OK or not _reason_bytes(table[r, _FIXED + nfields:]).endswith(bytes([_MORE])):
+        if int(table[r, 2]) == OK or not _reason_bytes(_reason_of(table, r, nfields)).endswith(bytes([_MORE])):
             continue
         key = _store_key(group, int(table[r, 1]), ranks[r])
         try:  # the failing rank wrote it before sending its row: check() sees it, get() does not wait
@@ -166,7 +192,7 @@ def check(table: torch.Tensor, fields: Sequence[Tuple[str, int]], shown=None,
     failed = [r for r in range(world) if int(table[r, 2]) != OK]
     if failed:
         nf, whole = len(fields), whole or {}
-        texts = [whole[r] if r in whole else _reason(table[r, _FIXED + nf:]) for r in failed]
+        texts = [whole[r] if r in whole else _reason(_reason_of(table, r, nf)) for r in failed]
         return _failed_ranks(failed, texts, ranks)
     out = []
     for i, (name, _) in enumerate(fields):
@@ -204,7 +230,12 @@ def _per_rank(vals, ranks: Sequence[int]) -> str:
 # The fields of every call, in this order (a failed call sends only the first and zeros). The float
 # fields travel as their float64 bits (:func:`float_bits`); the intra fields are the two-level path's.
 FIELDS = ("collective", "numel", "codec", "block_size", "topk ratio", "mode", "op scale", "dtype",
-          "chunks", "exact_block", "headroom", "device", "intra codec", "intra block_size", "intra topk ratio")
+          "chunks", "exact_block", "headroom", "device", "intra codec", "intra block_size", "intra topk ratio",
+          "reduce op")
+# Every dtype a call header can name: flatcomm's own first (their index is the signature's dtype), then
+# those of the reductions the flatcomm backend passes through (each checked by a header too).
+ALL_DTYPES = DTYPES + (torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+                       torch.complex64, torch.complex128)
 _CALLS = "header calls"  # context slot: number of the next call on that group (advanced on its worker, in order)
 
 
@@ -218,7 +249,9 @@ def _shown(name: str, v: int):
         if name == "mode":
             return MODES[v]
         if name == "dtype":
-            return str(DTYPES[v])
+            return str(ALL_DTYPES[v]) if v < len(ALL_DTYPES) else "another dtype"
+        if name == "reduce op":  # 0: a flatcomm sum (its op is the scale); else a passed-through op + 1
+            return "a flatcomm sum" if v == 0 else dist.ReduceOp.RedOpType(v - 1).name
         if name == "device":
             return DEVICE_TYPES[v]
     except (IndexError, KeyError):
@@ -240,7 +273,12 @@ def has_cpu_backend(group) -> bool:
 def _exchange_table(group, mine: torch.Tensor, device: torch.device, async_op: bool):
     world = dist.get_world_size(group)
     allv = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-    work = all_gather_single(allv, mine.to(device), group=group, async_op=async_op)
+    if async_op and group is not None and device.type == "cpu":
+        # Straight to the group's CPU backend: torch.distributed's Python wrapper (and, on a
+        # flatcomm group, its Python method) cost more than a small exchange itself.
+        work = group._get_backend(device)._allgather_base(allv, mine, AllgatherOptions())
+    else:
+        work = all_gather_single(allv, mine.to(device), group=group, async_op=async_op)
     return work, allv.view(world, -1)
 
 
@@ -270,15 +308,24 @@ class CallHeader:
     first payload byte moves."""
 
     def __init__(self, group, fields: Sequence[Tuple[str, int]], device: torch.device,
-                 reason: Optional[str] = None, status: int = FAILED_VALUE):
+                 reason: Optional[str] = None, status: int = FAILED_VALUE, payload: Optional[torch.Tensor] = None):
         ctx = context.of(group)
         self.call = ctx.get(_CALLS, 0)
         ctx.set(_CALLS, self.call + 1)
         self.group, self.fields = group, list(fields)
         if reason is not None:
             _publish(group, self.call, reason)
-        mine = row(self.call, OK if reason is None else status, fields, FIELDS, reason or "")
-        self.work, self.table = _exchange_table(group, mine, device, True)
+        self.slot = slot_bytes(dist.get_world_size(group))
+        # Kept here: the exchange must not hold the row's last reference, or gloo's thread frees it,
+        # which takes the GIL while it holds its queue lock and stalls the next call's enqueue.
+        self.mine = row(self.call, OK if reason is None else status, fields, FIELDS, reason or "", self.slot, payload)
+        self.work, self.table = _exchange_table(group, self.mine, device, True)
+
+    def payloads(self, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of every rank's payload slot, [world, nbytes] uint8 (contiguous),
+        once :meth:`finish` passed."""
+        start = (_FIXED + len(FIELDS)) * 8 + REASON_BYTES
+        return self.table.cpu().view(torch.uint8)[:, start:start + nbytes].contiguous()
 
     def finish(self) -> None:
         """Wait for every rank's row; raise the call's error (the same on every rank) if any."""
@@ -289,7 +336,11 @@ class CallHeader:
 
     def error(self) -> Optional[Exception]:
         """The call's error, from the table the exchange completed (every rank holds the same)."""
-        table, ranks = self.table.cpu(), _ranks_of(self.group)
+        table = self.table.cpu()
+        head = table[:, :_FIXED + len(FIELDS)]
+        if int(head[0, 0]) == MAGIC and int(head[0, 2]) == OK and bool((head == head[0]).all()):
+            return None  # every row agrees (the common case, checked in one pass)
+        ranks = _ranks_of(self.group)
         whole = _whole_reasons(self.group, table, len(FIELDS), ranks) if bool((table[:, 2] != OK).any()) else {}
         err = error_of(table, [(n, 0) for n in FIELDS], _shown, ranks, whole)
         if isinstance(err, RuntimeError) and "out of step" in str(err):
@@ -334,35 +385,3 @@ def fail_in_step(group, kind: int, err: BaseException) -> Optional["concurrent.f
         raise agreed if agreed is not None else err  # never None: this rank's row says failed
 
     return worker.in_order(worker.key_of(group), body)
-
-
-def codec_fields(codec, prefix: str = "") -> List[Tuple[str, int]]:
-    """A codec's header fields (``"auto"``: :data:`AUTO_CODEC`); the topk ratio's exact bits."""
-    if isinstance(codec, str) and codec == "auto":
-        return [(prefix + "codec", AUTO_CODEC), (prefix + "block_size", 0), (prefix + "topk ratio", 0)]
-    # The chunked sparse codecs send their kept share (keep / block_size, exact in float64) in the
-    # ratio field: ranks keeping different counts per chunk would exchange payloads of other sizes.
-    ratio = codec.keep / codec.block_size if codec.chunked else codec.ratio
-    return [(prefix + "codec", CODECS.index(codec.name)), (prefix + "block_size", codec.block_size),
-            (prefix + "topk ratio", float_bits(ratio))]
-
-
-def device_field(device: torch.device) -> Tuple[str, int]:
-    t = device.type
-    return ("device", DEVICE_TYPES.index(t) if t in DEVICE_TYPES else len(DEVICE_TYPES))
-
-
-def signature(kind: int, numel: int, codec: Union[Codec, str], mode: str, scale: float, dtype: torch.dtype,
-              chunks: int, extra: Sequence[Tuple[str, int]] = ()) -> List[Tuple[str, int]]:
-    return [("collective", kind), ("numel", numel)] + codec_fields(codec) + [
-        ("mode", MODES.index(mode)),
-        ("op scale", float_bits(scale)),
-        ("dtype", DTYPES.index(dtype)),
-        ("chunks", chunks),
-    ] + list(extra)
-
-
-def exact_fields(mode: str, block: int, headroom: int) -> List[Tuple[str, int]]:
-    # Ranks that disagree on the exact-mode grid would exchange exponent lists of different sizes.
-    exact = mode == "exact"
-    return [("exact_block", block if exact else 0), ("headroom", headroom if exact else 0)]

@@ -24,7 +24,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import args, groups, header, worker
+from . import args, groups, header, signature, worker
 from .args import ErrorFeedback
 from .pipeline import CommStats
 from .spec import CallSpec
@@ -215,9 +215,9 @@ class _Reduction:
     room: int = 0
 
     def fields(self, kind: int, n: int, t: torch.Tensor, chunks: Optional[int]) -> List[Tuple[str, int]]:
-        extra = (header.exact_fields(self.mode, self.block, self.room) + [header.device_field(t.device)]
-                 + header.codec_fields(self.intra, "intra "))
-        return header.signature(kind, n, self.inter, self.mode, self.scale, t.dtype, chunks or 0, extra)
+        extra = (signature.exact_fields(self.mode, self.block, self.room) + [signature.device_field(t.device)]
+                 + signature.codec_fields(self.intra, "intra "))
+        return signature.signature(kind, n, self.inter, self.mode, self.scale, t.dtype, chunks or 0, extra)
 
 
 def _reduction(topo: Topology, spec: CallSpec, choose) -> _Reduction:

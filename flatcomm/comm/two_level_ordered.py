@@ -28,7 +28,7 @@ from typing import Any, Callable, List, cast
 
 import torch
 
-from . import flat as one_hop, header, node as _node
+from . import flat as one_hop, header, node as _node, signature
 from .args import ErrorFeedback
 from . import pipeline
 from .pipeline import CommStats, Pipeline, Plan, drain, shard_bounds
@@ -40,7 +40,7 @@ from ..ops.codecs import Codec, decode_sum, reencode_sum
 __all__ = ["all_reduce", "forwards_payloads", "staged"]
 
 
-_NO_EXACT = header.exact_fields("ordered", 0, 0)
+_NO_EXACT = signature.exact_fields("ordered", 0, 0)
 _ALL_REDUCE = header.KIND_IDS["all_reduce"]  # each tier's own header: a one-hop all-reduce's
 
 
@@ -100,7 +100,7 @@ class _Forwarding:
         if inter_fb is not None and codec.lossless:  # nothing re-encodes: the server residual goes out now
             inter_fb.client.add_(inter_fb.server)
             inter_fb.server.zero_()
-        self.fields = header.signature(_ALL_REDUCE, n, codec, "ordered", self.scale, flat.dtype, self.k, _NO_EXACT)
+        self.fields = signature.signature(_ALL_REDUCE, n, codec, "ordered", self.scale, flat.dtype, self.k, _NO_EXACT)
         self.node_agrees: concurrent.futures.Future = concurrent.futures.Future()
         self.spread: List[_node.Job] = []
         self.reduced: List[_node.Job] = []
@@ -137,7 +137,7 @@ class _Forwarding:
         # The node agreed before anything moves (an argument error anywhere was already every
         # rank's error, in the call's header among all ranks); a failure here is a broken node.
         self.node_agrees.result()
-        fields = header.signature(_ALL_REDUCE, self.real[self.topo.local_rank], self.codec, "ordered", 1.0,
+        fields = signature.signature(_ALL_REDUCE, self.real[self.topo.local_rank], self.codec, "ordered", 1.0,
                                   torch.float32, self.k, _NO_EXACT)
         self.pipe = Pipeline(self.topo.inter_group, self.tiers.inter, fields, self.flat.device, self.validate)
         self.tiers.inter.calls += 1

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-from typing import Callable, List, Optional, Sequence, Union
+import threading
+from typing import Callable, List, Optional, Sequence, TypeVar, Union
 
 import torch
 
 from . import context, groups, streams as _streams
 from .labels import label
 
-__all__ = ["Handle", "call", "in_order", "is_on", "key_of", "run", "submit"]
+__all__ = ["Handle", "call", "in_order", "is_on", "key_of", "post_if_idle", "run", "submit"]
+
+T = TypeVar("T")
 
 # The profiler label of a collective, from the first word of its description.
 _LABELS = {"all_reduce": "flatcomm.all_reduce", "reduce_scatter": "flatcomm.reduce_scatter",
@@ -69,10 +72,56 @@ def _on_side(fn: Callable[[], None], streams: Optional[_streams.CallStreams],
     return on_side
 
 
+class _Lane:
+    """How many calls are queued or running on a key's worker. A small collective posts its one
+    exchange from the caller's thread only while there are none (:func:`post_if_idle`), so every
+    exchange of the group is still issued in call order."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.busy = 0
+
+
+def _lane(key) -> _Lane:
+    return context.by_token(key).slot("lane", _Lane)
+
+
+def _enqueue(key, fn: Callable[[], T]) -> "concurrent.futures.Future":
+    """``fn`` queued on the worker of ``key``, counted in its lane until it ends."""
+    lane = _lane(key)
+
+    def task() -> T:
+        try:
+            return fn()
+        finally:
+            with lane.lock:
+                lane.busy -= 1
+
+    with lane.lock:
+        lane.busy += 1
+    try:
+        return _executor(key).submit(task)
+    except BaseException:
+        with lane.lock:
+            lane.busy -= 1
+        raise
+
+
+def post_if_idle(key, post: Callable[[], T]) -> Optional[T]:
+    """``post()`` run on the calling thread when nothing is queued or running on the worker of
+    ``key`` (else None: queue the call there). ``post`` only issues an exchange, never waits for
+    one: another thread's call waits for the lane while it runs, then queues after it."""
+    lane = _lane(key)
+    with lane.lock:
+        if lane.busy:
+            return None
+        return post()
+
+
 def submit(key, device: torch.device, fn: Callable[[], None]) -> "concurrent.futures.Future":
     """Queue ``fn`` (no collective) on the worker of ``key``, on the side stream for CUDA tensors
     (the DDP hook's norms, which read the bucket before the all-reduce rewrites it)."""
-    return _executor(key).submit(_on_side(fn, _streams.for_call(key, device)))
+    return _enqueue(key, _on_side(fn, _streams.for_call(key, device)))
 
 
 def in_order(key, fn: Callable[[], None]) -> "concurrent.futures.Future":
@@ -93,7 +142,7 @@ def call(key, fn: Callable[[], object]) -> object:
     """Run ``fn`` on the worker of ``key`` and return its result (inline when already there)."""
     if is_on(key):
         return fn()
-    return _executor(key).submit(fn).result()
+    return _enqueue(key, fn).result()
 
 
 def run(key, fn: Callable[[], None], value: torch.Tensor, async_op: bool,
@@ -126,7 +175,7 @@ def _run_body(key, body: Callable[[], None], value: torch.Tensor, async_op: bool
                 raise
             future.set_exception(e)
     else:
-        future = _executor(key).submit(body)
+        future = _enqueue(key, body)
         if not async_op:
             future.result()
     if not async_op:

@@ -236,6 +236,7 @@ class Codec:
 
 
 CodecLike = Union[str, Codec]
+_NAMED: Dict[str, Codec] = {}  # resolve()'s Codec of each name (every call of a collective resolves one)
 
 
 def resolve(codec: CodecLike, block_size: Optional[int] = None, ratio: Optional[float] = None,
@@ -244,7 +245,7 @@ def resolve(codec: CodecLike, block_size: Optional[int] = None, ratio: Optional[
     if isinstance(codec, Codec):
         base = codec
     elif isinstance(codec, str):
-        base = Codec(codec)
+        base = _NAMED.get(codec) or _NAMED.setdefault(codec, Codec(codec))  # (frozen: one per name)
     else:
         raise TypeError(f"flatcomm: codec must be a name or a Codec, got {type(codec).__name__}")
     if block_size is None and ratio is None and keep is None:

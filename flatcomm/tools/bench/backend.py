@@ -1,6 +1,7 @@
 """``python -m flatcomm.bench backend``: the flatcomm backend against its inner gloo, in one run.
 
-    python -m flatcomm.bench backend [--ranks 4] [--sizes 4K,1M,100M] [--reps 5] [--json PATH]
+    python -m flatcomm.bench backend [--ranks 4] [--sizes 4K,1M,100M] [--reps 5] [--ops all_reduce]
+                                     [--steps 0] [--json PATH]
 
 One spawn of ``--ranks`` ranks on ``init_process_group("flatcomm")``. Per message size (bytes of
 fp32) and op (all_reduce, reduce_scatter, all_gather) it times gloo's own call (on a gloo group
@@ -8,7 +9,8 @@ made beside it), the backend's ordered sum and its exact sum, interleaved rep by
 change on a shared machine hits all three alike; then a DDP step and an FSDP2 step on each. Times
 are rank 0's, each rep after a barrier; the table gives the median, the ratio to gloo's median and
 the spread of the per-rep ratios (min..max). all_gather is passed through (its ratio is the cost of
-the Python dispatch).
+the Python dispatch). ``--ops`` narrows the ops, ``--steps 0`` leaves out the training steps: e.g. the
+small-message latency alone, ``--ranks 2 --sizes 4K,64K,1M --ops all_reduce --reps 200 --steps 0``.
 """
 from __future__ import annotations
 
@@ -39,14 +41,14 @@ def _call(op: str, group, x, out):
         dist.all_gather_single(out, x, group=group)
 
 
-def _ops(groups: dict, sizes: List[int], reps: int, world: int) -> List[dict]:
+def _ops(groups: dict, sizes: List[int], reps: int, world: int, ops=OPS) -> List[dict]:
     import torch
     import torch.distributed as dist
 
     rows = []
     for nbytes in sizes:
         n = max(world, nbytes // 4 // world * world)
-        for op in OPS:
+        for op in ops:
             if dist.get_rank() == 0:
                 say("bench", f"backend: {op} {format_size(4 * n)}B ...")
             x = torch.randn(n)
@@ -104,7 +106,7 @@ def _steps(groups: dict, rank: int, steps: int) -> List[dict]:
     return rows
 
 
-def _rank_main(rank: int, world: int, sizes: List[int], reps: int, steps: int) -> List[dict]:
+def _rank_main(rank: int, world: int, sizes: List[int], reps: int, steps: int, ops=OPS) -> List[dict]:
     import torch.distributed as dist
 
     import flatcomm.backend as fb
@@ -112,7 +114,7 @@ def _rank_main(rank: int, world: int, sizes: List[int], reps: int, steps: int) -
     groups = {"gloo": dist.new_group(backend="gloo"), "ordered": dist.new_group(), "exact": dist.new_group()}
     fb.configure(groups["ordered"], mode="ordered")
     fb.configure(groups["exact"], mode="exact")
-    rows = _ops(groups, sizes, reps, world) + _steps(groups, rank, steps)
+    rows = _ops(groups, sizes, reps, world, ops) + (_steps(groups, rank, steps) if steps else [])
     return rows if rank == 0 else []
 
 
@@ -122,8 +124,9 @@ def _summary(row: dict) -> dict:
     for v in VARIANTS:
         t = row["times"][v]
         ratios = [a / b for a, b in zip(t, base)]
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
         out[v] = {"median_s": statistics.median(t), "ratio": statistics.median(t) / statistics.median(base),
-                  "ratio_min": min(ratios), "ratio_max": max(ratios),
+                  "ratio_min": min(ratios), "ratio_max": max(ratios), "ratio_q1": q[0], "ratio_q3": q[-1],
                   "gbps": row["bytes"] / statistics.median(t) / 1e9}
     return out
 
@@ -135,7 +138,7 @@ def table(summaries: List[dict]) -> str:
         cells = [f"{s['gloo']['median_s'] * 1e3:8.2f}ms"]
         for v in ("ordered", "exact"):
             c = s[v]
-            cells.append(f"{c['median_s'] * 1e3:8.2f}ms {c['ratio']:4.2f}x [{c['ratio_min']:.2f}..{c['ratio_max']:.2f}]")
+            cells.append(f"{c['median_s'] * 1e3:8.2f}ms {c['ratio']:4.2f}x [{c['ratio_q1']:.2f}..{c['ratio_q3']:.2f}]")
         lines.append(f"{s['op']:<15}{size:>10}  {cells[0]:>10}  {cells[1]:>24}  {cells[2]:>24}")
     return "\n".join(lines)
 
@@ -153,7 +156,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                                                           "default 4K,1M,100M)")
     ap.add_argument("--reps", type=positive(int), default=5,
                     help="timed reps per op at least (small sizes: more; default 5)")
-    ap.add_argument("--steps", type=positive(int), default=3, help="timed DDP / FSDP2 steps per backend (default 3)")
+    ap.add_argument("--steps", type=int, default=3, help="timed DDP / FSDP2 steps per backend (default 3; 0: none)")
+    ap.add_argument("--ops", default=",".join(OPS), help=f"ops to time, comma separated (default {','.join(OPS)})")
     ap.add_argument("--json", metavar="PATH", help="write the summaries and every rep's times here")
     ap.add_argument("--timeout", type=positive(float), default=900.0,
                     help="the process group's timeout, s (the whole run may take 60 s more; default 900)")
@@ -170,13 +174,17 @@ def main(argv: List[str]) -> int:
 
     a = build_parser().parse_args(argv)
     sizes = [parse_size(s) for s in a.sizes.split(",") if s]
+    ops = tuple(o for o in a.ops.split(",") if o)
+    if a.steps < 0 or not ops or any(o not in OPS for o in ops):
+        raise SystemExit(f"bench backend: --steps must be >= 0 and --ops some of {','.join(OPS)}")
     t0 = time.perf_counter()
-    say("bench", f"backend: {a.ranks} ranks, {len(sizes)} sizes x {len(OPS)} ops x {len(VARIANTS)} variants, "
-                 f"then DDP and FSDP2 steps (progress from rank 0)")
-    rows = spawn.run(a.ranks, _rank_main, sizes, a.reps, a.steps, backend="flatcomm", timeout_s=a.timeout,
+    say("bench", f"backend: {a.ranks} ranks, {len(sizes)} sizes x {len(ops)} ops x {len(VARIANTS)} variants"
+                 f"{', then DDP and FSDP2 steps' if a.steps else ''} (progress from rank 0)")
+    rows = spawn.run(a.ranks, _rank_main, sizes, a.reps, a.steps, ops, backend="flatcomm", timeout_s=a.timeout,
                      run_s=a.timeout + 60)[0]
     summaries = [_summary(r) for r in rows]
-    print(f"flatcomm.bench backend: {a.ranks} ranks over loopback; median time, ratio to gloo [per-rep ratio range]")
+    print(f"flatcomm.bench backend: {a.ranks} ranks over loopback; median time, ratio to gloo's median "
+          f"[quartiles of the per-rep ratios]")
     print(table(summaries), flush=True)
     say("bench", f"{time.perf_counter() - t0:.0f} s")
     if a.json:
