@@ -77,11 +77,11 @@ def _train(rank, world, steps, h):
             "error": [e.clone() for e in outer.error]}
 
 
-def _one_sync(rank, world):
+def _one_sync(rank, world, chunking):
     """One sync after 3 local steps, with every rank's pre-sync weights known here to recompute it."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    outer = S.SparseLoCo(model, opt, sync_every=3, topk=16)
+    outer = S.SparseLoCo(model, opt, sync_every=3, topk=16, chunking=chunking)
     g = torch.Generator().manual_seed(10 + rank)
     for step in range(3):
         opt.zero_grad()
@@ -99,12 +99,18 @@ def _one_sync(rank, world):
             "error": [e.clone() for e in outer.error], "payload": outer.payload_bytes}
 
 
-def _reference_sync(model, befores, topk):
+def _flat(ts):
+    return [torch.cat([t.reshape(-1) for t in ts])]
+
+
+def _reference_sync(model, befores, topk, chunking):
     """SparseLoCo's sync recomputed per replica and tensor in float64 from the pre-sync weights."""
     masters = [p.detach().double() for p in model.parameters()]
+    if chunking == "flat":
+        masters, befores = _flat(masters), [_flat(b) for b in befores]
     out = []
     for t, m in enumerate(masters):
-        ch = S.Chunks(m.shape, 64, topk)
+        ch = S.FlatChunks(m.numel(), 64 * 64, topk) if chunking == "flat" else S.Chunks(m.shape, 64, topk)
         idxs, vals = [], []
         for b in befores:
             x = ch.cut(m - b[t].double())  # the error starts at zero: e = delta
@@ -124,14 +130,20 @@ def _reference_sync(model, befores, topk):
     return out
 
 
-def test_sync_matches_reference_on_two_ranks():
-    res = spawn.run(2, _one_sync, timeout_s=120)
-    want = _reference_sync(_model(), res[0]["before"], 16)
+@pytest.mark.parametrize("chunking", ["tiles", "flat"])
+def test_sync_matches_reference_on_two_ranks(chunking):
+    res = spawn.run(2, _one_sync, chunking, timeout_s=120)
+    want = _reference_sync(_model(), res[0]["before"], 16, chunking)
     for r in res:
-        for a, w in zip(r["after"], want):
+        after = _flat(r["after"]) if chunking == "flat" else r["after"]
+        for a, w in zip(after, want):
             assert torch.allclose(a.double(), w, atol=1e-6), (a.double() - w).abs().max()
     assert torch.equal(torch.cat([t.flatten() for t in res[0]["after"]]),
                        torch.cat([t.flatten() for t in res[1]["after"]]))
+    if chunking == "flat":
+        assert res[0]["payload"] == S.FlatChunks(sum(p.numel() for p in _model().parameters()), 4096,
+                                                 16).payload_bytes(4)
+        return
     # the error accumulator keeps exactly what was not sent (a tensor's kept values + error = delta)
     m0 = [p.detach() for p in _model().parameters()]
     assert all((e != 0).any() for e in res[0]["error"])
@@ -159,3 +171,5 @@ def test_bytes_formula_at_4096_chunks():
     assert abs(bpp - (32 * 64 * 14 / 8 + 24) / (256 * 512)) < 1e-12
     assert abs(S.nominal_bytes_per_param(m, 4) - 3 * bpp) < 1e-12
     assert 0.0273 < bpp < 0.0276  # 14 bits per kept value, + 24 B per tensor
+    lm = torch.nn.Sequential(torch.nn.Linear(100, 103), torch.nn.Linear(103, 7))  # 11,131 values: 3 runs
+    assert S.nominal_bytes_per_param(lm, 2, chunking="flat") == (3 * 64 * 14 / 8 + 24) / 11131

@@ -83,6 +83,26 @@ class Chunks:
         return _sizes(self.count * self.k, bins)
 
 
+class FlatChunks(Chunks):
+    """The whole model as one flat vector cut into runs of ``size`` values (the last one padded with
+    zeros, dropped again by :meth:`join`): flatcomm's ``sparse`` chunking, for a comparison of the
+    formats on the same chunks."""
+
+    def __init__(self, numel: int, size: int, topk: int):
+        self.numel, self.size, self.h, self.w = numel, size, 1, size
+        self.count = -(-numel // size)
+        self.shape = torch.Size([numel])
+        k = max(2, min(topk, size))
+        self.k = min(k - k % 2, size)
+
+    def cut(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(-1)
+        return torch.cat([x, x.new_zeros(self.count * self.size - self.numel)]).reshape(self.count, self.size)
+
+    def join(self, c: torch.Tensor) -> torch.Tensor:
+        return c.reshape(-1)[: self.numel]
+
+
 def _sizes(n: int, bins: int) -> List[int]:
     """Bytes of ``n`` kept values' indices (12-bit pairs), codes and quantizer parameters."""
     return [3 * ((n + 1) // 2), (n * _bits(bins) + 7) // 8, 4 * (2 + bins)]
@@ -157,26 +177,48 @@ class SparseLoCo:
         error_decay: the error accumulator's decay (0.95).
         outer_lr: the outer step (1.0, no momentum).
         clip_norm: clip each replica's values to the median norm, as Templar's ``batch_decompress``.
+        chunking: ``"tiles"`` (Templar's: per tensor, ``target_chunk`` x ``target_chunk`` tiles, runs of
+            up to ``target_chunk`` for vectors) or ``"flat"`` (every parameter in one flat vector cut
+            into runs of ``target_chunk ** 2`` values, as flatcomm's ``sparse``; one quantizer).
         group: the process group of the replicas (default: the world).
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,
                  topk: int = 64, target_chunk: int = 64, bins: int = 4, sigmas: float = 6.0,
-                 error_decay: float = 0.95, outer_lr: float = 1.0, clip_norm: bool = True, group=None) -> None:
-        if sync_every < 1 or bins not in (2, 4, 16, 256) or target_chunk < 1:
-            raise ValueError(f"SparseLoCo: sync_every >= 1, bins of 2, 4, 16 or 256 and target_chunk >= 1, got "
-                             f"{sync_every}, {bins}, {target_chunk}")
+                 error_decay: float = 0.95, outer_lr: float = 1.0, clip_norm: bool = True, chunking: str = "tiles",
+                 group=None) -> None:
+        if sync_every < 1 or bins not in (2, 4, 16, 256) or target_chunk < 1 or chunking not in ("tiles", "flat"):
+            raise ValueError(f"SparseLoCo: sync_every >= 1, bins of 2, 4, 16 or 256, target_chunk >= 1 and chunking "
+                             f"'tiles' or 'flat', got {sync_every}, {bins}, {target_chunk}, {chunking!r}")
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.h, self.bins, self.sigmas = sync_every, bins, sigmas
+        self.h, self.bins, self.sigmas, self.flat = sync_every, bins, sigmas, chunking == "flat"
         self.decay, self.lr, self.clip_norm, self.group = error_decay, outer_lr, clip_norm, group
-        self.chunks = [Chunks(p.shape, target_chunk, topk) for p in self.params]
-        self.master = [p.detach().float().clone() for p in self.params]
+        if self.flat:
+            self.chunks: List[Chunks] = [FlatChunks(sum(p.numel() for p in self.params), target_chunk ** 2, topk)]
+        else:
+            self.chunks = [Chunks(p.shape, target_chunk, topk) for p in self.params]
+        self.master = [w.clone() for w in self._weights()]
         self.error = [torch.zeros_like(m) for m in self.master]
         self.payload_bytes = sum(c.payload_bytes(bins) for c in self.chunks)
         self.world = dist.get_world_size(group)
         self.step = self.syncs = self.wire_bytes = 0
         self.verify()  # every replica from the same weights
         self._hook = inner_optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_inner_step())
+
+    def _weights(self) -> List[torch.Tensor]:
+        """The replica's weights now, in fp32: one tensor per parameter, or one flat one."""
+        ws = [p.detach().float() for p in self.params]
+        return [torch.cat([w.reshape(-1) for w in ws])] if self.flat else ws
+
+    def _set_weights(self) -> None:
+        if not self.flat:
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+            return
+        off = 0
+        for p in self.params:
+            p.copy_(self.master[0][off: off + p.numel()].view_as(p))
+            off += p.numel()
 
     def after_inner_step(self) -> None:
         self.step += 1
@@ -191,8 +233,8 @@ class SparseLoCo:
         """This replica's payload (uint8) after the error accumulator's update; the error keeps what is
         not sent."""
         parts = []
-        for p, m, e, ch in zip(self.params, self.master, self.error, self.chunks):
-            e.mul_(self.decay).add_(m - p.detach().float())
+        for w, m, e, ch in zip(self._weights(), self.master, self.error, self.chunks):
+            e.mul_(self.decay).add_(m - w)
             x = ch.cut(e)
             idx = torch.topk(x.abs(), ch.k, dim=-1, largest=True, sorted=False).indices
             q, qp = quantize(torch.gather(x, 1, idx).reshape(-1), self.bins, self.sigmas)
@@ -231,9 +273,9 @@ class SparseLoCo:
         assert mine.numel() == self.payload_bytes, (mine.numel(), self.payload_bytes)
         gathered = torch.empty(self.world * mine.numel(), dtype=torch.uint8)
         _all_gather_single(gathered, mine, group=self.group)
-        for p, m, d in zip(self.params, self.master, self.decode_mean(gathered.view(self.world, -1))):
+        for m, d in zip(self.master, self.decode_mean(gathered.view(self.world, -1))):
             m.sub_(d, alpha=self.lr)
-            p.copy_(m)
+        self._set_weights()
         self.syncs += 1
         self.wire_bytes += (self.world - 1) * self.payload_bytes  # a ring all-gather: R - 1 payloads out
 
@@ -255,12 +297,14 @@ class SparseLoCo:
 
 
 def nominal_bytes_per_param(model: torch.nn.Module, replicas: int, topk: int = 64, target_chunk: int = 64,
-                            bins: int = 4) -> float:
+                            bins: int = 4, chunking: str = "tiles") -> float:
     """Bytes a node sends per parameter per sync (``(R - 1)`` payloads), from the format alone."""
     ps = [p for p in model.parameters() if p.requires_grad]
-    total = sum(Chunks(p.shape, target_chunk, topk).payload_bytes(bins) for p in ps)
-    return (replicas - 1) * total / sum(p.numel() for p in ps)
+    n = sum(p.numel() for p in ps)
+    chunks = [FlatChunks(n, target_chunk ** 2, topk)] if chunking == "flat" else \
+        [Chunks(p.shape, target_chunk, topk) for p in ps]
+    return (replicas - 1) * sum(c.payload_bytes(bins) for c in chunks) / n
 
 
-__all__ = ["SparseLoCo", "Chunks", "nominal_bytes_per_param", "pack12", "unpack12", "quantize", "dequantize",
+__all__ = ["SparseLoCo", "Chunks", "FlatChunks", "nominal_bytes_per_param", "pack12", "unpack12", "quantize", "dequantize",
            "largest_divisor_upto"]
