@@ -173,3 +173,20 @@ def test_bytes_formula_at_4096_chunks():
     assert 0.0273 < bpp < 0.0276  # 14 bits per kept value, + 24 B per tensor
     lm = torch.nn.Sequential(torch.nn.Linear(100, 103), torch.nn.Linear(103, 7))  # 11,131 values: 3 runs
     assert S.nominal_bytes_per_param(lm, 2, chunking="flat") == (3 * 64 * 14 / 8 + 24) / 11131
+
+
+def test_bench_diloco_formulas():
+    """`bench diloco`'s per-row formula: two-stage 2 (R-1)/R payloads, gathered and SparseLoCo R-1."""
+    from flatcomm.ops.codecs import wire_bytes
+    from flatcomm.tools.bench.diloco import formula
+
+    m = torch.nn.Linear(512, 1024)
+    n = sum(p.numel() for p in m.parameters())
+    payload = wire_bytes("sparse", n) / n
+    assert 0 <= wire_bytes("sparse", n) - 88 * -(-n // 4096) <= 16  # 88 B per 4,096-value chunk + a header
+    assert formula("sparse", m, 2)[0] == pytest.approx(payload)
+    assert formula("sparse", m, 4)[0] == pytest.approx(1.5 * payload)
+    assert formula("sparse:exact", m, 4)[0] == pytest.approx(3 * payload)
+    assert formula("int4", m, 4)[0] == pytest.approx(1.5 * wire_bytes("int4", n) / n)
+    assert formula("sparseloco", m, 4)[0] == pytest.approx(S.nominal_bytes_per_param(m, 4))
+    assert formula("sparseloco:flat", m, 2)[0] == pytest.approx(S.nominal_bytes_per_param(m, 2, chunking="flat"))

@@ -8,7 +8,11 @@ this machine's kernel has no netem, so no delay): each replica is a node of one 
 
 * **bytes**: per codec and replica count, ``DiLoCo(fragments=1, sync_every=1)`` on an MLP of
   ``--bytes-params``; the node's ``fc0`` tx counter (kernel, headers included) over ``--syncs``
-  syncs, divided by syncs x parameters: the bytes per parameter that left a node per sync.
+  syncs, divided by syncs x parameters: the bytes per parameter that left a node per sync. Beside
+  it the payload bytes counted by the sync itself and the format's formula (two-stage: ``2 (R-1)/R``
+  payloads; gathered ``sparse:exact`` and SparseLoCo: ``R-1``). ``sparseloco`` is SparseLoCo's outer
+  sync as Templar runs it (:mod:`flatcomm.tools.bench.sparseloco`), ``sparseloco:flat`` its format on
+  flatcomm's 4,096-value runs of the flat model.
 * **time** (2 replicas, MLP of ``--params``, AdamW inner, batch ``--batch``): the same model's
   compute-only step (no communication at all), DiLoCo int4 + error feedback with ``fragments=4,
   fragment_sync_delay=1`` (mean wall time per inner step over whole rounds of ``--sync-every``
@@ -34,7 +38,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -66,15 +70,45 @@ def _step(model, opt, rank, step, batch):
     opt.step()
 
 
-def _bytes_rank(rank: int, world: int, cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
+def _outer(spec: str, model, opt):
+    """The outer sync of a bytes row: ``int4`` (any codec), ``sparse:exact`` (DiLoCo's gathered
+    exact sum), ``sparseloco`` / ``sparseloco:flat`` (the SparseLoCo baseline, Templar's tiles or
+    flat 4,096-value runs)."""
+    codec, _, variant = spec.partition(":")
+    if codec == "sparseloco":
+        from .sparseloco import SparseLoCo
+
+        return SparseLoCo(model, opt, sync_every=1, chunking=variant or "tiles")
     from flatcomm.diloco import DiLoCo
 
+    return DiLoCo(model, opt, sync_every=1, codec=codec, mode="exact" if variant == "exact" else "ordered",
+                  verify_every=0)
+
+
+def formula(spec: str, model, world: int) -> Tuple[float, str]:
+    """Bytes a node should send per parameter per sync, from the format, and how."""
+    from flatcomm.ops.codecs import Codec, wire_bytes
+
+    codec, _, variant = spec.partition(":")
+    n = sum(p.numel() for p in model.parameters())
+    if codec == "sparseloco":
+        from .sparseloco import nominal_bytes_per_param
+
+        return (nominal_bytes_per_param(model, world, chunking=variant or "tiles"),
+                "(R-1) x payload (all-gather); payload = chunks x 64 x 14 bits + 24 B per tensor")
+    payload = wire_bytes(Codec(codec), n) / n
+    if variant == "exact":
+        return (world - 1) * payload, f"(R-1) x payload (all-gather), payload {payload:.4f} B/param"
+    return 2 * (world - 1) / world * payload, f"2 (R-1)/R x payload (two-stage), payload {payload:.4f} B/param"
+
+
+def _bytes_rank(rank: int, world: int, cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
     out = []
     for codec in cfg["codecs"]:
         model = _model(cfg["bytes_params"])
         n = sum(p.numel() for p in model.parameters())
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        outer = DiLoCo(model, opt, sync_every=1, codec=codec, verify_every=0)
+        outer = _outer(codec, model, opt)
         _step(model, opt, rank, 0, 8)  # the first sync: groups and buffers made
         dist.barrier()
         tx0 = _tx()
@@ -82,9 +116,12 @@ def _bytes_rank(rank: int, world: int, cfg: Dict[str, Any]) -> List[Dict[str, An
             _step(model, opt, rank, 1 + s, 8)
         dist.barrier()
         tx = _tx() - tx0
+        want, how = formula(codec, model, world)
         out.append({"codec": codec, "params": n, "syncs": cfg["syncs"], "tx_bytes": tx,
                     "bytes_per_param": tx / (cfg["syncs"] * n),
-                    "flatcomm_wire_bytes_per_sync": outer.stats["wire_bytes"] / outer.syncs})
+                    "flatcomm_wire_bytes_per_sync": outer.stats["wire_bytes"] / outer.syncs,
+                    "formula_bytes_per_param": want, "formula": how})
+        outer.close()
     return out
 
 
@@ -253,7 +290,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--syncs", type=int, default=2, help="outer syncs per codec in the bytes runs (default 2)")
     ap.add_argument("--replicas", default="2,4", help="replica counts of the bytes runs, comma separated (default 2,4)")
     ap.add_argument("--codecs", default="fp32,int8,int4,sign",
-                    help="codecs of the bytes runs, comma separated (default fp32,int8,int4,sign)")
+                    help="codecs of the bytes runs, comma separated (default fp32,int8,int4,sign); sparse:exact "
+                         "is the gathered exact sum; sparseloco, sparseloco:flat the SparseLoCo baseline "
+                         "(flatcomm.tools.bench.sparseloco)")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2,
                     help="each replica's threads on a core of its own (time runs; default on with 2+ cores)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: bytes, time, torchft")
@@ -285,9 +324,10 @@ def main(argv=None) -> int:
                   f"mean over nodes):")
             for i, c in enumerate(codecs):
                 per_node = [rows[r][i]["bytes_per_param"] for r in range(w)]
-                print(f"  {c:6s} {statistics.mean(per_node):6.3f} B/param (nodes {min(per_node):.3f}-"
-                      f"{max(per_node):.3f}; flatcomm's own count "
-                      f"{rows[0][i]['flatcomm_wire_bytes_per_sync'] / rows[0][i]['params']:.3f})", flush=True)
+                r0 = rows[0][i]
+                print(f"  {c:15s} {statistics.mean(per_node):7.4f} B/param (nodes {min(per_node):.4f}-"
+                      f"{max(per_node):.4f}; payload count {r0['flatcomm_wire_bytes_per_sync'] / r0['params']:.4f}; "
+                      f"formula {r0['formula_bytes_per_param']:.4f} = {r0['formula']})", flush=True)
     if "time" not in skip:
         cfg = {"params": a.params, "batch": a.batch, "sync_every": a.sync_every, "rounds": a.rounds,
                "ddp_steps": a.ddp_steps, "pin": a.pin}
