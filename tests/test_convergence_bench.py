@@ -136,7 +136,11 @@ def test_diloco_and_sparseloco_rows(tmp_path):
     assert slc["bytes_per_param_per_sync"][0] == pytest.approx(
         sparseloco.nominal_bytes_per_param(model, 2, chunking="flat"))
     assert all(math.isfinite(v) for r in w["rows"] for v in r["val"])
-    assert len(cd.sparse_grid_rows(15)) == 7 and all("H=15" in r for r in cd.sparse_grid_rows(15))
+    assert len(cd.sparse_grid_rows(15)) == 10 and all("H=15" in r for r in cd.sparse_grid_rows(15))
+    table = cd.markdown_table(w["rows"]).splitlines()
+    assert len(table) == 2 + len(rows) and table[2].startswith(f"| `{rows[0]}` | {fp32['val'][0]:.4f} (0.0000) | - |")
+    assert f"| {100 * sparse['rel_mean']:+.2f}% [" in table[3] and table[4].endswith(
+        f"| {slc['bytes_per_param_per_sync'][0]:.4f} |")
     with pytest.raises(ValueError, match="sparseloco rows take"):
         cd.check_options({"H": 4, "codec": "int4"}, "sparseloco")
     with pytest.raises(SystemExit):

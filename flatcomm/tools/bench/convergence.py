@@ -370,6 +370,10 @@ def main(argv=None) -> int:
            "steps_scale": args.steps_scale, "workloads": summarize(raw, rows),
            "seconds": time.perf_counter() - t0}
     print_table(doc)
+    if args.preset == "sparse":
+        from .convergence_diloco import markdown_table
+
+        print("\n" + markdown_table(doc["workloads"]["lm_diloco"]["rows"]))
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:

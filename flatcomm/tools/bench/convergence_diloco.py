@@ -39,12 +39,36 @@ def check_options(opts: Dict[str, Any], name: str = "diloco") -> None:
 
 def sparse_grid_rows(h: int) -> List[str]:
     """The rows of ``bench convergence --preset sparse``: fp32 and int4+EF DiLoCo, flatcomm's sparse
-    codec with DiLoCo's recipe (two-stage and gathered sums) and with SparseLoCo's (error decay 0.95,
-    outer lr 1.0, no momentum), and SparseLoCo's own format (Templar's tiles, and flat 4,096 runs)."""
+    codec with DiLoCo's recipe and with SparseLoCo's (error decay 0.95, no momentum, outer lr 1.0,
+    and 2.0: SparseLoCo's mean over the replicas that sent a value is up to R times a mean over all
+    R), each with the two-stage and the gathered sum, and SparseLoCo's own format (Templar's tiles,
+    and flat 4,096-value runs)."""
     return [f"diloco:codec=fp32,H={h}", f"diloco:codec=int4,H={h}", f"diloco:codec=sparse,H={h}",
             f"diloco:codec=sparse,H={h},mode=exact",
             f"diloco:codec=sparse,H={h},decay=0.95,outer_lr=1.0,momentum=0.0",
+            f"diloco:codec=sparse,H={h},mode=exact,decay=0.95,outer_lr=1.0,momentum=0.0",
+            f"diloco:codec=sparse,H={h},decay=0.95,outer_lr=2.0,momentum=0.0",
+            f"diloco:codec=sparse,H={h},mode=exact,decay=0.95,outer_lr=2.0,momentum=0.0",
             f"sparseloco:H={h}", f"sparseloco:H={h},chunking=flat"]
+
+
+def markdown_table(rows: List[Dict[str, Any]]) -> str:
+    """The summarised rows of a DiLoCo run (``convergence.summarize``) as a markdown table: held-out
+    loss mean (sample sd over seeds), against fp32 DiLoCo at the same H (mean [min, max] of the
+    per-seed ratios), bytes per parameter per sync (the sync's own count of payload bytes)."""
+    import statistics
+
+    out = ["| row | held-out loss, mean (sd) | vs fp32 DiLoCo: mean [min, max] | B/param/sync |",
+           "|---|---|---|---|"]
+    for r in rows:
+        v = r["val"]
+        sd = statistics.stdev(v) if len(v) > 1 else 0.0
+        rel = "-" if r["rel_mean"] is None or r["baseline"] == "torch" else \
+            f"{100 * r['rel_mean']:+.2f}% [{100 * r['rel_min']:+.2f}, {100 * r['rel_max']:+.2f}]"
+        bps = r.get("bytes_per_param_per_sync")
+        b = f"{statistics.fmean(bps):.4f}" if bps else "-"
+        out.append(f"| `{r['row']}` | {statistics.fmean(v):.4f} ({sd:.4f}) | {rel} | {b} |")
+    return "\n".join(out)
 
 
 def baseline_row(opts: Dict[str, Any]) -> str:
