@@ -12,7 +12,8 @@ with ``torch``. ``momentum=0.0``, ``decay=0.95`` (``error_decay``) and ``mode=ex
 momentum=0.0`` is SparseLoCo's recipe on flatcomm's codec. ``sparseloco:H=20`` is SparseLoCo's own
 outer sync as Templar runs it (:mod:`flatcomm.tools.bench.sparseloco`: 2-bit, 12-bit indices,
 all-gather; ``chunking=flat`` cuts the flat model into 4,096-value runs as flatcomm's codec does,
-``decay=`` and ``outer_lr=`` override 0.95 and 1.0), compared with fp32 DiLoCo at the same H. The step count should be a multiple of ``H``: the held-out loss is measured on the
+``decay=`` and ``outer_lr=`` override 0.95 and 1.0), compared with fp32 DiLoCo at the same H.
+The step count should be a multiple of ``H``: the held-out loss is measured on the
 weights of the last sync, the same on every replica.
 """
 from __future__ import annotations

@@ -16,7 +16,8 @@ this machine's kernel has no netem, so no delay): each replica is a node of one 
   flatcomm's 4,096-value runs of the flat model.
 * **time** (2 replicas, MLP of ``--params``, AdamW inner, batch ``--batch``): the same model's
   compute-only step (no communication at all), DiLoCo with each codec of ``--time-codecs``
-  (default int4; error feedback on) with ``fragments=4, fragment_sync_delay=1`` (mean wall time per inner step over whole rounds of ``--sync-every``
+  (default int4; error feedback on) with ``fragments=4, fragment_sync_delay=1`` (mean wall time
+  per inner step over whole rounds of ``--sync-every``
   steps, the syncs included), and DDP every step (torch's default gloo all-reduce) over the same
   link. A round's time is the slower replica's (both start it at a barrier): replicas that drift
   apart wait for each other at DiLoCo's syncs, and a compute-only run, never synced, would

@@ -118,7 +118,8 @@ def pack12(idx: torch.Tensor) -> torch.Tensor:
     i = idx.reshape(-1).to(torch.int32)
     i = torch.cat([i, i.new_zeros(i.numel() % 2)]).reshape(-1, 2)
     a, b = i[:, 0], i[:, 1]
-    return torch.stack([a & 0xFF, ((a >> 8) & 0x0F) | ((b & 0x0F) << 4), (b >> 4) & 0xFF], 1).to(torch.uint8).reshape(-1)
+    packed = torch.stack([a & 0xFF, ((a >> 8) & 0x0F) | ((b & 0x0F) << 4), (b >> 4) & 0xFF], 1)
+    return packed.to(torch.uint8).reshape(-1)
 
 
 def unpack12(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -306,5 +307,6 @@ def nominal_bytes_per_param(model: torch.nn.Module, replicas: int, topk: int = 6
     return (replicas - 1) * sum(c.payload_bytes(bins) for c in chunks) / n
 
 
-__all__ = ["SparseLoCo", "Chunks", "FlatChunks", "nominal_bytes_per_param", "pack12", "unpack12", "quantize", "dequantize",
+__all__ = ["SparseLoCo", "Chunks", "FlatChunks", "nominal_bytes_per_param", "pack12", "unpack12", "quantize",
+           "dequantize",
            "largest_divisor_upto"]
