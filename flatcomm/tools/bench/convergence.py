@@ -18,7 +18,8 @@ seed and per row:
   decay 0.1 on the matrices, gradient clipping at norm 1, gradient accumulation over 2
   micro-batches (DDP's ``no_sync``, FSDP2's paused gradient sync).
 * ``lm_diloco`` (not in the default list): ``lm_recipe`` over 300 steps, for the DiLoCo rows
-  (``diloco:codec=int4,H=50``, :mod:`flatcomm.tools.bench.convergence_diloco`).
+  (``diloco:codec=int4,H=50``, :mod:`flatcomm.tools.bench.convergence_diloco`) and the SparseLoCo
+  baseline's (``sparseloco:H=15``); ``--preset sparse`` runs the sparse codec's grid against it.
 
 Every workload warms its learning rate up linearly and decays it along a cosine to a tenth.
 
