@@ -112,3 +112,36 @@ def test_fsdp_weights_block_option():
     with pytest.raises(SystemExit):  # 48 is no block size (a multiple of 32): the Codec refuses it
         conv.main(["--quick", "--workloads", "mlp_sgd", "--codecs", "fsdp:weights=int4,weights_block=48",
                    "--seeds", "1", "--steps-scale", "0.02", "--timeout", "60"])
+
+
+def test_diloco_and_sparseloco_rows(tmp_path):
+    """The sparse grid's rows: DiLoCo with SparseLoCo's recipe and the SparseLoCo baseline train, are
+    compared with fp32 DiLoCo at the same H, and count bytes per parameter per sync as their formats
+    say (1 seed, 8 steps, H = 4: 2 syncs)."""
+    from flatcomm.tools.bench import convergence_diloco as cd
+    from flatcomm.tools.bench import sparseloco
+
+    path = tmp_path / "conv.json"
+    rows = ["diloco:codec=fp32,H=4", "diloco:codec=sparse,H=4,decay=0.95,outer_lr=1.0,momentum=0.0",
+            "sparseloco:H=4,chunking=flat"]
+    assert conv.main(["--workloads", "lm_diloco", "--steps-scale", str(8 / 300), "--seeds", "1",
+                      "--codecs", ";".join(rows), "--json", str(path), "--timeout", "120"]) == 0
+    w = json.loads(path.read_text())["workloads"]["lm_diloco"]
+    fp32, sparse, slc = w["rows"]
+    assert sparse["baseline"] == slc["baseline"] == rows[0] and fp32["baseline"] is None
+    assert fp32["bytes_per_param_per_sync"][0] == pytest.approx(4.0, rel=1e-3)  # 2 replicas: 1x the payload
+    n = w["params"]
+    assert sparse["bytes_per_param_per_sync"][0] == pytest.approx(88 * math.ceil(n / 4096) / n, rel=0.01)
+    model = conv.LMDiLoCo(0, 1.0).model()
+    assert slc["bytes_per_param_per_sync"][0] == pytest.approx(
+        sparseloco.nominal_bytes_per_param(model, 2, chunking="flat"))
+    assert all(math.isfinite(v) for r in w["rows"] for v in r["val"])
+    assert len(cd.sparse_grid_rows(15)) == 10 and all("H=15" in r for r in cd.sparse_grid_rows(15))
+    table = cd.markdown_table(w["rows"]).splitlines()
+    assert len(table) == 2 + len(rows) and table[2].startswith(f"| `{rows[0]}` | {fp32['val'][0]:.4f} (0.0000) | - |")
+    assert f"| {100 * sparse['rel_mean']:+.2f}% [" in table[3] and table[4].endswith(
+        f"| {slc['bytes_per_param_per_sync'][0]:.4f} |")
+    with pytest.raises(ValueError, match="sparseloco rows take"):
+        cd.check_options({"H": 4, "codec": "int4"}, "sparseloco")
+    with pytest.raises(SystemExit):
+        conv.main(["--codecs", "sparseloco:H=4,momentum=0.5"])

@@ -9,7 +9,9 @@
     python -m flatcomm.bench fsdp --nodes N --ranks-per-node G --link 1gbit --weights int8,int4 [--param-dtype bf16]
     python -m flatcomm.bench backend     [--ranks 4] [--sizes 4K,1M,100M] (the flatcomm backend vs gloo)
     python -m flatcomm.bench diloco      [--link 100mbit] [--params 25e6] [--sync-every 40] [--replicas 2,4]
+                                         [--codecs int4,sparse,sparse:exact,sparseloco] [--time-codecs int4,sparse]
     python -m flatcomm.bench convergence [--quick] [--workloads lm,cnn,mlp_sgd,lm_recipe] [--seeds 3] [--codecs ...]
+                                         [--preset sparse --sync-every 15] (sparse vs SparseLoCo's format)
     common: [--json PATH] [--plot PATH.png] [--timeout S]; --version
 
 ``--link`` runs each rank in its own network namespace joined by a rate-limited link

@@ -2,6 +2,7 @@
 
     python -m flatcomm.tools.bench.convergence [--quick] [--workloads lm,cnn,mlp_sgd,lm_recipe] [--seeds 3]
         [--codecs torch,fp32,bf16,int8,int4,sign,fsdp,...] [--json P] [--plot P.png] [--steps-scale F]
+        [--preset sparse --sync-every 15]
 
 Four workloads, each trained on 2 gloo ranks (:mod:`flatcomm.tools.spawn`, one thread per rank) once per
 seed and per row:
@@ -17,7 +18,8 @@ seed and per row:
   decay 0.1 on the matrices, gradient clipping at norm 1, gradient accumulation over 2
   micro-batches (DDP's ``no_sync``, FSDP2's paused gradient sync).
 * ``lm_diloco`` (not in the default list): ``lm_recipe`` over 300 steps, for the DiLoCo rows
-  (``diloco:codec=int4,H=50``, :mod:`flatcomm.tools.bench.convergence_diloco`).
+  (``diloco:codec=int4,H=50``, :mod:`flatcomm.tools.bench.convergence_diloco`) and the SparseLoCo
+  baseline's (``sparseloco:H=15``); ``--preset sparse`` runs the sparse codec's grid against it.
 
 Every workload warms its learning rate up linearly and decays it along a cosine to a tenth.
 
@@ -145,7 +147,7 @@ def _applies(row: str, w: Workload) -> bool:
 
 
 def _train(w: Workload, row: str, rank: int, world: int, seed: int) -> dict:
-    if parse_row(row)[0] == "diloco":
+    if parse_row(row)[0] in ("diloco", "sparseloco"):
         from .convergence_diloco import train_diloco
 
         return train_diloco(w, row, rank, world, seed)
@@ -186,7 +188,7 @@ def baseline(row: str, runs: Dict[str, List[dict]]) -> Optional[str]:
     and fp32 DiLoCo included); None when it did not run."""
     name, opts = parse_row(row)
     base = "fsdp" if name == "fsdp" and opts else "torch"
-    if name == "diloco" and opts.get("codec", "int4") != "fp32":
+    if name == "sparseloco" or (name == "diloco" and opts.get("codec", "int4") != "fp32"):
         from .convergence_diloco import baseline_row
 
         base = baseline_row(opts)  # a lossy DiLoCo row against fp32 DiLoCo at the same H
@@ -212,7 +214,8 @@ def summarize(raw: Dict[str, Any], rows: List[str]) -> Dict[str, Any]:
                    "rel_min": min(rel) if rel else None, "rel_max": max(rel) if rel else None,
                    "curves": [r["curve"] for r in rs],
                    "wire_bytes_per_step": statistics.fmean(r["wire_bytes_per_step"] for r in rs)}
-            for k in ("residual_norm", "rel_error", "codec_share", "val_gathered", "bytes_by_kind"):
+            for k in ("residual_norm", "rel_error", "codec_share", "val_gathered", "bytes_by_kind",
+                      "bytes_per_param_per_sync"):
                 if k in rs[0]:
                     rec[k] = [r[k] for r in rs]
             table.append(rec)
@@ -225,7 +228,7 @@ def print_table(doc: Dict[str, Any]) -> None:
         print(f"\n{wname}: {w['optimizer']}, {w['steps']} steps, {w['params']:,} parameters, "
               f"{doc['world']} ranks, {doc['seeds']} seeds")
         hdr = (f"{'row':32s} {'held-out loss':>14s} {'vs baseline: mean [min, max]':>30s} {'sd':>7s} "
-               f"{'baseline':>8s} {'wire/step':>10s} {'gathered':>9s}")
+               f"{'baseline':>8s} {'wire/step':>10s} {'gathered':>9s} {'B/param/sync':>12s}")
         print(hdr)
         print("-" * len(hdr))
         for r in w["rows"]:
@@ -235,8 +238,10 @@ def print_table(doc: Dict[str, Any]) -> None:
                 rel = f"{100 * r['rel_mean']:+.2f}% [{100 * r['rel_min']:+.2f}, {100 * r['rel_max']:+.2f}]"
                 sd = f"{100 * r['rel_sd']:.2f}%"
             gathered = f"{statistics.fmean(r['val_gathered']):9.4f}" if r.get("val_gathered") else f"{'':9s}"
+            bps = f"{statistics.fmean(r['bytes_per_param_per_sync']):12.4f}" if r.get("bytes_per_param_per_sync") \
+                else ""
             print(f"{r['row']:32s} {v:14.4f} {rel:>30s} {sd:>7s} {r['baseline'] or '-':>8s} "
-                  f"{int(r['wire_bytes_per_step']):>10,d} {gathered}")
+                  f"{int(r['wire_bytes_per_step']):>10,d} {gathered} {bps}")
         if any(r.get("val_gathered") for r in w["rows"]):
             print("gathered = the FSDP2 rows' held-out loss through FSDP's forward (the weights as the "
                   "all-gathers deliver them); the other columns use the trained full-precision weights")
@@ -309,6 +314,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seeds", type=int, default=3, help="training runs per row, each from other weights (default 3)")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every workload's step count")
     ap.add_argument("--quick", action="store_true", help="CI: 2 seeds, a few steps, torch/fp32/int8/sign")
+    ap.add_argument("--preset", choices=["sparse"], default=None,
+                    help="sparse: lm_diloco, the sparse-codec grid against SparseLoCo's format at H = --sync-every")
+    ap.add_argument("--sync-every", type=int, default=15, help="H of --preset sparse (default 15)")
     ap.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the curves and summaries as JSON")
     ap.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot (needs matplotlib)")
@@ -331,18 +339,22 @@ def main(argv=None) -> int:
         args.steps_scale = min(args.steps_scale, 0.04)
         if args.codecs == ",".join(DEFAULT_ROWS):
             rows = ["torch", "fp32", "int8", "sign"]
+    if args.preset == "sparse":
+        from .convergence_diloco import sparse_grid_rows
+
+        rows, args.workloads = sparse_grid_rows(args.sync_every), "lm_diloco"
     workloads = [w for w in args.workloads.split(",") if w]
     for wname in workloads:
         if wname not in WORKLOAD_CLASSES:
             ap.error(f"unknown workload {wname!r}; expected some of {', '.join(WORKLOADS)}")
     for r in rows:
         name, opts = parse_row(r)
-        if name in ("fsdp", "diloco"):
+        if name in ("fsdp", "diloco", "sparseloco"):
             import importlib
 
-            check = importlib.import_module(f".convergence_{name}", __package__).check_options
+            mod = importlib.import_module(f".convergence_{'diloco' if name == 'sparseloco' else name}", __package__)
             try:
-                check(opts)
+                mod.check_options(opts, name) if name == "sparseloco" else mod.check_options(opts)
             except ValueError as e:
                 ap.error(f"row {r!r}: {e}")
     if args.seeds < 1:
@@ -359,6 +371,10 @@ def main(argv=None) -> int:
            "steps_scale": args.steps_scale, "workloads": summarize(raw, rows),
            "seconds": time.perf_counter() - t0}
     print_table(doc)
+    if args.preset == "sparse":
+        from .convergence_diloco import markdown_table
+
+        print("\n" + markdown_table(doc["workloads"]["lm_diloco"]["rows"]))
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:

@@ -2,16 +2,22 @@
 
     python -m flatcomm.bench diloco [--link 100mbit] [--params 25e6] [--sync-every 40] [--rounds 2]
         [--bytes-params 5e6] [--replicas 2,4] [--codecs fp32,int8,int4,sign] [--json PATH]
+        [--time-codecs int4,sparse] [--ddp-steps 0]
 
 Every run is on :class:`flatcomm.tools.netlink.Link` (network namespaces, tc tbf at ``--link``;
 this machine's kernel has no netem, so no delay): each replica is a node of one gloo rank.
 
 * **bytes**: per codec and replica count, ``DiLoCo(fragments=1, sync_every=1)`` on an MLP of
   ``--bytes-params``; the node's ``fc0`` tx counter (kernel, headers included) over ``--syncs``
-  syncs, divided by syncs x parameters: the bytes per parameter that left a node per sync.
+  syncs, divided by syncs x parameters: the bytes per parameter that left a node per sync. Beside
+  it the payload bytes counted by the sync itself and the format's formula (two-stage: ``2 (R-1)/R``
+  payloads; gathered ``sparse:exact`` and SparseLoCo: ``R-1``). ``sparseloco`` is SparseLoCo's outer
+  sync as Templar runs it (:mod:`flatcomm.tools.bench.sparseloco`), ``sparseloco:flat`` its format on
+  flatcomm's 4,096-value runs of the flat model.
 * **time** (2 replicas, MLP of ``--params``, AdamW inner, batch ``--batch``): the same model's
-  compute-only step (no communication at all), DiLoCo int4 + error feedback with ``fragments=4,
-  fragment_sync_delay=1`` (mean wall time per inner step over whole rounds of ``--sync-every``
+  compute-only step (no communication at all), DiLoCo with each codec of ``--time-codecs``
+  (default int4; error feedback on) with ``fragments=4, fragment_sync_delay=1`` (mean wall time
+  per inner step over whole rounds of ``--sync-every``
   steps, the syncs included), and DDP every step (torch's default gloo all-reduce) over the same
   link. A round's time is the slower replica's (both start it at a barrier): replicas that drift
   apart wait for each other at DiLoCo's syncs, and a compute-only run, never synced, would
@@ -34,7 +40,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -66,15 +72,45 @@ def _step(model, opt, rank, step, batch):
     opt.step()
 
 
-def _bytes_rank(rank: int, world: int, cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
+def _outer(spec: str, model, opt):
+    """The outer sync of a bytes row: ``int4`` (any codec), ``sparse:exact`` (DiLoCo's gathered
+    exact sum), ``sparseloco`` / ``sparseloco:flat`` (the SparseLoCo baseline, Templar's tiles or
+    flat 4,096-value runs)."""
+    codec, _, variant = spec.partition(":")
+    if codec == "sparseloco":
+        from .sparseloco import SparseLoCo
+
+        return SparseLoCo(model, opt, sync_every=1, chunking=variant or "tiles")
     from flatcomm.diloco import DiLoCo
 
+    return DiLoCo(model, opt, sync_every=1, codec=codec, mode="exact" if variant == "exact" else "ordered",
+                  verify_every=0)
+
+
+def formula(spec: str, model, world: int) -> Tuple[float, str]:
+    """Bytes a node should send per parameter per sync, from the format, and how."""
+    from flatcomm.ops.codecs import Codec, wire_bytes
+
+    codec, _, variant = spec.partition(":")
+    n = sum(p.numel() for p in model.parameters())
+    if codec == "sparseloco":
+        from .sparseloco import nominal_bytes_per_param
+
+        return (nominal_bytes_per_param(model, world, chunking=variant or "tiles"),
+                "(R-1) x payload (all-gather); payload = chunks x 64 x 14 bits + 24 B per tensor")
+    payload = wire_bytes(Codec(codec), n) / n
+    if variant == "exact":
+        return (world - 1) * payload, f"(R-1) x payload (all-gather), payload {payload:.4f} B/param"
+    return 2 * (world - 1) / world * payload, f"2 (R-1)/R x payload (two-stage), payload {payload:.4f} B/param"
+
+
+def _bytes_rank(rank: int, world: int, cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
     out = []
     for codec in cfg["codecs"]:
         model = _model(cfg["bytes_params"])
         n = sum(p.numel() for p in model.parameters())
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        outer = DiLoCo(model, opt, sync_every=1, codec=codec, verify_every=0)
+        outer = _outer(codec, model, opt)
         _step(model, opt, rank, 0, 8)  # the first sync: groups and buffers made
         dist.barrier()
         tx0 = _tx()
@@ -82,9 +118,12 @@ def _bytes_rank(rank: int, world: int, cfg: Dict[str, Any]) -> List[Dict[str, An
             _step(model, opt, rank, 1 + s, 8)
         dist.barrier()
         tx = _tx() - tx0
+        want, how = formula(codec, model, world)
         out.append({"codec": codec, "params": n, "syncs": cfg["syncs"], "tx_bytes": tx,
                     "bytes_per_param": tx / (cfg["syncs"] * n),
-                    "flatcomm_wire_bytes_per_sync": outer.stats["wire_bytes"] / outer.syncs})
+                    "flatcomm_wire_bytes_per_sync": outer.stats["wire_bytes"] / outer.syncs,
+                    "formula_bytes_per_param": want, "formula": how})
+        outer.close()
     return out
 
 
@@ -96,55 +135,73 @@ def _pin(rank: int) -> None:
 
 def _time_rank(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     from flatcomm.diloco import DiLoCo
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     if cfg["pin"]:
         _pin(rank)
     h, batch = cfg["sync_every"], cfg["batch"]
-    models = {}
-    for name in ("compute", "diloco"):
+    names = ["compute"] + list(cfg["codecs"])
+    models, outers = {}, {}
+    for name in names:
         m = _model(cfg["params"])
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
         models[name] = (m, opt)
-    m, opt = models["diloco"]
-    outer = DiLoCo(m, opt, sync_every=h, codec="int4", fragments=4, fragment_sync_delay=1)
-    rounds: Dict[str, List[float]] = {"compute": [], "diloco": []}
-    tx: Dict[str, List[int]] = {"compute": [], "diloco": []}
-    step = {"compute": 0, "diloco": 0}
-    for name in ("compute", "diloco"):  # warm-up (page faults, first sync's buffers)
+        if name != "compute":
+            outers[name] = DiLoCo(m, opt, sync_every=h, codec=name, fragments=4, fragment_sync_delay=1)
+    rounds: Dict[str, List[float]] = {n: [] for n in names}
+    tx: Dict[str, List[int]] = {n: [] for n in names}
+    step = {n: 0 for n in names}
+    for name in names:  # warm-up (page faults, first sync's buffers), then round boundaries at multiples of H
         for _ in range(2):
             _step(*models[name], rank, step[name], batch)
             step[name] += 1
-    while outer.step % h:  # round boundaries at multiples of H
-        _step(*models["diloco"], rank, step["diloco"], batch)
-        step["diloco"] += 1
+        while name in outers and outers[name].step % h:
+            _step(*models[name], rank, step[name], batch)
+            step[name] += 1
     for r in range(cfg["rounds"]):
-        for name in (("compute", "diloco") if r % 2 == 0 else ("diloco", "compute")):
+        for name in (names if r % 2 == 0 else names[::-1]):  # alternate: the box's load drifts
             dist.barrier()
             t0, b0 = time.perf_counter(), _tx()
             for _ in range(h):
                 _step(*models[name], rank, step[name], batch)
                 step[name] += 1
             rounds[name].append((time.perf_counter() - t0) / h)
+            _drain(outers.get(name), world)  # untimed: a transfer in flight must not load the next round
             tx[name].append(_tx() - b0)
-    res = {"params": sum(p.numel() for p in m.parameters()), "rounds": rounds, "tx": tx,
-           "diloco_stats": outer.stats.as_dict()}
-    outer.close()
-    del models
+    res = {"params": sum(p.numel() for p in models["compute"][0].parameters()), "rounds": rounds, "tx": tx,
+           "diloco_stats": {n: o.stats.as_dict() for n, o in outers.items()}}
+    for o in outers.values():
+        o.close()
+    del models, outers
+    res["ddp"] = _ddp_times(rank, cfg) if cfg["ddp_steps"] else []
+    return res
+
+
+def _drain(outer, world: int) -> None:
+    """Finish the sync ``outer`` has in flight (applied later on schedule, as usual), off the clock."""
+    p = outer.pending if outer is not None else None
+    if p is not None and not p.finished:
+        waited = p.waited_s
+        p.wait(world)
+        p.waited_s = waited  # the drain is the bench's, not a wait of the training
+
+
+def _ddp_times(rank: int, cfg: Dict[str, Any]) -> List[float]:
+    """DDP every step (torch's gloo all-reduce) on the same model and link: seconds per step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     ddp = DDP(_model(cfg["params"]), bucket_cap_mb=25)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     times = []
     for s in range(cfg["ddp_steps"] + 1):
         dist.barrier()
         t0 = time.perf_counter()
-        x, y = _batch(ddp.module, rank, s, batch)
+        x, y = _batch(ddp.module, rank, s, cfg["batch"])
         opt.zero_grad(set_to_none=False)
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
         if s:  # the first step builds DDP's buckets
             times.append(time.perf_counter() - t0)
-    res["ddp"] = times
-    return res
+    return times
 
 
 def _torchft_rank(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -233,6 +290,46 @@ def _torchft(a, Link) -> Dict[str, Any]:
     return {**r0, "bytes_per_param_per_sync": bpp}
 
 
+def _time(a, Link) -> Dict[str, Any]:
+    """The time runs: compute-only and DiLoCo with each of ``--time-codecs``, rounds alternating."""
+    codecs = [c for c in a.time_codecs.split(",") if c]
+    cfg = {"params": a.params, "batch": a.batch, "sync_every": a.sync_every, "rounds": a.rounds,
+           "ddp_steps": a.ddp_steps, "pin": a.pin, "codecs": codecs}
+    _progress(f"inner-step time, 2 replicas, {a.rounds} rounds of {a.sync_every} steps per variant ...")
+    with Link(2, a.link) as link:
+        res = link.run(2, _time_rank, cfg, timeout_s=3600)
+    r0 = res[0]
+    r0["rounds_per_replica"] = [r["rounds"] for r in res]
+    r0["rounds"] = {k: [max(r["rounds"][k][i] for r in res) for i in range(len(r0["rounds"][k]))]
+                    for k in r0["rounds"]}  # the slower replica's time, round by round
+    comp = min(r0["rounds"]["compute"])
+    ddp = statistics.median(r0["ddp"]) if r0["ddp"] else None
+    print(f"\ninner step, {r0['params'] / 1e6:.1f}M params, 2 replicas, {a.link}, AdamW, batch {a.batch}, "
+          f"H={a.sync_every}, fragments=4, delay 1{', a core per replica' if a.pin else ''} (the slower "
+          f"replica's time, best of {a.rounds} rounds, spread in ms):")
+    print(f"  compute only      {comp * 1e3:8.1f} ms   ({_spread(r0['rounds']['compute'])})")
+    out = {**r0, "compute_s": comp, "ddp_s": ddp, "codecs": {}}
+    for c in codecs:
+        dl = min(r0["rounds"][c])
+        median = statistics.median(r0["rounds"][c]) / statistics.median(r0["rounds"]["compute"])
+        waits = [r["diloco_stats"][c]["wait_s"] for r in res]
+        st = r0["diloco_stats"][c]
+        out["codecs"][c] = {"diloco_s": dl, "diloco_vs_compute": dl / comp, "diloco_vs_compute_median": median,
+                            "diloco_vs_ddp": dl / ddp if ddp else None, "wait_s_per_replica": waits}
+        print(f"  DiLoCo {c:10s} {dl * 1e3:8.1f} ms   ({_spread(r0['rounds'][c])})   x{dl / comp:.3f} of "
+              f"compute-only (medians: x{median:.3f}); the replicas waited "
+              f"{' and '.join(f'{w:.2f}' for w in waits)} s over {st['syncs']} fragment syncs; "
+              f"{[round(f['bytes_per_sync'] / f['numel'], 4) for f in st['fragments']]} B/param per fragment sync; "
+              f"tx per round {statistics.mean(r0['tx'][c]) / r0['params']:.4f} B/param")
+    if ddp:
+        print(f"  DDP every step    {ddp * 1e3:8.1f} ms   ({_spread(r0['ddp'])})")
+    if codecs:  # the first codec's numbers under the keys of earlier JSON files
+        out.update({k: out["codecs"][codecs[0]][k] for k in ("diloco_s", "diloco_vs_compute",
+                                                               "diloco_vs_compute_median", "diloco_vs_ddp",
+                                                               "wait_s_per_replica")})
+    return out
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The options of ``bench diloco`` (on its own parser, or on ``bench --help``'s subparser).
 
@@ -247,13 +344,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sync-every", type=int, default=40, help="inner steps between outer syncs, H (default 40)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds of --sync-every steps per variant; the fastest is kept (default 2)")
-    ap.add_argument("--ddp-steps", type=int, default=2, help="timed DDP-every-step steps (default 2)")
+    ap.add_argument("--ddp-steps", type=int, default=2, help="timed DDP-every-step steps (default 2; 0: none)")
+    ap.add_argument("--time-codecs", default="int4",
+                    help="DiLoCo codecs of the time runs, comma separated (default int4; e.g. int4,sparse)")
     ap.add_argument("--bytes-params", type=float, default=5e6,
                     help="MLP parameters of the bytes runs (default 5e6)")
     ap.add_argument("--syncs", type=int, default=2, help="outer syncs per codec in the bytes runs (default 2)")
     ap.add_argument("--replicas", default="2,4", help="replica counts of the bytes runs, comma separated (default 2,4)")
     ap.add_argument("--codecs", default="fp32,int8,int4,sign",
-                    help="codecs of the bytes runs, comma separated (default fp32,int8,int4,sign)")
+                    help="codecs of the bytes runs, comma separated (default fp32,int8,int4,sign); sparse:exact "
+                         "is the gathered exact sum; sparseloco, sparseloco:flat the SparseLoCo baseline "
+                         "(flatcomm.tools.bench.sparseloco)")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2,
                     help="each replica's threads on a core of its own (time runs; default on with 2+ cores)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: bytes, time, torchft")
@@ -285,36 +386,12 @@ def main(argv=None) -> int:
                   f"mean over nodes):")
             for i, c in enumerate(codecs):
                 per_node = [rows[r][i]["bytes_per_param"] for r in range(w)]
-                print(f"  {c:6s} {statistics.mean(per_node):6.3f} B/param (nodes {min(per_node):.3f}-"
-                      f"{max(per_node):.3f}; flatcomm's own count "
-                      f"{rows[0][i]['flatcomm_wire_bytes_per_sync'] / rows[0][i]['params']:.3f})", flush=True)
+                r0 = rows[0][i]
+                print(f"  {c:15s} {statistics.mean(per_node):7.4f} B/param (nodes {min(per_node):.4f}-"
+                      f"{max(per_node):.4f}; payload count {r0['flatcomm_wire_bytes_per_sync'] / r0['params']:.4f}; "
+                      f"formula {r0['formula_bytes_per_param']:.4f} = {r0['formula']})", flush=True)
     if "time" not in skip:
-        cfg = {"params": a.params, "batch": a.batch, "sync_every": a.sync_every, "rounds": a.rounds,
-               "ddp_steps": a.ddp_steps, "pin": a.pin}
-        _progress(f"inner-step time, 2 replicas, {a.rounds} rounds of {a.sync_every} steps per variant ...")
-        with Link(2, a.link) as link:
-            res = link.run(2, _time_rank, cfg, timeout_s=1800)
-        r0 = res[0]
-        r0["rounds_per_replica"] = [r["rounds"] for r in res]
-        r0["rounds"] = {k: [max(r["rounds"][k][i] for r in res) for i in range(len(r0["rounds"][k]))]
-                        for k in r0["rounds"]}  # the slower replica's time, round by round
-        comp, dl, ddp = min(r0["rounds"]["compute"]), min(r0["rounds"]["diloco"]), statistics.median(r0["ddp"])
-        median = statistics.median(r0["rounds"]["diloco"]) / statistics.median(r0["rounds"]["compute"])
-        out["time"] = {**r0, "compute_s": comp, "diloco_s": dl, "ddp_s": ddp, "diloco_vs_compute": dl / comp,
-                       "diloco_vs_compute_median": median, "diloco_vs_ddp": dl / ddp}
-        fr = r0["diloco_stats"]["fragments"]
-        waits = " and ".join(f"{r['diloco_stats']['wait_s']:.2f}" for r in res)
-        out["time"]["wait_s_per_replica"] = [r["diloco_stats"]["wait_s"] for r in res]
-        print(f"\ninner step, {r0['params'] / 1e6:.1f}M params, 2 replicas, {a.link}, AdamW, batch {a.batch}, "
-              f"H={a.sync_every}, fragments=4, delay 1{', a core per replica' if a.pin else ''} (the slower "
-              f"replica's time, best of {a.rounds} rounds, spread in ms):")
-        print(f"  compute only     {comp * 1e3:8.1f} ms   ({_spread(r0['rounds']['compute'])})")
-        print(f"  DiLoCo int4+EF   {dl * 1e3:8.1f} ms   ({_spread(r0['rounds']['diloco'])})   "
-              f"x{dl / comp:.3f} of compute-only (medians: x{median:.3f}); the replicas waited {waits} s over "
-              f"{r0['diloco_stats']['syncs']} fragment syncs")
-        print(f"  DDP every step   {ddp * 1e3:8.1f} ms   ({_spread(r0['ddp'])})   DiLoCo/DDP = {dl / ddp:.4f}")
-        print(f"  fragment bytes per sync (flatcomm): {[round(f['bytes_per_sync'] / f['numel'], 3) for f in fr]} "
-              f"B/param; tx per round {statistics.mean(r0['tx']['diloco']) / r0['params']:.3f} B/param")
+        out["time"] = _time(a, Link)
     if "torchft" not in skip:
         out["torchft"] = _torchft(a, Link)
     out["seconds"] = time.perf_counter() - t0
