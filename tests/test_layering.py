@@ -45,6 +45,8 @@ FLOORS: List[Tuple[str, List[str]]] = [
                       "flatcomm.diloco.schedule", "flatcomm.diloco.state", "flatcomm.diloco.sync",
                       "flatcomm.diloco.replicas", "flatcomm.diloco.checkpoint", "flatcomm.diloco.outer",
                       "flatcomm.diloco.replica_state"]),
+    ("elastic", ["flatcomm.elastic.group", "flatcomm.elastic.exchange", "flatcomm.elastic.heal",
+                 "flatcomm.elastic.diloco", "flatcomm.elastic.replica"]),
     ("checkpoints", ["flatcomm.rank_states"]),
     ("adapters", ["flatcomm.integrations._common", "flatcomm.integrations.lightning",
                   "flatcomm.integrations.accelerate", "flatcomm.integrations.transformers"]),
