@@ -221,3 +221,28 @@ def test_heal_state_checks():
     for sd, what in bad:
         with pytest.raises(ValueError, match=what):
             heal.check(sd, 0xABC, 5)
+
+
+def test_wrong_managers_and_arguments_are_refused():
+    from flatcomm.diloco import DiLoCo
+    from flatcomm.elastic import ElasticDiLoCo
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="flatcomm.elastic.ElasticDiLoCo"):
+        DiLoCo(net, opt, sync_every=2, manager=object())
+
+    class NotOurs:
+        _pg, _use_async_quorum = object(), False
+    with pytest.raises(TypeError, match="QuorumGroup"):
+        ElasticDiLoCo(net, opt, manager=NotOurs(), sync_every=2)
+    m = FakeManager("x", 0)
+    m._use_async_quorum = True
+    with pytest.raises(ValueError, match="use_async_quorum=False"):
+        ElasticDiLoCo(net, opt, manager=m, sync_every=2)
+    m._use_async_quorum = False
+    for kw, what in (({"sync_every": 0}, "sync_every"), ({"sync_every": 2, "mode": "fast"}, "mode"),
+                     ({"sync_every": 2, "codec": "auto"}, "codec"), ({"sync_every": 2, "outer_momentum": 1.0}, "momentum"),
+                     ({"sync_every": 2, "codec": "int5"}, "int5")):
+        with pytest.raises((ValueError, TypeError), match=what):
+            ElasticDiLoCo(net, opt, manager=m, **kw)
+    assert m.round == 0  # refused before any round

@@ -180,8 +180,8 @@ class ElasticDiLoCo:
         if r.committed and result is not None:
             self._commit(*result)
         elif self.manager.errored() is not None:
-            r.error = f"{type(self.manager.errored().original_exception).__name__}: " \
-                      f"{str(self.manager.errored().original_exception).splitlines()[0][:300]}"
+            e = self.manager.errored().original_exception
+            r.error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
         self.rounds.append(r)
         return r
 
