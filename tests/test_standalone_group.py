@@ -63,3 +63,25 @@ def test_gloo_group_refuses_bad_arguments():
         standalone.gloo_group(store, 0, 1, timedelta(0))
     with pytest.raises(ValueError, match="rank"):
         standalone.gloo_group(store, 2, 2, timedelta(seconds=1))
+
+
+def _many(rank, world):
+    import gc
+    import threading
+    counts = []
+    for i in range(12):
+        store = dist.PrefixStore(f"many/{i}", dist.distributed_c10d._get_default_store())
+        group = standalone.gloo_group(store, rank, world, timedelta(seconds=20))
+        t = torch.ones(33)
+        flatcomm.all_reduce(t, group=group, codec="int4")
+        assert torch.equal(t, torch.ones(33))
+        del group
+        gc.collect()
+        counts.append((len(standalone._adopted), threading.active_count()))
+    return counts
+
+
+def test_groups_let_go_of_take_their_state_with_them():
+    for counts in spawn.run(2, _many, timeout_s=60):
+        assert max(c[0] for c in counts) <= 2 * 2, counts  # at most the last one's (and one being closed)
+        assert counts[-1][1] <= counts[2][1] + 2, counts  # no thread per group left behind

@@ -50,9 +50,9 @@ def adopt(group, private, store: Optional[dist.Store] = None) -> None:
     if group.size() != private.size() or group.rank() != private.rank():
         raise ValueError(f"flatcomm: a standalone group's private copy must have its ranks: group rank "
                          f"{group.rank()} of {group.size()}, private copy rank {private.rank()} of {private.size()}")
-    with _lock:
+    with _lock:  # (a value must not hold its own key, or the weak dict never lets go of it)
         _adopted[group] = _Entry(private, store)
-        _adopted[private] = _Entry(private, store)
+        _adopted[private] = _Entry(None, store)
 
 
 def is_standalone(group) -> bool:
@@ -61,8 +61,9 @@ def is_standalone(group) -> bool:
 
 
 def private_of(group):
-    """The private copy adopted with the standalone ``group``."""
-    return _adopted[group].private
+    """The private copy adopted with the standalone ``group`` (a private copy: itself)."""
+    private = _adopted[group].private
+    return group if private is None else private
 
 
 def store_of(group) -> Optional[dist.Store]:
