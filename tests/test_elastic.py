@@ -62,7 +62,8 @@ def _churn(tmp_path, codec: str, mode: str) -> None:
         assert survived[0][0]["t"] - killed < HEARTBEAT_S + TIMEOUT_S / 2
         c.start("r2", die_in_sync=2)  # heals, then dies in its next sync's transfer
         healed = _heals(c, "r2", killed)
-        assert healed["contributors"] == 2 and healed["quorum"] == 3  # its donor's steps count once
+        # not counted in its heal sync (its donor's steps count once), and no survivor left out
+        assert healed["contributors"] == healed["quorum"] - 1 and healed["quorum"] >= 2
         c.wait_for("r2's death in a sync", lambda ev: c.exitcode("r2") == -9, timeout=60)
         after_death = _survivors_commit(c, healed["t"], 1)
         ev = c.events()

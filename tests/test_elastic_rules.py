@@ -45,17 +45,20 @@ class FakeManager:
     """What ElasticDiLoCo uses of torchft.Manager, the quorums taken from SCRIPT."""
     _use_async_quorum = False
 
-    def __init__(self, name: str, rank: int, start: int = 0):
+    def __init__(self, name: str, rank: int, start: int = 0, script=SCRIPT, heal_fails=None):
         from flatcomm.elastic import QuorumGroup
         self._pg, self.name, self.rank, self.round = QuorumGroup(timedelta(seconds=30)), name, rank, start
         self.step, self.err, self.fail_now = start, None, False
+        self.script, self.heal_fails = script, heal_fails or {}  # round -> the rank whose heal fails
 
     def register_state_dict_fn(self, key, load, save):
         self.load, self.save = load, save
 
     def start_quorum(self, allow_heal=True):
-        members, heal, self.fail_now = SCRIPT[self.round][0], SCRIPT[self.round][1], SCRIPT[self.round][2] == self.rank
-        self.err = None
+        members, heal, fail = self.script[self.round]
+        self.err, self.fail_now = None, fail == self.rank
+        if self.heal_fails.get(self.round) == self.rank:
+            self.report_error(RuntimeError("the heal's transfer failed (scripted)"))
         if heal is not None:  # the donor's heal state, through the world (every rank is in this round)
             box = [self.save() if self.rank == heal[0] else None]
             dist.broadcast_object_list(box, src=heal[0])
@@ -246,3 +249,30 @@ def test_wrong_managers_and_arguments_are_refused():
         with pytest.raises((ValueError, TypeError), match=what):
             ElasticDiLoCo(net, opt, manager=m, **kw)
     assert m.round == 0  # refused before any round
+
+
+def _heal_fails(rank, world):
+    import time
+    from flatcomm.elastic import ElasticDiLoCo
+    torch.manual_seed(0)
+    net = torch.nn.Linear(11, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    m = FakeManager("heal-fails", rank, script=[((0, 1), None, None)] * 3, heal_fails={1: 1})
+    outer = ElasticDiLoCo(net, opt, manager=m, sync_every=H, codec="int4")
+    snaps, t0 = [_snapshot(outer)], time.monotonic()
+    _train(net, opt, rank, H, 0)
+    snaps.append(_snapshot(outer))
+    took = time.monotonic() - t0
+    _train(net, opt, rank, H, H)
+    snaps.append(_snapshot(outer))
+    return snaps, [(r.committed, r.error) for r in outer.rounds], took
+
+
+def test_a_member_that_could_not_join_fails_the_round_at_once():
+    (s0, r0, took0), (s1, r1, _) = spawn.run(2, _heal_fails, timeout_s=60)
+    assert [c for c, _ in r0] == [c for c, _ in r1] == [True, False, True]
+    assert "could not join" in r0[1][1] and "scripted" in r1[1][1]
+    assert took0 < 20  # not the 30 s timeout
+    for s in (s0, s1):  # the failed round changed nothing; the next one commits, bit-equal
+        assert torch.equal(s[1]["master"], s[0]["master"]) and torch.equal(s[1]["momentum"], s[0]["momentum"])
+    assert torch.equal(s0[2]["master"], s1[2]["master"]) and not torch.equal(s0[2]["master"], s0[1]["master"])

@@ -166,16 +166,17 @@ class ElasticDiLoCo:
         t0 = time.perf_counter()
         self.manager.start_quorum(allow_heal=True)
         r.quorum_s, r.healed = time.perf_counter() - t0, self._healed
-        result = None
-        if self.manager.errored() is None:
-            t1 = time.perf_counter()
-            try:
-                result = self._exchange(r)
-            except _Mismatch:
-                raise
-            except Exception as e:  # noqa: BLE001 - a peer died or timed out: torchft skips the commit
+        result, t1 = None, time.perf_counter()
+        # A replica whose heal failed still takes part (saying so): the others then skip this round
+        # at once instead of waiting out the timeout for it.
+        try:
+            result = self._exchange(r, ok=self.manager.errored() is None)
+        except _Mismatch:
+            raise
+        except Exception as e:  # noqa: BLE001 - a peer died or timed out: torchft skips the commit
+            if self.manager.errored() is None:
                 self.manager.report_error(e)
-            r.exchange_s = time.perf_counter() - t1
+        r.exchange_s = time.perf_counter() - t1
         r.committed = bool(self.manager.should_commit())
         if r.committed and result is not None:
             self._commit(*result)
@@ -185,12 +186,13 @@ class ElasticDiLoCo:
         self.rounds.append(r)
         return r
 
-    def _exchange(self, r: Round):
-        """(new master, new momentum, residuals, layout, applied) of this round; changes nothing."""
+    def _exchange(self, r: Round, ok: bool):
+        """(new master, new momentum, residuals, layout, applied) of this round; changes nothing.
+        ``ok``: this replica joined the round well (False: its heal or group set-up failed)."""
         group = self._pg.current()
         layout = (group.rank(), group.size())
         contributes = self._trained and not self._healed
-        r.quorum, r.contributors = group.size(), self._agree(group, contributes)
+        r.quorum, r.contributors = group.size(), self._agree(group, contributes, ok)
         f, stats = self.fragment, C.CommStats()
         residuals = f.residual_copies(self._work)
         master, momentum = f.master, f.momentum
@@ -212,17 +214,22 @@ class ElasticDiLoCo:
             self._verify(group, master)
         return master, momentum, residuals, layout, r.contributors > 0
 
-    def _agree(self, group, contributes: bool) -> int:
-        """The number of contributors; raises on every member if the configurations differ."""
-        parts = [float(contributes)] + [float((self.fingerprint >> (16 * i)) & 0xFFFF) for i in range(3)]
-        rows = torch.empty(group.size() * 4, dtype=torch.float32)
+    def _agree(self, group, contributes: bool, ok: bool) -> int:
+        """The number of contributors; raises on every member if a member could not join this
+        round (a transient failure) or if the configurations differ (:class:`_Mismatch`)."""
+        parts = [float(contributes), float(ok)] + [float((self.fingerprint >> (16 * i)) & 0xFFFF) for i in range(3)]
+        rows = torch.empty(group.size() * 5, dtype=torch.float32)
         C.all_gather(rows, torch.tensor(parts), codec="fp32", group=group)
-        table = rows.view(-1, 4).to(torch.int64).tolist()
+        table = rows.view(-1, 5).to(torch.int64).tolist()
         try:
-            replicas.differing([sum(v << (16 * i) for i, v in enumerate(row[1:])) for row in table],
+            replicas.differing([sum(v << (16 * i) for i, v in enumerate(row[2:])) for row in table],
                                "the elastic DiLoCo configuration")
         except RuntimeError as e:
             raise _Mismatch(str(e)) from None
+        failed = [i for i, row in enumerate(table) if not row[1]]
+        if failed:
+            raise RuntimeError(f"flatcomm.elastic: replica(s) {failed} of the quorum could not join the sync after "
+                               f"inner step {self.step} (healing or the group's set-up failed): nothing is committed")
         return sum(row[0] for row in table)
 
     def _verify(self, group, master: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ class Cluster:
 
     def __init__(self, tmp: Path, n: int, heartbeat_ms: int = 1000, **replica_args: object) -> None:
         from torchft._torchft import LighthouseServer
-        self.lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=500,
+        self.lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2000,
                                            heartbeat_timeout_ms=heartbeat_ms)
         self.tmp, self.log, self.stop = tmp, tmp / "log.jsonl", tmp / "stop"
         self.args = {k.replace("_", "-"): v for k, v in replica_args.items()}
