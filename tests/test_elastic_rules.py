@@ -84,6 +84,12 @@ class FakeManager:
     def current_step(self):
         return self.step
 
+    def state_dict(self):
+        return {"step": self.step, "batches_committed": 0}
+
+    def load_state_dict(self, sd):
+        self.step = sd["step"]
+
 
 def _train(net, opt, rank, steps, at):
     for i in range(steps):
@@ -276,3 +282,50 @@ def test_a_member_that_could_not_join_fails_the_round_at_once():
     for s in (s0, s1):  # the failed round changed nothing; the next one commits, bit-equal
         assert torch.equal(s[1]["master"], s[0]["master"]) and torch.equal(s[1]["momentum"], s[0]["momentum"])
     assert torch.equal(s0[2]["master"], s1[2]["master"]) and not torch.equal(s0[2]["master"], s0[1]["master"])
+
+
+def _resume(rank, world):
+    from flatcomm.elastic import ElasticDiLoCo
+    script = [((0, 1), None, None)] * 5
+
+    def replica(name, start=0, resume=None, seed=0):
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Linear(11, 23), torch.nn.Tanh(), torch.nn.Linear(23, 3))
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)  # stateless: nothing else to save
+        m = FakeManager(name, rank, start=start, script=script)
+        return net, opt, m, ElasticDiLoCo(net, opt, manager=m, sync_every=H, codec="int4", resume=resume)
+    net, opt, m, outer = replica("whole")
+    for _ in range(3):  # join, then 3 syncs
+        _train(net, opt, rank, H, outer.step)
+        if outer.syncs == 2:
+            sd = outer.state_dict()
+    whole = outer.fragment.master.clone()
+    bad = {**sd, "residuals": sd["residuals"][:1]}
+    try:
+        replica("bad", start=3, resume=bad)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    net, opt, m, outer = replica("resumed", start=3, resume=sd, seed=5)  # other weights: the checkpoint wins
+    assert m.step == sd["torchft"]["step"] + 1 and outer.syncs == 2 and outer.rounds[-1].contributors == 0
+    _train(net, opt, rank, H, outer.step)
+    return whole, outer.fragment.master.clone(), refused
+
+
+def test_resume_from_a_checkpoint_continues_bit_for_bit():
+    for whole, resumed, refused in spawn.run(2, _resume, timeout_s=60):
+        assert torch.equal(whole, resumed)
+        assert refused is not None and "residuals" in refused
+
+
+def test_checkpoint_checks():
+    from flatcomm.elastic import heal
+    st = heal.state(torch.zeros(5), torch.zeros(5), 12, 3, 0xABC)
+    good = heal.checkpoint(st, [torch.zeros(5), torch.zeros(5)], (0, 2), {"step": 4})
+    heal.check_checkpoint(good, 0xABC, 5, [5, 5])
+    for sd, what in (({**good, "layout": [0]}, "layout"), ({**good, "torchft": {}}, "torchft"),
+                     ({**good, "residuals": [torch.zeros(5)]}, "residuals"), (st, "lacks"),
+                     ({**good, "residuals": [torch.zeros(5), torch.full((5,), float("inf"))]}, "finite"),
+                     ({**good, "fingerprint": 7}, "configuration"), ([], "dict")):
+        with pytest.raises(ValueError, match=what):
+            heal.check_checkpoint(sd, 0xABC, 5, [5, 5])

@@ -96,11 +96,13 @@ class ElasticDiLoCo:
         outer_lr, outer_momentum, nesterov: torch SGD's, applied to the fp32 master.
         error_feedback: keep what the codec did not send for the next sync.
         verify_every: compare the masters' hashes every this many rounds before committing (0: never).
+        resume: a :meth:`state_dict` of this replica to start from (checked; torchft's step too).
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, manager, sync_every: int,
                  codec: Any = "int4", mode: str = "ordered", outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, error_feedback: bool = True, verify_every: int = 1) -> None:
+                 nesterov: bool = True, error_feedback: bool = True, verify_every: int = 1,
+                 resume: Optional[Dict[str, Any]] = None) -> None:
         self._pg = _check_manager(manager)
         self.manager = manager
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -123,6 +125,8 @@ class ElasticDiLoCo:
         self._healed = False
         self._layout: Optional[exchange.Layout] = None  # of the last committed exchange
         self._work = Workspace()
+        if resume is not None:
+            self._resume(resume)
         manager.register_state_dict_fn(heal.KEY, self._load_heal, self._heal_state)
         self.sync()  # join
         self._hook = inner_optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_inner_step())
@@ -263,6 +267,22 @@ class ElasticDiLoCo:
         f.set_weights(f.master, 0.0)
         self.step, self.syncs = sd["step"], sd["syncs"]
         self._layout, self._trained, self._healed = None, False, True
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This replica's committed state: master, momentum, residuals, step, syncs, torchft's step
+        (not the weights: save the model and the inner optimizer beside it). Pass it as ``resume=``."""
+        return heal.checkpoint(self._heal_state(), self.fragment.residuals, self._layout, self.manager.state_dict())
+
+    def _resume(self, sd: Dict[str, Any]) -> None:
+        f = self.fragment
+        heal.check_checkpoint(sd, self.fingerprint, f.numel, [r.numel() for r in f.residuals])
+        self.manager.load_state_dict(sd["torchft"])
+        f.commit(sd["master"], sd["momentum"], sd["residuals"])
+        f.set_weights(f.master, 0.0)
+        self.step, self.syncs = sd["step"], sd["syncs"]
+        self._layout = None if sd["layout"] is None else (sd["layout"][0], sd["layout"][1])
 
     # ---- the rest -----------------------------------------------------------------------------------
 
