@@ -185,8 +185,8 @@ class ElasticDiLoCo:
         if r.committed and result is not None:
             self._commit(*result)
         elif self.manager.errored() is not None:
-            e = self.manager.errored().original_exception
-            r.error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+            why = self.manager.errored().original_exception
+            r.error = f"{type(why).__name__}: {(str(why).splitlines() or [''])[0][:300]}"
         self.rounds.append(r)
         return r
 
