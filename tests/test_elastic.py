@@ -1,7 +1,8 @@
 """flatcomm.elastic on a real torchft lighthouse (loopback) with 3 replica processes on gloo:
 a replica SIGKILLed mid-interval and restarted with the same id heals and, after the next sync,
 every master is bit-equal; the survivors keep committing meanwhile; a replica killed during a
-sync's transfer makes that sync commit nothing on any survivor, within the timeout."""
+sync's transfer makes that sync commit nothing on any survivor, within the timeout; (slow) a donor
+killed while another replica heals from it: the heal is retried from the other survivor."""
 from __future__ import annotations
 
 import pytest
@@ -94,3 +95,31 @@ def test_kill_restart_heal_ordered_int4(tmp_path):
 @pytest.mark.parametrize("codec,mode", [("int8", "exact"), ("sparse", "ordered")])
 def test_kill_restart_heal_other_codecs(tmp_path, codec, mode):
     _churn(tmp_path, codec, mode)
+
+
+@pytest.mark.slow
+def test_donor_killed_during_a_heal(tmp_path):
+    marker = tmp_path / "a donor died"
+    c = Cluster(tmp_path, 0, heartbeat_ms=int(HEARTBEAT_S * 1000), timeout=TIMEOUT_S)
+    try:  # r0 and r1: the first of them asked for a heal state (from step 3 on) dies there
+        for rid in ("r0", "r1"):
+            c.start(rid, die_serving_heal=marker)
+        c.start("r2")
+        c.wait_for("3 replicas in sync", lambda ev: len({e["id"] for e in _rounds(ev, quorum=3, contributors=3,
+                                                                                   committed=True)}) == 3)
+        killed = _kill_mid_interval(c, "r2")
+        c.start("r2")  # heals from r0 or r1, which dies serving it; then heals from the other
+        healed = _heals(c, "r2", killed)
+        assert marker.exists()
+        failed = [e for e in _rounds(c.events(), "r2", committed=False) if e["t"] > killed]
+        # its first join failed with the donor; it joined again at once, without training from its own weights
+        assert failed and failed[0]["step"] == 0 and healed["step"] == 0, (failed, healed)
+        donor = next(r for r in ("r0", "r1") if c.exitcode(r) == -9)
+        c.start(donor)
+        _heals(c, donor, healed["t"])
+        c.wait_for("a full sync after the heals", lambda ev: len({e["id"] for e in _rounds(
+            ev, committed=True, contributors=3) if e["t"] > healed["t"]}) == 3)
+        c.finish()
+        _assert_equal_masters(c.events())
+    finally:
+        c.close()

@@ -55,6 +55,9 @@ class Round:
     error: Optional[str] = None  # why this replica did not commit
 
 
+JOIN_ATTEMPTS = 10  # join rounds before construction gives up
+
+
 class _Mismatch(RuntimeError):
     """A disagreement between replicas that no retry fixes: raised, never reported to torchft."""
 
@@ -82,8 +85,9 @@ def _check_manager(manager) -> QuorumGroup:
 class ElasticDiLoCo:
     """DiLoCo outer sync of ``model`` over the replicas of a torchft ``manager``'s quorum.
 
-    Construction joins: one round that commits no outer step (a fresh replica with the others at
-    step 0 checks that every replica starts from the same weights; a restarted one heals). Then
+    Construction joins: rounds that apply no outer step of their own, until one commits (a fresh
+    replica with the others at step 0 checks that every replica starts from the same weights; a
+    restarted one heals, again if its donor died meanwhile). Then
     every ``sync_every`` inner steps of ``inner_optimizer`` run one round (:meth:`sync`).
 
     Args:
@@ -128,7 +132,7 @@ class ElasticDiLoCo:
         if resume is not None:
             self._resume(resume)
         manager.register_state_dict_fn(heal.KEY, self._load_heal, self._heal_state)
-        self.sync()  # join
+        self._join()
         self._hook = inner_optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_inner_step())
 
     def _configure(self, model, codec, mode, error_feedback) -> Tuple[exchange.Plan, Fragment]:
@@ -155,6 +159,15 @@ class ElasticDiLoCo:
         return int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=6).digest(), "little")
 
     # ---- the rounds ---------------------------------------------------------------------------------
+
+    def _join(self, attempts: int = JOIN_ATTEMPTS) -> None:
+        """Rounds until one commits: training starts from the quorum's master, never from weights a
+        failed heal left (each round is bounded by the manager's timeouts)."""
+        for _ in range(attempts):
+            if self.sync().committed:
+                return
+        raise RuntimeError(f"flatcomm.elastic: could not join the replicas in {attempts} rounds; the last one "
+                           f"failed with: {self.rounds[-1].error}")
 
     def after_inner_step(self) -> None:
         """Count one inner step; run a sync round every ``sync_every`` (the hook calls it)."""

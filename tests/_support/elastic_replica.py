@@ -7,7 +7,8 @@ healed, the master's hash, timings, error), ``mid`` in the middle of every inter
 kills it), ``done`` at the end. It stops after the round where torchft's step reaches the number in
 ``--stop-file`` (all replicas read the same number, so they stop after the same round).
 ``--die-in-sync N``: SIGKILL itself at the start of its N-th sum (after the round's quorum and
-agreement: a death during the sync's transfer).
+agreement: a death during the sync's transfer). ``--die-serving-heal F``: SIGKILL itself when a
+peer asks for its heal state (a donor dying mid-heal), once: the first donor that creates the file F.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def _args(argv=None):
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--die-in-sync", type=int, default=0)
     ap.add_argument("--seed-offset", type=int, default=0)
+    ap.add_argument("--die-serving-heal", default="", help="a file: SIGKILL itself when asked for its heal state "
+                    "at torchft step >= 3 unless the file exists (creating it: one donor of several dies)")
     return ap.parse_args(argv)
 
 
@@ -49,6 +52,19 @@ def _die_in_sync(n: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return real(*a, **kw)
     exchange.sum_over = dying
+
+
+def _die_serving_heal(manager_of, marker: str) -> None:
+    from flatcomm.elastic import heal
+    real = heal.state
+
+    def dying(*a, **kw):
+        m = manager_of()
+        if m is not None and m.current_step() >= 3 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)  # a donor dying while another replica heals from it
+        return real(*a, **kw)
+    heal.state = dying
 
 
 def _stop_at(path: str) -> int:
@@ -81,8 +97,12 @@ def main(argv=None) -> None:
     torch.manual_seed(0)  # every replica starts from the same weights
     net = torch.nn.Sequential(torch.nn.Linear(13, 37), torch.nn.Tanh(), torch.nn.Linear(37, 5))
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    holder: list = []
+    if a.die_serving_heal:
+        _die_serving_heal(lambda: holder[0] if holder else None, a.die_serving_heal)
     manager = elastic.make_manager(a.id, a.lighthouse, timeout=timedelta(seconds=a.timeout),
                                    quorum_timeout=timedelta(seconds=60), hostname="localhost")
+    holder.append(manager)
     outer = elastic.ElasticDiLoCo(net, opt, manager=manager, sync_every=a.sync_every, codec=a.codec, mode=a.mode)
     seen = 0
     while True:
