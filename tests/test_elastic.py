@@ -92,7 +92,7 @@ def test_kill_restart_heal_ordered_int4(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("codec,mode", [("int8", "exact"), ("sparse", "ordered")])
+@pytest.mark.parametrize("codec,mode", [("int4", "exact"), ("int8", "exact"), ("sparse", "ordered")])
 def test_kill_restart_heal_other_codecs(tmp_path, codec, mode):
     _churn(tmp_path, codec, mode)
 
