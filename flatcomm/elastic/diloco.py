@@ -209,7 +209,8 @@ class ElasticDiLoCo:
         group = self._pg.current()
         layout = (group.rank(), group.size())
         contributes = self._trained and not self._healed
-        r.quorum, r.contributors = group.size(), self._agree(group, contributes, ok)
+        r.quorum = group.size()
+        r.contributors = self._agree(group, contributes, ok)
         f, stats = self.fragment, C.CommStats()
         residuals = f.residual_copies(self._work)
         master, momentum = f.master, f.momentum
