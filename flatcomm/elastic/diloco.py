@@ -153,9 +153,10 @@ class ElasticDiLoCo:
         return plan, frag
 
     def _fingerprint(self) -> int:
+        # verify_every too: whether a round compares hashes is a collective every member must agree on
         f, p = self.fragment, self.plan
         desc = repr((self.sync_every, str(p.codec), p.codec.keep if p.codec.chunked else 0, p.mode, p.feedback,
-                     self.lr, self.momentum_factor, self.nesterov, f.names, f.sizes))
+                     self.lr, self.momentum_factor, self.nesterov, f.names, f.sizes, self.verify_every))
         return int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=6).digest(), "little")
 
     # ---- the rounds ---------------------------------------------------------------------------------
