@@ -329,3 +329,21 @@ def test_checkpoint_checks():
                      ({**good, "fingerprint": 7}, "configuration"), ([], "dict")):
         with pytest.raises(ValueError, match=what):
             heal.check_checkpoint(sd, 0xABC, 5, [5, 5])
+
+
+def _differ(rank, world):
+    from flatcomm.elastic import ElasticDiLoCo
+    torch.manual_seed(0)
+    net = torch.nn.Linear(11, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    m = FakeManager("differ", rank, script=[((0, 1), None, None)])
+    try:
+        ElasticDiLoCo(net, opt, manager=m, sync_every=H, verify_every=1 + rank)
+    except RuntimeError as e:
+        return str(e), m.step
+    return None, m.step
+
+
+def test_replicas_configured_differently_all_raise():
+    for msg, step in spawn.run(2, _differ, timeout_s=60):
+        assert msg is not None and "configuration" in msg and "[1]" in msg and step == 0
