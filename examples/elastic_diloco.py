@@ -9,7 +9,8 @@ Two runs: without churn, then with replica r{last} killed (SIGKILL, mid-interval
 ``--churn-every`` syncs and restarted with the same id from a warm process (a forkserver that has
 imported torch). Prints, per run: the survivors' inner steps per second, the time from each death
 to the survivors' next committed sync, the restarted replica's time from start to its heal and its
-heal size, and whether every replica's fp32 master was bitwise equal after every committed sync.
+heal size, whether every replica's fp32 master was bitwise equal after every committed sync, and
+the final model's loss on held-out data (the same on every replica).
 """
 from __future__ import annotations
 
@@ -57,6 +58,10 @@ def replica(a, rid: str, lighthouse: str, log: str, stop: str) -> None:
         opt.zero_grad()
         (net(x) - x.roll(1, dims=1)).pow(2).mean().backward()
         opt.step()
+    with torch.no_grad():  # the weights are the master after the last committed sync
+        x = torch.randn(1024, 64, generator=torch.Generator().manual_seed(12345))
+        loss = float((net(x) - x.roll(1, dims=1)).pow(2).mean())
+    out.write(json.dumps({"id": rid, "t": time.time(), "mid": False, "done": True, "heldout": loss}) + "\n")
     out.close()
     manager.shutdown(wait=False)
     os._exit(0)
@@ -108,6 +113,8 @@ def run(a, churn: int, tmp: Path) -> dict:
 
 
 def summarize(ev: list, kills: list, survivors: list, victim: str) -> dict:
+    heldout = [e["heldout"] for e in ev if e.get("done")]
+    ev = [e for e in ev if not e.get("done")]
     rounds = [e for e in ev if not e["mid"]]
     committed = [e for e in rounds if e["committed"]]
     by_step: dict = {}
@@ -123,7 +130,8 @@ def summarize(ev: list, kills: list, survivors: list, victim: str) -> dict:
     return {"steps_per_s": sum(steps) / len(steps) / (t1 - t0), "death_to_commit_s": after,
             "start_to_heal_s": [e["t"] - e["started"] for e in heals],
             "heal_bytes": heals[0]["heal_bytes"] if heals else 0,
-            "all_equal": all(len(h) == 1 for h in by_step.values()), "syncs": len(by_step)}
+            "all_equal": all(len(h) == 1 for h in by_step.values()) and len(set(heldout)) == 1,
+            "syncs": len(by_step), "heldout": sum(heldout) / max(1, len(heldout))}
 
 
 def main(argv=None) -> None:
@@ -151,6 +159,7 @@ def main(argv=None) -> None:
           f"   ratio {churn['steps_per_s'] / base['steps_per_s']:.2f}")
     print(f"{'syncs, masters equal':24}{base['syncs']:>8} {base['all_equal']!s:>3}{churn['syncs']:>8} "
           f"{churn['all_equal']!s:>3}")
+    print(f"{'held-out loss':24}{base['heldout']:12.4f}{churn['heldout']:12.4f}")
     print("death -> survivors' next commit (s):", " ".join(f"{x:.2f}" for x in churn["death_to_commit_s"]))
     print("restart -> healed commit (s):", " ".join(f"{x:.2f}" for x in churn["start_to_heal_s"]),
           f" heal size {churn['heal_bytes'] / 1e6:.2f} MB (master + momentum)")
