@@ -23,7 +23,7 @@ from typing import Any, Callable, List, Optional, Tuple, TypeVar, Union
 import torch
 import torch.distributed as dist
 
-from . import groups, header, signature, worker
+from . import groups, header, signature, standalone, worker
 from .header import DTYPES, MODES
 from .pipeline import CommStats, Plan, default_chunks, plan, shard_bounds
 from .spec import CallSpec
@@ -265,7 +265,7 @@ def setup(group, codec: CodecLike, mode: str, op: OpLike):
     if mode == "exact" and not c.lossless:
         raise ValueError("flatcomm: mode='exact' sums exact fixed point of the values; use codec='fp32' with it")
     world = dist.get_world_size(group)
-    return c, world, dist.get_rank(group), reduce_scale(op, world)
+    return c, world, standalone.rank(group), reduce_scale(op, world)
 
 
 def alone(c: Codec, world: int, dtype: torch.dtype) -> Codec:
@@ -383,4 +383,4 @@ def all_gather_call(group, output, input, spec: CallSpec) -> Call:
     check_residual(r, n, src, "residual")
     fields = signature.signature(header.KIND_IDS["all_gather"], n, c, "ordered", 1.0, src.dtype, 1,
                               [signature.device_field(src.device)])
-    return Call(c, world, dist.get_rank(group), 1.0, src, out, fields, residual=r)
+    return Call(c, world, standalone.rank(group), 1.0, src, out, fields, residual=r)

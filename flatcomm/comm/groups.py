@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import context
+from . import context, standalone
 
 __all__ = ["EXCHANGE_ALONE", "exchanges", "forget", "has_private", "group_timeout", "is_private", "private_group",
            "settle_at_exit"]
@@ -84,7 +84,8 @@ def _alive(pg) -> bool:
 
 
 def is_private(group) -> bool:
-    return group is not None and group in _owned
+    return group is not None and (group in _owned or (standalone.is_standalone(group) and
+                                                      standalone.private_of(group) is group))
 
 
 def has_private(group) -> bool:
@@ -125,6 +126,8 @@ def private_group(group=None, *, timeout: Optional[timedelta] = None):
     existing group, it replaces that group's timeout on this rank.
 
     With one rank nothing is exchanged and ``group`` itself is returned."""
+    if standalone.is_standalone(group):  # made with its private copy (flatcomm.comm.standalone)
+        group = standalone.private_of(group)
     if is_private(group):
         if timeout is not None:
             group.set_timeout(timeout)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions  # (not re-exported by torch.distributed)
 
-from . import context, groups, worker
+from . import context, groups, standalone, worker
 from ..ops.codecs import CODECS
 
 __all__ = ["ALL_DTYPES", "AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "KIND_IDS", "MAGIC", "MODES", "REASON_BYTES",
@@ -127,12 +127,21 @@ def _reason(r: torch.Tensor) -> str:
 
 
 def _store_key(group, call: int, global_rank: int) -> str:
-    name = getattr(group if group is not None else dist.group.WORLD, "group_name", "")
+    name = "standalone" if standalone.is_standalone(group) else \
+        getattr(group if group is not None else dist.group.WORLD, "group_name", "")
     return f"flatcomm/reason/{name}/{call}/{global_rank}"
 
 
-def _store():
-    return dist.distributed_c10d._get_default_store()  # every group's store is a prefix of this one
+def _store(group):
+    # every listed group's store is a prefix of the default one; a standalone group has its own
+    store = standalone.store_of(group)
+    if store is None:
+        raise RuntimeError("no store")
+    return store
+
+
+def _global_rank(group) -> int:
+    return standalone.rank(group) if standalone.is_standalone(group) else dist.get_rank()
 
 
 def _publish(group, call: int, reason: str) -> None:
@@ -140,7 +149,7 @@ def _publish(group, call: int, reason: str) -> None:
     if len(reason.encode("utf-8", "replace")) <= REASON_BYTES:
         return
     try:
-        _store().set(_store_key(group, call, dist.get_rank()), reason.encode("utf-8", "replace"))
+        _store(group).set(_store_key(group, call, _global_rank(group)), reason.encode("utf-8", "replace"))
     except Exception:  # noqa: BLE001 - no store: the peers show the row's start, marked as cut
         pass
 
@@ -153,8 +162,8 @@ def _whole_reasons(group, table: torch.Tensor, nfields: int, ranks: Sequence[int
             continue
         key = _store_key(group, int(table[r, 1]), ranks[r])
         try:  # the failing rank wrote it before sending its row: check() sees it, get() does not wait
-            if _store().check([key]):
-                out[r] = _store().get(key).decode("utf-8", "replace")
+            if _store(group).check([key]):
+                out[r] = _store(group).get(key).decode("utf-8", "replace")
         except Exception:  # noqa: BLE001 - the row's start, marked as cut, stands in
             pass
     return out
@@ -285,7 +294,7 @@ def _exchange_table(group, mine: torch.Tensor, device: torch.device, async_op: b
 def _ranks_of(group) -> List[int]:
     """The global rank of each of ``group``'s ranks, for messages (a subgroup's rank 1 may be rank 3)."""
     try:
-        return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        return standalone.ranks(group)
     except Exception:  # noqa: BLE001 - e.g. a group torch does not list: its own numbering
         return list(range(dist.get_world_size(group)))
 

@@ -16,6 +16,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import standalone
+
 __all__ = ["Exchange", "all_gather", "all_to_all", "used_for"]
 
 
@@ -45,7 +47,7 @@ def _post(group, tag: int, sends: Sequence, recvs: Sequence) -> Exchange:
 def all_to_all(group, pieces: Sequence[torch.Tensor], recv: torch.Tensor, recv_row: int, tag: int) -> Exchange:
     """``pieces[d]`` to rank d; row r of ``recv`` (``recv_row`` values each) from rank r. This
     rank's own piece is copied into its row now, so it may be overwritten once this returns."""
-    me, world = dist.get_rank(group), dist.get_world_size(group)
+    me, world = standalone.rank(group), dist.get_world_size(group)
     rows = [recv[r * recv_row:(r + 1) * recv_row] for r in range(world)]
     rows[me].copy_(pieces[me])
     others = [r for r in range(world) if r != me]
@@ -55,6 +57,6 @@ def all_to_all(group, pieces: Sequence[torch.Tensor], recv: torch.Tensor, recv_r
 def all_gather(group, send: torch.Tensor, outs: Sequence[Optional[torch.Tensor]], tag: int) -> Exchange:
     """``send`` to every other rank; rank r's into ``outs[r]`` (``send``'s size; this rank's own
     entry is left to the caller)."""
-    me, world = dist.get_rank(group), dist.get_world_size(group)
+    me, world = standalone.rank(group), dist.get_world_size(group)
     others = [r for r in range(world) if r != me]
     return _post(group, tag, [(d, send) for d in others], [(r, outs[r]) for r in others])

@@ -11,7 +11,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import context, groups, header, p2p
+from . import context, groups, header, p2p, standalone
 from .labels import label
 from ..ops.codecs import Codec, decode_sum, encode
 
@@ -246,7 +246,7 @@ class Pipeline:
             return self.all_to_all_pieces(list(torch.split(send, send_sizes)), recv_row, world)
         self.checked()
         recv = self.empty(world * recv_row, send.dtype, send.device)
-        self.stats.wire_bytes += (send.numel() - send_sizes[dist.get_rank(self.group)]) * send.element_size()
+        self.stats.wire_bytes += (send.numel() - send_sizes[standalone.rank(self.group)]) * send.element_size()
         if not groups.exchanges(self.group):
             recv.copy_(send)
             return None, recv
@@ -259,7 +259,7 @@ class Pipeline:
         if p2p.used_for(pieces[0]) and groups.exchanges(self.group):
             self.checked()
             recv = self.empty(world * recv_row, pieces[0].dtype, pieces[0].device)
-            me = dist.get_rank(self.group)
+            me = standalone.rank(self.group)
             self.stats.wire_bytes += sum(t.numel() for d, t in enumerate(pieces) if d != me) * pieces[0].element_size()
             return p2p.all_to_all(self.group, pieces, recv, recv_row, self.next_tag()), recv
         buf = self.timed("encode_s", lambda: torch.cat(pieces))
@@ -272,7 +272,7 @@ class Pipeline:
             recv.copy_(send)
             return None, recv
         if p2p.used_for(send):
-            n, me = send.numel(), dist.get_rank(self.group)
+            n, me = send.numel(), standalone.rank(self.group)
             outs = [recv[r * n:(r + 1) * n] for r in range(world)]
             outs[me].copy_(send)
             return self.gather_pieces(send, outs), recv

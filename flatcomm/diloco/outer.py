@@ -180,7 +180,12 @@ class DiLoCo:
                  fragment_update_alpha: float = 0.0, group=None, error_feedback: bool = True,
                  residual_dtype: torch.dtype = torch.float32, verify_every: int = 0,
                  topology: Optional[Topology] = None, allow_ddp: bool = False,
-                 error_decay: float = 1.0) -> None:
+                 error_decay: float = 1.0, manager: Any = None) -> None:
+        if manager is not None:  # a torchft Manager: the replicas change between syncs
+            raise ValueError(
+                "flatcomm.diloco: DiLoCo runs on a fixed process group and takes no torchft manager; for replicas "
+                "that die, restart and heal use flatcomm.elastic.ElasticDiLoCo(model, opt, manager=manager, "
+                "sync_every=...) (docs/elastic.md). The framework adapters and flatcomm.rank_states work with DiLoCo only")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"flatcomm.diloco: inner_optimizer must be a torch.optim.Optimizer, "
                             f"got {type(inner_optimizer).__name__}")

@@ -4,9 +4,9 @@ from __future__ import annotations
 import ast
 
 # Source that starts processes: gloo ranks (flatcomm.tools.spawn), torchrun, network namespaces, the
-# hardening runs, and the command-line tools that start ranks, run as subprocesses (as ast.unparse
+# hardening runs, torchft replica processes (tests/_support/elastic_cluster.py), and the command-line tools that start ranks, run as subprocesses (as ast.unparse
 # writes them: single quotes) or in process (their main imported).
-_STARTS_PROCESSES = ("spawn.run(", "TORCHRUN", "'torchrun'", "'torch.distributed.run'", "Link(", "hardening.fuzz(", "hardening.kills(",
+_STARTS_PROCESSES = ("spawn.run(", "TORCHRUN", "'torchrun'", "'torch.distributed.run'", "Link(", "Cluster(", "hardening.fuzz(", "hardening.kills(",
                      "'flatcomm.bench'", "'flatcomm.tune'", "flatcomm.tools.bench import main",
                      "flatcomm.tools.tune import main")
 

@@ -1,0 +1,54 @@
+"""A torchft Manager set up for :class:`~flatcomm.elastic.ElasticDiLoCo` (one process per replica).
+
+torchft needs, per replica group, a TCPStore (its ranks and quorum groups rendezvous there), a
+reconfigurable process group and a Manager that talks to the lighthouse. For a replica of one
+process, :func:`make_manager` makes all three with the settings ElasticDiLoCo needs:
+``use_async_quorum=False`` (heal before the exchange), ``init_sync=False`` (replicas seeded alike
+start together; the join round checks that their weights are equal) and a
+:class:`~flatcomm.elastic.QuorumGroup`.
+"""
+from __future__ import annotations
+
+import weakref
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+from torchft import Manager
+
+from .group import QuorumGroup
+
+__all__ = ["make_manager"]
+
+_stores: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # manager -> the store it needs alive
+
+
+def make_manager(replica_id: str, lighthouse: str, *, timeout: timedelta = timedelta(seconds=30),
+                 quorum_timeout: timedelta = timedelta(seconds=300), min_replicas: int = 2,
+                 heartbeat_interval: timedelta = timedelta(milliseconds=100),
+                 hostname: Optional[str] = None) -> Manager:
+    """A torchft Manager for a one-process replica, with its own TCPStore on a free port.
+
+    Args:
+        replica_id: this replica's name, the same when it restarts (torchft appends a uuid).
+        lighthouse: the lighthouse's address (``torchft_lighthouse``'s, e.g. ``http://host:29510``).
+        timeout: the bound of every collective, of ``should_commit`` and of a heal's transfer.
+        quorum_timeout: how long a sync waits for a quorum (longer than an interval: a restarted
+            replica waits here for the others' next sync).
+        min_replicas: the fewest replicas a sync commits with.
+        heartbeat_interval: how often this replica tells the lighthouse it is alive.
+        hostname: the address peers reach this replica at (default: this host's name).
+    """
+    if not isinstance(replica_id, str) or not replica_id or ":" in replica_id:
+        raise ValueError(f"flatcomm.elastic: replica_id must be a non-empty str without ':', got {replica_id!r}")
+    if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
+        raise ValueError(f"flatcomm.elastic: min_replicas must be an int >= 1, got {min_replicas!r}")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    kw = {} if hostname is None else {"hostname": hostname}
+    manager = Manager(pg=QuorumGroup(timeout=timeout), load_state_dict=None, state_dict=None,
+                      min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout,
+                      quorum_timeout=quorum_timeout, connect_timeout=timeout, store_addr="127.0.0.1",
+                      store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
+                      replica_id=replica_id, heartbeat_interval=heartbeat_interval, init_sync=False, **kw)
+    _stores[manager] = store
+    return manager

@@ -1,0 +1,125 @@
+"""flatcomm.elastic on a real torchft lighthouse (loopback) with 3 replica processes on gloo:
+a replica SIGKILLed mid-interval and restarted with the same id heals and, after the next sync,
+every master is bit-equal; the survivors keep committing meanwhile; a replica killed during a
+sync's transfer makes that sync commit nothing on any survivor, within the timeout; (slow) a donor
+killed while another replica heals from it: the heal is retried from the other survivor."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torchft", reason="flatcomm.elastic needs torchft (pip install 'flatcomm[elastic]')")
+
+from _support.elastic_cluster import Cluster  # noqa: E402
+
+TIMEOUT_S = 10.0  # the replicas' collective / should_commit timeout
+HEARTBEAT_S = 1.0
+
+
+def _rounds(events, rid=None, **match):
+    return [e for e in events if e["event"] == "round" and (rid is None or e["id"] == rid)
+            and all(e[k] == v for k, v in match.items())]
+
+
+def _assert_equal_masters(events):
+    """Every committed round: each replica that committed it holds the same master."""
+    by_step: dict = {}
+    for e in _rounds(events, committed=True):
+        by_step.setdefault(e["mstep"], set()).add(e["hash"])
+    assert by_step and all(len(h) == 1 for h in by_step.values()), by_step
+
+
+def _kill_mid_interval(c: Cluster, rid: str) -> float:
+    """Wait for ``rid`` to be mid-interval after a 3-replica sync, then SIGKILL it."""
+    c.wait_for(f"{rid} mid-interval", lambda ev: any(
+        e["event"] == "mid" and e["id"] == rid and e["mstep"] >= 3 for e in ev))
+    return c.kill(rid)
+
+
+def _survivors_commit(c: Cluster, after: float, n: int) -> list:
+    """Wait for r0 and r1 to commit ``n`` rounds of a 2-replica quorum after time ``after``."""
+    def ok(ev):
+        rs = [_rounds(ev, r, committed=True, quorum=2) for r in ("r0", "r1")]
+        rs = [[e for e in x if e["t"] > after] for x in rs]
+        return rs if all(len(x) >= n for x in rs) else None
+    return c.wait_for(f"{n} survivor rounds", ok, timeout=30)
+
+
+def _heals(c: Cluster, rid: str, after: float) -> dict:
+    def ok(ev):
+        got = [e for e in _rounds(ev, rid, committed=True, healed=True) if e["t"] > after]
+        return got[0] if got else None
+    return c.wait_for(f"{rid} to heal", ok, timeout=60)
+
+
+def _churn(tmp_path, codec: str, mode: str) -> None:
+    c = Cluster(tmp_path, 3, heartbeat_ms=int(HEARTBEAT_S * 1000), codec=codec, mode=mode, timeout=TIMEOUT_S)
+    try:
+        c.wait_for("3 replicas in sync", lambda ev: len({e["id"] for e in _rounds(ev, quorum=3, contributors=3,
+                                                                                   committed=True)}) == 3)
+        killed = _kill_mid_interval(c, "r2")
+        survived = _survivors_commit(c, killed, 2)
+        # the survivors' first sync after the death waits at most the lighthouse's heartbeat timeout
+        # (plus an interval and a loaded box's slack), never a collective's timeout
+        assert survived[0][0]["t"] - killed < HEARTBEAT_S + TIMEOUT_S / 2
+        c.start("r2", die_in_sync=2)  # heals, then dies in its next sync's transfer
+        healed = _heals(c, "r2", killed)
+        # not counted in its heal sync (its donor's steps count once), and no survivor left out
+        assert healed["contributors"] == healed["quorum"] - 1 and healed["quorum"] >= 2
+        c.wait_for("r2's death in a sync", lambda ev: c.exitcode("r2") == -9, timeout=60)
+        after_death = _survivors_commit(c, healed["t"], 1)
+        ev = c.events()
+        for rid in ("r0", "r1"):  # the sync r2 died in: nothing committed on either survivor, in time
+            failed = [e for e in _rounds(ev, rid, committed=False) if e["t"] > healed["t"]]
+            assert failed and failed[0]["quorum"] == 3 and failed[0]["error"], failed
+            assert failed[0]["quorum_s"] + failed[0]["exchange_s"] < TIMEOUT_S + 2
+            before = [e for e in _rounds(ev, rid, committed=True) if e["t"] < failed[0]["t"]][-1]
+            assert failed[0]["hash"] == before["hash"] and failed[0]["mstep"] == before["mstep"]
+        assert after_death[0][0]["mstep"] == failed[0]["mstep"] + 1
+        c.start("r2")  # the same id again: heals, and the next sync has all three
+        back = _heals(c, "r2", after_death[0][0]["t"])
+        c.wait_for("a full sync after the heal", lambda ev: len({e["id"] for e in _rounds(
+            ev, committed=True, contributors=3) if e["t"] > back["t"]}) == 3)
+        c.finish()
+        ev = c.events()
+        _assert_equal_masters(ev)
+        assert {e["id"] for e in ev if e["event"] == "done"} == {"r0", "r1", "r2"}
+    finally:
+        c.close()
+
+
+def test_kill_restart_heal_ordered_int4(tmp_path):
+    _churn(tmp_path, "int4", "ordered")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("codec,mode", [("int4", "exact"), ("int8", "exact"), ("sparse", "ordered")])
+def test_kill_restart_heal_other_codecs(tmp_path, codec, mode):
+    _churn(tmp_path, codec, mode)
+
+
+@pytest.mark.slow
+def test_donor_killed_during_a_heal(tmp_path):
+    marker = tmp_path / "a donor died"
+    c = Cluster(tmp_path, 0, heartbeat_ms=int(HEARTBEAT_S * 1000), timeout=TIMEOUT_S)
+    try:  # r0 and r1: the first of them asked for a heal state (from step 3 on) dies there
+        for rid in ("r0", "r1"):
+            c.start(rid, die_serving_heal=marker)
+        c.start("r2")
+        c.wait_for("3 replicas in sync", lambda ev: len({e["id"] for e in _rounds(ev, quorum=3, contributors=3,
+                                                                                   committed=True)}) == 3)
+        killed = _kill_mid_interval(c, "r2")
+        c.start("r2")  # heals from r0 or r1, which dies serving it; then heals from the other
+        healed = _heals(c, "r2", killed)
+        assert marker.exists()
+        failed = [e for e in _rounds(c.events(), "r2", committed=False) if e["t"] > killed]
+        # its first join failed with the donor; it joined again at once, without training from its own weights
+        assert failed and failed[0]["step"] == 0 and healed["step"] == 0, (failed, healed)
+        donor = next(r for r in ("r0", "r1") if c.exitcode(r) == -9)
+        c.start(donor)
+        _heals(c, donor, healed["t"])
+        c.wait_for("a full sync after the heals", lambda ev: len({e["id"] for e in _rounds(
+            ev, committed=True, contributors=3) if e["t"] > healed["t"]}) == 3)
+        c.finish()
+        _assert_equal_masters(c.events())
+    finally:
+        c.close()
