@@ -311,6 +311,8 @@ _TORCH_PRIVATE = {
     ("flatcomm.rank_states", "_timeout"),  # the same, for the group a checkpoint gathers on
     ("flatcomm.fsdp.frames", "_handle"),  # FSDP1's FlatParamHandle of a module (frames reads them all)
     ("flatcomm.fsdp.frames", "_params"),  # FSDP1's FlatParameter's original parameters
+    ("flatcomm.comm.header", "_allgather_base"),  # c10d Backend's one-tensor all-gather (with options)
+    ("flatcomm.comm.small", "_allgather_base"),  # the same, for the small path's one exchange
 }
 
 

@@ -163,6 +163,8 @@ class DiLoCo:
         topology: a :class:`flatcomm.Topology` for a two-level outer sync (instead of ``group``).
         allow_ddp: accept a DDP over ``model`` that spans replicas (its hook must keep gradients local).
         error_decay: the residual's decay per sync in [0, 1] (default 1: kept whole).
+        manager: refused (a torchft Manager belongs to :class:`flatcomm.elastic.ElasticDiLoCo`, whose
+            replicas may die, rejoin and heal); the error says so.
 
     Example::
 
