@@ -39,7 +39,7 @@ $(DEMO_DEPS): $(BASE)
 # the tests, mypy, the frameworks of flatcomm.integrations and torchft for flatcomm.elastic (the
 # `integrations` and `elastic` extras), keeping the installed torch
 $(DEPS): $(DEMO_DEPS) pyproject.toml
-	$(PY) -m pip install -q pytest pytest-benchmark hypothesis numpy mypy expecttest
+	$(PY) -m pip install -q pytest pytest-benchmark pytest-timeout hypothesis numpy mypy expecttest
 	$(PY) -m pip install -q $$($(PY) -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; print(' '.join(d['integrations'] + d['elastic']))") \
 		"torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	touch $@

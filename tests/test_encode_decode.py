@@ -63,15 +63,16 @@ def test_payload_padding_is_zero(gen):
     for codec, n, b in itertools.product(CODECS, (1, 33, 97, 257), (32, 64)):
         x = make_input(gen, n)
         p = _enc(x, codec, b)
-        nb, off, total = R.layout(codec, n, b, R.topk_k(n, RATIO) if codec == "topk" else 0)
+        k = R.topk_k(n, RATIO) if codec == "topk" else min(64, b) if codec in R.CHUNKED else 0
+        nb, off, total = R.layout(codec, n, b, k)
+        assert p.numel() == total
         if codec in R.BLOCKWISE:
             assert (p[4 * nb:off] == 0).all()
             assert (p[off + -(-n * R.CODE_BITS[codec] // 8):] == 0).all()
         elif codec == "topk":
-            k = R.topk_k(n, RATIO)
             assert (p[4 * k:off] == 0).all() and (p[off + 4 * k:] == 0).all()
         elif codec in R.CHUNKED:
-            nc, off2, g = R.sparse.layout(codec, n, b, min(64, b))
+            nc, off2, g = R.sparse.layout(codec, n, b, k)
             assert (p[4 * g["levels"] * nc:off2] == 0).all() and (p[off2 + nc * g["rec_bytes"]:] == 0).all()
         else:
             assert (p[n * R.CAST_BYTES[codec]:] == 0).all()

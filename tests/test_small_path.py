@@ -60,38 +60,46 @@ def _small_vs_large(rank: int, world: int, mode: str) -> dict:
 
     taken = []
 
-    class Spy(small.Posted):  # counts the calls that took the small path (this process only)
+    class Spy(small.Posted):  # counts the calls that took the slot (this process only)
         def __init__(self, *args, **kwargs):
-            taken.append(1)
+            taken.append("slot")
             super().__init__(*args, **kwargs)
 
     small.Posted = Spy
     gathered = small._gathered
-    small._gathered = lambda *args: taken.append(1) or gathered(*args)  # the two-exchange path
+    small._gathered = lambda *args: taken.append("gathered") or gathered(*args)  # the two-exchange path
     fast = _run_all(rank, world, mode)
-    calls = len(taken)
+    calls = list(taken)
     header.SLOT_MAX_BYTES = 0  # every rank: no slot and no gathering, so every call takes the large path
     small.GATHER_TABLE_BYTES = 0
     slow = _run_all(rank, world, mode)
-    return {"fast": fast, "slow": slow, "small_calls": calls, "large_calls": len(taken) - calls}
+    return {"fast": fast, "slow": slow, "slot_calls": calls.count("slot"), "gathered_calls": calls.count("gathered"),
+            "large_calls": len(taken) - len(calls)}
 
 
-@pytest.fixture(scope="module", params=[(2, "ordered"), (2, "exact"), (3, "ordered"), (3, "exact")],
-                ids=lambda p: f"{p[0]}ranks-{p[1]}")
+# The slot rides in the call headers of the flatcomm backend's groups only; on gloo's a small call
+# gathers its payloads after the header (two exchanges). Both paths, both modes, 2 and 3 ranks.
+@pytest.fixture(scope="module", params=[(2, "ordered", "flatcomm"), (2, "exact", "gloo"), (3, "ordered", "gloo"),
+                                        (3, "exact", "flatcomm")], ids=lambda p: f"{p[0]}ranks-{p[1]}-{p[2]}")
 def results(request):
-    world, mode = request.param
-    return world, spawn.run(world, _small_vs_large, mode, timeout_s=60)
+    world, mode, backend = request.param
+    return world, backend, spawn.run(world, _small_vs_large, mode, timeout_s=60, backend=backend)
 
 
 def test_small_path_is_taken_for_every_case(results):
-    world, res = results
+    world, backend, res = results
+    over_slot = sum(1 for dt, n, _ in CASES if n * dt.itemsize > 16 << 10)  # 30001 values
     for r in res:
-        assert r["small_calls"] == len(CASES) * 3, r["small_calls"]  # 2 all-reduces + 1 reduce-scatter per case
+        assert r["slot_calls"] + r["gathered_calls"] == len(CASES) * 3, r  # 2 all-reduces + 1 reduce-scatter per case
         assert r["large_calls"] == 0
+        if backend == "flatcomm":  # (the reduce-scatter's payload is every rank's shards: world times n)
+            assert r["gathered_calls"] >= 3 * over_slot and r["slot_calls"] > 0, r
+        else:
+            assert r["slot_calls"] == 0, r
 
 
 def test_small_path_gives_the_large_paths_bits(results):
-    world, res = results
+    world, backend, res = results
     for r in res:
         assert r["fast"].keys() == r["slow"].keys()
         for key, bits in r["fast"].items():
@@ -138,8 +146,9 @@ def _small_meets_large(rank: int, world: int) -> list:
     return seen
 
 
-def test_small_and_large_ranks_both_raise_the_named_error():
-    for r in spawn.run(2, _small_meets_large, timeout_s=30):
+@pytest.mark.parametrize("backend", ["flatcomm", "gloo"])
+def test_small_and_large_ranks_both_raise_the_named_error(backend):
+    for r in spawn.run(2, _small_meets_large, timeout_s=30, backend=backend):
         assert r[0] is not None and "disagree on numel: rank 0 10, rank 1 100000" in r[0], r[0]
         assert r[1] is not None and "disagree on numel: rank 0 100000, rank 1 10" in r[1], r[1]
         assert r[2] == [2.0] * 5

@@ -37,10 +37,11 @@ import torch.distributed as dist
 from . import context, standalone
 
 __all__ = ["EXCHANGE_ALONE", "exchanges", "forget", "has_private", "group_timeout", "is_private", "private_group",
-           "settle_at_exit"]
+           "settle_at_exit", "SMALL_SLOT"]
 
 _lock = threading.Lock()
 _PRIVATE = "private group"  # the slot of a parent's context that holds its private group
+SMALL_SLOT = "small slot"  # context slot of a private group: its call header rows carry a payload slot
 _owned: "weakref.WeakSet" = weakref.WeakSet()  # the private groups
 _used = False  # whether this process made a private group (settle_at_exit has work to do)
 on_worker = context.on_worker  # .key and .active set on flatcomm's worker threads (flatcomm.comm.worker)
@@ -154,6 +155,9 @@ def private_group(group=None, *, timeout: Optional[timedelta] = None):
         pg = dist.new_group(ranks, timeout=t, use_local_synchronization=len(ranks) != dist.get_world_size(),
                             group_desc="flatcomm")
         ctx.set(_PRIVATE, pg)
+        # The flatcomm backend's groups carry small reductions in their call headers (a payload slot
+        # in every row, flatcomm.comm.header); elsewhere those bytes would go with every large call.
+        context.of(pg).set(SMALL_SLOT, dist.get_backend(parent) == "flatcomm")
         ctx.on_close(lambda: context.destroy(pg, wait=ctx.waits))
         _owned.add(pg)
         _used = True

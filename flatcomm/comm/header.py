@@ -21,10 +21,13 @@ store (torch.distributed's key-value store, no collective): the failing rank wri
 it sends its row, and the row ends in a marker byte that tells the others to read it. The success
 path's header stays small (the row's size never depends on a reason).
 
-Every row of a call header ends in a payload slot of :func:`slot_bytes` (of the group size only):
-a small collective (:mod:`flatcomm.comm.small`) sends its data there and makes no other exchange;
+On the flatcomm backend's groups every row of a call header ends in a payload slot of
+:func:`slot_bytes` (:func:`slot_of`: of the group only, so every rank's rows are equal in size): a
+small collective (:mod:`flatcomm.comm.small`) sends its data there and makes no other exchange;
 other calls leave it zeroed. A rank on the small path and one on the large path still exchange rows
-of equal size, and both raise on their disagreement before any other byte moves.
+of equal size, and both raise on their disagreement before any other byte moves. Other groups' rows
+carry no slot: its bytes would go with every call, and the library's large calls on slow links
+count every byte (a small call there takes two exchanges: the header, then the payloads).
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ from ..ops.codecs import CODECS
 
 __all__ = ["ALL_DTYPES", "AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "KIND_IDS", "MAGIC", "MODES", "REASON_BYTES",
            "SLOT_MAX_BYTES", "call_numbers", "check", "check_consistent", "error_of", "fail_in_step",
-           "float_bits", "header_device", "length", "row", "slot_bytes"]
+           "float_bits", "header_device", "length", "row", "slot_bytes", "slot_of"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -80,6 +83,12 @@ _MORE = 0xFF  # the last reason byte of a row whose reason continues in the stor
 def slot_bytes(world: int) -> int:
     """The payload slot of every call header row on a group of ``world`` ranks (a multiple of 16)."""
     return min(SLOT_MAX_BYTES, SLOT_TABLE_BYTES // max(world, 1)) // 16 * 16
+
+
+def slot_of(group) -> int:
+    """The payload slot of ``group``'s call header rows: :func:`slot_bytes` on a private group of
+    a flatcomm backend group (:data:`flatcomm.comm.groups.SMALL_SLOT`), else 0."""
+    return slot_bytes(dist.get_world_size(group)) if context.of(group).get(groups.SMALL_SLOT) else 0
 
 
 def row(call: int, status: int, fields: Sequence[Tuple[str, int]], names: Sequence[str], reason: str = "",
@@ -324,7 +333,7 @@ class CallHeader:
         self.group, self.fields = group, list(fields)
         if reason is not None:
             _publish(group, self.call, reason)
-        self.slot = slot_bytes(dist.get_world_size(group))
+        self.slot = slot_of(group)
         # Kept here: the exchange must not hold the row's last reference, or gloo's thread frees it,
         # which takes the GIL while it holds its queue lock and stalls the next call's enqueue.
         self.mine = row(self.call, OK if reason is None else status, fields, FIELDS, reason or "", self.slot, payload)

@@ -6,8 +6,8 @@ all-gather, on CPU point-to-point transfers, :mod:`flatcomm.comm.p2p`). For a sm
 rounds are the whole cost: each is a round trip through the backend (gloo over loopback: ~0.2 ms
 for a small all-gather; the point-to-point exchanges several times that), where gloo's own small
 all-reduce is about one. When the call's data fits the row's payload slot
-(:func:`flatcomm.comm.header.slot_bytes`: 16 KB up to 4 ranks), each rank puts it there and the
-header exchange is the whole call; up to :data:`GATHER_TABLE_BYTES` of payloads in all, the header
+(:func:`flatcomm.comm.header.slot_of`: 16 KB up to 4 ranks on the flatcomm backend's groups, none
+elsewhere), each rank puts it there and the header exchange is the whole call; up to :data:`GATHER_TABLE_BYTES` of payloads in all, the header
 goes first and one all-gather of the payloads follows (two exchanges, on the group's worker). Every
 rank checks the header table as before (a mismatch raises the same named error on every rank, and
 no payload is used), then computes its result from every rank's payload, with the kernels of the
@@ -76,9 +76,9 @@ def _fits(group, a: Call, mode: str) -> bool:
     return a.world * _nbytes(a, mode, a.src.numel()) <= GATHER_TABLE_BYTES
 
 
-def _in_slot(a: Call, mode: str) -> bool:
+def _in_slot(group, a: Call, mode: str) -> bool:
     """The payload fits the header row's slot: one exchange (else two: the header, then the payload)."""
-    return _nbytes(a, mode, a.src.numel()) <= header.slot_bytes(a.world)
+    return _nbytes(a, mode, a.src.numel()) <= header.slot_of(group)
 
 
 def fits_all_reduce(group, a: Call, mode: str) -> bool:
@@ -253,7 +253,7 @@ def run(group, a: Call, mode: str, parts: tuple, spec: CallSpec, keep: Sequence[
     key = worker.key_of(group)
     payload, result, undo = parts
     stats = cast(Optional[CommStats], spec.stats)  # (a one-hop call's: checked by the argument layer)
-    if not _in_slot(a, mode):
+    if not _in_slot(group, a, mode):
         return worker.run(key, lambda: _gathered(group, a, payload, result, stats), value, spec.async_op, keep,
                           what, group)
 

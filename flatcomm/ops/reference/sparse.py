@@ -33,6 +33,8 @@ def _bits(x: float) -> int:
 
 def geometry(bits: int, chunk: int, keep: int) -> dict:
     """Sizes of one chunk's table and record (as ``core::sparse_geom``)."""
+    if not 1 <= keep <= chunk:  # as core::sparse_args_ok; keep 0 would never end the loop below
+        raise ValueError(f"chunked sparse: keep must be in [1, chunk={chunk}], got {keep}")
     low = 0
     while (keep << (low + 1)) <= chunk:
         low += 1
