@@ -1,7 +1,8 @@
 """One statistics type for every front end: a typed, read-only :class:`Snapshot`.
 
 ``State.stats`` (DDP), ``rs.stats`` (FSDP), ``opt.stats`` (:mod:`flatcomm.optim`) and
-``DiLoCo.stats`` all return a :class:`Snapshot` taken when read: the same five communication
+``DiLoCo.stats`` and the flatcomm backend's ``flatcomm.backend.stats(group)`` all return a
+:class:`Snapshot` taken when read: the same five communication
 counters as :class:`flatcomm.collectives.CommStats` (``calls``, ``wire_bytes``, ``encode_s``,
 ``exchange_s``, ``decode_s``), which front end (``source``), and that front end's own fields in
 ``detail`` (DDP's steps and decisions, FSDP's decisions and weight bytes, DiLoCo's syncs and
@@ -27,7 +28,7 @@ class Snapshot(Mapping[str, Any]):
     """A front end's statistics when read (see the module docstring).
 
     Args:
-        source: ``"ddp"``, ``"fsdp"``, ``"optim"`` or ``"diloco"``.
+        source: ``"ddp"``, ``"fsdp"``, ``"optim"``, ``"diloco"`` or ``"backend"``.
         calls: collectives this rank ran.
         wire_bytes: bytes this rank put on the wire.
         encode_s: seconds encoding.

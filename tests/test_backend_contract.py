@@ -125,6 +125,8 @@ def _surface(rank: int, world: int) -> dict:
     res["all_to_all_single(timeout)"] = _caught(
         lambda: done(pg.all_to_all_single(a2a, torch.full((2 * world,), float(rank)), [], [],
                                           timeout=timedelta(seconds=9)), a2a))
+    import flatcomm.backend
+    res["stats"] = flatcomm.backend.stats()
     return res
 
 
@@ -202,6 +204,21 @@ def test_every_torch_form_runs(surface):
     assert torch.equal(surface[0]["scatter(t, ins, root=1)"], rows[1].float())
     assert torch.equal(surface[1]["scatter(t, ins, root=1)"], rows[1].float() * 2)
     assert torch.equal(surface[0]["all_to_all_single(timeout)"], torch.tensor([0.0, 0, 1, 1]))
+
+
+def test_stats_count_flatcomms_reductions(surface):
+    """The backend's snapshot: the 8 float SUM / AVG / PREMUL_SUM reductions above (MAX and the
+    rest pass through, uncounted), one collective each, their payload bytes; the exporters take it."""
+    import flatcomm.backend
+    from flatcomm import stats as fs
+
+    for r in surface:
+        snap = r["stats"]
+        assert snap.source == "backend" and snap["reductions"] == 8 and snap.calls == 8, snap
+        assert 8 * 5 * 4 <= snap.wire_bytes <= 8 * 64, snap  # 5 fp32 values to the other rank, padded to 16
+        assert fs.from_snapshot(snap)[0].wire_bytes == snap.wire_bytes
+    with pytest.raises(TypeError, match="not a group of the flatcomm backend"):
+        flatcomm.backend.stats(object())
 
 
 @pytest.mark.parametrize("probe,words", [

@@ -10,8 +10,29 @@ import torch.distributed as dist
 
 from .group import NAME, FlatcommGroup, create
 from .settings import Settings, configure, settings_for
+from .._snapshot import Snapshot
 
-__all__ = ["NAME", "FlatcommGroup", "Settings", "configure", "settings_for"]
+__all__ = ["NAME", "FlatcommGroup", "Settings", "configure", "settings_for", "stats"]
+
+
+def stats(group=None) -> Snapshot:
+    """What flatcomm's reductions on ``group`` (default: the world) sent and took so far: the
+    group's :attr:`FlatcommGroup.stats` snapshot, the same type as DDP's, FSDP's and DiLoCo's.
+
+    Args:
+        group: a group made with the ``flatcomm`` backend (default: the world).
+
+    Example::
+
+        dist.init_process_group("flatcomm")
+        dist.all_reduce(torch.ones(1000))
+        flatcomm.backend.stats().wire_bytes
+    """
+    pg = group if group is not None else dist.group.WORLD
+    if not isinstance(pg, FlatcommGroup):
+        what = "no default group (init_process_group not called)" if pg is None else type(pg).__name__
+        raise TypeError(f"flatcomm.backend.stats: not a group of the flatcomm backend: {what}")
+    return pg.stats
 
 if NAME.upper() not in dist.Backend._plugins:
     dist.Backend.register_backend(NAME, create, extended_api=True, devices=["cpu", "cuda"])

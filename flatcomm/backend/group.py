@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions  # (not re-exported by torch.distributed)
 from torch.distributed import PrefixStore
 
-from ..collectives import group_timeout
+from .._snapshot import Snapshot
+from ..collectives import CommStats, group_timeout
 from ..comm.groups import forget
 from . import reduce as _reduce
 from .forms import checked_list, reduce_form, torch_forms
@@ -64,6 +65,10 @@ class FlatcommGroup(dist.ProcessGroup):
                  ranks: Optional[List[int]] = None):
         super().__init__(rank, size)  # type: ignore[call-arg]  # (torch's stub lists only the store form)
         self._timeout = timeout
+        # What flatcomm's reductions on this group sent and took (read as :attr:`stats`); the
+        # collectives add to it on the group's worker, in order.
+        self.counters = CommStats()
+        self.reductions = 0  # calls of this group's reduction methods that flatcomm ran
         for device, kind, backend in _inner_backends(store, rank, size, timeout, group_name,
                                                      ranks if ranks is not None else list(range(size))):
             self._register_backend(device, kind, backend)
@@ -71,6 +76,21 @@ class FlatcommGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return NAME
+
+    @property
+    def stats(self) -> Snapshot:
+        """flatcomm's reductions on this group so far, a read-only :class:`flatcomm.stats.Snapshot`
+        (``source="backend"``; ``calls`` counts collectives, one per dtype of a coalesced call;
+        detail: ``reductions``, the calls torch made). Passed-through ops are not counted.
+
+        Example::
+
+            dist.init_process_group("flatcomm")
+            ...
+            snap = flatcomm.backend.stats()   # or dist.group.WORLD.stats
+            snap.wire_bytes, snap["reductions"]
+        """
+        return Snapshot.of("backend", self.counters, {"reductions": self.reductions})
 
     def shutdown(self) -> None:
         """What ``destroy_process_group`` calls: also drop flatcomm's private copy of this group,

@@ -91,7 +91,11 @@ def _call_args(pg, dtype: torch.dtype) -> dict:
     codec = "fp32" if s.mode == "exact" else (s.codec or FLOATS[dtype])
     topo = topology_for(pg, s, pg is dist.group.WORLD)
     where = {"topology": topo} if topo is not None and not topo.flat else {"group": pg}
-    return dict(codec=codec, mode=s.mode, async_op=True, **where)
+    return dict(codec=codec, mode=s.mode, async_op=True, stats=pg.counters, **where)
+
+
+def _counted(pg) -> None:
+    pg.reductions += 1
 
 
 def _staged(tensors: Sequence[torch.Tensor], factor) -> torch.Tensor:
@@ -118,6 +122,7 @@ def all_reduce(pg, tensors: List[torch.Tensor], how: Tuple[str, object],
     only that rank's tensors receive the result."""
     name, factor = how
     t = tensors[0]
+    _counted(pg)
     if len(tensors) == 1 and t.is_contiguous() and factor is None and root is None:
         return ReductionWork([collectives.all_reduce(t.view(-1), op=name, **_call_args(pg, t.dtype))],
                              tensors, None, timeout)
@@ -143,6 +148,7 @@ def reduce_scatter(pg, outputs: List[torch.Tensor], inputs: List[torch.Tensor], 
     name, factor = how
     if len(outputs) != len(inputs):
         raise ValueError(f"flatcomm.backend: {len(outputs)} outputs for {len(inputs)} inputs")
+    _counted(pg)
     handles, pairs = [], []
     for out, src in zip(outputs, inputs):  # sizes and dtypes: checked by the collective, on every rank
         flat_in = _staged([src], factor) if factor is not None or not src.is_contiguous() else src.view(-1)

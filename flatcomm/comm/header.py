@@ -10,24 +10,21 @@ and waited for only just before the first payload exchange, so it overlaps with 
 A row: magic, call number on the group, status (0 ok; 1 or 2: the call's arguments were rejected
 with a ValueError or a TypeError), the signature fields (every one that decides a payload's size
 or layout, exactly: floats travel as their float64 bits, never rounded), and for a failed call the
-reason (UTF-8). Every rank checks the same table, so every rank raises the same error,
-with the same message naming global ranks, at the same call, and the group stays in step: a rank
-whose arguments were rejected still sends its row (:func:`fail_in_step`) and every rank, that one
-included, raises "rank r failed: <reason>" (a TypeError if rank r's error was one; ranks that
-failed with the same reason are named once: "rank 1 and rank 3 failed: <reason>").
+reason (UTF-8). Every rank checks the same table, so every rank raises the same error, naming
+global ranks, at the same call, and the group stays in step: a rank whose arguments were rejected
+still sends its row (:func:`fail_in_step`) and every rank, that one included, raises "rank r
+failed: <reason>" (a TypeError if rank r's error was one; ranks that failed with the same reason
+are named once: "rank 1 and rank 3 failed: <reason>").
 
 A reason longer than the row's :data:`REASON_BYTES` travels whole through the process group's
 store (torch.distributed's key-value store, no collective): the failing rank writes it there before
 it sends its row, and the row ends in a marker byte that tells the others to read it. The success
 path's header stays small (the row's size never depends on a reason).
 
-On the flatcomm backend's groups every row of a call header ends in a payload slot of
-:func:`slot_bytes` (:func:`slot_of`: of the group only, so every rank's rows are equal in size): a
-small collective (:mod:`flatcomm.comm.small`) sends its data there and makes no other exchange;
-other calls leave it zeroed. A rank on the small path and one on the large path still exchange rows
-of equal size, and both raise on their disagreement before any other byte moves. Other groups' rows
-carry no slot: its bytes would go with every call, and the library's large calls on slow links
-count every byte (a small call there takes two exchanges: the header, then the payloads).
+On the flatcomm backend's groups (:func:`slot_of`, a property of the group: rows stay equal in
+size) every row ends in a payload slot: a small collective (:mod:`flatcomm.comm.small`) sends its
+data there, other calls leave it zeroed, and ranks on either path still raise on disagreeing. Other
+groups' rows carry none: its bytes would go with every large call on a slow link.
 """
 from __future__ import annotations
 
@@ -54,9 +51,7 @@ DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "privateuseone")
 
 MAGIC = 0x666C6174  # "flat"
 REASON_BYTES = 128
-# A row's payload slot: at most SLOT_MAX_BYTES, and every rank's within SLOT_TABLE_BYTES (docs/backend.md).
-SLOT_MAX_BYTES = 16 << 10
-SLOT_TABLE_BYTES = 64 << 10
+SLOT_MAX_BYTES, SLOT_TABLE_BYTES = 16 << 10, 64 << 10  # a row's slot; every rank's (docs/backend.md)
 _FIXED = 3  # magic, call number, status
 # Status of a row: the call's arguments passed, or were rejected with a ValueError / TypeError (every
 # rank then raises the first failed rank's kind of error, with every failed rank's reason).
@@ -86,8 +81,7 @@ def slot_bytes(world: int) -> int:
 
 
 def slot_of(group) -> int:
-    """The payload slot of ``group``'s call header rows: :func:`slot_bytes` on a private group of
-    a flatcomm backend group (:data:`flatcomm.comm.groups.SMALL_SLOT`), else 0."""
+    """``group``'s header slot: :func:`slot_bytes` on a flatcomm backend's private group, else 0."""
     return slot_bytes(dist.get_world_size(group)) if context.of(group).get(groups.SMALL_SLOT) else 0
 
 
