@@ -62,14 +62,16 @@ def _check(rank, world, dtype, codec, n, topo) -> dict:
         lo, hi = (0, n) if topo is None else fc.hierarchical.shard_range(n, topo, codec)
         ef.client.add_(r[lo:hi])  # a residual that is there before the call
         t_old = _total(ef, n, world, topo, codec)
+        t_mag = _total(fc.ErrorFeedback(ef.client.abs(), ef.server.abs()), n, world, topo, codec)
         want = sum(xs.double() for xs in _gather(x.double(), world)) / world + t_old
         ref_x, ref_ef = x.float(), fc.ErrorFeedback(ef.client.clone(), ef.server.clone())
         y = x.clone()
         kw = {"topology": topo} if topo is not None else {}
         fc.all_reduce(y, codec=codec, op="avg", residual=ef, **kw)
         got = y.double() + _total(ef, n, world, topo, codec)
-        # the fp32 arithmetic of the sums: a few ulps of every magnitude that went in
-        mags = sum(v.double().abs() for v in _gather(x.double(), world)) / world + t_old.abs() + y.double().abs()
+        # the fp32 arithmetic of the sums: a few ulps of every magnitude that went in (each rank's
+        # residual by itself: ranks' residuals that cancel in T were still added in fp32)
+        mags = sum(v.double().abs() for v in _gather(x.double(), world)) / world + t_mag + y.double().abs()
         bound = 2.0 ** -21 * mags
         worst = max(worst, float(((got - want).abs() - bound).max()) if n else 0.0)
         finite = finite and bool(torch.isfinite(ef.client).all() and torch.isfinite(ef.server).all())

@@ -1,25 +1,22 @@
 """The call header every rank exchanges before a collective moves any payload.
 
 Why a separate, fixed-size exchange and not a header inside the payloads: gloo aborts the process
-(SIGABRT) when a peer sends more bytes than the receiver posted, and the payload sizes are computed
-from the very fields that may disagree (numel, codec, block size, chunks). So the fields travel
-first in a message whose size depends on nothing (an all-gather of one int64 row per rank), and no
-size-dependent byte is sent before every rank has checked every row. It is issued asynchronously
-and waited for only just before the first payload exchange, so it overlaps with encoding.
+(SIGABRT) when a peer sends more bytes than the receiver posted, and the payload sizes come from
+the very fields that may disagree (numel, codec, block size, chunks). So the fields travel first,
+in a message whose size depends on nothing (an all-gather of one int64 row per rank), issued
+asynchronously and waited for just before the first payload exchange (it overlaps encoding).
 
 A row: magic, call number on the group, status (0 ok; 1 or 2: the call's arguments were rejected
 with a ValueError or a TypeError), the signature fields (every one that decides a payload's size
-or layout, exactly: floats travel as their float64 bits, never rounded), and for a failed call the
-reason (UTF-8). Every rank checks the same table, so every rank raises the same error, naming
-global ranks, at the same call, and the group stays in step: a rank whose arguments were rejected
-still sends its row (:func:`fail_in_step`) and every rank, that one included, raises "rank r
-failed: <reason>" (a TypeError if rank r's error was one; ranks that failed with the same reason
-are named once: "rank 1 and rank 3 failed: <reason>").
+or layout, exactly: floats as their float64 bits), and for a failed call the reason (UTF-8). Every
+rank checks the same table, so every rank raises the same error, naming global ranks, at the same
+call, and the group stays in step: a rank whose arguments were rejected still sends its row
+(:func:`fail_in_step`) and every rank, that one included, raises "rank r failed: <reason>" (a
+TypeError if rank r's was one; ranks with the same reason named once: "rank 1 and rank 3 failed").
 
 A reason longer than the row's :data:`REASON_BYTES` travels whole through the process group's
-store (torch.distributed's key-value store, no collective): the failing rank writes it there before
-it sends its row, and the row ends in a marker byte that tells the others to read it. The success
-path's header stays small (the row's size never depends on a reason).
+store (no collective): the failing rank writes it there before it sends its row, whose marker byte
+tells the others to read it (the row's size never depends on a reason).
 
 On the flatcomm backend's groups (:func:`slot_of`, a property of the group: rows stay equal in
 size) every row ends in a payload slot: a small collective (:mod:`flatcomm.comm.small`) sends its
@@ -30,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import struct
+import weakref
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -41,7 +39,7 @@ from ..ops.codecs import CODECS
 
 __all__ = ["ALL_DTYPES", "AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "KIND_IDS", "MAGIC", "MODES", "REASON_BYTES",
            "SLOT_MAX_BYTES", "call_numbers", "check", "check_consistent", "error_of", "fail_in_step",
-           "float_bits", "header_device", "length", "row", "slot_bytes", "slot_of"]
+           "float_bits", "header_device", "length", "row", "slot_of"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -75,14 +73,12 @@ def _float_of(bits: int) -> float:
 _MORE = 0xFF  # the last reason byte of a row whose reason continues in the store (never in UTF-8)
 
 
-def slot_bytes(world: int) -> int:
-    """The payload slot of every call header row on a group of ``world`` ranks (a multiple of 16)."""
-    return min(SLOT_MAX_BYTES, SLOT_TABLE_BYTES // max(world, 1)) // 16 * 16
-
-
 def slot_of(group) -> int:
-    """``group``'s header slot: :func:`slot_bytes` on a flatcomm backend's private group, else 0."""
-    return slot_bytes(dist.get_world_size(group)) if context.of(group).get(groups.SMALL_SLOT) else 0
+    """Bytes of ``group``'s header slot (a multiple of 16): on a flatcomm backend's private group
+    :data:`SLOT_MAX_BYTES`, at most :data:`SLOT_TABLE_BYTES` for every rank's; elsewhere 0."""
+    if not context.of(group).get(groups.SMALL_SLOT):
+        return 0
+    return min(SLOT_MAX_BYTES, SLOT_TABLE_BYTES // dist.get_world_size(group)) // 16 * 16
 
 
 def row(call: int, status: int, fields: Sequence[Tuple[str, int]], names: Sequence[str], reason: str = "",
@@ -324,7 +320,9 @@ class CallHeader:
         ctx = context.of(group)
         self.call = ctx.get(_CALLS, 0)
         ctx.set(_CALLS, self.call + 1)
-        self.group, self.fields = group, list(fields)
+        # The group held weakly: a callback on gloo's thread may drop this header last, and a group
+        # freed there would join that very thread (std::system_error, the process aborted).
+        self._group, self.fields = (weakref.ref(group) if group is not None else None), list(fields)
         if reason is not None:
             _publish(group, self.call, reason)
         self.slot = slot_of(group)
@@ -352,13 +350,16 @@ class CallHeader:
         head = table[:, :_FIXED + len(FIELDS)]
         if int(head[0, 0]) == MAGIC and int(head[0, 2]) == OK and bool((head == head[0]).all()):
             return None  # every row agrees (the common case, checked in one pass)
-        ranks = _ranks_of(self.group)
-        whole = _whole_reasons(self.group, table, len(FIELDS), ranks) if bool((table[:, 2] != OK).any()) else {}
+        group = self._group() if self._group is not None else None
+        if self._group is not None and group is None:
+            return RuntimeError("flatcomm: the call's process group was destroyed before its header was checked")
+        ranks = _ranks_of(group)
+        whole = _whole_reasons(group, table, len(FIELDS), ranks) if bool((table[:, 2] != OK).any()) else {}
         err = error_of(table, [(n, 0) for n in FIELDS], _shown, ranks, whole)
         if isinstance(err, RuntimeError) and "out of step" in str(err):
             # Every rank saw the same table: resume numbering together, so that the next calls
             # (if the ranks' programs agree again) are in step.
-            context.of(self.group).set(_CALLS, max(call_numbers(table)) + 1)
+            context.of(group).set(_CALLS, max(call_numbers(table)) + 1)
         return err
 
 

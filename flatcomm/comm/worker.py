@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import threading
+import weakref
 from typing import Callable, List, Optional, Sequence, TypeVar, Union
 
 import torch
@@ -197,7 +198,7 @@ class Handle:
                  streams: Optional[_streams.CallStreams] = None, what: str = "collective", group=None):
         self._cf = future
         self._what = what  # for the timeout message
-        self._group = group
+        self._group = weakref.ref(group) if group is not None else None  # (see header.CallHeader)
         self._value = value
         self._streams = streams  # CUDA only: the future is CUDA-aware
         self._torch_future: torch.futures.Future = (
@@ -236,7 +237,8 @@ class Handle:
         except concurrent.futures.TimeoutError:
             if self._cf.done():  # the collective itself raised a TimeoutError: keep it
                 raise
-            t = groups.group_timeout(self._group)
+            group = self._group() if self._group is not None else None
+            t = groups.group_timeout(group) if group is not None or self._group is None else None
             raise TimeoutError(
                 f"flatcomm: {self._what} did not finish within {timeout} s (still in flight; "
                 f"the group's own timeout{f' of {t}' if t is not None else ''} fails it if a peer never joins)"
