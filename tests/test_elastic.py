@@ -101,12 +101,13 @@ def test_kill_restart_heal_other_codecs(tmp_path, codec, mode):
 def test_donor_killed_during_a_heal(tmp_path):
     marker = tmp_path / "a donor died"
     c = Cluster(tmp_path, 0, heartbeat_ms=int(HEARTBEAT_S * 1000), timeout=TIMEOUT_S)
-    try:  # r0 and r1: the first of them asked for a heal state (from step 3 on) dies there
+    try:  # r0 and r1: once armed, the first of them asked for a heal state dies there
         for rid in ("r0", "r1"):
             c.start(rid, die_serving_heal=marker)
         c.start("r2")
         c.wait_for("3 replicas in sync", lambda ev: len({e["id"] for e in _rounds(ev, quorum=3, contributors=3,
                                                                                    committed=True)}) == 3)
+        (tmp_path / "a donor died.armed").touch()
         killed = _kill_mid_interval(c, "r2")
         c.start("r2")  # heals from r0 or r1, which dies serving it; then heals from the other
         healed = _heals(c, "r2", killed)

@@ -39,7 +39,8 @@ def _args(argv=None):
     ap.add_argument("--die-in-sync", type=int, default=0)
     ap.add_argument("--seed-offset", type=int, default=0)
     ap.add_argument("--die-serving-heal", default="", help="a file: SIGKILL itself when asked for its heal state "
-                    "at torchft step >= 3 unless the file exists (creating it: one donor of several dies)")
+                    "once the test armed it (FILE.armed exists); the first donor renames FILE.armed to FILE, so "
+                    "one donor of several dies")
     return ap.parse_args(argv)
 
 
@@ -54,16 +55,17 @@ def _die_in_sync(n: int) -> None:
     exchange.sum_over = dying
 
 
-def _die_serving_heal(manager_of, marker: str) -> None:
+def _die_serving_heal(marker: str) -> None:
     from flatcomm.elastic import heal
     real = heal.state
 
     def dying(*a, **kw):
-        m = manager_of()
-        if m is not None and m.current_step() >= 3 and not os.path.exists(marker):
-            open(marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)  # a donor dying while another replica heals from it
-        return real(*a, **kw)
+        # armed by the test, never by timing: a late starter's first heal must not kill its donor
+        try:
+            os.rename(marker + ".armed", marker)  # atomic: only one donor wins
+        except FileNotFoundError:
+            return real(*a, **kw)
+        os.kill(os.getpid(), signal.SIGKILL)  # a donor dying while another replica heals from it
     heal.state = dying
 
 
@@ -97,12 +99,10 @@ def main(argv=None) -> None:
     torch.manual_seed(0)  # every replica starts from the same weights
     net = torch.nn.Sequential(torch.nn.Linear(13, 37), torch.nn.Tanh(), torch.nn.Linear(37, 5))
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    holder: list = []
     if a.die_serving_heal:
-        _die_serving_heal(lambda: holder[0] if holder else None, a.die_serving_heal)
+        _die_serving_heal(a.die_serving_heal)
     manager = elastic.make_manager(a.id, a.lighthouse, timeout=timedelta(seconds=a.timeout),
                                    quorum_timeout=timedelta(seconds=60), hostname="localhost")
-    holder.append(manager)
     outer = elastic.ElasticDiLoCo(net, opt, manager=manager, sync_every=a.sync_every, codec=a.codec, mode=a.mode)
     seen = 0
     while True:
