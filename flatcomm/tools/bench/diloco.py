@@ -31,6 +31,9 @@ this machine's kernel has no netem, so no delay): each replica is a node of one 
   opentelemetry dependencies): torchft's ``DiLoCo`` on the same link and model, fp32 pseudo-
   gradients (its ``should_quantize`` path imports triton, i.e. needs CUDA), one fragment, one
   lighthouse on replica 0, a Manager per replica; step time and bytes off a node per sync.
+* **churn** (``--churn N``, instead of the rest; loopback, no root): 3 replicas on torchft's
+  lighthouse, one killed and restarted every N syncs, flatcomm.elastic beside torchft's DiLoCo
+  (:mod:`flatcomm.tools.bench.churn`).
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
+from . import churn
 from .ddp import mlp
 
 
@@ -359,6 +363,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="each replica's threads on a core of its own (time runs; default on with 2+ cores)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: bytes, time, torchft")
     ap.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
+    churn.add_arguments(ap)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -369,6 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    if a.churn:
+        runs = churn.run_bench(a)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(runs, f, indent=1)
+        return 0
     from flatcomm.tools.netlink import Link
 
     t0 = time.perf_counter()
