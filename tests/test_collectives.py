@@ -529,7 +529,7 @@ def _results(world: int) -> Checks:
 
 
 @pytest.mark.parametrize("section", SECTIONS)
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", [pytest.param(w, marks=pytest.mark.slow) if w == 4 else w for w in WORLDS])
 def test_collectives(world: int, section: str) -> None:
     checks = [c for c in _results(world) if c[0] == section and c[1] != "__time__"]
     assert checks, f"no checks ran for {section} on {world} ranks"

@@ -1,5 +1,5 @@
 """A fast selection of torch's own distributed suite (``_DistTestBase``) on the flatcomm backend, in
-every ``make test``: the whole suite (tests/test_backend_conformance.py, ``make test-conformance``)
+every CI run (``make test-slow``): the whole suite (tests/test_backend_conformance.py, ``make test-conformance``)
 takes hours on a small machine, so CI checks the contract through four of its tests: a float sum
 (flatcomm's own, the one-exchange path), a MAX (passed through to gloo after the call header's
 check), ``reduce``, and DDP's backward with ``create_graph`` (the reducer waiting on our Work's
@@ -13,10 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SELECTION = ("test_all_reduce_sum", "test_all_reduce_max", "test_reduce_sum", "test_ddp_create_graph")
 
 
+@pytest.mark.slow
 def test_torch_suite_selection_passes_on_flatcomm(tmp_path):
     ids = [f"tests/test_backend_conformance.py::TestTorchSuiteOnFlatcomm::{name}" for name in SELECTION]
     env = dict(os.environ, FLATCOMM_CONFORMANCE="1", WORLD_SIZE="2", FLATCOMM_BACKEND_MODE="ordered",

@@ -29,6 +29,7 @@ def _torchrun(tmp, name, crashes):
 
 
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun not installed next to this python")
+@pytest.mark.slow
 def test_killed_replica_resumes_bit_for_bit(tmp_path):
     ref, log = _torchrun(str(tmp_path), "straight", [])
     assert "resumed at step 0" in log, log

@@ -574,7 +574,7 @@ def test_lossless_weight_codecs_match_fsdp_bitwise(ranks2):
             assert v["n_quantized"] == v["n_params"], (tag, v)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_gathered_weights_equal_reference_decode(world, request):
     for r in request.getfixturevalue(f"ranks{world}"):
         for tag, v in r["reference"].items():
@@ -619,7 +619,7 @@ def test_nonfinite_weight_makes_its_block_nan(ranks2):
             assert v["master_kept"], (bad, v)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_dcp_round_trip_quantized_plain_quantized(world, request):
     for r in request.getfixturevalue(f"ranks{world}"):
         d = r["dcp"]
@@ -630,7 +630,7 @@ def test_dcp_round_trip_quantized_plain_quantized(world, request):
         assert d["assign_wrapped"] and d["assign_same_loss"] and d["assign_gathers"] > 0, d
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_activation_checkpointing(world, request):
     for r in request.getfixturevalue(f"ranks{world}"):
         a = r["ac"]

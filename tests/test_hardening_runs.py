@@ -3,6 +3,8 @@ big ones: >= 2,000 fuzzed calls, 200 SIGKILLs): random call arguments with one r
 time on 2 and 4 gloo ranks (flat and 2 x 2), and a peer SIGKILLed mid two-level call."""
 from __future__ import annotations
 
+import pytest
+
 from flatcomm.tools import hardening
 
 
@@ -13,6 +15,7 @@ def test_fuzzed_calls_keep_every_rank_in_step() -> None:
     assert not res["failures"], "\n".join(res["failures"][:20])
 
 
+@pytest.mark.slow
 def test_survivors_of_a_killed_peer_raise_and_exit_cleanly() -> None:
     res = hardening.kills(count=3, pg_timeout=5.0, seed=23)
     assert not res["failures"], "\n".join(res["failures"])

@@ -36,6 +36,7 @@ def test_every_framework_has_a_section():
     assert len(SECTIONS) == 3, [s[0] for s in SECTIONS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("title,code,commands", SECTIONS, ids=[s[0] for s in SECTIONS])
 def test_snippet_is_the_example_and_runs(tmp_path, title, code, commands):
     example = re.search(r"examples/(\w+)\.py", commands[0]).group(0)

@@ -46,7 +46,7 @@ def straight(tmp_path_factory):
 
 
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun not installed next to this python")
-@pytest.mark.parametrize("codec,static", [("fp32", True), ("int8", True)])
+@pytest.mark.parametrize("codec,static", [pytest.param("fp32", True, marks=pytest.mark.slow), ("int8", True)])
 def test_killed_rank_resumes_to_the_same_weights(straight, codec, static):
     tmp, ref_dir = straight
     out, log = _torchrun(tmp, f"crash_{codec}", codec, 7, static)
