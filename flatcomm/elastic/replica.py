@@ -15,12 +15,27 @@ from typing import Optional
 
 import torch.distributed as dist
 from torchft import Manager
+from torchft.checkpointing.http_transport import HTTPTransport
 
 from .group import QuorumGroup
 
 __all__ = ["make_manager"]
 
 _stores: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # manager -> the store it needs alive
+
+
+class _HostTransport(HTTPTransport):
+    """torchft's HTTP heal transport, advertised at ``hostname``: torchft's own advertises
+    ``socket.gethostname()``, which a peer on another host or network namespace may not resolve to
+    this replica."""
+
+    def __init__(self, hostname: str, timeout: timedelta) -> None:
+        self._hostname = hostname  # before torchft's __init__, which calls address()
+        super().__init__(timeout=timeout, num_chunks=0)
+
+    def address(self) -> str:
+        port = self._server.socket.getsockname()[1]  # torchft 0.2 keeps its server there
+        return f"http://{self._hostname}:{port}/checkpoint/"
 
 
 def make_manager(replica_id: str, lighthouse: str, *, timeout: timedelta = timedelta(seconds=30),
@@ -37,17 +52,21 @@ def make_manager(replica_id: str, lighthouse: str, *, timeout: timedelta = timed
             replica waits here for the others' next sync).
         min_replicas: the fewest replicas a sync commits with.
         heartbeat_interval: how often this replica tells the lighthouse it is alive.
-        hostname: the address peers reach this replica at (default: this host's name).
+        hostname: the address peers reach this replica at (default: this host's name, and the
+            store and heal transport on loopback, i.e. every replica on this host). Given, the
+            replica's TCPStore (where a quorum's group may rendezvous) and its heal transport are
+            advertised there too: replicas on several hosts need it.
     """
     if not isinstance(replica_id, str) or not replica_id or ":" in replica_id:
         raise ValueError(f"flatcomm.elastic: replica_id must be a non-empty str without ':', got {replica_id!r}")
     if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
         raise ValueError(f"flatcomm.elastic: min_replicas must be an int >= 1, got {min_replicas!r}")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-    kw = {} if hostname is None else {"hostname": hostname}
+    host = "127.0.0.1" if hostname is None else hostname
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    kw = {} if hostname is None else {"hostname": hostname, "checkpoint_transport": _HostTransport(hostname, timeout)}
     manager = Manager(pg=QuorumGroup(timeout=timeout), load_state_dict=None, state_dict=None,
                       min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout,
-                      quorum_timeout=quorum_timeout, connect_timeout=timeout, store_addr="127.0.0.1",
+                      quorum_timeout=quorum_timeout, connect_timeout=timeout, store_addr=host,
                       store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
                       replica_id=replica_id, heartbeat_interval=heartbeat_interval, init_sync=False, **kw)
     _stores[manager] = store

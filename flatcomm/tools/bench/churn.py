@@ -27,17 +27,22 @@ one invocation (the runs alternate implementation by seed).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import torch
 
@@ -74,6 +79,26 @@ def _weights_hash(model) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def _place(cfg: Dict[str, Any], rid: str) -> str:
+    """With ``--churn-link``: move this process (just forked, one thread) into its replica's network
+    namespace, so that its sockets and gloo's use that node's shaped ``fc0``; its address there
+    (loopback's name without a link)."""
+    if not cfg.get("netns"):
+        return "localhost"
+    import ctypes
+
+    i = int(rid[1:])
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{cfg['netns'][i]}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into {cfg['netns'][i]}")
+    finally:
+        os.close(fd)
+    os.environ["GLOO_SOCKET_IFNAME"] = "fc0"
+    return cfg["addrs"][i]
+
+
 class _Log:
     def __init__(self, path: str, rid: str):
         self.f, self.rid, self.started = open(path, "a", buffering=1), rid, time.time()
@@ -93,13 +118,14 @@ def _finish(log: _Log, w, model, step: int) -> None:
 def flatcomm_replica(cfg: Dict[str, Any], rid: str, lighthouse: str, log_path: str) -> None:
     import flatcomm.elastic as elastic
 
+    host = _place(cfg, rid)
     torch.set_num_threads(1)
     log, w = _Log(log_path, rid), _workload(cfg)
     torch.manual_seed(1000 + cfg["seed"])  # every replica starts from the same weights
     model = w.model()
     opt, sched = w.make_optimizer(model.parameters())
     manager = elastic.make_manager(rid, lighthouse, timeout=timedelta(seconds=TIMEOUT_S),
-                                   quorum_timeout=timedelta(seconds=120), hostname="localhost")
+                                   quorum_timeout=timedelta(seconds=120), hostname=host)
     outer = elastic.ElasticDiLoCo(model, opt, manager=manager, sync_every=cfg["H"], codec=cfg["codec"])
     rank, seen = int(rid[1:]), 0
     while True:
@@ -121,8 +147,14 @@ def torchft_replica(cfg: Dict[str, Any], rid: str, lighthouse: str, log_path: st
     import logging
 
     from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.http_transport import HTTPTransport
     from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 
+    class Transport(HTTPTransport):
+        def address(self) -> str:  # torchft advertises socket.gethostname(): not this namespace's address
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    host = _place(cfg, rid)
     logging.getLogger("torchft").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     log, w = _Log(log_path, rid), _workload(cfg)
@@ -140,12 +172,14 @@ def torchft_replica(cfg: Dict[str, Any], rid: str, lighthouse: str, log_path: st
     def save():
         return {"model": model.state_dict(), "opt": opt.state_dict(), "step": state["step"]}
 
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=TIMEOUT_S)), min_replica_size=2,
+    store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    timeout = timedelta(seconds=TIMEOUT_S)
+    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2,
                       use_async_quorum=False, init_sync=False, load_state_dict=load, state_dict=save,
-                      replica_id=rid, store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
-                      lighthouse_addr=lighthouse, hostname="localhost", timeout=timedelta(seconds=TIMEOUT_S),
-                      quorum_timeout=timedelta(seconds=120))
+                      replica_id=rid, store_addr=host, store_port=store.port, rank=0, world_size=1,
+                      lighthouse_addr=lighthouse, hostname=host, timeout=timeout,
+                      quorum_timeout=timedelta(seconds=120),
+                      checkpoint_transport=Transport(timeout=timeout, num_chunks=0))
     rank, h = int(rid[1:]), cfg["H"]
     with TorchftDiLoCo(manager, [model], opt, outer_opt, sync_every=h, backup_device=torch.device("cpu")):
         while state["step"] < w.steps:
@@ -177,15 +211,53 @@ def _events(log: Path) -> List[Dict[str, Any]]:
     return out
 
 
-def run_once(impl: str, seed: int, churn: int, cfg: Dict[str, Any], tmp: Path, timeout_s: float = 1800) -> dict:
-    """One run of ``impl`` (``flatcomm`` or ``torchft``); ``churn``: kill + restart the last replica
-    every this many committed syncs (0: never)."""
-    from torchft._torchft import LighthouseServer
+_ports = itertools.count(29510)  # a fresh lighthouse port per run on a link (no wait for TIME_WAIT)
 
+
+@contextlib.contextmanager
+def _lighthouse(cfg: Dict[str, Any]) -> Iterator[str]:
+    """torchft's lighthouse: in this process on loopback, or torchft_lighthouse in the first
+    replica's namespace on a link; yields its address."""
+    flags = {"min_replicas": 2, "join_timeout_ms": JOIN_TIMEOUT_MS, "heartbeat_timeout_ms": int(cfg["heartbeat"] * 1000)}
+    if not cfg.get("netns"):
+        from torchft._torchft import LighthouseServer
+
+        lh = LighthouseServer(bind="127.0.0.1:0", **flags)
+        try:
+            yield lh.address()
+        finally:
+            lh.shutdown()
+        return
+    exe = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
+    bind = f"{cfg['addrs'][0]}:{next(_ports)}"
+    p = subprocess.Popen(["ip", "netns", "exec", cfg["netns"][0], exe, "--bind", bind,
+                          *[f"--{k}={v}" for k, v in flags.items()]],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield f"http://{bind}"
+    finally:
+        p.kill()
+        p.wait(10)
+
+
+def run_once(impl: str, seed: int, churn: int, cfg: Dict[str, Any], tmp: Path, link=None,
+             timeout_s: float = 1800) -> dict:
+    """One run of ``impl`` (``flatcomm`` or ``torchft``); ``churn``: kill + restart the last replica
+    every this many committed syncs (0: never). ``link``: the :class:`~flatcomm.tools.netlink.Link`
+    whose namespaces ``cfg`` names (its fc0 counters are read)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torchft", "flatcomm.elastic", "flatcomm.tools.bench.convergence_workloads"])
-    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=JOIN_TIMEOUT_MS,
-                          heartbeat_timeout_ms=int(cfg["heartbeat"] * 1000))
+    with _lighthouse(cfg) as address:
+        tx = [link.tx_bytes(i) for i in range(REPLICAS)] if link else []
+        res = _replicas(impl, seed, churn, cfg, tmp, address, ctx, timeout_s)
+        if link:
+            res["tx_bytes"] = [link.tx_bytes(i) - b for i, b in enumerate(tx)]
+            res["bytes_per_sync_r0"] = res["tx_bytes"][0] / max(1, res["syncs"])
+    return res
+
+
+def _replicas(impl: str, seed: int, churn: int, cfg: Dict[str, Any], tmp: Path, lighthouse: str, ctx,
+              timeout_s: float) -> dict:
     log = tmp / f"{impl}-{seed}-{churn}.jsonl"
     target = flatcomm_replica if impl == "flatcomm" else torchft_replica
     run_cfg = {**cfg, "seed": seed}
@@ -193,7 +265,7 @@ def run_once(impl: str, seed: int, churn: int, cfg: Dict[str, Any], tmp: Path, t
     victim, last_step = ids[-1], _workload(run_cfg).steps - 2 * cfg["H"]
 
     def start(rid):
-        p = ctx.Process(target=target, args=(run_cfg, rid, lh.address(), str(log)), daemon=True)
+        p = ctx.Process(target=target, args=(run_cfg, rid, lighthouse, str(log)), daemon=True)
         p.start()
         return p
     procs, left = {rid: start(rid) for rid in ids}, 0.0
@@ -214,8 +286,9 @@ def run_once(impl: str, seed: int, churn: int, cfg: Dict[str, Any], tmp: Path, t
             ev = _events(log)
             top = max([e["mstep"] for e in ev if e["event"] == "round" and e["committed"]] or [0])
             due = churn and top >= (len(kills) + 1) * churn and procs[victim].exitcode is None
+            restarted = kills[-1] if kills else 0.0  # a mid-interval of this incarnation, after its heal
             if due and any(e["event"] == "mid" and e["id"] == victim and e["mstep"] >= top
-                           and e["step"] < last_step for e in ev):
+                           and e["step"] < last_step and e["t"] > restarted for e in ev):
                 kills.append(time.time())
                 os.kill(procs[victim].pid, signal.SIGKILL)
                 procs[victim].join(30)
@@ -228,7 +301,6 @@ def run_once(impl: str, seed: int, churn: int, cfg: Dict[str, Any], tmp: Path, t
         for p in procs.values():
             if p.exitcode is None:
                 p.kill()
-        lh.shutdown()
     return summarize(_events(log), kills, ids[:-1] if churn else ids, victim)
 
 
@@ -257,22 +329,29 @@ def run_bench(a) -> Dict[str, Any]:
     """``bench diloco --churn N``: every implementation of ``--churn-impls``, ``--churn-seeds`` seeds,
     without and with churn; prints the table and returns every run."""
     impls = [i for i in a.churn_impls.split(",") if i]
-    cfg = {"H": a.sync_every, "codec": a.churn_codec, "heartbeat": a.churn_heartbeat}
+    cfg: Dict[str, Any] = {"H": a.sync_every, "codec": a.churn_codec, "heartbeat": a.churn_heartbeat}
     runs: Dict[str, List[Dict[str, Any]]] = {f"{i}/{c}": [] for i in impls for c in ("none", "churn")}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        link = None
+        if a.churn_link:
+            from flatcomm.tools.netlink import Link
+
+            link = stack.enter_context(Link(REPLICAS, a.churn_link))
+            cfg.update(netns=link.namespaces, addrs=link.addresses)
         for seed in range(a.churn_seeds):
             for impl in (impls if seed % 2 == 0 else impls[::-1]):
                 for churn in (0, a.churn):
-                    r = run_once(impl, seed, churn, cfg, Path(tmp))
+                    r = run_once(impl, seed, churn, cfg, Path(tmp), link)
                     runs[f"{impl}/{'churn' if churn else 'none'}"].append(r)
                     print(f"[bench] churn: {impl} seed {seed} churn {churn}: {r['steps_per_s']:.2f} steps/s, "
                           f"held-out {r['heldout']:.4f}, kills {r['kills']}, equal {r['masters_equal']}", flush=True)
-    print(f"\nDiLoCo under churn: {REPLICAS} replicas, lm_diloco (300 inner steps), H={a.sync_every}, "
+    where = f"a {a.churn_link} link (namespaces)" if a.churn_link else "loopback"
+    print(f"\nDiLoCo under churn on {where}: {REPLICAS} replicas, lm_diloco (300 inner steps), H={a.sync_every}, "
           f"one kill + restart every {a.churn} syncs, heartbeat timeout {a.churn_heartbeat} s, "
           f"{a.churn_seeds} seeds; flatcomm {a.churn_codec}+EF ordered, torchft fp32")
     print("| run | survivors' steps/s | vs no churn | held-out loss | vs no churn | death -> next commit (s) "
-          "| restart -> healed commit (s) | masters equal |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| restart -> healed commit (s) | masters equal | r0's bytes off its node per sync |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for impl in impls:
         base, churned = runs[f"{impl}/none"], runs[f"{impl}/churn"]
         for name, rs in (("none", base), ("churn", churned)):
@@ -286,8 +365,10 @@ def run_bench(a) -> Dict[str, Any]:
             print(f"| {impl} {name} | {statistics.fmean(sps):.2f} [{min(sps):.2f}, {max(sps):.2f}] "
                   f"| {statistics.fmean(rel_s):.2f}x | {statistics.fmean(loss):.4f} "
                   f"| {100 * statistics.fmean(rel_l):+.2f}% [{100 * min(rel_l):+.2f}, {100 * max(rel_l):+.2f}] "
-                  f"| {span(deaths)} | {span(heals)} | {all(r['masters_equal'] and r['final_equal'] for r in rs)} |")
-    return {"config": {**cfg, "churn_every": a.churn, "seeds": a.churn_seeds, "replicas": REPLICAS}, "runs": runs}
+                  f"| {span(deaths)} | {span(heals)} | {all(r['masters_equal'] and r['final_equal'] for r in rs)} "
+                  f"| {statistics.fmean(r.get('bytes_per_sync_r0', 0.0) for r in rs) / 1e6:.2f} MB |")
+    return {"config": {**cfg, "link": a.churn_link or "loopback", "churn_every": a.churn, "seeds": a.churn_seeds,
+                       "replicas": REPLICAS}, "runs": runs}
 
 
 def add_arguments(ap) -> None:
@@ -298,5 +379,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--churn-seeds", type=int, default=3, help="seeds of the churn bench (default 3)")
     ap.add_argument("--churn-impls", default="flatcomm,torchft", help="flatcomm, torchft or both (default)")
     ap.add_argument("--churn-codec", default="int4", help="flatcomm's codec in the churn bench (default int4)")
+    ap.add_argument("--churn-link", default="", metavar="RATE",
+                    help="the churn bench's replicas each in a network namespace joined at RATE, e.g. 100mbit "
+                         "(needs root; default: loopback)")
     ap.add_argument("--churn-heartbeat", type=float, default=1.0,
                     help="the lighthouse's heartbeat timeout in the churn bench, seconds (default 1.0)")
