@@ -347,3 +347,18 @@ def _differ(rank, world):
 def test_replicas_configured_differently_all_raise():
     for msg, step in spawn.run(2, _differ, timeout_s=60):
         assert msg is not None and "configuration" in msg and "[1]" in msg and step == 0
+
+
+def test_make_manager_advertises_its_hostname():
+    """A replica on another host reaches this one's heal transport (and store) at ``hostname``,
+    not at this machine's name (torchft's default, which another host may not resolve to it)."""
+    from torchft._torchft import LighthouseServer
+    from flatcomm.elastic import make_manager
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    m = make_manager("advertised", lh.address(), hostname="localhost", min_replicas=1)
+    try:
+        assert m._checkpoint_transport.address().startswith("http://localhost:")
+        assert m._store.host == "localhost"  # where the quorum's group may meet (not 127.0.0.1)
+    finally:
+        m.shutdown(wait=False)
+        lh.shutdown()
