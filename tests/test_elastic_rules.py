@@ -239,6 +239,9 @@ def test_wrong_managers_and_arguments_are_refused():
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="flatcomm.elastic.ElasticDiLoCo"):
         DiLoCo(net, opt, sync_every=2, manager=object())
+    from flatcomm.integrations._common import diloco_replica  # every framework adapter's DiLoCo
+    with pytest.raises(ValueError, match="flatcomm.elastic.ElasticDiLoCo"):
+        diloco_replica(net, net, opt, {"sync_every": 2, "manager": object()})
 
     class NotOurs:
         _pg, _use_async_quorum = object(), False
