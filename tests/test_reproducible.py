@@ -321,5 +321,6 @@ def _example(world: int) -> str:
     return found[0]
 
 
+@pytest.mark.slow  # (test_same_weights_and_digests_on_1_2_4_ranks checks the claim in-process)
 def test_example_under_torchrun_1_and_2_ranks():
     assert _example(1) == _example(2)
