@@ -8,7 +8,7 @@ import ast
 # writes them: single quotes) or in process (their main imported).
 _STARTS_PROCESSES = ("spawn.run(", "TORCHRUN", "'torchrun'", "'torch.distributed.run'", "Link(", "Cluster(", "hardening.fuzz(", "hardening.kills(",
                      "'flatcomm.bench'", "'flatcomm.tune'", "flatcomm.tools.bench import main",
-                     "flatcomm.tools.tune import main")
+                     "flatcomm.tools.tune import main", "conv.main(")  # (the convergence bench, imported as conv)
 
 
 def spawning_functions(source: str) -> set:
