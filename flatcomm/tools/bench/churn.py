@@ -1,10 +1,12 @@
 """DiLoCo under churn on a torchft lighthouse: flatcomm.elastic beside torchft's own DiLoCo (a tool).
 
     python -m flatcomm.bench diloco --churn 5 [--churn-seeds 3] [--churn-impls flatcomm,torchft]
-        [--sync-every 10] [--churn-heartbeat 1.0] [--churn-codec int4] [--json PATH]
+        [--sync-every 10] [--churn-heartbeat 1.0] [--churn-codec int4] [--churn-link 100mbit] [--json PATH]
 
 One lighthouse (torchft's, in this process, loopback) and 3 replica processes of one CPU rank each,
-started from a warm forkserver. The workload is ``lm_diloco`` of the convergence bench (the char
+started from a warm forkserver. With ``--churn-link RATE`` every replica moves into a network
+namespace of a :class:`~flatcomm.tools.netlink.Link` at RATE (needs root), the lighthouse
+(``torchft_lighthouse``) runs in the first, and the bytes each node sent come from its fc0 counter. The workload is ``lm_diloco`` of the convergence bench (the char
 LM, AdamW (0.9, 0.95), weight decay, clipping, gradient accumulation, warm-up + cosine over 300
 inner steps), every replica on its own batches. Per implementation and seed, two runs: without
 churn, and with the last replica SIGKILLed mid-interval every ``--churn`` syncs and restarted at
