@@ -19,15 +19,15 @@ from torchft.checkpointing.http_transport import HTTPTransport
 
 from .group import QuorumGroup
 
-__all__ = ["make_manager"]
+__all__ = ["HostTransport", "make_manager"]
 
 _stores: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # manager -> the store it needs alive
 
 
-class _HostTransport(HTTPTransport):
+class HostTransport(HTTPTransport):
     """torchft's HTTP heal transport, advertised at ``hostname``: torchft's own advertises
     ``socket.gethostname()``, which a peer on another host or network namespace may not resolve to
-    this replica."""
+    this replica. For a Manager made by hand on a host or namespace of its own (the benchmarks')."""
 
     def __init__(self, hostname: str, timeout: timedelta) -> None:
         self._hostname = hostname  # before torchft's __init__, which calls address()
@@ -63,7 +63,7 @@ def make_manager(replica_id: str, lighthouse: str, *, timeout: timedelta = timed
         raise ValueError(f"flatcomm.elastic: min_replicas must be an int >= 1, got {min_replicas!r}")
     host = "127.0.0.1" if hostname is None else hostname
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-    kw = {} if hostname is None else {"hostname": hostname, "checkpoint_transport": _HostTransport(hostname, timeout)}
+    kw = {} if hostname is None else {"hostname": hostname, "checkpoint_transport": HostTransport(hostname, timeout)}
     manager = Manager(pg=QuorumGroup(timeout=timeout), load_state_dict=None, state_dict=None,
                       min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout,
                       quorum_timeout=quorum_timeout, connect_timeout=timeout, store_addr=host,

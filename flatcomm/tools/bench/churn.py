@@ -6,9 +6,10 @@
 One lighthouse (torchft's, in this process, loopback) and 3 replica processes of one CPU rank each,
 started from a warm forkserver. With ``--churn-link RATE`` every replica moves into a network
 namespace of a :class:`~flatcomm.tools.netlink.Link` at RATE (needs root), the lighthouse
-(``torchft_lighthouse``) runs in the first, and the bytes each node sent come from its fc0 counter. The workload is ``lm_diloco`` of the convergence bench (the char
-LM, AdamW (0.9, 0.95), weight decay, clipping, gradient accumulation, warm-up + cosine over 300
-inner steps), every replica on its own batches. Per implementation and seed, two runs: without
+(``torchft_lighthouse``) runs in the first, and the bytes each node sent come from its fc0 counter.
+The workload is ``lm_diloco`` of the convergence bench (the char LM, AdamW (0.9, 0.95), weight
+decay, clipping, gradient accumulation, warm-up + cosine over 300 inner steps), every replica on
+its own batches. Per implementation and seed, two runs: without
 churn, and with the last replica SIGKILLed mid-interval every ``--churn`` syncs and restarted at
 once with the same id. Reported per run: the survivors' inner steps per second, the time from each
 death to the survivors' next committed sync, the restarted process's time to its healed, committed
@@ -149,12 +150,9 @@ def torchft_replica(cfg: Dict[str, Any], rid: str, lighthouse: str, log_path: st
     import logging
 
     from torchft import Manager, ProcessGroupGloo
-    from torchft.checkpointing.http_transport import HTTPTransport
     from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 
-    class Transport(HTTPTransport):
-        def address(self) -> str:  # torchft advertises socket.gethostname(): not this namespace's address
-            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+    from flatcomm.elastic.replica import HostTransport
 
     host = _place(cfg, rid)
     logging.getLogger("torchft").setLevel(logging.ERROR)
@@ -181,7 +179,7 @@ def torchft_replica(cfg: Dict[str, Any], rid: str, lighthouse: str, log_path: st
                       replica_id=rid, store_addr=host, store_port=store.port, rank=0, world_size=1,
                       lighthouse_addr=lighthouse, hostname=host, timeout=timeout,
                       quorum_timeout=timedelta(seconds=120),
-                      checkpoint_transport=Transport(timeout=timeout, num_chunks=0))
+                      checkpoint_transport=HostTransport(host, timeout))
     rank, h = int(rid[1:]), cfg["H"]
     with TorchftDiLoCo(manager, [model], opt, outer_opt, sync_every=h, backup_device=torch.device("cpu")):
         while state["step"] < w.steps:

@@ -211,20 +211,15 @@ def _ddp_times(rank: int, cfg: Dict[str, Any]) -> List[float]:
 def _torchft_rank(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     """torchft's DiLoCo (0.2, fp32 path: its quantization needs triton/CUDA) on the same link and
     model: one lighthouse on replica 0, a TCPStore and a Manager per replica (group of one rank)."""
-    import socket
     from datetime import timedelta
 
     from torchft import Manager, ProcessGroupGloo
     from torchft._torchft import LighthouseServer
-    from torchft.checkpointing.http_transport import HTTPTransport
     from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 
-    class Transport(HTTPTransport):
-        def address(self) -> str:  # torchft advertises socket.gethostname(): not routable between namespaces
-            port = self._server.socket.getsockname()[1]
-            return f"http://{addrs[rank]}:{port}/checkpoint/"
+    from flatcomm.elastic.replica import HostTransport  # (torchft's advertises the host's name: not routable here)
 
-    addrs = [None] * world
+    addrs: List[str] = [""] * world  # filled by the all-gather
     dist.all_gather_object(addrs, _my_address())
     lighthouse = LighthouseServer(bind="[::]:29610", min_replicas=world) if rank == 0 else None
     dist.barrier()
@@ -237,7 +232,7 @@ def _torchft_rank(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
                       replica_id=str(rank), store_addr=addrs[rank], store_port=29620, rank=0, world_size=1,
                       lighthouse_addr=f"http://{addrs[0]}:29610", hostname=addrs[rank], port=29630,
                       timeout=timedelta(seconds=300), quorum_timeout=timedelta(seconds=300),
-                      checkpoint_transport=Transport(timeout=timedelta(seconds=300), num_chunks=0))
+                      checkpoint_transport=HostTransport(addrs[rank], timedelta(seconds=300)))
     h = cfg["sync_every"]
     times, tx = [], []
     with TorchftDiLoCo(manager, [model], opt, outer_opt, sync_every=h, backup_device=torch.device("cpu"),
