@@ -29,10 +29,11 @@ def _assert_equal_masters(events):
 
 
 def _kill_mid_interval(c: Cluster, rid: str) -> float:
-    """Wait for ``rid`` to be mid-interval after a 3-replica sync, then SIGKILL it."""
+    """Wait for ``rid`` to be mid-interval after a 3-replica sync, then have it SIGKILL itself at
+    its next mid-interval point."""
     c.wait_for(f"{rid} mid-interval", lambda ev: any(
         e["event"] == "mid" and e["id"] == rid and e["mstep"] >= 3 for e in ev))
-    return c.kill(rid)
+    return c.kill_mid_interval(rid)
 
 
 def _survivors_commit(c: Cluster, after: float, n: int) -> list:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import signal
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ class Cluster:
 
     def start(self, rid: str, **extra) -> None:
         args = ["--id", rid, "--lighthouse", self.lighthouse.address(), "--log", str(self.log),
-                "--stop-file", str(self.stop)]
+                "--stop-file", str(self.stop), "--die-file", str(self.tmp / f"{rid}.die")]
         for k, v in {**self.args, **{k.replace("_", "-"): v for k, v in extra.items()}}.items():
             args += [f"--{k}", str(v)]
         self.starts += 1
@@ -52,12 +51,13 @@ class Cluster:
     def exitcode(self, rid: str) -> Optional[int]:
         return self.procs[rid].exitcode
 
-    def kill(self, rid: str) -> float:
-        """SIGKILL ``rid``; returns when (time.time())."""
-        t = time.time()
-        os.kill(self.procs[rid].pid, signal.SIGKILL)
+    def kill_mid_interval(self, rid: str) -> float:
+        """Make ``rid`` SIGKILL itself at its next mid-interval point (a kill from outside may land in
+        its next sync instead); returns when it died (time.time())."""
+        (self.tmp / f"{rid}.die").touch()
         self.procs[rid].join(timeout=30)
-        return t
+        assert self.procs[rid].exitcode == -signal.SIGKILL, f"{rid} did not die mid-interval"
+        return max(e["t"] for e in self.events("dying") if e["id"] == rid)
 
     def events(self, event: Optional[str] = None) -> List[dict]:
         if not self.log.exists():

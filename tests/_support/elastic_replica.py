@@ -37,6 +37,7 @@ def _args(argv=None):
     ap.add_argument("--step-sleep", type=float, default=0.02)
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--die-in-sync", type=int, default=0)
+    ap.add_argument("--die-file", default="", help="SIGKILL itself at the next mid-interval once this file exists")
     ap.add_argument("--seed-offset", type=int, default=0)
     ap.add_argument("--die-serving-heal", default="", help="a file: SIGKILL itself when asked for its heal state "
                     "once the test armed it (FILE.armed exists); the first donor renames FILE.armed to FILE, so "
@@ -116,6 +117,10 @@ def main(argv=None) -> None:
             break
         if outer.step % a.sync_every == a.sync_every // 2:
             emit("mid", mstep=manager.current_step(), step=outer.step)
+            if a.die_file and os.path.exists(a.die_file):  # truly mid-interval: no sync in flight
+                os.remove(a.die_file)
+                emit("dying", mstep=manager.current_step(), step=outer.step)
+                os.kill(os.getpid(), signal.SIGKILL)
         g = torch.Generator().manual_seed(zlib.crc32(f"{a.id}/{outer.step}/{a.seed_offset}".encode()))
         x = torch.randn(16, 13, generator=g)
         opt.zero_grad()
