@@ -234,7 +234,7 @@ def test_heal_state_checks():
 
 def test_wrong_managers_and_arguments_are_refused():
     from flatcomm.diloco import DiLoCo
-    from flatcomm.elastic import ElasticDiLoCo
+    from flatcomm.elastic import ElasticDiLoCo, QuorumGroup
     net = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="flatcomm.elastic.ElasticDiLoCo"):
@@ -258,6 +258,10 @@ def test_wrong_managers_and_arguments_are_refused():
         with pytest.raises((ValueError, TypeError), match=what):
             ElasticDiLoCo(net, opt, manager=m, **kw)
     assert m.round == 0  # refused before any round
+    for kw in ({"timeout": timedelta(0)}, {"rendezvous_timeout": timedelta(seconds=-1)}, {"rendezvous_timeout": 5}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            QuorumGroup(**kw)
+    assert QuorumGroup(timedelta(seconds=3)).rendezvous_timeout == timedelta(seconds=3)  # never above timeout
 
 
 def _heal_fails(rank, world):

@@ -63,6 +63,33 @@ def test_gloo_group_refuses_bad_arguments():
         standalone.gloo_group(store, 0, 1, timedelta(0))
     with pytest.raises(ValueError, match="rank"):
         standalone.gloo_group(store, 2, 2, timedelta(seconds=1))
+    with pytest.raises(ValueError, match="connect_timeout"):
+        standalone.gloo_group(store, 0, 1, timedelta(seconds=1), connect_timeout=timedelta(seconds=-1))
+
+
+def _connect_then_operate(rank, world):
+    import time
+    base = dist.distributed_c10d._get_default_store()
+    took = None
+    if rank == 0:  # rank 1 never joins this one: the set-up fails within connect_timeout
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="timeout"):
+            standalone.gloo_group(dist.PrefixStore("absent", base), 0, 2, timedelta(seconds=30),
+                                  connect_timeout=timedelta(seconds=0.5))
+        took = time.monotonic() - t0
+    group = standalone.gloo_group(dist.PrefixStore("late", base), rank, world, timedelta(seconds=30),
+                                  connect_timeout=timedelta(seconds=5))
+    if rank == 1:
+        time.sleep(1.5)  # an operation may wait longer than the set-up's bound
+    t = torch.full((9,), float(rank + 1))
+    flatcomm.all_reduce(t, group=group, codec="fp32", mode="exact", op="sum")
+    return took, t
+
+
+def test_connect_timeout_bounds_the_set_up_not_the_operations():
+    (took, t0), (_, t1) = spawn.run(2, _connect_then_operate, timeout_s=60)
+    assert 0.4 < took < 3.0, took
+    assert torch.equal(t0, torch.full((9,), 3.0)) and torch.equal(t1, t0)
 
 
 def _many(rank, world):

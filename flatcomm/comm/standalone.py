@@ -88,15 +88,22 @@ def ranks(group) -> List[int]:
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
-def _gloo(store: dist.Store, rank: int, size: int, timeout: timedelta):
+def _gloo(store: dist.Store, rank: int, size: int, connect: timedelta, timeout: timedelta):
     pg = dist.ProcessGroup(store, rank, size)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+    backend = dist.ProcessGroupGloo(store, rank, size, connect)  # the rendezvous waits at most `connect`
+    backend.set_timeout(timeout)  # each operation from now on: `timeout`
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     return pg
 
 
-def gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta):
+def _check_timeout(name: str, value) -> None:
+    if not isinstance(value, timedelta) or value.total_seconds() <= 0:
+        raise ValueError(f"flatcomm: {name} must be a positive timedelta, got {value!r}")
+
+
+def gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta,
+               connect_timeout: Optional[timedelta] = None):
     """A gloo group of ``size`` ranks on ``store`` (every member calls it with its ``rank``), with
     its private copy under ``store``/:data:`PRIVATE_PREFIX`, adopted: ready for flatcomm's
     collectives (CPU tensors). Every operation waits at most ``timeout``.
@@ -106,13 +113,17 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta):
             this group (a prefix used once).
         rank: this member's rank, 0 .. size-1.
         size: the number of members.
-        timeout: the bound of every wait (connection set-up and each operation).
+        timeout: the bound of every operation on the groups.
+        connect_timeout: the bound of the set-up (each group's rendezvous), default ``timeout``.
+            Shorter is how a caller that knows every member is already on its way (an elastic
+            quorum) fails fast when one died before it connected.
     """
-    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"flatcomm: timeout must be a positive timedelta, got {timeout!r}")
+    connect = timeout if connect_timeout is None else connect_timeout
+    _check_timeout("timeout", timeout)
+    _check_timeout("connect_timeout", connect)
     if not (0 <= rank < size):
         raise ValueError(f"flatcomm: rank must be in [0, {size}), got {rank}")
-    group = _gloo(store, rank, size, timeout)
-    private = _gloo(dist.PrefixStore(PRIVATE_PREFIX, store), rank, size, timeout)
+    group = _gloo(store, rank, size, connect, timeout)
+    private = _gloo(dist.PrefixStore(PRIVATE_PREFIX, store), rank, size, connect, timeout)
     adopt(group, private, store)
     return group

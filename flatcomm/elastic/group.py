@@ -6,7 +6,10 @@ not list it, so ``dist.get_rank(group)`` and ``dist.new_group`` cannot serve fla
 :class:`QuorumGroup` is that same torchft group, except that each quorum's gloo group is made by
 :func:`flatcomm.comm.standalone.gloo_group`: with flatcomm's private copy beside it (under the
 quorum's prefix + ``flatcomm/private``) and adopted, so ``flatcomm.all_reduce(..., group=
-quorum_group.current())`` runs there. Both groups wait at most ``timeout`` for anything.
+quorum_group.current())`` runs there. Both groups' operations wait at most ``timeout``; their set-up
+at most ``rendezvous_timeout``: every member of a quorum heads for the rendezvous the moment the
+lighthouse issues it, so a member missing after a few seconds has died (killed between the quorum's
+forming and its rendezvous), and the survivors fail this round then, not after a collective's timeout.
 """
 from __future__ import annotations
 
@@ -16,7 +19,11 @@ from torchft.process_group import ProcessGroupGloo
 
 from ..comm import standalone
 
-__all__ = ["QuorumGroup"]
+__all__ = ["QuorumGroup", "RENDEZVOUS_TIMEOUT"]
+
+# Members reach a new quorum's rendezvous within a second of each other on a loaded host; five
+# seconds leaves room for a stalled one and is still far below a collective's timeout.
+RENDEZVOUS_TIMEOUT = timedelta(seconds=5)
 
 
 class QuorumGroup(ProcessGroupGloo):
@@ -24,17 +31,21 @@ class QuorumGroup(ProcessGroupGloo):
     flatcomm's collectives can use (:meth:`current`).
 
     Args:
-        timeout: the bound of every operation on a quorum's group and of its set-up.
+        timeout: the bound of every operation on a quorum's group.
+        rendezvous_timeout: the bound of a quorum group's set-up (at most ``timeout``).
     """
 
-    def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
-        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-            raise ValueError(f"flatcomm.elastic: timeout must be a positive timedelta, got {timeout!r}")
+    def __init__(self, timeout: timedelta = timedelta(seconds=60),
+                 rendezvous_timeout: timedelta = RENDEZVOUS_TIMEOUT) -> None:
+        for name, value in (("timeout", timeout), ("rendezvous_timeout", rendezvous_timeout)):
+            if not isinstance(value, timedelta) or value.total_seconds() <= 0:
+                raise ValueError(f"flatcomm.elastic: {name} must be a positive timedelta, got {value!r}")
         super().__init__(timeout=timeout)
+        self.rendezvous_timeout = min(rendezvous_timeout, timeout)
 
     def _create_pg(self, store, rank: int, world_size: int):
         # Called by torchft's configure() for each new quorum, on the manager's quorum thread.
-        return standalone.gloo_group(store, rank, world_size, self._timeout)
+        return standalone.gloo_group(store, rank, world_size, self._timeout, connect_timeout=self.rendezvous_timeout)
 
     def current(self):
         """The gloo group of the current quorum (adopted by flatcomm)."""

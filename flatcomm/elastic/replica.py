@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torchft import Manager
 from torchft.checkpointing.http_transport import HTTPTransport
 
-from .group import QuorumGroup
+from .group import RENDEZVOUS_TIMEOUT, QuorumGroup
 
 __all__ = ["HostTransport", "make_manager"]
 
@@ -41,7 +41,7 @@ class HostTransport(HTTPTransport):
 def make_manager(replica_id: str, lighthouse: str, *, timeout: timedelta = timedelta(seconds=30),
                  quorum_timeout: timedelta = timedelta(seconds=300), min_replicas: int = 2,
                  heartbeat_interval: timedelta = timedelta(milliseconds=100),
-                 hostname: Optional[str] = None) -> Manager:
+                 hostname: Optional[str] = None, rendezvous_timeout: timedelta = RENDEZVOUS_TIMEOUT) -> Manager:
     """A torchft Manager for a one-process replica, with its own TCPStore on a free port.
 
     Args:
@@ -56,6 +56,8 @@ def make_manager(replica_id: str, lighthouse: str, *, timeout: timedelta = timed
             store and heal transport on loopback, i.e. every replica on this host). Given, the
             replica's TCPStore (where a quorum's group may rendezvous) and its heal transport are
             advertised there too: replicas on several hosts need it.
+        rendezvous_timeout: the bound of a quorum group's set-up (:class:`QuorumGroup`): a
+            replica that dies between a quorum's forming and its rendezvous costs the others this.
     """
     if not isinstance(replica_id, str) or not replica_id or ":" in replica_id:
         raise ValueError(f"flatcomm.elastic: replica_id must be a non-empty str without ':', got {replica_id!r}")
@@ -64,7 +66,7 @@ def make_manager(replica_id: str, lighthouse: str, *, timeout: timedelta = timed
     host = "127.0.0.1" if hostname is None else hostname
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
     kw = {} if hostname is None else {"hostname": hostname, "checkpoint_transport": HostTransport(hostname, timeout)}
-    manager = Manager(pg=QuorumGroup(timeout=timeout), load_state_dict=None, state_dict=None,
+    manager = Manager(pg=QuorumGroup(timeout, rendezvous_timeout), load_state_dict=None, state_dict=None,
                       min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout,
                       quorum_timeout=quorum_timeout, connect_timeout=timeout, store_addr=host,
                       store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,

@@ -9,6 +9,8 @@ kills it), ``done`` at the end. It stops after the round where torchft's step re
 ``--die-in-sync N``: SIGKILL itself at the start of its N-th sum (after the round's quorum and
 agreement: a death during the sync's transfer). ``--die-serving-heal F``: SIGKILL itself when a
 peer asks for its heal state (a donor dying mid-heal), once: the first donor that creates the file F.
+``--die-at-rendezvous F``: SIGKILL itself on entering a new quorum's group set-up once F exists
+(between the quorum's forming and its rendezvous).
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ def _args(argv=None):
     ap.add_argument("--sync-every", type=int, default=4)
     ap.add_argument("--step-sleep", type=float, default=0.02)
     ap.add_argument("--timeout", type=float, default=10.0)
+    ap.add_argument("--rendezvous-timeout", type=float, default=2.0)
+    ap.add_argument("--die-at-rendezvous", default="")
     ap.add_argument("--die-in-sync", type=int, default=0)
     ap.add_argument("--die-file", default="", help="SIGKILL itself at the next mid-interval once this file exists")
     ap.add_argument("--seed-offset", type=int, default=0)
@@ -70,6 +74,18 @@ def _die_serving_heal(marker: str) -> None:
     heal.state = dying
 
 
+def _die_at_rendezvous(path: str, emit) -> None:
+    real = elastic.QuorumGroup._create_pg
+
+    def dying(self, *a, **kw):
+        if os.path.exists(path):  # the quorum is formed; this replica never reaches its rendezvous
+            os.remove(path)
+            emit("dying-at-rendezvous")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, *a, **kw)
+    elastic.QuorumGroup._create_pg = dying
+
+
 def _stop_at(path: str) -> int:
     try:
         with open(path) as f:
@@ -102,8 +118,11 @@ def main(argv=None) -> None:
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     if a.die_serving_heal:
         _die_serving_heal(a.die_serving_heal)
+    if a.die_at_rendezvous:
+        _die_at_rendezvous(a.die_at_rendezvous, emit)
     manager = elastic.make_manager(a.id, a.lighthouse, timeout=timedelta(seconds=a.timeout),
-                                   quorum_timeout=timedelta(seconds=60), hostname="localhost")
+                                   quorum_timeout=timedelta(seconds=60), hostname="localhost",
+                                   rendezvous_timeout=timedelta(seconds=a.rendezvous_timeout))
     outer = elastic.ElasticDiLoCo(net, opt, manager=manager, sync_every=a.sync_every, codec=a.codec, mode=a.mode)
     seen = 0
     while True:
