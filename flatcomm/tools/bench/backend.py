@@ -81,7 +81,7 @@ def _steps(groups: dict, rank: int, steps: int) -> List[dict]:
     for kind in ("ddp", "fsdp2"):
         if rank == 0:
             say("bench", f"backend: {kind} steps ...")
-        times: Dict[str, List[float]] = {}
+        runs = {}
         for v in VARIANTS:
             model = mlp()
             if kind == "ddp":
@@ -91,9 +91,10 @@ def _steps(groups: dict, rank: int, steps: int) -> List[dict]:
                 for layer in model:
                     fully_shard(layer, mesh=mesh)
                 fully_shard(model, mesh=mesh)
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-            times[v] = []
-            for s in range(steps + 1):
+            runs[v] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
+        times: Dict[str, List[float]] = {v: [] for v in VARIANTS}
+        for s in range(steps + 1):
+            for v, (model, opt) in runs.items():  # interleaved step by step, as the ops rep by rep
                 torch.distributed.barrier(group=groups["gloo"])
                 t0 = time.perf_counter()
                 model(x).square().mean().backward()
