@@ -38,13 +38,11 @@ import collections
 import datetime
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence, Union, cast
+from typing import Callable, List, Optional, Sequence, Union, cast
 
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions  # (not re-exported by torch.distributed)
 
-from . import groups, header, pipeline, worker
+from . import groups, header, p2p, pipeline, worker
 from .args import Call
 from .labels import label
 from .pipeline import CommStats
@@ -232,11 +230,12 @@ def _gathered(group, a: Call, payload: Callable[[], torch.Tensor], result: Calla
         pipeline.drain([h.work])
         raise
     data = payload()  # after the check: a residual it takes is never lost to a failed call
-    rows = torch.empty(a.world * data.numel(), dtype=torch.uint8)
-    pg = group if group is not None else dist.group.WORLD  # (None: one rank, exchanging alone in tests)
-    cast(Any, pg)._get_backend(torch.device("cpu"))._allgather_base(rows, data, AllgatherOptions()).wait()
+    rows = torch.empty(a.world, data.numel(), dtype=torch.uint8)
+    rows[a.rank].copy_(data)
+    # Point-to-point, not gloo's all-gather: on 2 ranks a 1 MB swap costs 0.97 ms against 1.89.
+    p2p.all_gather(group, data, list(rows), tag=1).wait()
     t1 = time.perf_counter()
-    result(rows.view(a.world, -1))
+    result(rows)
     if stats is not None:
         stats.calls += 1
         stats.wire_bytes += data.numel() * (a.world - 1)
