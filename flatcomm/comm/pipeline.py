@@ -15,15 +15,15 @@ from . import context, groups, header, p2p, standalone
 from .labels import label
 from ..ops.codecs import Codec, decode_sum, encode
 
-__all__ = ["CHUNK_TARGET_BYTES", "LOSSLESS_CHUNK_TARGET_BYTES", "CommStats", "GATHER_PIECE_BYTES", "MAX_AUTO_CHUNKS", "MIN_PIPELINE_BYTES",
-           "BufferPool", "Pipeline", "Plan", "default_chunks", "drain", "forget_pool", "plan", "shard_bounds",
-           "zero_copy"]
+__all__ = ["CHUNK_TARGET_BYTES", "CommStats", "GATHER_PIECE_BYTES", "LOSSLESS_CHUNK_TARGET_BYTES", "MAX_AUTO_CHUNKS",
+           "MIN_PIPELINE_BYTES", "BufferPool", "Pipeline", "Plan", "default_chunks", "drain", "forget_pool", "plan",
+           "shard_bounds", "zero_copy"]
 
 # The automatic chunk count aims at about CHUNK_TARGET_BYTES of payload per shard and chunk, and
 # pipelines (at least 2 chunks) from MIN_PIPELINE_BYTES on (measurements: docs/benchmarks.md).
 # A lossless payload (fp32 ordered or exact) has no encode to hide behind the wire, and every chunk
 # costs its transfers' set-up: 4 MB pieces (16.8 MB ordered on loopback, 2 ranks: 1.17x gloo's
-# time, 1.55x with 1 MB pieces; on a 1 Gbit/s link the same within 3%).
+# time, 1.55x with 1 MB pieces; on a 1 Gbit/s link within 1%, exact mode faster).
 CHUNK_TARGET_BYTES = 1 << 20
 LOSSLESS_CHUNK_TARGET_BYTES = 4 << 20
 MIN_PIPELINE_BYTES = 512 << 10
