@@ -82,7 +82,7 @@ test-slow: build $(DEPS)
 
 # torch's own distributed suite (_DistTestBase) on the flatcomm backend, 2 and 3 ranks, ordered and
 # exact (tests/test_backend_conformance.py). Not in `make test` nor .ci/run: every test starts its
-# ranks, ~5-20 s each on 2 shared cores, 285 tests per configuration. CONFORMANCE_K narrows it
+# ranks: 285 tests, 13-20 min per configuration on 2 quiet cores, ~1 h for all four. CONFORMANCE_K narrows it
 # (pytest -k), e.g. make test-conformance CONFORMANCE_K="all_reduce or reduce_scatter or ddp".
 CONFORMANCE_K ?=
 test-conformance: build
