@@ -312,7 +312,6 @@ _TORCH_PRIVATE = {
     ("flatcomm.fsdp.frames", "_handle"),  # FSDP1's FlatParamHandle of a module (frames reads them all)
     ("flatcomm.fsdp.frames", "_params"),  # FSDP1's FlatParameter's original parameters
     ("flatcomm.comm.header", "_allgather_base"),  # c10d Backend's one-tensor all-gather (with options)
-    ("flatcomm.comm.small", "_allgather_base"),  # the same, for the small path's one exchange
 }
 
 
