@@ -55,12 +55,17 @@ def _heals(c: Cluster, rid: str, after: float) -> dict:
     return c.wait_for(f"{rid} to heal", ok, timeout=60)
 
 
+def _wait_all_in_sync(c: Cluster, after: float = 0.0) -> None:
+    """Wait until each of r0, r1, r2 committed a round that all three contributed to, after ``after``."""
+    c.wait_for(f"a sync of all 3 replicas after t={after:.2f}", lambda ev: len({e["id"] for e in _rounds(
+        ev, committed=True, quorum=3, contributors=3) if e["t"] > after}) == 3)
+
+
 def _churn(tmp_path, codec: str, mode: str) -> None:
     c = Cluster(tmp_path, 3, heartbeat_ms=int(HEARTBEAT_S * 1000), codec=codec, mode=mode, timeout=TIMEOUT_S,
                 rendezvous_timeout=RENDEZVOUS_S)
     try:
-        c.wait_for("3 replicas in sync", lambda ev: len({e["id"] for e in _rounds(ev, quorum=3, contributors=3,
-                                                                                   committed=True)}) == 3)
+        _wait_all_in_sync(c)
         killed = _kill_mid_interval(c, "r2")
         survived = _survivors_commit(c, killed, 2)
         # the survivors' first sync after the death waits at most the lighthouse's heartbeat timeout
@@ -82,8 +87,7 @@ def _churn(tmp_path, codec: str, mode: str) -> None:
         assert after_death[0][0]["mstep"] == failed[0]["mstep"] + 1
         c.start("r2")  # the same id again: heals, and the next sync has all three
         back = _heals(c, "r2", after_death[0][0]["t"])
-        c.wait_for("a full sync after the heal", lambda ev: len({e["id"] for e in _rounds(
-            ev, committed=True, contributors=3) if e["t"] > back["t"]}) == 3)
+        _wait_all_in_sync(c, after=back["t"])
         c.finish()
         ev = c.events()
         _assert_equal_masters(ev)
@@ -110,8 +114,7 @@ def test_donor_killed_during_a_heal(tmp_path):
         for rid in ("r0", "r1"):
             c.start(rid, die_serving_heal=marker)
         c.start("r2")
-        c.wait_for("3 replicas in sync", lambda ev: len({e["id"] for e in _rounds(ev, quorum=3, contributors=3,
-                                                                                   committed=True)}) == 3)
+        _wait_all_in_sync(c)
         (tmp_path / "a donor died.armed").touch()
         killed = _kill_mid_interval(c, "r2")
         c.start("r2")  # heals from r0 or r1, which dies serving it; then heals from the other
@@ -123,8 +126,7 @@ def test_donor_killed_during_a_heal(tmp_path):
         donor = next(r for r in ("r0", "r1") if c.exitcode(r) == -9)
         c.start(donor)
         _heals(c, donor, healed["t"])
-        c.wait_for("a full sync after the heals", lambda ev: len({e["id"] for e in _rounds(
-            ev, committed=True, contributors=3) if e["t"] > healed["t"]}) == 3)
+        _wait_all_in_sync(c, after=healed["t"])
         c.finish()
         _assert_equal_masters(c.events())
     finally:
@@ -135,8 +137,7 @@ def test_donor_killed_during_a_heal(tmp_path):
 def test_replica_killed_before_the_rendezvous(tmp_path):
     c = Cluster(tmp_path, 3, heartbeat_ms=int(HEARTBEAT_S * 1000), timeout=TIMEOUT_S, rendezvous_timeout=RENDEZVOUS_S)
     try:
-        c.wait_for("3 replicas in sync", lambda ev: len({e["id"] for e in _rounds(ev, quorum=3, contributors=3,
-                                                                                   committed=True)}) == 3)
+        _wait_all_in_sync(c)
         killed = _kill_mid_interval(c, "r2")
         armed = tmp_path / "r2 dies at its rendezvous"
         armed.touch()
@@ -155,8 +156,7 @@ def test_replica_killed_before_the_rendezvous(tmp_path):
             assert again["t"] - died < RENDEZVOUS_S + HEARTBEAT_S + 2.0, (again, died)
         c.start("r2")
         back = _heals(c, "r2", died)
-        c.wait_for("a full sync after the heal", lambda ev: len({e["id"] for e in _rounds(
-            ev, committed=True, contributors=3) if e["t"] > back["t"]}) == 3)
+        _wait_all_in_sync(c, after=back["t"])
         c.finish()
         _assert_equal_masters(c.events())
     finally:

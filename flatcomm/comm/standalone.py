@@ -24,7 +24,7 @@ from typing import List, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["adopt", "gloo_group", "is_standalone", "private_of", "rank", "ranks", "store_of"]
+__all__ = ["adopt", "check_timeout", "gloo_group", "is_standalone", "private_of", "rank", "ranks", "store_of"]
 
 PRIVATE_PREFIX = "flatcomm/private"  # the private copy's store prefix, under the group's own store
 
@@ -97,7 +97,8 @@ def _gloo(store: dist.Store, rank: int, size: int, connect: timedelta, timeout: 
     return pg
 
 
-def _check_timeout(name: str, value) -> None:
+def check_timeout(name: str, value) -> None:
+    """Refuse ``value`` unless it is a positive timedelta (``name``: the argument, for the message)."""
     if not isinstance(value, timedelta) or value.total_seconds() <= 0:
         raise ValueError(f"flatcomm: {name} must be a positive timedelta, got {value!r}")
 
@@ -119,8 +120,8 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta,
             quorum) fails fast when one died before it connected.
     """
     connect = timeout if connect_timeout is None else connect_timeout
-    _check_timeout("timeout", timeout)
-    _check_timeout("connect_timeout", connect)
+    check_timeout("timeout", timeout)
+    check_timeout("connect_timeout", connect)
     if not (0 <= rank < size):
         raise ValueError(f"flatcomm: rank must be in [0, {size}), got {rank}")
     group = _gloo(store, rank, size, connect, timeout)

@@ -37,9 +37,8 @@ class QuorumGroup(ProcessGroupGloo):
 
     def __init__(self, timeout: timedelta = timedelta(seconds=60),
                  rendezvous_timeout: timedelta = RENDEZVOUS_TIMEOUT) -> None:
-        for name, value in (("timeout", timeout), ("rendezvous_timeout", rendezvous_timeout)):
-            if not isinstance(value, timedelta) or value.total_seconds() <= 0:
-                raise ValueError(f"flatcomm.elastic: {name} must be a positive timedelta, got {value!r}")
+        standalone.check_timeout("timeout", timeout)  # refused here, not at the first quorum
+        standalone.check_timeout("rendezvous_timeout", rendezvous_timeout)
         super().__init__(timeout=timeout)
         self.rendezvous_timeout = min(rendezvous_timeout, timeout)
 
