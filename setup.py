@@ -49,14 +49,16 @@ def extension():
         )
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS]
     gencode.append(f"-gencode=arch=compute_{CUDA_ARCHS[-1]},code=compute_{CUDA_ARCHS[-1]}")
-    archs = '\\"' + ";".join(CUDA_ARCHS) + '\\"'
+    # A bare token list, stringified in registration.cpp: a quoted string literal does not survive
+    # both ninja's shell-quoted command lines and distutils' argument lists (nor nvcc's -D lists).
+    archs = f"-DFLATCOMM_CUDA_ARCHS={';'.join(CUDA_ARCHS)}"
     return cpp_extension.CUDAExtension(
         "flatcomm._C",
         sources + sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp")),
         include_dirs=include,
-        define_macros=[("FLATCOMM_WITH_CUDA", None), ("FLATCOMM_CUDA_ARCHS", archs)],
+        define_macros=[("FLATCOMM_WITH_CUDA", None)],
         extra_compile_args={
-            "cxx": cxx,
+            "cxx": cxx + [archs],
             # --threads 0: one nvcc thread per target architecture (the build on a GPU machine is
             # part of benchmarks/gpu_check.sh's time budget; 37 s -> 24 s on 2 cores)
             "nvcc": ["-O3", "-std=c++17", "-fmad=false", "--expt-relaxed-constexpr", "--threads", "0"] + gencode,

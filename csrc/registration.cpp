@@ -42,6 +42,9 @@ TORCH_LIBRARY(flatcomm, m) {
   m.def("exact_sum(Tensor x, int block_size, int headroom) -> Tensor");
 }
 
+#define FLATCOMM_STRINGIFY_(x) #x
+#define FLATCOMM_STRINGIFY(x) FLATCOMM_STRINGIFY_(x)
+
 namespace {
 
 pybind11::dict build_info() {
@@ -50,7 +53,7 @@ pybind11::dict build_info() {
   devices.append("cpu");
 #ifdef FLATCOMM_WITH_CUDA
   devices.append("cuda");
-  d["cuda_arch_list"] = FLATCOMM_CUDA_ARCHS;
+  d["cuda_arch_list"] = FLATCOMM_STRINGIFY(FLATCOMM_CUDA_ARCHS);
 #endif
   d["devices"] = devices;
   d["simd"] = flatcomm::cpu::kernels().isa;
