@@ -295,17 +295,25 @@ __device__ __forceinline__ void topk_accumulate(float* v, int64_t i0, int len, i
     __syncthreads();  // also orders the zeroing before the first scatter
     if (len > 0) {
       const int64_t lo = range[0], hi = range[1];
+      // The window must be strictly ascending (from its predecessor on) and inside the tile before
+      // anything is scattered: a neighbour check alone passes a garbage row such as 5, 3, 5 and two
+      // threads would then write the same element (compute-sanitizer racecheck saw it).
       bool bad = t == 0 && i0 + len == n && hi != k;
-      // Valid indices within a row are distinct, so the threads of a row never touch the same element.
       for (int64_t e = lo + t; e < hi; e += nt) {
         const int64_t j = static_cast<int64_t>(idx[e]) - i0;
-        if (j >= 0 && j < len && (e == 0 || idx[e - 1] < idx[e])) {
-          v[j] = r == 0 ? val[e] : v[j] + val[e];
-        } else {
-          bad = true;
-        }
+        if (!(j >= 0 && j < len && (e == 0 || idx[e - 1] < idx[e]))) bad = true;
       }
       if (bad) range[2] = 1;  // every writer stores the same value
+    }
+    __syncthreads();  // the window checked; range[2] is final for this row
+    if (len > 0 && range[2] == 0) {
+      // Distinct indices: the threads of a row never touch the same element. A bad tile ends NaN
+      // below whatever was scattered, so it skips the scatter.
+      const int64_t lo = range[0], hi = range[1];
+      for (int64_t e = lo + t; e < hi; e += nt) {
+        const int64_t j = static_cast<int64_t>(idx[e]) - i0;
+        v[j] = r == 0 ? val[e] : v[j] + val[e];
+      }
     }
     __syncthreads();  // row r complete before row r + 1 (and before range is rewritten)
   }
