@@ -5,15 +5,17 @@ but torch has CUDA and cupy is installed (``pip install "flatcomm[cupy-cuda12]"`
 :func:`auto_register`, which (with ``FLATCOMM_CUPY=1``: the path is opt-in until a GPU run has
 passed) calls :func:`register`, which registers a CUDA implementation of every flatcomm op with torch. Each one
 does what csrc/ops_impl.h does (same argument checks, same error messages, same allocations), then
-launches the kernels of csrc/cuda/device.cuh, compiled by NVRTC through ``cupy.RawModule``:
+launches the kernels of csrc/cuda/device.cuh, compiled by NVRTC through cupy's compiler:
 
 * the source is device.cuh with its quoted includes inlined (:func:`nvrtc_source`): the very file
   nvcc compiles through kernels.cu, so the two paths share every kernel body; the kernels are
   template instances picked by name (:func:`kernel_names`), never copies;
 * options :data:`NVRTC_OPTIONS` keep the numerics contract (``--fmad=false``, IEEE division, no
-  flush-to-zero), so results are bitwise equal to the compiled kernels and to the CPU;
-* kernels compile lazily, a few related instances per module (:func:`module_of`); cupy caches the
-  binaries on disk (~/.cupy/kernel_cache), keyed by the whole source, so a changed header recompiles;
+  flush-to-zero), so results are bitwise equal to the compiled kernels and to the CPU; they reach
+  NVRTC as given (not through ``cupy.RawModule``, which adds ``-ftz=true``: :mod:`.nvrtc_cache`);
+* kernels compile lazily, a few related instances per module (:func:`module_of`); the binaries are
+  cached on disk (:func:`.nvrtc_cache.cache_dir`), keyed by the whole source, so a changed header
+  recompiles;
 * launches go to torch's current stream (``cupy.cuda.ExternalStream``) with raw data pointers of
   the torch tensors (zero copy), the launch shapes of csrc/cuda/kernels.cu (:class:`Launches`).
 
@@ -37,6 +39,7 @@ from .launches import *  # noqa: F401,F403
 from .ops import *  # noqa: F401,F403
 from .kernels import NVRTC_OPTIONS, module_of, modules, nvrtc_source
 from .launches import Launches
+from .nvrtc_cache import compile_group
 from .ops import OP_NAMES, Ops, _check
 
 # The entry points; the constants and helpers of the submodules are re-exported for the tests.
@@ -50,6 +53,8 @@ class CupyLauncher:
 
     def __init__(self, root: Optional[Path] = None) -> None:
         import cupy  # noqa: F401  (fail early with ImportError when cupy is missing)
+        import cupy.cuda.compiler  # noqa: F401  (compile_group's NVRTC entry)
+        import cupy.cuda.function  # noqa: F401  (Module)
 
         self.cupy = cupy
         self.root = root
@@ -74,11 +79,14 @@ class CupyLauncher:
                 mod = self._modules.get((device, group))
                 if mod is None:
                     with self.cupy.cuda.Device(device):
-                        mod = self.cupy.RawModule(code=self.source(), options=NVRTC_OPTIONS,
-                                                  name_expressions=self._groups[group])
-                    self._modules[(device, group)] = mod
+                        arch = self.cupy.cuda.Device(device).compute_capability
+                        binary, lowered = compile_group(self.cupy, self.source(), NVRTC_OPTIONS, arch,
+                                                        self._groups[group])
+                        module = self.cupy.cuda.function.Module()
+                        module.load(binary)
+                    mod = self._modules[(device, group)] = (module, lowered)
                 with self.cupy.cuda.Device(device):
-                    f = mod.get_function(name)
+                    f = mod[0].get_function(mod[1][name])
                 self._functions[key] = f
         return f
 
