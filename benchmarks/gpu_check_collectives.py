@@ -242,8 +242,12 @@ def collectives_section(device: torch.device, seed: int, max_seconds: float, sel
 
         # DiLoCo on the device's parameters (fp32 master pinned on the CPU, int8 + EF outer sync, two
         # fragments, one in flight at the end, replicas verified): the weights and masters after 6
-        # inner SGD steps on the same dyadic batches must match the CPU run bitwise (the outer step
-        # runs on the CPU in both; the pseudo-gradient and the codec on the device).
+        # inner SGD steps must match the CPU run bitwise (the outer step runs on the CPU in both; the
+        # pseudo-gradient and the codec on the device). The inner steps take fixed gradients, not a
+        # backward pass: after the first outer step the weights have full mantissas (int8 scales are
+        # max/127), and a matmul's rounding is cuBLAS's, not ours (the first H200 run: 1 ulp apart).
+        # p - 0.125 * g is one correctly rounded operation on either device.
+        inner_grads = [[torch.randn(p.shape, generator=g) for p in w] for _ in range(6)]
         def diloco_state(dev, group):
             from flatcomm.diloco import DiLoCo
 
@@ -251,9 +255,9 @@ def collectives_section(device: torch.device, seed: int, max_seconds: float, sel
             opt = torch.optim.SGD(model.parameters(), lr=0.125)
             outer = DiLoCo(model, opt, sync_every=4, codec="int8", fragments=2, fragment_sync_delay=1,
                            group=group, verify_every=1)
-            for xb, tb in batches * 2:
-                opt.zero_grad()
-                (model(xb.to(dev)) * tb.to(dev)).sum().backward()
+            for grads in inner_grads:
+                for p, gr in zip(model.parameters(), grads):
+                    p.grad = gr.to(dev)
                 opt.step()
             if outer.syncs != 2 or outer.pending is None:
                 raise RuntimeError(f"DiLoCo on {dev}: {outer.syncs} syncs applied and "
