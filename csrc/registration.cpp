@@ -166,6 +166,7 @@ pybind11::dict constants() {
   d["topk_tile"] = gpu::kTopkTile;
   d["max_grid"] = gpu::kMaxGrid;
   d["scan_threads"] = gpu::kScanThreads;
+  d["reg_max_block"] = gpu::kRegMaxBlock;
   d["topk_chunk"] = gpu::kTopkChunk;
   d["topk_bins"] = gpu::kTopkBins;
   return d;

@@ -34,15 +34,17 @@ def test_every_kernel_is_launched_and_every_launched_kernel_is_compiled():
 
 # ---- launch shapes (csrc/cuda/kernels.cu) --------------------------------------------------------
 
-@pytest.mark.parametrize("block,wpg,groups", [(32, 1, 8), (64, 2, 4), (96, 3, 2), (256, 8, 1), (4096, 8, 1)])
-def test_blockwise_encode_shape(block, wpg, groups):
+# Blocks up to 512 take encode_kernel's register path: a warp per block, no shared memory.
+@pytest.mark.parametrize("block,wpg,groups,regs", [(32, 1, 8, True), (96, 1, 8, True), (256, 1, 8, True),
+                                                   (512, 1, 8, True), (544, 8, 1, False), (4096, 8, 1, False)])
+def test_blockwise_encode_shape(block, wpg, groups, regs):
     o, rec = make()
     n = 100_003
     x, r = torch.randn(n), torch.zeros(n)
     o.encode(x, "int8", block, 0, r, True, 5)
     (name, grid, threads, smem, (p, src)), = rec.launches
     assert name == cb.k_encode(cb.INT8, cb.F32)
-    assert (threads, smem) == (256, groups * block * 4)
+    assert (threads, smem) == (256, 0 if regs else groups * block * 4)
     assert grid == -(-(-(-n // block)) // groups)
     assert p["warps_per_group"][0] == wpg and p["groups"][0] == groups and p["block"][0] == block
     assert p["n"][0] == n and p["codes_offset"][0] == cb.layout(cb.INT8, n, block, 0)[1]
@@ -344,15 +346,15 @@ def test_installed_packages_ship_the_kernel_sources(tmp_path):
 def test_constants_are_the_cpp_headers():
     """cupy_backend takes its launch shapes and limits from _C; g++ reads the headers themselves."""
     out = _gxx('#include "cuda/kernels.cuh"\n#include "core/codec.h"\n#include <cstdio>\nusing namespace flatcomm;\n'
-               'int main(){std::printf("%d %d %d %lld %d %lld %lld %lld %lld %lld %lld %d %d %d\\n", gpu::kThreads, '
+               'int main(){std::printf("%d %d %d %lld %d %lld %lld %lld %lld %lld %lld %d %d %d %lld\\n", gpu::kThreads, '
                'gpu::kWarps, gpu::kScanThreads, (long long)gpu::kCastTile, gpu::kTopkTile, (long long)gpu::kMaxGrid, '
                '(long long)gpu::kTopkChunk, (long long)gpu::kTopkBins, (long long)core::kMinBlock, '
                '(long long)core::kMaxBlock, (long long)core::kMaxTopkNumel, (int)core::kF32, (int)core::kBF16, '
-               '(int)core::kF16);for(int c=0;c<=core::kCodecTopK;++c) std::printf("%d ", (int)core::is_blockwise(c));}')
+               '(int)core::kF16, (long long)gpu::kRegMaxBlock);for(int c=0;c<=core::kCodecTopK;++c) std::printf("%d ", (int)core::is_blockwise(c));}')
     first, blockwise = out.splitlines()
     assert [int(v) for v in first.split()] == [
         cb.K_THREADS, cb.K_WARPS, cb.K_SCAN_THREADS, cb.K_CAST_TILE, cb.K_TOPK_TILE, cb.K_MAX_GRID, cb.K_TOPK_CHUNK,
-        cb.K_TOPK_BINS, cb.MIN_BLOCK, cb.MAX_BLOCK, cb.MAX_TOPK_NUMEL, cb.F32, cb.BF16, cb.F16]
+        cb.K_TOPK_BINS, cb.MIN_BLOCK, cb.MAX_BLOCK, cb.MAX_TOPK_NUMEL, cb.F32, cb.BF16, cb.F16, cb.K_REG_MAX_BLOCK]
     assert [c for c, b in enumerate(blockwise.split()) if b == "1"] == list(cb.BLOCKWISE)
     assert list(cb.CODEC_IDS) == list(CODECS) and list(cb.CODEC_IDS.values()) == list(range(len(CODECS)))
     assert [cb.parse_codec(c) for c in CODECS] == list(range(len(CODECS)))

@@ -422,6 +422,11 @@ struct EncodeParams {
 template <int DT>
 struct XSource {  // encode: x
   const void* x;
+  static constexpr bool kChunked = true;  // has chunk(): encode_kernel's register path can read it
+  // Elements [i, i + cnt), cnt <= 4, i % 4 == 0 (missing elements read as 0).
+  __device__ __forceinline__ void chunk(float f[4], int64_t i, int cnt, bool vec) const {
+    load4<DT>(x, i, cnt, vec, f);
+  }
   __device__ __forceinline__ void fill(float* v, int64_t i0, int len, int t, int nt, int64_t*, bool vec) const {
     for (int j = 4 * t; j < len; j += 4 * nt) {
       const int cnt = mini(4, len - j);
@@ -436,6 +441,10 @@ template <int C>
 struct SumSource {  // decode_sum_encode: the decoded sum of the rows
   DecodeSumArgs a;
   int64_t codes_offset;  // of the rows' layout
+  static constexpr bool kChunked = C != kCodecTopK;  // topk rows only decode a whole window at once
+  __device__ __forceinline__ void chunk(float f[4], int64_t i, int cnt, bool vec) const {
+    decode_sum4<C>(a, codes_offset, i, cnt, vec, f);
+  }
   __device__ __forceinline__ void fill(float* v, int64_t i0, int len, int t, int nt, int64_t* range,
                                        bool vec) const {
     if constexpr (C == kCodecTopK) {
@@ -452,11 +461,121 @@ struct SumSource {  // decode_sum_encode: the decoded sum of the rows
   }
 };
 
+// Scaled-int codecs: the codes and new residual of v = source + residual at elements
+// [i, i + cnt) of the tensor (cnt <= 4, i % 4 == 0; i counted from a block start), given its block's
+// params. Mirrors kernels_impl.h encode_block.
+template <int C>
+__device__ __forceinline__ void int_encode4(const EncodeParams& p, const BlockParams& bp, int64_t i, int cnt,
+                                            const float f[4]) {
+  const float qmax = int_qmax(C);
+  uint8_t* codes = p.payload + p.codes_offset;
+  float q[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    q[e] = p.stochastic ? int_quantize_stochastic(f[e], bp, qmax, random_unit(p.key, i + e))
+                        : int_quantize(f[e], bp, qmax);
+  if constexpr (C == kCodecInt8) {
+    uint8_t* c = codes + i;  // 4-byte aligned
+    if (p.vec && cnt == 4) {
+      *reinterpret_cast<uint32_t*>(c) = int8_pack4(q);
+    } else {
+      for (int e = 0; e < cnt; ++e) c[e] = int8_pack(q[e]);
+    }
+  } else {
+    static_assert(C == kCodecInt4, "a scaled integer codec without its packing here");
+    uint8_t* c = codes + i / 2;  // 2-byte aligned
+    if (p.vec && cnt == 4) {
+      *reinterpret_cast<uint16_t*>(c) = int4_pack4(q);
+    } else {
+      // Only the block's (and tensor's) last chunk can be partial: an odd tail element pairs with
+      // code 0, as on the CPU.
+      for (int e = 0; e < cnt; e += 2) c[e / 2] = int4_pack(q[e], e + 1 < cnt ? q[e + 1] : 0.0f);
+    }
+  }
+  if (p.residual && bp.finite) {
+    float r[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) r[e] = f[e] - int_dequantize(q[e], bp.scale);
+    st4f(p.residual, i, cnt, p.vec, r);
+  }
+}
+
+// ---- encode_kernel's register path -------------------------------------------------------------
+// Scaled-int codecs with blocks of up to kRegMaxBlock values and a source that reads in chunks: one
+// warp per codec block, held in registers (lane l takes the 4-element chunks l, l + 32, ...). Every
+// lane issues all its source and residual loads before using any (up to 2 x 4 x 16 bytes in
+// flight), the block max is one __reduce_max_sync, and there is no shared memory and no
+// __syncthreads: the shared-memory path costs 2-3 CTA barriers per block and, for block < 1024,
+// leaves most of its threads idle (a thread takes 4 elements, the group has block / 32 threads).
+// The launch (kernels.cu run_encode, cupy launches.py) gives it W = 1, groups = kWarps, no shared
+// memory; it is correct for any groups (warps >= groups idle) and never reads W.
+template <int C, class Src>
+FC_HD constexpr bool encode_in_registers(int64_t block) {
+  return codec_kind(C) == CodecKind::kScaledInt && Src::kChunked && block <= kRegMaxBlock;
+}
+
+template <int C, class Src>
+__device__ __forceinline__ void encode_blocks_in_registers(const EncodeParams& p, const Src& src) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* scales = reinterpret_cast<float*>(p.payload);
+  const int64_t nblk = ceil_div(p.n, p.block);
+  if (warp >= p.groups) return;  // no barrier below: a warp may leave
+  // Warp-uniform loop (b depends on the warp only): every lane reaches the kFull reduction.
+  for (int64_t b = blockIdx.x * static_cast<int64_t>(p.groups) + warp; b < nblk;
+       b += static_cast<int64_t>(gridDim.x) * p.groups) {
+    const int64_t i0 = b * p.block;
+    const int len = static_cast<int>(min64(p.block, p.n - i0));
+    float f[kRegChunks][4], r[kRegChunks][4];
+    int cnt[kRegChunks];  // elements of the lane's chunk k; 0 past the block's end
+#pragma unroll
+    for (int k = 0; k < kRegChunks; ++k) {
+      const int j = 4 * (lane + 32 * k);
+      cnt[k] = j < len ? mini(4, len - j) : 0;
+    }
+    // All loads first, so they are in flight together.
+#pragma unroll
+    for (int k = 0; k < kRegChunks; ++k) {
+      const int64_t i = i0 + 4 * (lane + 32 * k);
+      if (cnt[k] > 0) {
+        src.chunk(f[k], i, cnt[k], p.vec);
+        if (p.residual) ld4f(p.residual, i, cnt[k], p.vec, r[k]);
+      }
+    }
+    // v = source + residual (the CPU's `t = load(x); t = t + rb[j]`), and max |v| bits.
+    uint32_t m = 0;
+#pragma unroll
+    for (int k = 0; k < kRegChunks; ++k) {
+      if (cnt[k] > 0) {
+        if (p.residual) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) f[k][e] = f[k][e] + r[k][e];
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (e < cnt[k]) m = umax(m, abs_bits(f[k][e]));
+      }
+    }
+    m = __reduce_max_sync(kFull, m);  // lanes without elements add 0
+    const BlockParams bp = int_block_params(m, int_qmax(C));
+    if (lane == 0) scales[b] = bp.scale;
+#pragma unroll
+    for (int k = 0; k < kRegChunks; ++k)
+      if (cnt[k] > 0) int_encode4<C>(p, bp, i0 + 4 * (lane + 32 * k), cnt[k], f[k]);
+  }
+}
+
 // One CTA step encodes `groups` consecutive codec blocks (cast codecs: one tile of kCastTile).
 // Passes over the block in shared memory: source + residual and max |v| bits; (sign) the fixed-order
-// lane sum; codes, scale and new residual. Mirrors kernels_impl.h encode_block.
+// lane sum; codes, scale and new residual. Mirrors kernels_impl.h encode_block. Small scaled-int
+// blocks take the register path above instead (uniform per launch).
 template <int C, class Src>
 __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p, Src src) {
+  if constexpr (encode_in_registers<C, Src>(kRegMaxBlock)) {
+    if (encode_in_registers<C, Src>(p.block)) {
+      encode_blocks_in_registers<C>(p, src);
+      return;
+    }
+  }
   extern __shared__ float4 smem_f4[];  // groups * block floats
   __shared__ uint32_t warp_max[kWarps];
   __shared__ float group_sum[kWarps];
@@ -531,41 +650,13 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p, Src sr
 
     if (active) {  // group-uniform
       if constexpr (codec_kind(C) == CodecKind::kScaledInt) {
-        const float qmax = int_qmax(C);
-        const BlockParams bp = int_block_params(m, qmax);
+        const BlockParams bp = int_block_params(m, int_qmax(C));
         if (t == 0) scales[b] = bp.scale;
         for (int j = 4 * t; j < len; j += 4 * nt) {
           const int cnt = mini(4, len - j);
-          float f[4], q[4];
+          float f[4];
           get4(v, j, cnt, f);
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            q[e] = p.stochastic ? int_quantize_stochastic(f[e], bp, qmax, random_unit(p.key, i0 + j + e))
-                                : int_quantize(f[e], bp, qmax);
-          if constexpr (C == kCodecInt8) {
-            uint8_t* c = codes + i0 + j;  // 4-byte aligned
-            if (p.vec && cnt == 4) {
-              *reinterpret_cast<uint32_t*>(c) = int8_pack4(q);
-            } else {
-              for (int e = 0; e < cnt; ++e) c[e] = int8_pack(q[e]);
-            }
-          } else {
-            static_assert(C == kCodecInt4, "a scaled integer codec without its packing here");
-            uint8_t* c = codes + (i0 + j) / 2;  // 2-byte aligned
-            if (p.vec && cnt == 4) {
-              *reinterpret_cast<uint16_t*>(c) = int4_pack4(q);
-            } else {
-              // Only the block's (and tensor's) last chunk can be partial: an odd tail element
-              // pairs with code 0, as on the CPU.
-              for (int e = 0; e < cnt; e += 2) c[e / 2] = int4_pack(q[e], e + 1 < cnt ? q[e + 1] : 0.0f);
-            }
-          }
-          if (p.residual && bp.finite) {
-            float r[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) r[e] = f[e] - int_dequantize(q[e], bp.scale);
-            st4f(p.residual, i0 + j, cnt, p.vec, r);
-          }
+          int_encode4<C>(p, bp, i0 + j, cnt, f);
         }
       } else if constexpr (C == kCodecSign) {
         const BlockParams bp = sign_block_params(m, sum, len);

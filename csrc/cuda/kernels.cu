@@ -48,15 +48,18 @@ cudaError_t run_encode(const EncodeArgs& a, const Src& src, bool vec, cudaStream
   p.key = seed_key(a.seed);
   p.stochastic = a.stochastic && has_stochastic(C);
   p.vec = vec && al16(a.payload) && (a.residual == nullptr || al16(a.residual));
+  // encode_kernel's register path (small scaled-int blocks): one warp per codec block, no shared
+  // memory. Otherwise W warps per block in shared memory.
+  const bool regs = encode_in_registers<C, Src>(a.block);
   if (is_blockwise(C)) {
     p.block = a.block;
-    p.warps_per_group = static_cast<int>(a.block / 32 < kWarps ? a.block / 32 : kWarps);
+    p.warps_per_group = regs ? 1 : static_cast<int>(a.block / 32 < kWarps ? a.block / 32 : kWarps);
   } else {
     p.block = kCastTile;
     p.warps_per_group = kWarps;
   }
   p.groups = kWarps / p.warps_per_group;
-  const size_t smem = static_cast<size_t>(p.groups) * p.block * sizeof(float);  // <= 16 KiB
+  const size_t smem = regs ? 0 : static_cast<size_t>(p.groups) * p.block * sizeof(float);  // <= 16 KiB
   encode_kernel<C, Src><<<grid_for(ceil_div(a.n, p.block), p.groups), kThreads, smem, s>>>(p, src);
   return cudaGetLastError();
 }

@@ -28,6 +28,8 @@ constexpr int64_t kCastTile = 1024;  // elements per CTA step of the cast encode
 constexpr int kTopkTile = 2048;      // elements per CTA step of the topk decoders
 constexpr int64_t kMaxGrid = 0x7fffffff;
 constexpr int kScanThreads = 1024;   // the topk scan's single CTA
+constexpr int kRegChunks = 4;        // 4-element chunks per lane on encode_kernel's register path
+constexpr int64_t kRegMaxBlock = 32 * 4 * kRegChunks;  // its largest codec block: 512
 
 // ---- topk scratch ----------------------------------------------------------------------------
 // encode with codec topk needs EncodeArgs::scratch to point at topk_scratch_bytes(n) bytes of device

@@ -16,7 +16,7 @@ from ..native import extension as _C
 
 __all__ = [
     "BF16", "BLOCKWISE", "CODEC_IDS", "DECODE_SUM_ARGS", "DROPPED_SYSTEM_HEADERS", "DTYPES",
-    "ENCODE_PARAMS", "EXACT_ARGS", "F16", "F32", "INT4", "INT8", "K_CAST_TILE", "K_MAX_GRID",
+    "ENCODE_PARAMS", "EXACT_ARGS", "F16", "F32", "INT4", "INT8", "K_CAST_TILE", "K_MAX_GRID", "K_REG_MAX_BLOCK",
     "K_SCAN_THREADS", "K_THREADS", "K_TOPK_BINS", "K_TOPK_CHUNK", "K_TOPK_TILE", "K_WARPS", "MAX_BLOCK",
     "MAX_TOPK_NUMEL", "MIN_BLOCK", "NON_TOPK", "CHUNKED", "NS", "NVRTC_OPTIONS", "ORDERED_SUM_ARGS", "PTR", "SIGN", "STOCHASTIC",
     "STRUCTS", "SUM_SOURCE", "TOPK", "X_SOURCE", "al16", "ceil_div", "csrc_dir", "grid_for",
@@ -102,6 +102,7 @@ K_THREADS, K_WARPS, K_SCAN_THREADS = _K["threads"], _K["warps"], _K["scan_thread
 K_CAST_TILE, K_TOPK_TILE, K_MAX_GRID = _K["cast_tile"], _K["topk_tile"], _K["max_grid"]
 K_TOPK_CHUNK, K_TOPK_BINS = _K["topk_chunk"], _K["topk_bins"]
 MAX_SPARSE_CHUNK = _K["max_sparse_chunk"]
+K_REG_MAX_BLOCK = _K["reg_max_block"]  # encode_kernel's register path (device.cuh encode_in_registers)
 
 
 # ---- kernel names and modules ---------------------------------------------------------------------

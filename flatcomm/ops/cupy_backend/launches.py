@@ -10,8 +10,8 @@ except ImportError:  # cupy needs numpy: without it only the registration runs
     np = None  # type: ignore[assignment]
 
 from .kernels import (
-    CHUNKED, CODEC_IDS, DECODE_SUM_ARGS, DTYPES, ENCODE_PARAMS, EXACT_ARGS, F32,
-    K_CAST_TILE, K_SCAN_THREADS, K_THREADS, K_TOPK_BINS, K_TOPK_CHUNK, K_TOPK_TILE, K_WARPS,
+    CHUNKED, CODEC_IDS, DECODE_SUM_ARGS, DTYPES, ENCODE_PARAMS, EXACT_ARGS, F32, INT4, INT8,
+    K_CAST_TILE, K_REG_MAX_BLOCK, K_SCAN_THREADS, K_THREADS, K_TOPK_BINS, K_TOPK_CHUNK, K_TOPK_TILE, K_WARPS,
     MAX_BLOCK, MAX_SPARSE_CHUNK, MAX_TOPK_NUMEL, MIN_BLOCK, NON_TOPK, ORDERED_SUM_ARGS, STOCHASTIC, SUM_SOURCE, TOPK, X_SOURCE,
     al16, ceil_div, grid_for, is_blockwise, k_encode, k_encode_sum, k_t, layout, pack, seed_key,
     topk_scratch_layout,
@@ -56,19 +56,23 @@ class Launches:
         if not ok:
             raise LaunchError(f"flatcomm: CUDA {what} failed: invalid argument")
 
-    def _run_encode(self, c: int, src_name: str, src: np.ndarray, e: dict, vec: bool) -> None:
+    def _run_encode(self, c: int, src_name: str, src: np.ndarray, e: dict, vec: bool, chunked: bool = True) -> None:
+        """chunked: the source reads in 4-element chunks (device.cuh Src::kChunked; not topk rows)."""
         co = layout(c, e["n"], e["block"], 0)[1]
         stochastic = bool(e["stochastic"]) and c in STOCHASTIC
         vec = vec and al16(e["payload"]) and (e["residual"] == 0 or al16(e["residual"]))
+        # encode_kernel's register path (device.cuh encode_in_registers): one warp per block, no smem
+        regs = c in (INT8, INT4) and chunked and e["block"] <= K_REG_MAX_BLOCK
         if is_blockwise(c):
-            block, wpg = e["block"], min(e["block"] // 32, K_WARPS)
+            block, wpg = e["block"], 1 if regs else min(e["block"] // 32, K_WARPS)
         else:
             block, wpg = K_CAST_TILE, K_WARPS
         groups = K_WARPS // wpg
         p = pack(ENCODE_PARAMS, payload=e["payload"], residual=e["residual"], n=e["n"], block=block,
                  codes_offset=co, key=seed_key(e["seed"]), warps_per_group=wpg, groups=groups,
                  stochastic=stochastic, vec=vec)
-        self.run(src_name, grid_for(ceil_div(e["n"], block), groups), K_THREADS, groups * block * 4, (p, src))
+        self.run(src_name, grid_for(ceil_div(e["n"], block), groups), K_THREADS, 0 if regs else groups * block * 4,
+                 (p, src))
 
     def encode(self, e: dict) -> None:
         """e: x, x_dtype, residual, payload, n, codec, block, k, stochastic, seed, scratch."""
@@ -196,7 +200,8 @@ class Launches:
         src = pack(SUM_SOURCE, codes_offset=co)
         for k, v in a.items():
             src["a"][k] = v
-        self._run_encode(e["codec"], k_encode_sum(e["codec"], a["codec"]), src, e, self._rows_aligned(a))
+        self._run_encode(e["codec"], k_encode_sum(e["codec"], a["codec"]), src, e, self._rows_aligned(a),
+                         chunked=a["codec"] != TOPK)
 
     @staticmethod
     def _esize(dt: int) -> int:
