@@ -52,6 +52,25 @@ def test_blockwise_encode_shape(block, wpg, groups, regs):
     assert src["x"][0] == x.data_ptr() and p["residual"][0] == r.data_ptr()
 
 
+@pytest.mark.parametrize("codec,rows,regs", [("sign", None, True), ("sign", "int8", False), ("int4", "int8", True),
+                                             ("int8", "topk", False)])
+def test_register_path_by_source(codec, rows, regs):
+    """Sign takes the register path from x only (it reads element by element), int8 / int4 also
+    from decoded rows, but not from topk rows (decoded a window at a time)."""
+    o, rec = make()
+    n, block = 10_001, 256
+    if rows is None:
+        o.encode(torch.randn(n), codec, block, 0, None, False, 0)
+    else:
+        k = flatcomm.resolve(rows, block, 0.3).k(n)
+        payloads = torch.stack([torch.ops.flatcomm.encode(torch.randn(n), rows, block, k, None, False, 0)] * 2)
+        rec.launches.clear()
+        o.decode_sum_encode(payloads, rows, n, block, k, 0.5, codec, block, None, False, 0)
+    name, grid, threads, smem, (p, _) = rec.launches[-1]
+    assert name.startswith(cb.NS + "encode_kernel")
+    assert (smem == 0) == regs and p["warps_per_group"][0] == (1 if regs else 8)
+
+
 def test_cast_encode_shape_and_flags():
     o, rec = make()
     n = 5000

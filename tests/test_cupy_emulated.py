@@ -162,6 +162,43 @@ def test_encode_and_decode(emu, gen, codec, dtype):
     assert same(ops.decode(pa, codec, n, block, k, dtype), out)
 
 
+# encode_kernel's register paths (int8 / int4 from x or decoded rows, sign from x) take blocks up to
+# 512; 544 takes the shared-memory path. Both must give the CPU's bits at and around the boundary.
+REGISTER_CODECS = ("int8", "int4", "sign")
+
+
+@pytest.mark.parametrize("codec", REGISTER_CODECS)
+@pytest.mark.parametrize("block", [32, 256, 512, 544])
+def test_register_path_blocks(emu, gen, codec, block):
+    for i, n in enumerate((1, 5, block - 1, block + 3, 3 * block + 1, 8 * block)):
+        dtype = DTYPES[i % len(DTYPES)]
+        x0 = values(n + 1, gen, dtype, specials=i % 2 == 0)
+        r0 = values(n + 1, gen, specials=False) * 0.01
+        for mis in (False, True):
+            x = x0[1:] if mis else x0[:n]
+            for with_res in (True, False):
+                stoch = codec in STOCHASTIC and (i + with_res) % 2 == 1
+                ra, rb = (r0[1:] if mis else r0[:n]).clone(), r0.clone()[1:] if mis else r0.clone()[:n]
+                pa = ops.encode(x, codec, block, 0, ra if with_res else None, stoch, 11 + i)
+                pb = emu.encode(x, codec, block, 0, rb if with_res else None, stoch, 11 + i)
+                assert same(pa, pb, (n, codec, block, 0)), (n, dtype, mis, with_res, stoch)
+                assert same(ra, rb), (n, dtype, mis, with_res, stoch)
+
+
+@pytest.mark.parametrize("out_codec", REGISTER_CODECS)
+@pytest.mark.parametrize("block", [256, 512, 544])
+def test_register_path_reencode(emu, gen, out_codec, block):
+    for src in ("int8", "fp32", "topk", "sign"):
+        n, rows = 2 * block + 7, 3
+        k = k_of(src, n, block)
+        P = torch.stack([ops.encode(values(n, gen), src, block, k, None, False, 0) for _ in range(rows)])
+        ra = values(n, gen, specials=False) * 0.01
+        rb = ra.clone()
+        a = ops.decode_sum_encode(P, src, n, block, k, 0.25, out_codec, block, ra, False, 3)
+        b = emu.decode_sum_encode(P, src, n, block, k, 0.25, out_codec, block, rb, False, 3)
+        assert same(a, b, (n, out_codec, block, 0)) and same(ra, rb), (src, out_codec)
+
+
 def misaligned(t):
     """A copy of t one element past a 16-byte boundary."""
     buf = torch.empty(t.numel() + 1, dtype=t.dtype)

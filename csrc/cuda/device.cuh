@@ -423,6 +423,12 @@ template <int DT>
 struct XSource {  // encode: x
   const void* x;
   static constexpr bool kChunked = true;  // has chunk(): encode_kernel's register path can read it
+  static constexpr bool kScalar = true;   // has one(): the sign register path reads element by element
+  __device__ __forceinline__ float one(int64_t i) const {
+    float f[4];
+    load4<DT>(x, i, 1, false, f);
+    return f[0];
+  }
   // Elements [i, i + cnt), cnt <= 4, i % 4 == 0 (missing elements read as 0).
   __device__ __forceinline__ void chunk(float f[4], int64_t i, int cnt, bool vec) const {
     load4<DT>(x, i, cnt, vec, f);
@@ -442,6 +448,7 @@ struct SumSource {  // decode_sum_encode: the decoded sum of the rows
   DecodeSumArgs a;
   int64_t codes_offset;  // of the rows' layout
   static constexpr bool kChunked = C != kCodecTopK;  // topk rows only decode a whole window at once
+  static constexpr bool kScalar = false;  // decodes in aligned 4-element chunks only
   __device__ __forceinline__ void chunk(float f[4], int64_t i, int cnt, bool vec) const {
     decode_sum4<C>(a, codes_offset, i, cnt, vec, f);
   }
@@ -507,11 +514,13 @@ __device__ __forceinline__ void int_encode4(const EncodeParams& p, const BlockPa
 // flight), the block max is one __reduce_max_sync, and there is no shared memory and no
 // __syncthreads: the shared-memory path costs 2-3 CTA barriers per block and, for block < 1024,
 // leaves most of its threads idle (a thread takes 4 elements, the group has block / 32 threads).
-// The launch (kernels.cu run_encode, cupy launches.py) gives it W = 1, groups = kWarps, no shared
-// memory; it is correct for any groups (warps >= groups idle) and never reads W.
+// Sign blocks of up to kRegMaxBlock values read from x take a register path too (below).
+// The launch (kernels.cu run_encode, cupy launches.py) gives both W = 1, groups = kWarps, no shared
+// memory; they are correct for any groups (warps >= groups idle) and never read W.
 template <int C, class Src>
 FC_HD constexpr bool encode_in_registers(int64_t block) {
-  return codec_kind(C) == CodecKind::kScaledInt && Src::kChunked && block <= kRegMaxBlock;
+  return block <= kRegMaxBlock &&
+         ((codec_kind(C) == CodecKind::kScaledInt && Src::kChunked) || (C == kCodecSign && Src::kScalar));
 }
 
 template <int C, class Src>
@@ -564,15 +573,84 @@ __device__ __forceinline__ void encode_blocks_in_registers(const EncodeParams& p
   }
 }
 
+// Sign: one warp per block, lane l holding elements l, l + 32, ... (coalesced scalar loads, all
+// issued before any is used). That is the CPU's fixed-order sum (core/codec.h): lane l adds its
+// elements in turn, then lanes fold pairwise (lane j takes lane j + w, w = 16 ... 1); and the k-th
+// ballot is the code word of elements [32k, 32k + 32). The same operations as the shared-memory
+// path below, in the same order: the same bytes and residual bits.
+template <class Src>
+__device__ __forceinline__ void sign_blocks_in_registers(const EncodeParams& p, const Src& src) {
+  constexpr int kPerLane = static_cast<int>(kRegMaxBlock / 32);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* scales = reinterpret_cast<float*>(p.payload);
+  uint8_t* codes = p.payload + p.codes_offset;
+  const int64_t nblk = ceil_div(p.n, p.block);
+  if (warp >= p.groups) return;  // no barrier below: a warp may leave
+  for (int64_t b = blockIdx.x * static_cast<int64_t>(p.groups) + warp; b < nblk;
+       b += static_cast<int64_t>(gridDim.x) * p.groups) {  // warp-uniform, as above
+    const int64_t i0 = b * p.block;
+    const int len = static_cast<int>(min64(p.block, p.n - i0));
+    float v[kPerLane], r[kPerLane];
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      const int j = lane + 32 * k;
+      if (j < len) {
+        v[k] = src.one(i0 + j);
+        if (p.residual) r[k] = p.residual[i0 + j];
+      }
+    }
+    uint32_t m = 0;
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      if (lane + 32 * k < len) {
+        if (p.residual) v[k] = v[k] + r[k];
+        m = umax(m, abs_bits(v[k]));
+      }
+    }
+    m = __reduce_max_sync(kFull, m);
+    const float pre = sign_sum_pre(m);
+    float acc = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k)
+      if (lane + 32 * k < len) acc = acc + fabs_(v[k]) * pre;
+#pragma unroll
+    for (int w = 16; w > 0; w /= 2) acc = acc + __shfl_down_sync(kFull, acc, w);
+    const BlockParams bp = sign_block_params(m, __shfl_sync(kFull, acc, 0), len);
+    if (lane == 0) scales[b] = bp.scale;
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      const int w0 = 32 * k;
+      if (w0 >= len) break;  // warp-uniform
+      const bool in = lane + w0 < len;
+      const uint32_t bit = in ? sign_bit(v[k]) : 0u;
+      const uint32_t word = __ballot_sync(kFull, bit != 0u);
+      if (lane == 0) {
+        uint8_t* c = codes + (i0 + w0) / 8;  // 4-byte aligned (blocks are multiples of 32)
+        const int rem = len - w0;
+        if (p.vec && rem >= 32) {
+          *reinterpret_cast<uint32_t*>(c) = word;
+        } else {  // write exactly the bytes the CPU writes
+          store_code_bytes(c, word, rem >= 32 ? 4 : (rem + 7) / 8);
+        }
+      }
+      if (in && p.residual && bp.finite) p.residual[i0 + w0 + lane] = v[k] - sign_dequantize(bit, bp.scale);
+    }
+  }
+}
+
 // One CTA step encodes `groups` consecutive codec blocks (cast codecs: one tile of kCastTile).
 // Passes over the block in shared memory: source + residual and max |v| bits; (sign) the fixed-order
 // lane sum; codes, scale and new residual. Mirrors kernels_impl.h encode_block. Small scaled-int
-// blocks take the register path above instead (uniform per launch).
+// and sign blocks take the register paths above instead (uniform per launch).
 template <int C, class Src>
 __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p, Src src) {
   if constexpr (encode_in_registers<C, Src>(kRegMaxBlock)) {
     if (encode_in_registers<C, Src>(p.block)) {
-      encode_blocks_in_registers<C>(p, src);
+      if constexpr (C == kCodecSign) {
+        sign_blocks_in_registers(p, src);
+      } else {
+        encode_blocks_in_registers<C>(p, src);
+      }
       return;
     }
   }

@@ -107,6 +107,7 @@ const char* op_name(WarpOp op) {
   switch (op) {
     case kShflUp: return "__shfl_up_sync";
     case kShflDown: return "__shfl_down_sync";
+    case kShfl: return "__shfl_sync";
     case kReduceMax: return "__reduce_max_sync";
     case kBallot: return "__ballot_sync";
   }
@@ -141,11 +142,13 @@ int try_release_warp(size_t first, size_t lanes) {
   for (size_t l = 0; l < lanes; ++l) {
     if (!(mask >> l & 1u)) continue;  // not taking part (may wait at an op of another mask)
     Fiber& f = S.fibers[first + l];
-    if (f.op == kShflUp || f.op == kShflDown) {
-      // A source outside the lane's width-wide segment leaves the lane its own value.
+    if (f.op == kShflUp || f.op == kShflDown || f.op == kShfl) {
+      // A source outside the lane's width-wide segment leaves the lane its own value; __shfl_sync
+      // reads lane arg % width of the lane's segment.
       const int lane = static_cast<int>(l), sub = lane % f.width;
-      const int src = f.op == kShflUp ? (sub - f.arg >= 0 ? lane - f.arg : lane)
-                                      : (sub + f.arg < f.width ? lane + f.arg : lane);
+      const int src = f.op == kShfl     ? lane - sub + f.arg % f.width
+                      : f.op == kShflUp ? (sub - f.arg >= 0 ? lane - f.arg : lane)
+                                        : (sub + f.arg < f.width ? lane + f.arg : lane);
       if (src >= static_cast<int>(lanes) || !(mask >> src & 1u)) {
         std::fprintf(stderr, "cuda_emu: block (%u,%u,%u) warp %zu: lane %zu reads lane %d outside the mask 0x%08x\n",
                      blockIdx.x, blockIdx.y, blockIdx.z, first / 32, l, src, mask);

@@ -74,7 +74,7 @@ T atomicAdd(T* p, T v) {
 namespace fc_emu {
 
 // The warp intrinsics device.cuh uses (add others here and in cuda_emu.cpp when it needs them).
-enum WarpOp { kShflUp = 1, kShflDown, kReduceMax, kBallot };
+enum WarpOp { kShflUp = 1, kShflDown, kShfl, kReduceMax, kBallot };
 // One warp-wide operation of the calling fiber: blocks until every lane of `mask` has called the
 // same operation with the same mask, then returns this lane's result.
 uint64_t warp_op(WarpOp op, unsigned mask, uint64_t value, int arg, int width);
@@ -118,6 +118,10 @@ inline void __syncthreads() { fc_emu::syncthreads(); }
 template <class T>
 T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   return fc_emu::from_bits<T>(fc_emu::warp_op(fc_emu::kShflUp, mask, fc_emu::to_bits(v), delta, width));
+}
+template <class T>
+T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
+  return fc_emu::from_bits<T>(fc_emu::warp_op(fc_emu::kShfl, mask, fc_emu::to_bits(v), src_lane, width));
 }
 template <class T>
 T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {

@@ -2,7 +2,7 @@
 (see :mod:`flatcomm.ops.cupy_backend`)."""
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 try:
     import numpy as np
@@ -10,7 +10,7 @@ except ImportError:  # cupy needs numpy: without it only the registration runs
     np = None  # type: ignore[assignment]
 
 from .kernels import (
-    CHUNKED, CODEC_IDS, DECODE_SUM_ARGS, DTYPES, ENCODE_PARAMS, EXACT_ARGS, F32, INT4, INT8,
+    CHUNKED, CODEC_IDS, DECODE_SUM_ARGS, DTYPES, ENCODE_PARAMS, EXACT_ARGS, F32, INT4, INT8, SIGN,
     K_CAST_TILE, K_REG_MAX_BLOCK, K_SCAN_THREADS, K_THREADS, K_TOPK_BINS, K_TOPK_CHUNK, K_TOPK_TILE, K_WARPS,
     MAX_BLOCK, MAX_SPARSE_CHUNK, MAX_TOPK_NUMEL, MIN_BLOCK, NON_TOPK, ORDERED_SUM_ARGS, STOCHASTIC, SUM_SOURCE, TOPK, X_SOURCE,
     al16, ceil_div, grid_for, is_blockwise, k_encode, k_encode_sum, k_t, layout, pack, seed_key,
@@ -56,13 +56,14 @@ class Launches:
         if not ok:
             raise LaunchError(f"flatcomm: CUDA {what} failed: invalid argument")
 
-    def _run_encode(self, c: int, src_name: str, src: np.ndarray, e: dict, vec: bool, chunked: bool = True) -> None:
-        """chunked: the source reads in 4-element chunks (device.cuh Src::kChunked; not topk rows)."""
+    def _run_encode(self, c: int, src_name: str, src: np.ndarray, e: dict, vec: bool, rows: Optional[int] = None) -> None:
+        """rows: the codec of decode_sum_encode's rows (None: encode, from x)."""
         co = layout(c, e["n"], e["block"], 0)[1]
         stochastic = bool(e["stochastic"]) and c in STOCHASTIC
         vec = vec and al16(e["payload"]) and (e["residual"] == 0 or al16(e["residual"]))
-        # encode_kernel's register path (device.cuh encode_in_registers): one warp per block, no smem
-        regs = c in (INT8, INT4) and chunked and e["block"] <= K_REG_MAX_BLOCK
+        # encode_kernel's register paths (device.cuh encode_in_registers): one warp per block, no
+        # smem; int8/int4 from x or non-topk rows (Src::kChunked), sign from x only (Src::kScalar)
+        regs = e["block"] <= K_REG_MAX_BLOCK and ((c in (INT8, INT4) and rows != TOPK) or (c == SIGN and rows is None))
         if is_blockwise(c):
             block, wpg = e["block"], 1 if regs else min(e["block"] // 32, K_WARPS)
         else:
@@ -201,7 +202,7 @@ class Launches:
         for k, v in a.items():
             src["a"][k] = v
         self._run_encode(e["codec"], k_encode_sum(e["codec"], a["codec"]), src, e, self._rows_aligned(a),
-                         chunked=a["codec"] != TOPK)
+                         rows=a["codec"])
 
     @staticmethod
     def _esize(dt: int) -> int:
