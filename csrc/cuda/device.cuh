@@ -16,8 +16,10 @@
 //   * elementwise kernels: each thread takes chunks of 4 consecutive elements (i % 4 == 0), with one
 //     16-byte (fp32) or 8-byte (16-bit) access when the chunk is full and the launch found every
 //     pointer 16-byte aligned (`vec`); otherwise element by element. Grid-stride loops.
-//   * blockwise encode: a "group" of W warps (W = min(8, block / 32)) encodes one codec block held
-//     in shared memory; a 256-thread CTA holds 8 / W groups.
+//   * blockwise encode: int8 / int4 / sign blocks of up to kRegMaxBlock (512) values: one warp per
+//     codec block, held in registers (8 blocks per CTA, no shared memory, no barrier); larger blocks
+//     (and sign re-encoded from rows): a "group" of W warps (W = min(8, block / 32)) encodes one
+//     codec block held in shared memory; a 256-thread CTA holds 8 / W groups.
 #pragma once
 
 #include "../core/codec.h"
