@@ -199,11 +199,24 @@ __device__ __forceinline__ void decode_sum4(const DecodeSumArgs& a, int64_t code
                                             bool vec, float acc[4]) {
 #pragma unroll
   for (int e = 0; e < 4; ++e) acc[e] = 0.0f;
-  for (int64_t r = 0; r < a.rows; ++r) {
-    float d[4];
-    decode4<C>(a.payloads + r * a.row_stride, codes_offset, a.block, i, cnt, vec, d);
+  if (vec && cnt == 4) {
+    // A whole aligned chunk: the row loop has no branch, and unrolled it keeps several rows' loads
+    // in flight (the H200 timed decode_sum of 4 int8 rows at 0.46x copy_, one row's decode at
+    // 0.86x). The adds keep their order.
+#pragma unroll 4
+    for (int64_t r = 0; r < a.rows; ++r) {
+      float d[4];
+      decode4<C>(a.payloads + r * a.row_stride, codes_offset, a.block, i, 4, true, d);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[e] = r == 0 ? d[e] : acc[e] + d[e];
+      for (int e = 0; e < 4; ++e) acc[e] = r == 0 ? d[e] : acc[e] + d[e];
+    }
+  } else {
+    for (int64_t r = 0; r < a.rows; ++r) {
+      float d[4];
+      decode4<C>(a.payloads + r * a.row_stride, codes_offset, a.block, i, cnt, vec, d);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] = r == 0 ? d[e] : acc[e] + d[e];
+    }
   }
   if (a.scale != 1.0f) {
 #pragma unroll
