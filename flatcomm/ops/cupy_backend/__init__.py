@@ -59,7 +59,7 @@ class CupyLauncher:
         self.cupy = cupy
         self.root = root
         self._source: Optional[str] = None
-        self._modules: Dict[Tuple[int, str], Any] = {}
+        self._modules: Dict[Tuple[int, str], Tuple[Any, Dict[str, str]]] = {}  # (module, lowered names)
         self._functions: Dict[Tuple[int, str], object] = {}
         self._streams: Dict[Tuple[int, int], object] = {}
         self._lock = threading.Lock()
@@ -76,17 +76,18 @@ class CupyLauncher:
         if f is None:
             with self._lock:
                 group = module_of(name)
-                mod = self._modules.get((device, group))
-                if mod is None:
+                entry = self._modules.get((device, group))
+                if entry is None:
                     with self.cupy.cuda.Device(device):
                         arch = self.cupy.cuda.Device(device).compute_capability
                         binary, lowered = compile_group(self.cupy, self.source(), NVRTC_OPTIONS, arch,
                                                         self._groups[group])
                         module = self.cupy.cuda.function.Module()
                         module.load(binary)
-                    mod = self._modules[(device, group)] = (module, lowered)
+                    entry = self._modules[(device, group)] = (module, lowered)
+                module, lowered = entry
                 with self.cupy.cuda.Device(device):
-                    f = mod[0].get_function(mod[1][name])
+                    f = module.get_function(lowered[name])
                 self._functions[key] = f
         return f
 

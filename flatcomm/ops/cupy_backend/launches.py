@@ -56,14 +56,16 @@ class Launches:
         if not ok:
             raise LaunchError(f"flatcomm: CUDA {what} failed: invalid argument")
 
-    def _run_encode(self, c: int, src_name: str, src: np.ndarray, e: dict, vec: bool, rows: Optional[int] = None) -> None:
+    def _run_encode(self, c: int, src_name: str, src: np.ndarray, e: dict, vec: bool,
+                    rows: Optional[int] = None) -> None:
         """rows: the codec of decode_sum_encode's rows (None: encode, from x)."""
         co = layout(c, e["n"], e["block"], 0)[1]
         stochastic = bool(e["stochastic"]) and c in STOCHASTIC
         vec = vec and al16(e["payload"]) and (e["residual"] == 0 or al16(e["residual"]))
         # encode_kernel's register paths (device.cuh encode_in_registers): one warp per block, no
         # smem; int8/int4 from x or non-topk rows (Src::kChunked), sign from x only (Src::kScalar)
-        regs = e["block"] <= K_REG_MAX_BLOCK and ((c in (INT8, INT4) and rows != TOPK) or (c == SIGN and rows is None))
+        regs = e["block"] <= K_REG_MAX_BLOCK and ((c in (INT8, INT4) and rows != TOPK)
+                                                  or (c == SIGN and rows is None))
         if is_blockwise(c):
             block, wpg = e["block"], 1 if regs else min(e["block"] // 32, K_WARPS)
         else:
