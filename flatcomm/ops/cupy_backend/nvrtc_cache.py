@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Dict, Sequence, Tuple
 
+__all__ = ["CACHE_FORMAT", "cache_dir", "cache_key", "compile_group", "compiler_id"]
+
 CACHE_FORMAT = "1"  # bump when the files' layout changes
 
 
