@@ -157,7 +157,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                                                           "default 4K,1M,100M)")
     ap.add_argument("--reps", type=positive(int), default=5,
                     help="timed reps per op at least (small sizes: more; default 5)")
-    ap.add_argument("--steps", type=int, default=3, help="timed DDP / FSDP2 steps per backend (default 3; 0: none)")
+    ap.add_argument("--steps", type=int, default=10,
+                    help="timed DDP / FSDP2 steps per backend (default 10: 3 gave medians 0.1x apart; 0: none)")
     ap.add_argument("--ops", default=",".join(OPS), help=f"ops to time, comma separated (default {','.join(OPS)})")
     ap.add_argument("--json", metavar="PATH", help="write the summaries and every rep's times here")
     ap.add_argument("--timeout", type=positive(float), default=900.0,
