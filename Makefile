@@ -125,13 +125,21 @@ $(NVRTC_STAMP): $(DEPS)
 	case $$v in 12.*) pkg=nvidia-cuda-nvrtc-cu12 ;; *) pkg=nvidia-cuda-nvrtc ;; esac; \
 	if $(PY) -m pip install -q "$$pkg==$$v.*"; then touch $@; \
 	else echo "$$pkg==$$v.* not installable: tests/test_nvrtc.py will skip"; fi
-cuda-check: $(EXT) $(DEPS) $(NVRTC_STAMP)  # test_nvrtc imports flatcomm: the extension must exist
+# cupy itself (~70 MB) in a folder of its own, seen by tests/test_nvrtc.py alone: the cupy path's
+# compile route (cupy's compile_using_nvrtc, which must not add -ftz=true as its RawModule does).
+# Outside .venv: the rest of the tests run without cupy, as most users do.
+CUPY_SITE := build/cupy-site
+$(CUPY_SITE)/.stamp: $(DEPS)
+	@major=$$($(NVCC) --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p'); \
+	if $(PY) -m pip install -q --no-deps --target $(CUPY_SITE) "cupy-cuda$${major}x" fastrlock cuda-pathfinder; \
+	then touch $@; else echo "cupy-cuda$${major}x not installable: its test in tests/test_nvrtc.py will skip"; fi
+cuda-check: $(EXT) $(DEPS) $(NVRTC_STAMP) $(CUPY_SITE)/.stamp  # test_nvrtc imports flatcomm: the extension must exist
 	@mkdir -p build/cuda-stubs/c10/cuda/impl && touch build/cuda-stubs/c10/cuda/impl/cuda_cmake_macros.h
 	@for f in csrc/cuda/*.cu; do echo "nvcc $$f"; $(NVCC) $(NVCC_FLAGS) -c $$f -o build/$$(basename $$f).o || exit 1; done
 	echo "#include \"cuda/kernels.cuh\"" | g++ -std=c++17 -Icsrc -fsyntax-only -x c++ -
 	g++ -std=c++20 -fsyntax-only -Icsrc $(TORCH_INC) -I$(CUDA_INC) -I/usr/local/cuda/include \
 		-Ibuild/cuda-stubs csrc/cuda/ops_cuda.cpp
-	$(PY) -m pytest -q tests/test_nvrtc.py
+	PYTHONPATH=$(CUPY_SITE) $(PY) -m pytest -q tests/test_nvrtc.py
 
 clean:
 	rm -rf build build-cmake flatcomm/_C*.so

@@ -219,3 +219,39 @@ def test_launch_arguments_match_kernel_parameters(compiled_90):
         assert 1 <= grid <= 0x7FFFFFFF and threads in (256, 1024) and 0 <= smem <= 16384
         seen.add(name)
     assert seen == set(cb.kernel_names())
+
+
+# ---- no flush-to-zero ------------------------------------------------------------------------------
+# The first GPU run found the NVRTC kernels flushing subnormals: cupy.RawModule appends -ftz=true
+# after the caller's options. The PTX says which: an f32 instruction with .ftz flushes.
+
+def test_no_kernel_flushes_subnormals(compiled_90):
+    ptx, _ = compiled_90
+    assert "add.rn.f32" in ptx and "mul.rn.f32" in ptx
+    assert ".ftz" not in ptx, sorted({line.split()[0] for line in ptx.splitlines() if ".ftz" in line})
+
+
+@pytest.fixture
+def cupy_compiler(monkeypatch, tmp_path):
+    """cupy's compiler (from `make cuda-check`'s build/cupy-site), compiling to PTX for compute_90.
+    With no GPU driver here its architecture lookup (which asks the current device) is replaced;
+    everything else is cupy's own route."""
+    cupy = pytest.importorskip("cupy", reason="cupy not installed (`make cuda-check` puts it in build/cupy-site)")
+    from cupy.cuda import compiler
+    if not hasattr(compiler, "_get_arch_for_options_for_nvrtc"):
+        pytest.skip(f"cupy {cupy.__version__} has no _get_arch_for_options_for_nvrtc to redirect")
+    monkeypatch.setattr(compiler, "_get_arch_for_options_for_nvrtc", lambda arch=None: (f"-arch=compute_{arch}", "ptx"))
+    monkeypatch.setenv("FLATCOMM_KERNEL_CACHE", str(tmp_path))
+    return cupy
+
+
+def test_cupy_route_compiles_with_our_options_only(cupy_compiler, source):
+    from flatcomm.ops.cupy_backend import nvrtc_cache
+    names = cb.modules()["sums_0"]
+    ptx, lowered = nvrtc_cache.compile_group(cupy_compiler, source, cb.NVRTC_OPTIONS, "90", names)
+    ptx = ptx.decode()
+    assert set(lowered) == set(names) and all(lowered[n] in ptx for n in names)
+    assert "add.rn.f32" in ptx and ".ftz" not in ptx
+    # the check sees a flush when one is asked for (RawModule's extra option)
+    flushed, _ = nvrtc_cache.compile_group(cupy_compiler, source, cb.NVRTC_OPTIONS + ("-ftz=true",), "90", names)
+    assert "add.rn.ftz.f32" in flushed.decode()
