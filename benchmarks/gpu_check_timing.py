@@ -98,6 +98,14 @@ def run_timing(device: torch.device, sizes: Sequence[int], reps: int, W: int = 4
                     lambda: fc.decode_sum(P, c, n, reencode=c, residual=res2, out=payload))
                 del res2
             del payload, P
+        # encode_kernel takes blocks of up to 512 values in registers (a warp per block), larger
+        # ones through shared memory: both sides of that boundary, in the same run
+        for codec, block in (("int8", 512), ("int8", 544), ("sign", 512), ("sign", 544)):
+            c = fc.resolve(codec, block)
+            payload = torch.empty(c.wire_bytes(n), dtype=torch.uint8, device=device)
+            row(f"encode+EF {codec} block {block}", 12 * n + c.wire_bytes(n),
+                lambda: fc.encode(x, c, residual=residual, out=payload))
+            del payload
         X = torch.randn(W, n, device=device, generator=g)
         row(f"ordered_sum W={W}", 4 * W * n + 4 * n, lambda: fc.ordered_sum(X))
         nb = -(-n // 256)
