@@ -535,3 +535,31 @@ def test_collectives(world: int, section: str) -> None:
     assert checks, f"no checks ran for {section} on {world} ranks"
     failed = [f"{name}: {msg}" for _, name, ok, msg in checks if not ok]
     assert not failed, f"{len(failed)} of {len(checks)} checks failed on {world} ranks:\n" + "\n".join(failed[:30])
+
+
+def _two_rank_sums(rank: int, world: int, n: int, op: str, chunks) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(n + rank)
+    x = torch.randn(n, generator=g) * 10.0 ** float(torch.randint(-38, 38, (1,), generator=g))
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-45, -1e-40, 3.4e38, -3.4e38])
+    x[torch.randint(0, n, (len(specials),), generator=g)] = specials
+    nans = torch.tensor([0x7fc00001 + rank, -0x400000 + rank, 0x7f800002], dtype=torch.int32)
+    x[:3].view(torch.int32)[:] = nans  # NaN payloads in both ranks' shards: the add's operand order shows
+    x[-3:].view(torch.int32)[:] = nans
+    t = x.clone()
+    C.all_reduce(t, op=op, chunks=chunks)
+    return x, t
+
+
+@pytest.mark.parametrize("op,chunks", [("sum", None), ("avg", 3)])
+def test_two_rank_fp32_p2p_sum_has_the_kernels_bits(op, chunks):
+    """The unstaged point-to-point all-reduce of two fp32 ranks gives the fused kernel's fixed-order
+    sum of the two rows, bit for bit: NaN payloads (row 0's wins, in both ranks' shards), infinities,
+    signed zeros and subnormals. torch's add would not do: it keeps the second operand's NaN payload
+    in its vector loop. 1.5M values: past the gathered small path, and every piece a 16-byte
+    multiple, so the unstaged path runs (an odd size stages)."""
+    n = 1_500_000
+    (x0, t0), (x1, t1) = spawn.run(2, _two_rank_sums, n, op, chunks)
+    c = flatcomm.resolve("fp32")
+    want = decode_sum(torch.stack([encode(x0, c), encode(x1, c)]), c, n, scale=0.5 if op == "avg" else 1.0)
+    for t in (t0, t1):
+        assert torch.equal(t.view(torch.int32), want.view(torch.int32))

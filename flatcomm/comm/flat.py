@@ -256,34 +256,19 @@ class _Ordered:
 def _raw_all_reduce_p2p(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale: float, chunks: int) -> None:
     """Lossless all-reduce on point-to-point transfers (CPU), chunk by chunk, without staging:
     each destination's piece of ``flat`` is sent as it is, the sum lands in this rank's own
-    piece (its values were copied into the receive rows when the exchange was posted; on two
-    fp32 ranks they are added where they lie) and the peers' pieces gather in place."""
+    piece (its values were copied into the receive rows when the exchange was posted) and the
+    peers' pieces gather in place."""
     me, world = p.rank, p.world
-    # Two fp32 ranks: the fixed-order sum is one add, row 0 + row 1 (then the scale), and torch's
-    # add in rank order gives its bits (NaN payloads included: the same first operand). So the own
-    # piece is summed where it lies, with no copy into the receive rows: a shard-sized copy less
-    # per chunk (~1 ms at 12.9 MB on a 2-core box, where the whole call took 17 ms).
-    in_place = world == 2 and flat.dtype == torch.float32 and c.name == "fp32"
 
     def send(j):
         a, b = p.piece(me, j)
-        return pipe.all_to_all_pieces([flat[slice(*p.piece(d, j))] for d in range(world)], b - a, world,
-                                      own_row=not in_place)
-
-    def sum_two(own: torch.Tensor, peer: torch.Tensor) -> None:
-        first, second = (own, peer) if me == 0 else (peer, own)
-        torch.add(first, second, out=own)
-        if scale != 1.0:
-            own.mul_(scale)
+        return pipe.all_to_all_pieces([flat[slice(*p.piece(d, j))] for d in range(world)], b - a, world)
 
     def reduce(j, state):
         work, recv = state
         pipe.wait(work)
         a, b = p.piece(me, j)
-        if in_place:
-            pipe.timed("decode_s", lambda: sum_two(flat[a:b], recv.view(world, -1)[1 - me]))
-        else:
-            pipe.decode_sum_to(recv.view(torch.uint8).view(world, -1), world, c, b - a, scale, flat[a:b])
+        pipe.decode_sum_to(recv.view(torch.uint8).view(world, -1), world, c, b - a, scale, flat[a:b])
         return pipe.gather_pieces(flat[a:b], [flat[slice(*p.piece(d, j))] for d in range(world)])
 
     pipe.run(chunks, send, reduce, lambda j, work: pipe.wait(work))

@@ -44,15 +44,12 @@ def _post(group, tag: int, sends: Sequence, recvs: Sequence) -> Exchange:
     return Exchange([w for w in works if w is not None])
 
 
-def all_to_all(group, pieces: Sequence[torch.Tensor], recv: torch.Tensor, recv_row: int, tag: int,
-               own_row: bool = True) -> Exchange:
+def all_to_all(group, pieces: Sequence[torch.Tensor], recv: torch.Tensor, recv_row: int, tag: int) -> Exchange:
     """``pieces[d]`` to rank d; row r of ``recv`` (``recv_row`` values each) from rank r. This
-    rank's own piece is copied into its row now (so it may be overwritten once this returns),
-    unless ``own_row`` is False: then that row is left as it is and the caller reads the piece."""
+    rank's own piece is copied into its row now, so it may be overwritten once this returns."""
     me, world = standalone.rank(group), dist.get_world_size(group)
     rows = [recv[r * recv_row:(r + 1) * recv_row] for r in range(world)]
-    if own_row:
-        rows[me].copy_(pieces[me])
+    rows[me].copy_(pieces[me])
     others = [r for r in range(world) if r != me]
     return _post(group, tag, [(d, pieces[d]) for d in others], [(r, rows[r]) for r in others])
 

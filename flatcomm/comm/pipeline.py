@@ -259,15 +259,14 @@ class Pipeline:
                                       async_op=True)
         return work, recv
 
-    def all_to_all_pieces(self, pieces: List[torch.Tensor], recv_row: int, world: int, own_row: bool = True):
-        """:meth:`all_to_all` of ``pieces[d]`` to rank d: sent as they are on CPU, else staged
-        (``own_row``: see :func:`flatcomm.comm.p2p.all_to_all`; the staged path always fills it)."""
+    def all_to_all_pieces(self, pieces: List[torch.Tensor], recv_row: int, world: int):
+        """:meth:`all_to_all` of ``pieces[d]`` to rank d: sent as they are on CPU, else staged."""
         if p2p.used_for(pieces[0]) and groups.exchanges(self.group):
             self.checked()
             recv = self.empty(world * recv_row, pieces[0].dtype, pieces[0].device)
             me = standalone.rank(self.group)
             self.stats.wire_bytes += sum(t.numel() for d, t in enumerate(pieces) if d != me) * pieces[0].element_size()
-            return p2p.all_to_all(self.group, pieces, recv, recv_row, self.next_tag(), own_row), recv
+            return p2p.all_to_all(self.group, pieces, recv, recv_row, self.next_tag()), recv
         buf = self.timed("encode_s", lambda: torch.cat(pieces))
         return self.all_to_all(buf, [t.numel() for t in pieces], recv_row, world)
 
