@@ -522,6 +522,18 @@ __device__ __forceinline__ void int_encode4(const EncodeParams& p, const BlockPa
   }
 }
 
+// The sign code word of elements [i, i + 32) (i % 32 == 0, so 4-byte aligned), of which `rem` are
+// in the block: a whole word when the launch found the payload aligned, else exactly the bytes the
+// CPU writes.
+__device__ __forceinline__ void store_sign_word(uint8_t* codes, int64_t i, int rem, uint32_t word, bool vec) {
+  uint8_t* c = codes + i / 8;
+  if (vec && rem >= 32) {
+    *reinterpret_cast<uint32_t*>(c) = word;
+  } else {
+    store_code_bytes(c, word, rem >= 32 ? 4 : (rem + 7) / 8);
+  }
+}
+
 // ---- encode_kernel's register path -------------------------------------------------------------
 // Scaled-int codecs with blocks of up to kRegMaxBlock values and a source that reads in chunks: one
 // warp per codec block, held in registers (lane l takes the 4-element chunks l, l + 32, ...). Every
@@ -639,15 +651,7 @@ __device__ __forceinline__ void sign_blocks_in_registers(const EncodeParams& p, 
       const bool in = lane + w0 < len;
       const uint32_t bit = in ? sign_bit(v[k]) : 0u;
       const uint32_t word = __ballot_sync(kFull, bit != 0u);
-      if (lane == 0) {
-        uint8_t* c = codes + (i0 + w0) / 8;  // 4-byte aligned (blocks are multiples of 32)
-        const int rem = len - w0;
-        if (p.vec && rem >= 32) {
-          *reinterpret_cast<uint32_t*>(c) = word;
-        } else {  // write exactly the bytes the CPU writes
-          store_code_bytes(c, word, rem >= 32 ? 4 : (rem + 7) / 8);
-        }
-      }
+      if (lane == 0) store_sign_word(codes, i0 + w0, len - w0, word, p.vec);
       if (in && p.residual && bp.finite) p.residual[i0 + w0 + lane] = v[k] - sign_dequantize(bit, bp.scale);
     }
   }
@@ -764,15 +768,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeParams p, Src sr
           const uint32_t bit = in ? sign_bit(x) : 0u;
           const uint32_t word = __ballot_sync(kFull, bit != 0u);
           const int w0 = jj + 32 * wg;
-          if (lane == 0 && w0 < len) {
-            uint8_t* c = codes + (i0 + w0) / 8;  // 4-byte aligned
-            const int rem = len - w0;
-            if (p.vec && rem >= 32) {
-              *reinterpret_cast<uint32_t*>(c) = word;
-            } else {  // write exactly the bytes the CPU writes
-              store_code_bytes(c, word, rem >= 32 ? 4 : (rem + 7) / 8);
-            }
-          }
+          if (lane == 0 && w0 < len) store_sign_word(codes, i0 + w0, len - w0, word, p.vec);
           if (in && p.residual && bp.finite) p.residual[i0 + j] = x - sign_dequantize(bit, bp.scale);
         }
       } else {  // cast codecs, element by element (kernels_impl.h encode_block, first branch)
