@@ -69,6 +69,8 @@ class FlatcommGroup(dist.ProcessGroup):
         # collectives add to it on the group's worker, in order.
         self.counters = CommStats()
         self.reductions = 0  # calls of this group's reduction methods that flatcomm ran
+        # (numel, dtype, op) -> (settings, flatcomm.comm.small.Prepared or None): see reduce.py
+        self.prepared: dict = {}
         for device, kind, backend in _inner_backends(store, rank, size, timeout, group_name,
                                                      ranks if ranks is not None else list(range(size))):
             self._register_backend(device, kind, backend)
@@ -96,6 +98,7 @@ class FlatcommGroup(dist.ProcessGroup):
         """What ``destroy_process_group`` calls: also drop flatcomm's private copy of this group,
         so nothing of flatcomm's keeps its gloo threads alive (see :mod:`flatcomm.comm.groups`)."""
         forget(self)
+        self.prepared.clear()
         super().shutdown()
 
     def _inner(self, t: torch.Tensor) -> Any:

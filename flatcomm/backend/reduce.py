@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..comm import groups, header, worker
+from ..comm import groups, header, small, worker
 from ..comm.args import premultiplied, reduce_op
+from ..comm.spec import CallSpec
 from .settings import settings_for, topology_for
 from .work import ReductionWork
 
@@ -94,6 +95,29 @@ def _call_args(pg, dtype: torch.dtype) -> dict:
     return dict(codec=codec, mode=s.mode, async_op=True, stats=pg.counters, **where)
 
 
+_PREPARED_MAX = 64  # prepared small all-reduces kept per group (by numel, dtype and op)
+
+
+def _prepared_all_reduce(pg, t: torch.Tensor, name: str) -> Optional[small.PostedHandle]:
+    """A small CPU all-reduce posted through the group's :class:`flatcomm.comm.small.Prepared` call
+    for this numel, dtype and op (made at the first such call, again when the group's settings
+    or private group change); None: the full path (a large, lossy or two-level call, or calls queued before it)."""
+    if t.device.type != "cpu":
+        return None
+    s, priv = settings_for(pg), groups.private_group(pg)
+    key = (t.numel(), t.dtype, name)
+    entry = pg.prepared.get(key)
+    if entry is None or entry[0] is not s or entry[1] is not None and entry[1].group is not priv:
+        kw = _call_args(pg, t.dtype)
+        ok = "group" in kw and kw["codec"] != "auto"  # flat, and one codec for every size
+        spec = CallSpec(codec=kw["codec"], op=name, mode=kw["mode"], async_op=True, stats=kw["stats"])
+        if len(pg.prepared) >= _PREPARED_MAX:
+            pg.prepared.clear()
+        entry = pg.prepared[key] = (s, small.prepare_all_reduce(priv, t.view(-1), spec)
+                                    if ok else None)
+    return entry[1].post(t) if entry[1] is not None else None
+
+
 def _counted(pg) -> None:
     pg.reductions += 1
 
@@ -124,8 +148,10 @@ def all_reduce(pg, tensors: List[torch.Tensor], how: Tuple[str, object],
     t = tensors[0]
     _counted(pg)
     if len(tensors) == 1 and t.is_contiguous() and factor is None and root is None:
-        return ReductionWork([collectives.all_reduce(t.view(-1), op=name, **_call_args(pg, t.dtype))],
-                             tensors, None, timeout)
+        handle: Optional[collectives.Handle] = _prepared_all_reduce(pg, t, name)
+        if handle is None:
+            handle = collectives.all_reduce(t.view(-1), op=name, **_call_args(pg, t.dtype))
+        return ReductionWork([handle], tensors, None, timeout)
     by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
     for x in tensors:
         by_dtype.setdefault(x.dtype, []).append(x)

@@ -26,7 +26,6 @@ groups' rows carry none: its bytes would go with every large call on a slow link
 from __future__ import annotations
 
 import concurrent.futures
-import struct
 import weakref
 from typing import List, Optional, Sequence, Tuple
 
@@ -35,6 +34,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions  # (not re-exported by torch.distributed)
 
 from . import context, groups, standalone, worker
+from .header_table import (FAILED_TYPE, FAILED_VALUE, MAGIC, OK, REASON_BYTES, _FIXED, _MORE, _float_of, _reason,
+                           _reason_bytes, _reason_of, call_numbers, check, error_of, float_bits, length, row)
 from ..ops.codecs import CODECS
 
 __all__ = ["ALL_DTYPES", "AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "KIND_IDS", "MAGIC", "MODES", "REASON_BYTES",
@@ -47,30 +48,11 @@ MODES = ("ordered", "exact")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "privateuseone")
 
-MAGIC = 0x666C6174  # "flat"
-REASON_BYTES = 128
 SLOT_MAX_BYTES, SLOT_TABLE_BYTES = 16 << 10, 64 << 10  # a row's slot; every rank's (docs/backend.md)
-_FIXED = 3  # magic, call number, status
-# Status of a row: the call's arguments passed, or were rejected with a ValueError / TypeError (every
-# rank then raises the first failed rank's kind of error, with every failed rank's reason).
-OK, FAILED_VALUE, FAILED_TYPE = 0, 1, 2
 KINDS = {1: "reduce_scatter", 2: "all_gather", 3: "all_reduce",
          4: "two-level reduce_scatter", 5: "two-level all_gather", 6: "two-level all_reduce"}
 KIND_IDS = {name: kind for kind, name in KINDS.items()}  # the one place a collective's id comes from
 AUTO_CODEC = len(CODECS)  # the codec field of a two-level call whose inter codec is "auto"
-
-
-def float_bits(x: float) -> int:
-    """``x``'s float64 bit pattern as an int64: equal fields mean exactly equal values (a rounded
-    field would let two ranks agree on a topk ratio that keeps a different number of values)."""
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
-
-
-def _float_of(bits: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
-
-
-_MORE = 0xFF  # the last reason byte of a row whose reason continues in the store (never in UTF-8)
 
 
 def slot_of(group) -> int:
@@ -79,50 +61,6 @@ def slot_of(group) -> int:
     if not context.of(group).get(groups.SMALL_SLOT):
         return 0
     return min(SLOT_MAX_BYTES, SLOT_TABLE_BYTES // dist.get_world_size(group)) // 16 * 16
-
-
-def row(call: int, status: int, fields: Sequence[Tuple[str, int]], names: Sequence[str], reason: str = "",
-        slot: int = 0, payload: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One rank's header: ``names``' fields in that order (a field not in ``fields`` is 0), so its
-    length depends only on ``names`` and ``slot``. A reason over :data:`REASON_BYTES` keeps its
-    start and the :data:`_MORE` marker (the whole of it goes through :func:`_publish`). ``slot``:
-    bytes of the payload slot after the reason (a multiple of 8); ``payload``: uint8 bytes placed
-    at its start (the rest is zero)."""
-    given = dict(fields)
-    unknown = set(given) - set(names)
-    assert not unknown, f"header fields {unknown} are not in {names}"
-    vals = [MAGIC, call, int(status)] + [int(given.get(n, 0)) for n in names]
-    raw = reason.encode("utf-8", "replace")
-    if len(raw) > REASON_BYTES:
-        raw = raw[:REASON_BYTES - 1] + bytes([_MORE])
-    out = torch.zeros(length(len(names), slot), dtype=torch.int64)
-    out[:len(vals)] = torch.tensor(vals, dtype=torch.int64)
-    tail = out[len(vals):].view(torch.uint8)  # the reason, then the slot
-    if raw:
-        tail[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    if payload is not None:
-        assert payload.numel() <= slot, f"a payload of {payload.numel()} bytes in a slot of {slot}"
-        tail[REASON_BYTES:REASON_BYTES + payload.numel()] = payload
-    return out
-
-
-def length(nfields: int, slot: int = 0) -> int:
-    return _FIXED + nfields + (REASON_BYTES + slot) // 8
-
-
-def _reason_of(table: torch.Tensor, r: int, nfields: int) -> torch.Tensor:
-    return table[r, _FIXED + nfields:_FIXED + nfields + REASON_BYTES // 8]
-
-
-def _reason_bytes(r: torch.Tensor) -> bytes:
-    return bytes(r.view(torch.uint8).tolist()).rstrip(b"\0")
-
-
-def _reason(r: torch.Tensor) -> str:
-    raw = _reason_bytes(r)
-    if raw.endswith(bytes([_MORE])):  # the rest could not be read from the store: say it is cut
-        return raw[:-1].decode("utf-8", "replace") + " [...]"
-    return raw.decode("utf-8", "replace")
 
 
 def _store_key(group, call: int, global_rank: int) -> str:
@@ -166,71 +104,6 @@ def _whole_reasons(group, table: torch.Tensor, nfields: int, ranks: Sequence[int
         except Exception:  # noqa: BLE001 - the row's start, marked as cut, stands in
             pass
     return out
-
-
-def _failed_ranks(failed: Sequence[int], reasons: Sequence[str], ranks: Sequence[int]) -> List[str]:
-    """One problem per distinct reason, naming every rank that failed with it, in rank order."""
-    by_reason: dict = {}
-    for r, text in zip(failed, reasons):
-        by_reason.setdefault(text, []).append(f"rank {ranks[r]}")
-    out = []
-    for text, who in by_reason.items():
-        names = who[0] if len(who) == 1 else ", ".join(who[:-1]) + " and " + who[-1]
-        out.append(f"{names} failed: {text}")
-    return out
-
-
-def check(table: torch.Tensor, fields: Sequence[Tuple[str, int]], shown=None,
-          ranks: Optional[Sequence[int]] = None, whole: Optional[dict] = None) -> List[str]:
-    """Problems with a [world, length] header table, in the order that explains them best: out of
-    step first (the rows belong to different calls), then failed ranks, then disagreements.
-    ``shown(name, value)`` renders a field value for the message (names, not numbers); ``ranks``:
-    the global rank of each row (default: the row index); ``whole``: row -> whole reason, for
-    the rows whose reason continues in the store."""
-    table = table.cpu()
-    world = table.shape[0]
-    ranks = list(ranks) if ranks is not None else list(range(world))
-    if any(int(v) != MAGIC for v in table[:, 0]):
-        return ["received a header that is not flatcomm's: another collective on flatcomm's group "
-                "(its private group is meant for flatcomm's traffic only)"]
-    calls = table[:, 1].tolist()
-    if len(set(calls)) != 1:
-        return ["ranks are out of step: call number " + _per_rank(calls, ranks)
-                + " (a rank skipped or added a collective, or an earlier call failed on some ranks only)"]
-    failed = [r for r in range(world) if int(table[r, 2]) != OK]
-    if failed:
-        nf, whole = len(fields), whole or {}
-        texts = [whole[r] if r in whole else _reason(_reason_of(table, r, nf)) for r in failed]
-        return _failed_ranks(failed, texts, ranks)
-    out = []
-    for i, (name, _) in enumerate(fields):
-        col = table[:, _FIXED + i].tolist()
-        if len(set(col)) != 1:
-            vals = [shown(name, v) if shown else v for v in col]
-            out.append(f"ranks disagree on {name}: {_per_rank(vals, ranks)}")
-    return out
-
-
-def error_of(table: torch.Tensor, fields: Sequence[Tuple[str, int]], shown=None,
-             ranks: Optional[Sequence[int]] = None, whole: Optional[dict] = None) -> Optional[Exception]:
-    """The error every rank raises for this table (the same on every rank: they all hold it), or
-    None when the call may go ahead."""
-    problems = check(table, fields, shown, ranks, whole)
-    if not problems:
-        return None
-    text = "flatcomm: " + "; ".join(problems)
-    if problems[0].startswith(("ranks are out of step", "received a header")):
-        return RuntimeError(text)
-    status = [int(s) for s in table.cpu()[:, 2].tolist() if int(s) != OK]
-    return TypeError(text) if status and status[0] == FAILED_TYPE else ValueError(text)
-
-
-def call_numbers(table: torch.Tensor) -> List[int]:
-    return table[:, 1].tolist()
-
-
-def _per_rank(vals, ranks: Sequence[int]) -> str:
-    return ", ".join(f"rank {r} {v}" for r, v in zip(ranks, vals))
 
 
 # ---- the call header of a collective --------------------------------------------------------------
@@ -329,6 +202,7 @@ class CallHeader:
         # Kept here: the exchange must not hold the row's last reference, or gloo's thread frees it,
         # which takes the GIL while it holds its queue lock and stalls the next call's enqueue.
         self.mine = row(self.call, OK if reason is None else status, fields, FIELDS, reason or "", self.slot, payload)
+        self.ok = reason is None
         self.work, self.table = _exchange_table(group, self.mine, device, True)
 
     def payloads(self, nbytes: int) -> torch.Tensor:
@@ -347,9 +221,9 @@ class CallHeader:
     def error(self) -> Optional[Exception]:
         """The call's error, from the table the exchange completed (every rank holds the same)."""
         table = self.table.cpu()
-        head = table[:, :_FIXED + len(FIELDS)]
-        if int(head[0, 0]) == MAGIC and int(head[0, 2]) == OK and bool((head == head[0]).all()):
-            return None  # every row agrees (the common case, checked in one pass)
+        width = _FIXED + len(FIELDS)
+        if self.ok and torch.equal(table[:, :width], self.mine[:width].expand(table.shape[0], width)):
+            return None  # every row is this (valid) row's head: the common case, checked in one pass
         group = self._group() if self._group is not None else None
         if self._group is not None and group is None:
             return RuntimeError("flatcomm: the call's process group was destroyed before its header was checked")
