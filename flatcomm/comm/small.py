@@ -130,18 +130,21 @@ class Posted:
                     raise TimeoutError(f"flatcomm: {self.what} did not finish within {within} "
                                        f"(still in flight; the group's own timeout fails it if a peer never "
                                        f"joins)") from e
+            else:
+                self.settle(None, waited=True)
+                return
         self.settle(None)
 
-    def settle(self, future: Optional[torch.futures.Future]) -> None:
+    def settle(self, future: Optional[torch.futures.Future], waited: bool = False) -> None:
         """Check and write the result of the completed exchange, once (``future``: the exchange's,
         from its callback, where waiting on the work itself would deadlock: gloo completes a work
-        only after its future's callbacks ran)."""
+        only after its future's callbacks ran; ``waited``: the work's wait() just returned)."""
         with self.lock:
             if not self.done:
                 try:
                     if future is not None:
                         future.value()  # raises the exchange's error
-                    else:
+                    elif not waited:
                         self.header.work.wait()  # completed: returns, or raises its error, at once
                     self._complete()
                 except BaseException as e:  # noqa: BLE001 - every waiter raises it
