@@ -28,9 +28,11 @@ def test_row_from_the_template_is_the_row_built_field_by_field():
 def test_rows_with_a_reason_are_built_whole():
     long = "x" * (header.REASON_BYTES + 9)
     for reason in ("bad numel", long):
-        got = header.row(4, header.FAILED_VALUE, [("numel", 3)], header.FIELDS, reason, 64)
-        assert torch.equal(got, header_table._built(4, header.FAILED_VALUE, [("numel", 3)], header.FIELDS, reason, 64, None))
-        assert header_table._reason(header_table._reason_of(got.view(1, -1), 0, len(header.FIELDS))).startswith(reason[:20])
+        fields = [("numel", 3)]
+        got = header.row(4, header.FAILED_VALUE, fields, header.FIELDS, reason, 64)
+        assert torch.equal(got, header_table._built(4, header.FAILED_VALUE, fields, header.FIELDS, reason, 64, None))
+        shown = header_table._reason(header_table._reason_of(got.view(1, -1), 0, len(header.FIELDS)))
+        assert shown.startswith(reason[:20])
 
 
 def test_the_template_cache_is_bounded():

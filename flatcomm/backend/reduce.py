@@ -101,7 +101,8 @@ _PREPARED_MAX = 64  # prepared small all-reduces kept per group (by numel, dtype
 def _prepared_all_reduce(pg, t: torch.Tensor, name: str) -> Optional[small.PostedHandle]:
     """A small CPU all-reduce posted through the group's :class:`flatcomm.comm.small.Prepared` call
     for this numel, dtype and op (made at the first such call, again when the group's settings
-    or private group change); None: the full path (a large, lossy or two-level call, or calls queued before it)."""
+    or private group change); None: the full path (a large, lossy or two-level call, or calls
+    queued before it)."""
     if t.device.type != "cpu":
         return None
     s, priv = settings_for(pg), groups.private_group(pg)
