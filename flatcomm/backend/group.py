@@ -69,7 +69,7 @@ class FlatcommGroup(dist.ProcessGroup):
         # collectives add to it on the group's worker, in order.
         self.counters = CommStats()
         self.reductions = 0  # calls of this group's reduction methods that flatcomm ran
-        # (numel, dtype, op) -> (settings, flatcomm.comm.small.Prepared or None): see reduce.py
+        # (numel, dtype, op) -> (settings, flatcomm.comm.prepared.Prepared or None): see reduce.py
         self.prepared: dict = {}
         for device, kind, backend in _inner_backends(store, rank, size, timeout, group_name,
                                                      ranks if ranks is not None else list(range(size))):

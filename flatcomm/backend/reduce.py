@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..comm import groups, header, small, worker
+from ..comm import groups, header, prepared, worker
 from ..comm.args import premultiplied, reduce_op
 from ..comm.spec import CallSpec
 from .settings import settings_for, topology_for
@@ -95,14 +95,13 @@ def _call_args(pg, dtype: torch.dtype) -> dict:
     return dict(codec=codec, mode=s.mode, async_op=True, stats=pg.counters, **where)
 
 
-_PREPARED_MAX = 64  # prepared small all-reduces kept per group (by numel, dtype and op)
+_PREPARED_MAX = 64  # prepared all-reduces kept per group (by numel, dtype and op)
 
 
-def _prepared_all_reduce(pg, t: torch.Tensor, name: str) -> Optional[small.PostedHandle]:
-    """A small CPU all-reduce posted through the group's :class:`flatcomm.comm.small.Prepared` call
+def _prepared_all_reduce(pg, t: torch.Tensor, name: str) -> Optional[collectives.Handle]:
+    """A CPU all-reduce started through the group's :class:`flatcomm.comm.prepared.Prepared` call
     for this numel, dtype and op (made at the first such call, again when the group's settings
-    or private group change); None: the full path (a large, lossy or two-level call, or calls
-    queued before it)."""
+    or private group change); None: the full path (a two-level call, ``codec="auto"``)."""
     if t.device.type != "cpu":
         return None
     s, priv = settings_for(pg), groups.private_group(pg)
@@ -114,7 +113,7 @@ def _prepared_all_reduce(pg, t: torch.Tensor, name: str) -> Optional[small.Poste
         spec = CallSpec(codec=kw["codec"], op=name, mode=kw["mode"], async_op=True, stats=kw["stats"])
         if len(pg.prepared) >= _PREPARED_MAX:
             pg.prepared.clear()
-        entry = pg.prepared[key] = (s, small.prepare_all_reduce(priv, t.view(-1), spec)
+        entry = pg.prepared[key] = (s, prepared.prepare_all_reduce(priv, t.view(-1), spec)
                                     if ok else None)
     return entry[1].post(t) if entry[1] is not None else None
 
@@ -149,7 +148,7 @@ def all_reduce(pg, tensors: List[torch.Tensor], how: Tuple[str, object],
     t = tensors[0]
     _counted(pg)
     if len(tensors) == 1 and t.is_contiguous() and factor is None and root is None:
-        handle: Optional[collectives.Handle] = _prepared_all_reduce(pg, t, name)
+        handle = _prepared_all_reduce(pg, t, name)
         if handle is None:
             handle = collectives.all_reduce(t.view(-1), op=name, **_call_args(pg, t.dtype))
         return ReductionWork([handle], tensors, None, timeout)

@@ -46,7 +46,7 @@ from .small import rounding_into
 from .spec import CallSpec
 from ..ops.codecs import Codec, decode, encode, reencode_sum
 
-__all__ = ["all_gather", "all_reduce", "reduce_scatter", "rounding_into"]
+__all__ = ["all_gather", "all_reduce", "checked_all_reduce", "reduce_scatter", "rounding_into"]
 
 
 def all_reduce(tensor: torch.Tensor, spec: CallSpec = CallSpec(), group=None) -> Optional[worker.Handle]:
@@ -55,6 +55,11 @@ def all_reduce(tensor: torch.Tensor, spec: CallSpec = CallSpec(), group=None) ->
     a = args.in_step(group, KIND_IDS["all_reduce"], spec.async_op, lambda: args.all_reduce_call(group, tensor, spec))
     if isinstance(a, worker.Handle):
         return a
+    return checked_all_reduce(group, a, spec, tensor)
+
+
+def checked_all_reduce(group, a: args.Call, spec: CallSpec, tensor: torch.Tensor) -> Optional[worker.Handle]:
+    """The all-reduce of ``tensor`` with its checked arguments ``a`` (``group``: a private group)."""
     if small.fits_all_reduce(group, a, spec.mode):  # one exchange: the data rides in the call header
         return small.all_reduce(group, a, spec, tensor)
     flat, c, n = a.src, a.codec, a.src.numel()

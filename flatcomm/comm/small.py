@@ -42,7 +42,7 @@ from typing import Callable, List, Optional, Sequence, Union, cast
 
 import torch
 
-from . import args, groups, header, p2p, pipeline, worker
+from . import groups, header, p2p, pipeline, worker
 from .args import Call
 from .labels import label
 from .pipeline import CommStats
@@ -50,8 +50,8 @@ from .spec import CallSpec
 from ..ops.codecs import decode_sum, encode
 from ..ops.sums import exact_sum
 
-__all__ = ["Posted", "PostedHandle", "Prepared", "all_reduce", "fits_all_reduce", "fits_reduce_scatter",
-           "prepare_all_reduce", "reduce_scatter", "rounding_into", "run"]
+__all__ = ["Posted", "PostedHandle", "all_reduce", "all_reduce_parts", "fits_all_reduce", "fits_reduce_scatter",
+           "in_slot", "reduce_scatter", "rounding_into", "run"]
 
 
 def rounding_into(total: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> None:
@@ -74,7 +74,7 @@ def _fits(group, a: Call, mode: str) -> bool:
     return a.world * _nbytes(a, mode, a.src.numel()) <= GATHER_TABLE_BYTES
 
 
-def _in_slot(group, a: Call, mode: str) -> bool:
+def in_slot(group, a: Call, mode: str) -> bool:
     """The payload fits the header row's slot: one exchange (else two: the header, then the payload)."""
     return _nbytes(a, mode, a.src.numel()) <= header.slot_of(group)
 
@@ -255,7 +255,7 @@ def run(group, a: Call, mode: str, parts: tuple, spec: CallSpec, keep: Sequence[
     key = worker.key_of(group)
     payload, result, undo = parts
     stats = cast(Optional[CommStats], spec.stats)  # (a one-hop call's: checked by the argument layer)
-    if not _in_slot(group, a, mode):
+    if not in_slot(group, a, mode):
         return worker.run(key, lambda: _gathered(group, a, payload, result, stats), value, spec.async_op, keep,
                           what, group)
 
@@ -279,7 +279,7 @@ def _exact(rows: torch.Tensor, a: Call, dtype: torch.dtype, out: torch.Tensor) -
     out.copy_(val)
 
 
-def _all_reduce_parts(a: Call, mode: str, flat: torch.Tensor) -> tuple:
+def all_reduce_parts(a: Call, mode: str, flat: torch.Tensor) -> tuple:
     """(payload, result, undo) of an all-reduce of ``flat`` (1-D) with the checked arguments ``a``."""
     c, n, fb = a.codec, flat.numel(), a.feedback
     saved: List[torch.Tensor] = []
@@ -318,50 +318,8 @@ def all_reduce(group, a: Call, spec: CallSpec, value: torch.Tensor) -> Optional[
     """An all-reduce that :func:`fits_all_reduce` (``value``: the caller's tensor)."""
     flat, fb = a.src, a.feedback
     keep = (flat,) if fb is None else (flat, fb.client, fb.server)
-    return run(group, a, spec.mode, _all_reduce_parts(a, spec.mode, flat), spec, keep,
+    return run(group, a, spec.mode, all_reduce_parts(a, spec.mode, flat), spec, keep,
                f"all_reduce of {flat.numel()} values ({a.codec.name})", value)
-
-
-class Prepared:
-    """A small all-reduce checked once and posted again for every tensor of the same numel and
-    dtype: the flatcomm backend's small calls (a loss, a metric, a small DDP bucket) have the same
-    shape step after step. It keeps the first call's checked :class:`Call` (its header fields,
-    scale, exact grid: none depends on the values); a post costs the call number, the payload
-    copied into the header row and the exchange, on the same row, checks and kernels as
-    :func:`all_reduce` (the same bits and errors; ~100 us of Python less per call)."""
-
-    def __init__(self, group, a: Call, spec: CallSpec):
-        self.group, self.a, self.spec = group, a, spec
-        self.key = worker.key_of(group)
-        self.what = f"all_reduce of {a.src.numel()} values ({a.codec.name})"
-
-    def post(self, tensor: torch.Tensor) -> Optional[PostedHandle]:
-        """Post the all-reduce of ``tensor`` (contiguous, the prepared numel and dtype) from the caller's thread; None
-        when the group's worker has calls queued or this is that worker: then take the full path,
-        which runs it there in order."""
-        if worker.is_on(self.key):
-            return None
-        payload, result, undo = _all_reduce_parts(self.a, self.spec.mode, tensor.view(-1))
-        stats = cast(Optional[CommStats], self.spec.stats)
-        with label("flatcomm.all_reduce"):
-            posted = worker.post_if_idle(
-                self.key, lambda: Posted(self.group, self.a, payload(), result, stats, self.what, undo))
-        return PostedHandle(posted, tensor) if posted is not None else None
-
-
-def prepare_all_reduce(group, tensor: torch.Tensor, spec: CallSpec) -> Optional[Prepared]:
-    """A :class:`Prepared` all-reduce of tensors like ``tensor`` on ``group`` (a private group),
-    or None where the one-exchange path does not take it (too large, a lossy codec, error
-    feedback, not CPU, a synchronous spec) or its arguments are wrong (the full path then reports
-    that on every rank)."""
-    try:
-        a = args.all_reduce_call(group, tensor, spec)
-    except Exception:  # noqa: BLE001 - raised again, in step on every rank, by the full path
-        return None
-    if a.feedback is not None or spec.async_op is not True or not fits_all_reduce(group, a, spec.mode) \
-            or not _in_slot(group, a, spec.mode):
-        return None
-    return Prepared(group, a, spec)
 
 
 def reduce_scatter(group, a: Call, spec: CallSpec, value: torch.Tensor) -> Optional[worker.Handle]:

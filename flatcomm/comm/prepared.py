@@ -1,0 +1,72 @@
+"""An all-reduce checked once and posted again for every tensor of the same numel and dtype.
+
+The flatcomm backend's reductions repeat their shapes step after step (a loss, a metric, each DDP
+bucket), and everything the argument layers check (codec, mode, op, sizes, the shard plan, the call
+header's fields) depends on the shape, not on the values: ~100 us of Python per call, on the
+caller's thread (for DDP, the autograd thread, with the backward pass waiting). A :class:`Prepared`
+call keeps the first call's checked :class:`flatcomm.comm.args.Call` and runs each later call from
+it, on the same paths, rows, checks and kernels as :func:`flatcomm.comm.flat.all_reduce`, so with
+the same bits and errors:
+
+* in the header's payload slot (:mod:`flatcomm.comm.small`), posted from the caller's thread: the
+  call number, the payload copied into the row, the exchange;
+* else the gathered or the pipelined path, queued on the group's worker.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, cast
+
+import torch
+
+from . import args, flat, small, worker
+from .labels import label
+from .pipeline import CommStats
+from .spec import CallSpec
+
+__all__ = ["Prepared", "prepare_all_reduce"]
+
+
+class Prepared:
+    """The checked all-reduce ``a`` on ``group`` (a private group), posted again by :meth:`post`."""
+
+    def __init__(self, group, a: args.Call, spec: CallSpec):
+        self.group, self.spec = group, spec
+        self.key = worker.key_of(group)
+        self.in_slot = small.fits_all_reduce(group, a, spec.mode) and small.in_slot(group, a, spec.mode)
+        self.what = f"all_reduce of {a.src.numel()} values ({a.codec.name})"
+        none = a.src.new_empty(0)  # each post gives its tensor: the first one is not kept alive here
+        self.a = dataclasses.replace(a, src=none, out=none)
+
+    def post(self, tensor: torch.Tensor) -> worker.Handle:
+        """Start the all-reduce of ``tensor`` (contiguous, the prepared numel and dtype): a call in
+        the slot is posted from this thread while the group's worker is idle (the shortest way,
+        written out here), every other call goes to :func:`flatcomm.comm.flat.checked_all_reduce`
+        (queued on the worker, in order)."""
+        flat_ = tensor.view(-1)
+        if self.in_slot and not worker.is_on(self.key):
+            payload, result, undo = small.all_reduce_parts(self.a, self.spec.mode, flat_)
+            stats = cast(Optional[CommStats], self.spec.stats)
+            with label("flatcomm.all_reduce"):
+                posted = worker.post_if_idle(
+                    self.key, lambda: small.Posted(self.group, self.a, payload(), result, stats, self.what, undo))
+            if posted is not None:
+                return small.PostedHandle(posted, tensor)
+        handle = flat.checked_all_reduce(self.group, dataclasses.replace(self.a, src=flat_, out=flat_), self.spec,
+                                         tensor)
+        assert handle is not None  # (an asynchronous spec)
+        return handle
+
+
+def prepare_all_reduce(group, tensor: torch.Tensor, spec: CallSpec) -> Optional[Prepared]:
+    """A :class:`Prepared` all-reduce of tensors like ``tensor`` on ``group`` (a private group), or
+    None where a call must take the full path each time: not on the CPU, error feedback (its
+    residuals are the caller's per call), a synchronous spec, or arguments that are wrong (the full
+    path then reports that on every rank)."""
+    try:
+        a = args.all_reduce_call(group, tensor, spec)
+    except Exception:  # noqa: BLE001 - raised again, in step on every rank, by the full path
+        return None
+    if a.src.device.type != "cpu" or a.feedback is not None or spec.async_op is not True:
+        return None
+    return Prepared(group, a, spec)
