@@ -15,13 +15,11 @@ the same bits and errors:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, cast
+from typing import Optional
 
 import torch
 
 from . import args, flat, small, worker
-from .labels import label
-from .pipeline import CommStats
 from .spec import CallSpec
 
 __all__ = ["Prepared", "prepare_all_reduce"]
@@ -32,28 +30,23 @@ class Prepared:
 
     def __init__(self, group, a: args.Call, spec: CallSpec):
         self.group, self.spec = group, spec
-        self.key = worker.key_of(group)
         self.in_slot = small.fits_all_reduce(group, a, spec.mode) and small.in_slot(group, a, spec.mode)
         self.what = f"all_reduce of {a.src.numel()} values ({a.codec.name})"
         none = a.src.new_empty(0)  # each post gives its tensor: the first one is not kept alive here
         self.a = dataclasses.replace(a, src=none, out=none)
 
     def post(self, tensor: torch.Tensor) -> worker.Handle:
-        """Start the all-reduce of ``tensor`` (contiguous, the prepared numel and dtype): a call in
-        the slot is posted from this thread while the group's worker is idle (the shortest way,
-        written out here), every other call goes to :func:`flatcomm.comm.flat.checked_all_reduce`
-        (queued on the worker, in order)."""
+        """Start the all-reduce of ``tensor`` (contiguous, the prepared numel and dtype): in the slot
+        through :func:`flatcomm.comm.small.run` (posted from this thread while the group's worker is
+        idle, else queued there in order), any other through
+        :func:`flatcomm.comm.flat.checked_all_reduce`."""
         flat_ = tensor.view(-1)
-        if self.in_slot and not worker.is_on(self.key):
-            payload, result, undo = small.all_reduce_parts(self.a, self.spec.mode, flat_)
-            stats = cast(Optional[CommStats], self.spec.stats)
-            with label("flatcomm.all_reduce"):
-                posted = worker.post_if_idle(
-                    self.key, lambda: small.Posted(self.group, self.a, payload(), result, stats, self.what, undo))
-            if posted is not None:
-                return small.PostedHandle(posted, tensor)
-        handle = flat.checked_all_reduce(self.group, dataclasses.replace(self.a, src=flat_, out=flat_), self.spec,
-                                         tensor)
+        if self.in_slot:
+            handle = small.run(self.group, self.a, True, small.all_reduce_parts(self.a, self.spec.mode, flat_),
+                               self.spec, (flat_,), self.what, tensor)
+        else:
+            handle = flat.checked_all_reduce(self.group, dataclasses.replace(self.a, src=flat_, out=flat_),
+                                             self.spec, tensor)
         assert handle is not None  # (an asynchronous spec)
         return handle
 

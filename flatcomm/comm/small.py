@@ -246,16 +246,16 @@ def _gathered(group, a: Call, payload: Callable[[], torch.Tensor], result: Calla
         stats.decode_s += time.perf_counter() - t1
 
 
-def run(group, a: Call, mode: str, parts: tuple, spec: CallSpec, keep: Sequence[Optional[torch.Tensor]],
+def run(group, a: Call, slot: bool, parts: tuple, spec: CallSpec, keep: Sequence[Optional[torch.Tensor]],
         what: str, value: torch.Tensor) -> Optional[worker.Handle]:
-    """Run the call: in the slot, posted from the caller's thread when the group's worker is idle
-    (no thread hop; the result is written by ``wait()``), else queued on the worker in order; over
-    the slot, on the worker (:func:`_gathered`). ``parts``: (payload, result, undo) functions;
-    ``value``: what the handle returns (the caller's output tensor)."""
+    """Run the call: in the slot (``slot``: :func:`in_slot`), posted from the caller's thread when
+    the group's worker is idle (no thread hop; the result is written by ``wait()``), else queued on
+    the worker in order; over the slot, on the worker (:func:`_gathered`). ``parts``: (payload,
+    result, undo) functions; ``value``: what the handle returns (the caller's output tensor)."""
     key = worker.key_of(group)
     payload, result, undo = parts
     stats = cast(Optional[CommStats], spec.stats)  # (a one-hop call's: checked by the argument layer)
-    if not in_slot(group, a, mode):
+    if not slot:
         return worker.run(key, lambda: _gathered(group, a, payload, result, stats), value, spec.async_op, keep,
                           what, group)
 
@@ -318,7 +318,7 @@ def all_reduce(group, a: Call, spec: CallSpec, value: torch.Tensor) -> Optional[
     """An all-reduce that :func:`fits_all_reduce` (``value``: the caller's tensor)."""
     flat, fb = a.src, a.feedback
     keep = (flat,) if fb is None else (flat, fb.client, fb.server)
-    return run(group, a, spec.mode, all_reduce_parts(a, spec.mode, flat), spec, keep,
+    return run(group, a, in_slot(group, a, spec.mode), all_reduce_parts(a, spec.mode, flat), spec, keep,
                f"all_reduce of {flat.numel()} values ({a.codec.name})", value)
 
 
@@ -353,5 +353,5 @@ def reduce_scatter(group, a: Call, spec: CallSpec, value: torch.Tensor) -> Optio
         else:
             out.copy_(decode_sum(shard, c, m, scale=a.scale))
 
-    return run(group, a, mode, (payload, result, undo), spec, (src, out, r),
+    return run(group, a, in_slot(group, a, mode), (payload, result, undo), spec, (src, out, r),
                f"reduce_scatter of {src.numel()} values ({c.name})", value)
