@@ -67,6 +67,15 @@ FC_HD float u2f(uint32_t u) {
 FC_HD uint32_t abs_bits(float f) { return f2u(f) & kAbsMask; }
 FC_HD bool bits_finite(uint32_t abs) { return abs < kInfBits; }
 FC_HD float fabs_(float f) { return u2f(abs_bits(f)); }
+// acc + v, where a NaN acc keeps its own payload (quieted) whatever v is: x86's rule for the first
+// operand of an add, made explicit because a compiler may swap the operands of + (it does in some
+// vector loops and not in their scalar tails), which picks v's payload when both are NaN. The
+// fixed-order CPU sums add through it, so a sum's NaN is its first NaN row's on every path, tile
+// position and instruction set.
+FC_HD float add_in_order(float acc, float v) {
+  const float s = acc + v;
+  return acc != acc ? u2f(f2u(acc) | 0x00400000u) : s;
+}
 FC_HD uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
 FC_HD float fmin_(float a, float b) { return a < b ? a : b; }
 FC_HD float fmax_(float a, float b) { return a > b ? a : b; }

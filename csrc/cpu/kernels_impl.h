@@ -55,7 +55,7 @@ static void decode_range_sparse(const uint8_t* payload, int64_t n, int64_t block
       for (int64_t t = 0; t < sp.count; ++t) {
         const int64_t j = c0 + pos[t];
         if (j < i || j >= e) continue;
-        if (ACC) out[j - i0] += val[t]; else out[j - i0] = val[t];
+        if (ACC) out[j - i0] = add_in_order(out[j - i0], val[t]); else out[j - i0] = val[t];
       }
     }
     i = e;
@@ -81,7 +81,8 @@ static void encode_range_sparse(const EncodeArgs& a, int64_t i0, int64_t i1) {
 
 // ---- decoding any 32-aligned element range ----------------------------------------------------
 
-// out[j - i0] = decode(i) (ACC = false) or out[j - i0] += decode(i) (ACC = true), i in [i0, i1).
+// out[j - i0] = decode(i) (ACC = false) or out[j - i0] + decode(i) (ACC = true, core add_in_order),
+// i in [i0, i1).
 template <int C, bool ACC>
 static void decode_range(const uint8_t* payload, int64_t n, int64_t block, int64_t k, int64_t i0,
                          int64_t i1, float* out) {
@@ -93,7 +94,7 @@ static void decode_range(const uint8_t* payload, int64_t n, int64_t block, int64
     const auto* values = reinterpret_cast<const typename E::T*>(payload);
     for (int64_t i = i0; i < i1; ++i) {
       const float d = E::load(values[i]);
-      if (ACC) out[i - i0] += d; else out[i - i0] = d;
+      if (ACC) out[i - i0] = add_in_order(out[i - i0], d); else out[i - i0] = d;
     }
     return;
   }
@@ -116,7 +117,7 @@ static void decode_range(const uint8_t* payload, int64_t n, int64_t block, int64
       // skipped them (a direct kernel call) from writing before the range.
       const int64_t j = static_cast<int64_t>(idx[e]) - i0;
       if (j < 0) continue;
-      if (ACC) out[j] += val[e]; else out[j] = val[e];
+      if (ACC) out[j] = add_in_order(out[j], val[e]); else out[j] = val[e];
     }
     return;
   }
@@ -132,18 +133,24 @@ static void decode_range(const uint8_t* payload, int64_t n, int64_t block, int64
       const uint8_t* q = codes + i;
       for (int64_t j = 0; j < len; ++j) {
         float d = int_dequantize(int8_code(q[j]), s);
-        if (ACC) o[j] += d; else o[j] = d;
+        if (ACC) o[j] = add_in_order(o[j], d); else o[j] = d;
       }
     } else if (C == kCodecInt4) {
       const uint8_t* q = codes + i / 2;  // i is even: blocks and ranges are 32-aligned
       const int64_t pairs = len / 2;
       for (int64_t j = 0; j < pairs; ++j) {
         float d0 = int_dequantize(int4_lo(q[j]), s), d1 = int_dequantize(int4_hi(q[j]), s);
-        if (ACC) { o[2 * j] += d0; o[2 * j + 1] += d1; } else { o[2 * j] = d0; o[2 * j + 1] = d1; }
+        if (ACC) {
+          o[2 * j] = add_in_order(o[2 * j], d0);
+          o[2 * j + 1] = add_in_order(o[2 * j + 1], d1);
+        } else {
+          o[2 * j] = d0;
+          o[2 * j + 1] = d1;
+        }
       }
       if (len & 1) {
         float d = int_dequantize(int4_lo(q[pairs]), s);
-        if (ACC) o[len - 1] += d; else o[len - 1] = d;
+        if (ACC) o[len - 1] = add_in_order(o[len - 1], d); else o[len - 1] = d;
       }
     } else {  // sign (i is a multiple of 32)
       const uint8_t* q = codes + i / 8;
@@ -157,7 +164,7 @@ static void decode_range(const uint8_t* payload, int64_t n, int64_t block, int64
         memcpy(&word, q + j / 8, 4);
         for (int bit = 0; bit < 32; ++bit) {
           float d = u2f(sbits ^ (((word >> bit) & 1u) << 31));
-          if (ACC) o[j + bit] += d; else o[j + bit] = d;
+          if (ACC) o[j + bit] = add_in_order(o[j + bit], d); else o[j + bit] = d;
         }
       }
 #else
@@ -166,13 +173,13 @@ static void decode_range(const uint8_t* payload, int64_t n, int64_t block, int64
         const uint32_t* mask = kSignMasks.m[q[j / 8]];
         for (int bit = 0; bit < 8; ++bit) {
           float d = u2f(sbits ^ mask[bit]);
-          if (ACC) o[j + bit] += d; else o[j + bit] = d;
+          if (ACC) o[j + bit] = add_in_order(o[j + bit], d); else o[j + bit] = d;
         }
       }
 #endif
       for (; j < len; ++j) {
         float d = sign_dequantize(sign_code(q, j), s);
-        if (ACC) o[j] += d; else o[j] = d;
+        if (ACC) o[j] = add_in_order(o[j], d); else o[j] = d;
       }
     }
     i = e;
@@ -442,7 +449,7 @@ static void ordered_sum_t(const OrderedSumArgs& a, int64_t i0, int64_t i1) {
     for (int64_t i = t; i < e; ++i) o[i] = a.rows ? Elem<DT>::load(x[i]) : 0.0f;
     for (int64_t r = 1; r < a.rows; ++r) {
       const auto* xr = x + r * a.row_stride;
-      for (int64_t i = t; i < e; ++i) o[i] = o[i] + Elem<DT>::load(xr[i]);
+      for (int64_t i = t; i < e; ++i) o[i] = add_in_order(o[i], Elem<DT>::load(xr[i]));
     }
   }
 }
