@@ -40,6 +40,12 @@ TORCH_LIBRARY(flatcomm, m) {
   m.def("to_exact(Tensor x, Tensor exponents, int block_size, int headroom) -> Tensor");
   m.def("from_exact(Tensor acc, Tensor exponents, int block_size, int headroom) -> Tensor");
   m.def("exact_sum(Tensor x, int block_size, int headroom) -> Tensor");
+  // The lossless fp32 all-reduce of a CPU group's point-to-point path (cpu/p2p_all_reduce.cpp):
+  // the registered process group `group`, chunk j of rank d's shard at
+  // flat[pieces[d * (chunks + 1) + j], pieces[d * (chunks + 1) + j + 1]), the peers' pieces of
+  // this rank's shard received into scratch. CPU only.
+  m.def("p2p_sum_all_reduce_(Tensor(a!) flat, Tensor(b!) scratch, str group, int[] pieces, int chunks, "
+        "float scale) -> ()");
 }
 
 #define FLATCOMM_STRINGIFY_(x) #x

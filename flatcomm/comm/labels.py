@@ -7,7 +7,8 @@ A user's ``torch.profiler`` trace shows each phase of a flatcomm call as a named
   synchronous, the wait; and on the worker thread, around the body);
 * ``flatcomm.comm.verify``: the call header's exchange and check; ``flatcomm.comm.encode``,
   ``flatcomm.comm.exchange`` (also each tier's exchange of a two-level call),
-  ``flatcomm.comm.decode_sum``: the phases of the body;
+  ``flatcomm.comm.decode_sum``: the phases of the body; ``flatcomm.comm.p2p_all_reduce``: the
+  exchanges and sum of a lossless fp32 all-reduce on CPU, one native op;
 * ``flatcomm.ddp.hook``, ``flatcomm.fsdp.reduce_scatter``, ``flatcomm.diloco.sync_start`` /
   ``flatcomm.diloco.outer_step`` / ``flatcomm.diloco.verify``: the layers above.
 

@@ -16,13 +16,31 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import standalone
+from . import context, standalone
 
-__all__ = ["Exchange", "all_gather", "all_to_all", "used_for"]
+__all__ = ["Exchange", "all_gather", "all_to_all", "native_name", "used_for"]
 
 
 def used_for(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
+
+
+_NATIVE_NAME = "native name"  # context slot: the name C++ resolves the group by, or None
+
+
+def native_name(group) -> Optional[str]:
+    """The name under which torch's group registry holds ``group`` (what a C++ op resolves it
+    by), None when the registry does not hold it (a group adopted with
+    :func:`flatcomm.comm.standalone.adopt`)."""
+    ctx = context.of(group)
+    if not ctx.has(_NATIVE_NAME):
+        try:
+            name = group.group_name
+            held = torch._C._distributed_c10d._resolve_process_group(name) is group
+        except Exception:  # noqa: BLE001 - not registered, or no name
+            held = False
+        ctx.set(_NATIVE_NAME, name if held else None)
+    return ctx.get(_NATIVE_NAME)
 
 
 class Exchange:

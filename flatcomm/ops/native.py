@@ -163,3 +163,9 @@ def _from_exact_fake(acc, exponents, block_size, headroom):
 @torch.library.register_fake("flatcomm::exact_sum")
 def _exact_sum_fake(x, block_size, headroom):
     return x.new_empty((x.shape[-1],), dtype=torch.float32)
+
+
+@torch.library.register_fake("flatcomm::p2p_sum_all_reduce_")
+def _p2p_sum_all_reduce_fake(flat, scratch, group, pieces, chunks, scale):
+    _same_device(flat, ("scratch", scratch))
+    return None

@@ -1,0 +1,194 @@
+// The lossless fp32 all-reduce of a CPU group in one op, without the GIL: the point-to-point
+// transfers of flatcomm/comm/flat.py `_raw_all_reduce_p2p`, with the same tags in the same order
+// and the same fixed-order sum, minus the Python between transfers (the worker thread holding the
+// GIL while DDP's autograd thread waits for it) and minus the copy of this rank's own piece: the
+// sum reads it where it lies.
+//
+// Per chunk j (pieces[d][j] .. pieces[d][j + 1] is chunk j of rank d's shard):
+//   send(j):   chunk j of every peer's shard to that peer; the peers' chunk j of this rank's shard
+//              into rows of `scratch`.
+//   reduce(j): wait for send(j); sum chunk j of this rank's shard over the rows in ascending rank
+//              order, in place; send it to every peer and receive theirs in place (the gather).
+//   finish(j): wait for the gather of chunk j.
+// run in flatcomm.comm.pipeline.Pipeline.run's order (send(j + 1) before reduce(j), finish(j - 1)
+// after reduce(j)); every exchange takes the next tag, so a peer on the Python path, staged or not,
+// meets each transfer with the matching one.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/library.h>
+
+#include "../core/common.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+namespace flatcomm {
+namespace ops {
+namespace {
+
+constexpr int64_t kTile = 1024;          // values summed per step (through a stack tile)
+constexpr int64_t kGrainTiles = 32;      // small pieces stay on one thread
+
+using Works = std::vector<c10::intrusive_ptr<c10d::Work>>;
+
+// rows[0] + rows[1] + ... in ascending order, then times scale, into out (which may be one of the
+// rows): decode_sum's fp32 arithmetic (cpu/kernels_impl.h decode_sum_tile), one tile at a time so
+// that every value is read before it is overwritten.
+void ordered_sum(const std::vector<const float*>& rows, float scale, int64_t n, float* out) {
+  at::parallel_for(0, (n + kTile - 1) / kTile, kGrainTiles, [&](int64_t t0, int64_t t1) {
+    float acc[kTile];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i0 = t * kTile, m = std::min(kTile, n - i0);
+      std::copy(rows[0] + i0, rows[0] + i0 + m, acc);
+      for (size_t r = 1; r < rows.size(); ++r) {
+        const float* x = rows[r] + i0;
+        for (int64_t j = 0; j < m; ++j) acc[j] = core::add_in_order(acc[j], x[j]);
+      }
+      if (scale != 1.0f)
+        for (int64_t j = 0; j < m; ++j) acc[j] = acc[j] * scale;
+      std::copy(acc, acc + m, out + i0);
+    }
+  });
+}
+
+// Waits for every work, the first error rethrown after all have settled: a failed call leaves no
+// transfer in flight into a buffer that is about to be reused.
+void wait_all(Works& works) {
+  std::exception_ptr first;
+  for (auto& w : works) {
+    try {
+      w->wait();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  works.clear();
+  if (first) std::rethrow_exception(first);
+}
+
+class P2pAllReduce {
+ public:
+  P2pAllReduce(const at::Tensor& flat, const at::Tensor& scratch, c10::intrusive_ptr<c10d::ProcessGroup> pg,
+               at::IntArrayRef pieces, int64_t chunks, float scale)
+      : flat_(flat), scratch_(scratch), pg_(std::move(pg)), pieces_(pieces), chunks_(chunks), scale_(scale),
+        me_(pg_->getRank()), world_(pg_->getSize()), sent_(chunks), gathered_(chunks) {}
+
+  void run() {
+    try {
+      if (chunks_) send(0);
+      for (int64_t j = 0; j < chunks_; ++j) {
+        if (j + 1 < chunks_) send(j + 1);
+        reduce(j);
+        if (j >= 1) wait_all(gathered_[j - 1]);
+      }
+      if (chunks_) wait_all(gathered_[chunks_ - 1]);
+    } catch (...) {
+      for (auto* stage : {&sent_, &gathered_})
+        for (auto& works : *stage) {
+          try {
+            wait_all(works);
+          } catch (...) {  // the first error is the one raised
+          }
+        }
+      throw;
+    }
+  }
+
+ private:
+  int64_t start(int64_t rank, int64_t j) const { return pieces_[rank * (chunks_ + 1) + j]; }
+  int64_t len(int64_t rank, int64_t j) const { return start(rank, j + 1) - start(rank, j); }
+  at::Tensor piece(int64_t rank, int64_t j) const { return flat_.narrow(0, start(rank, j), len(rank, j)); }
+
+  // Chunk j's rows of the peers, (world - 1) rows after the earlier chunks' rows.
+  at::Tensor row(int64_t peer, int64_t j) const {
+    const int64_t before = start(me_, j) - start(me_, 0);
+    const int64_t slot = peer < me_ ? peer : peer - 1;
+    return scratch_.narrow(0, (world_ - 1) * before + slot * len(me_, j), len(me_, j));
+  }
+
+  void post(Works& works, int tag, const std::vector<std::pair<int64_t, at::Tensor>>& sends,
+            const std::vector<std::pair<int64_t, at::Tensor>>& recvs) {
+    for (auto& [peer, t] : recvs)  // receives first, as flatcomm/comm/p2p.py posts them
+      if (t.numel()) {
+        std::vector<at::Tensor> one{t};
+        works.push_back(pg_->recv(one, static_cast<int>(peer), tag));
+      }
+    for (auto& [peer, t] : sends)
+      if (t.numel()) {
+        std::vector<at::Tensor> one{t};
+        works.push_back(pg_->send(one, static_cast<int>(peer), tag));
+      }
+  }
+
+  void send(int64_t j) {
+    std::vector<std::pair<int64_t, at::Tensor>> sends, recvs;
+    for (int64_t d = 0; d < world_; ++d)
+      if (d != me_) {
+        sends.emplace_back(d, piece(d, j));
+        recvs.emplace_back(d, row(d, j));
+      }
+    post(sent_[j], ++tag_, sends, recvs);
+  }
+
+  void reduce(int64_t j) {
+    wait_all(sent_[j]);
+    at::Tensor mine = piece(me_, j);
+    std::vector<const float*> rows;
+    for (int64_t d = 0; d < world_; ++d)
+      rows.push_back(d == me_ ? mine.data_ptr<float>() : row(d, j).data_ptr<float>());
+    ordered_sum(rows, scale_, mine.numel(), mine.data_ptr<float>());
+    std::vector<std::pair<int64_t, at::Tensor>> sends, recvs;
+    for (int64_t d = 0; d < world_; ++d)
+      if (d != me_) {
+        sends.emplace_back(d, mine);
+        recvs.emplace_back(d, piece(d, j));
+      }
+    post(gathered_[j], ++tag_, sends, recvs);
+  }
+
+  at::Tensor flat_, scratch_;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  at::IntArrayRef pieces_;
+  int64_t chunks_;
+  float scale_;
+  int64_t me_, world_;
+  int tag_ = 0;
+  std::vector<Works> sent_, gathered_;
+};
+
+void p2p_sum_all_reduce_(const at::Tensor& flat, const at::Tensor& scratch, c10::string_view group,
+                         at::IntArrayRef pieces, int64_t chunks, double scale) {
+  TORCH_CHECK(flat.device().is_cpu() && flat.scalar_type() == at::kFloat && flat.is_contiguous() && flat.dim() == 1,
+              "flatcomm: p2p_sum_all_reduce_ takes a contiguous 1-d CPU fp32 tensor, got ", flat.toString(), " ",
+              flat.sizes());
+  TORCH_CHECK(chunks >= 0, "flatcomm: p2p_sum_all_reduce_: chunks must be >= 0, got ", chunks);
+  auto pg = c10d::resolve_process_group(std::string(group));
+  const int64_t me = pg->getRank(), world = pg->getSize();
+  TORCH_CHECK(static_cast<int64_t>(pieces.size()) == world * (chunks + 1),
+              "flatcomm: p2p_sum_all_reduce_: pieces must hold world * (chunks + 1) = ", world * (chunks + 1),
+              " bounds, got ", pieces.size());
+  for (int64_t d = 0; d < world; ++d)
+    for (int64_t j = 0; j < chunks; ++j) {
+      const int64_t a = pieces[d * (chunks + 1) + j], b = pieces[d * (chunks + 1) + j + 1];
+      TORCH_CHECK(0 <= a && a <= b && b <= flat.numel(), "flatcomm: p2p_sum_all_reduce_: piece ", j, " of rank ", d,
+                  " is [", a, ", ", b, "), outside the tensor of ", flat.numel(), " values");
+    }
+  const int64_t shard = chunks ? pieces[me * (chunks + 1) + chunks] - pieces[me * (chunks + 1)] : 0;
+  TORCH_CHECK(scratch.device().is_cpu() && scratch.scalar_type() == at::kFloat && scratch.is_contiguous() &&
+                  scratch.numel() >= (world - 1) * shard,
+              "flatcomm: p2p_sum_all_reduce_: scratch must be a contiguous CPU fp32 tensor of at least ",
+              (world - 1) * shard, " values, got ", scratch.toString(), " ", scratch.sizes());
+  P2pAllReduce(flat, scratch, pg, pieces, chunks, static_cast<float>(scale)).run();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flatcomm, CPU, m) {
+  m.impl("p2p_sum_all_reduce_", &p2p_sum_all_reduce_);
+}
+
+}  // namespace ops
+}  // namespace flatcomm
