@@ -43,9 +43,9 @@ TORCH_LIBRARY(flatcomm, m) {
   // The lossless fp32 all-reduce of a CPU group's point-to-point path (cpu/p2p_all_reduce.cpp):
   // the registered process group `group`, chunk j of rank d's shard at
   // flat[pieces[d * (chunks + 1) + j], pieces[d * (chunks + 1) + j + 1]), the peers' pieces of
-  // this rank's shard received into scratch. CPU only.
+  // this rank's shard received into scratch; its transfers tagged tag_base + 1, + 2, ... CPU only.
   m.def("p2p_sum_all_reduce_(Tensor(a!) flat, Tensor(b!) scratch, str group, int[] pieces, int chunks, "
-        "float scale) -> ()");
+        "float scale, int tag_base=0) -> ()");
 }
 
 #define FLATCOMM_STRINGIFY_(x) #x

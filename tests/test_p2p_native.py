@@ -26,7 +26,7 @@ def _values(rank: int, n: int, seed: int) -> torch.Tensor:
 
 
 def _count_native_calls():
-    """Wraps the op flatcomm.comm.flat calls; returns the list each call appends to."""
+    """Wraps the op flatcomm.comm.flat calls; returns the list each call appends its tag base to."""
     import flatcomm.comm.flat as F
 
     calls = []
@@ -35,7 +35,7 @@ def _count_native_calls():
     class Counting:
         def __getattr__(self, name):
             def call(*a):
-                calls.append(name)
+                calls.append(a[6] if len(a) > 6 else 0)
                 return getattr(real, name)(*a)
             return call
 
@@ -56,7 +56,7 @@ def _native_and_python(rank: int, world: int, n: int, op: str, chunks) -> dict:
             t = _values(rank, n, seed=rep)
             C.all_reduce(t, op=op, chunks=chunks)
             out[(path, rep)] = t.view(torch.int32).clone()
-    out["native_calls"] = len(calls)
+    out["native_calls"] = [bool(tag_base) for tag_base in calls]
     return out
 
 
@@ -69,7 +69,9 @@ def _native_and_python(rank: int, world: int, n: int, op: str, chunks) -> dict:
 def test_native_all_reduce_has_the_python_paths_bits(world, n, op, chunks):
     res = spawn.run(world, _native_and_python, n, op, chunks)
     for r in res:
-        assert r["native_calls"] == 2  # the two native calls ran natively, the Python ones did not
+        # The two native calls ran natively, the Python ones did not; the second ran on the plan
+        # the first agreed (its tags carry it: flatcomm.comm.agreed), as did the Python path's.
+        assert r["native_calls"] == [False, True]
         for rep in range(2):
             assert torch.equal(r[("native", rep)], r[("python", rep)]), f"rep {rep}"
             assert torch.equal(r[("native", rep)], res[0][("native", rep)])  # every rank the same bits
@@ -146,6 +148,7 @@ def _bad_arguments(rank: int, world: int) -> dict:
         "backwards": (torch.zeros(8), torch.empty(0), name, [5, 2], 1, 1.0),
         "chunks": (torch.zeros(8), torch.empty(0), name, [0], -1, 1.0),
         "group": (torch.zeros(8), torch.empty(0), "no such group", [0, 8], 1, 1.0),
+        "tags": (torch.zeros(8), torch.empty(0), name, [0, 8], 1, 1.0, (1 << 31) - 2),
     }.items():
         try:
             ops.p2p_sum_all_reduce_(*args)
@@ -163,4 +166,5 @@ def test_bad_arguments_are_named():
     assert "world * (chunks + 1)" in e["bounds"]
     assert "outside the tensor" in e["outside"] and "outside the tensor" in e["backwards"]
     assert "chunks must be >= 0" in e["chunks"]
+    assert "leaves no room" in e["tags"]
     assert e["group"] is not None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from flatcomm.comm import node, pipeline
+from flatcomm.comm import header, node, pipeline
 
 
 class FakeWork:
@@ -53,8 +53,14 @@ def test_pipeline_drains_exchanges_in_flight_when_a_chunk_fails() -> None:
 def test_pipeline_settles_its_header_exchange_on_failure() -> None:
     pipe = _pipeline()
 
-    class Header:
+    class Header:  # a CallHeader whose exchange failed
         work = FakeWork(fails=True)
+
+        def finish(self):
+            self.work.wait()
+
+        def abandoned(self):
+            header.CallHeader.abandoned(self)  # type: ignore[arg-type]
 
     pipe.header = Header()  # type: ignore[assignment]
     with pytest.raises(ValueError):

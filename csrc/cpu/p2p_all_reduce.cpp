@@ -11,8 +11,9 @@
 //              order, in place; send it to every peer and receive theirs in place (the gather).
 //   finish(j): wait for the gather of chunk j.
 // run in flatcomm.comm.pipeline.Pipeline.run's order (send(j + 1) before reduce(j), finish(j - 1)
-// after reduce(j)); every exchange takes the next tag, so a peer on the Python path, staged or not,
-// meets each transfer with the matching one.
+// after reduce(j)); every exchange takes the next tag after `tag_base`, so a peer on the Python
+// path, staged or not, meets each transfer with the matching one. (The tag base is the call's
+// agreed plan, flatcomm/comm/agreed.py: calls of different signatures never meet.)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
@@ -72,9 +73,9 @@ void wait_all(Works& works) {
 class P2pAllReduce {
  public:
   P2pAllReduce(const at::Tensor& flat, const at::Tensor& scratch, c10::intrusive_ptr<c10d::ProcessGroup> pg,
-               at::IntArrayRef pieces, int64_t chunks, float scale)
+               at::IntArrayRef pieces, int64_t chunks, float scale, int tag_base)
       : flat_(flat), scratch_(scratch), pg_(std::move(pg)), pieces_(pieces), chunks_(chunks), scale_(scale),
-        me_(pg_->getRank()), world_(pg_->getSize()), sent_(chunks), gathered_(chunks) {}
+        me_(pg_->getRank()), world_(pg_->getSize()), tag_(tag_base), sent_(chunks), gathered_(chunks) {}
 
   void run() {
     try {
@@ -155,12 +156,12 @@ class P2pAllReduce {
   int64_t chunks_;
   float scale_;
   int64_t me_, world_;
-  int tag_ = 0;
+  int tag_;
   std::vector<Works> sent_, gathered_;
 };
 
 void p2p_sum_all_reduce_(const at::Tensor& flat, const at::Tensor& scratch, c10::string_view group,
-                         at::IntArrayRef pieces, int64_t chunks, double scale) {
+                         at::IntArrayRef pieces, int64_t chunks, double scale, int64_t tag_base) {
   TORCH_CHECK(flat.device().is_cpu() && flat.scalar_type() == at::kFloat && flat.is_contiguous() && flat.dim() == 1,
               "flatcomm: p2p_sum_all_reduce_ takes a contiguous 1-d CPU fp32 tensor, got ", flat.toString(), " ",
               flat.sizes());
@@ -181,7 +182,9 @@ void p2p_sum_all_reduce_(const at::Tensor& flat, const at::Tensor& scratch, c10:
                   scratch.numel() >= (world - 1) * shard,
               "flatcomm: p2p_sum_all_reduce_: scratch must be a contiguous CPU fp32 tensor of at least ",
               (world - 1) * shard, " values, got ", scratch.toString(), " ", scratch.sizes());
-  P2pAllReduce(flat, scratch, pg, pieces, chunks, static_cast<float>(scale)).run();
+  TORCH_CHECK(0 <= tag_base && tag_base + 2 * chunks < (int64_t{1} << 31),
+              "flatcomm: p2p_sum_all_reduce_: tag_base ", tag_base, " leaves no room for ", 2 * chunks, " tags");
+  P2pAllReduce(flat, scratch, pg, pieces, chunks, static_cast<float>(scale), static_cast<int>(tag_base)).run();
 }
 
 }  // namespace

@@ -67,7 +67,7 @@ def checked_all_reduce(group, a: args.Call, spec: CallSpec, tensor: torch.Tensor
     mode, residual, stats, validate = spec.mode, a.feedback, spec.stats, spec.validate
 
     def body():
-        with Pipeline(group, stats, a.fields, flat.device, validate) as pipe:
+        with Pipeline(group, stats, a.fields, flat.device, validate, early=_native(group, a, mode)) as pipe:
             pipe.stats.calls += 1
             if mode == "exact":
                 exact.all_reduce(pipe, flat, a.plan, a.chunks, a.scale, a.exact_block, a.headroom)
@@ -259,21 +259,33 @@ class _Ordered:
         self.pipe.timed("decode_s", dec)
 
 
+def _native(group, a: args.Call, mode: str) -> bool:
+    """Whether an all-reduce takes the native op of :func:`_raw_all_reduce_p2p` (which may run
+    before the call's check: :mod:`flatcomm.comm.agreed`)."""
+    flat = a.src
+    return (mode == "ordered" and a.feedback is None and a.codec.lossless and flat.dtype == torch.float32
+            and p2p.used_for(flat) and a.plan is not None
+            and zero_copy(a.codec, flat.dtype, a.plan, a.chunks, None, gathers=True, on_cpu=True)
+            and p2p.native_name(group) is not None)
+
+
 def _raw_all_reduce_p2p(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale: float, chunks: int) -> None:
     """Lossless all-reduce on point-to-point transfers (CPU), chunk by chunk, without staging:
     each destination's piece of ``flat`` is sent as it is, the sum lands in this rank's own
     piece (its values were copied into the receive rows when the exchange was posted) and the
     peers' pieces gather in place. fp32 on a group in torch's registry: the same transfers and
-    sum in one native op, without the GIL (csrc/cpu/p2p_all_reduce.cpp)."""
+    sum in one native op, without the GIL (csrc/cpu/p2p_all_reduce.cpp); on an agreed plan it
+    runs before the call's check (``pipe.early``: :mod:`flatcomm.comm.agreed`)."""
     me, world = p.rank, p.world
     name = p2p.native_name(pipe.group) if flat.dtype == torch.float32 else None
     if name is not None:
-        pipe.checked()
         shard = p.bounds[me + 1] - p.bounds[me]
         scratch = pipe.empty((world - 1) * shard, torch.float32, flat.device)
         pieces = [p.bounds[d] + x for d in range(world) for x in p.chunk_bounds[d]]
         pipe.stats.wire_bytes += (flat.numel() - shard + shard * (world - 1)) * flat.element_size()
-        pipe.timed("exchange_s", lambda: ops.p2p_sum_all_reduce_(flat, scratch, name, pieces, chunks, scale),
+        if not pipe.early:  # (an early call's header is checked when the pipeline is released)
+            pipe.checked()
+        pipe.timed("exchange_s", lambda: ops.p2p_sum_all_reduce_(flat, scratch, name, pieces, chunks, scale, pipe.tags),
                    "flatcomm.comm.p2p_all_reduce")
         return
 

@@ -18,6 +18,9 @@ A reason longer than the row's :data:`REASON_BYTES` travels whole through the pr
 store (no collective): the failing rank writes it there before it sends its row, whose marker byte
 tells the others to read it (the row's size never depends on a reason).
 
+A lossless fp32 all-reduce the ranks agreed on before runs without waiting for its check, which
+then comes after the call (:mod:`flatcomm.comm.agreed`: why that stays safe).
+
 On the flatcomm backend's groups (:func:`slot_of`, a property of the group: rows stay equal in
 size) every row ends in a payload slot: a small collective (:mod:`flatcomm.comm.small`) sends its
 data there, other calls leave it zeroed, and ranks on either path still raise on disagreeing. Other
@@ -33,9 +36,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions  # (not re-exported by torch.distributed)
 
-from . import context, groups, standalone, worker
+from . import agreed, context, groups, standalone, worker
 from .header_table import (FAILED_TYPE, FAILED_VALUE, MAGIC, OK, REASON_BYTES, _FIXED, _MORE, _float_of, _reason,
-                           _reason_bytes, _reason_of, call_numbers, check, error_of, float_bits, length, row)
+                           _reason_bytes, _reason_of, call_numbers, check, error_of, float_bits, length, row, set_early)
 from ..ops.codecs import CODECS
 
 __all__ = ["ALL_DTYPES", "AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "KIND_IDS", "MAGIC", "MODES", "REASON_BYTES",
@@ -113,7 +116,7 @@ def _whole_reasons(group, table: torch.Tensor, nfields: int, ranks: Sequence[int
 # fields travel as their float64 bits (:func:`float_bits`); the intra fields are the two-level path's.
 FIELDS = ("collective", "numel", "codec", "block_size", "topk ratio", "mode", "op scale", "dtype",
           "chunks", "exact_block", "headroom", "device", "intra codec", "intra block_size", "intra topk ratio",
-          "reduce op")
+          "reduce op", "agreed plans")
 # Every dtype a call header can name: flatcomm's own first (their index is the signature's dtype), then
 # those of the reductions the flatcomm backend passes through (each checked by a header too).
 ALL_DTYPES = DTYPES + (torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
@@ -189,11 +192,21 @@ def check_consistent(group, fields: Sequence[Tuple[str, int]], device: torch.dev
 
 class CallHeader:
     """The header exchange of one call, started at once and checked by :meth:`finish` before the
-    first payload byte moves."""
+    first payload byte moves (an early call on an agreed plan, :mod:`flatcomm.comm.agreed`: once
+    it ran). ``agree``: the call may become a plan (its row then carries the group's count of
+    plans); ``early``: the plan this rank's call runs on before the check (0: none)."""
 
     def __init__(self, group, fields: Sequence[Tuple[str, int]], device: torch.device,
-                 reason: Optional[str] = None, status: int = FAILED_VALUE, payload: Optional[torch.Tensor] = None):
+                 reason: Optional[str] = None, status: int = FAILED_VALUE, payload: Optional[torch.Tensor] = None,
+                 agree: bool = False, early: int = 0):
         ctx = context.of(group)
+        self.agree: Optional[List[Tuple[str, int]]] = list(fields) if agree else None
+        if agree:
+            fields = list(fields) + [("agreed plans", agreed.count(group))]
+        self.early, self._settled = early, False
+        self._error: Optional[Exception] = None
+        self._arrival: Optional[torch.futures.Future] = None
+        self._fills: List[dist.Work] = []
         self.call = ctx.get(_CALLS, 0)
         ctx.set(_CALLS, self.call + 1)
         # The group held weakly: a callback on gloo's thread may drop this header last, and a group
@@ -205,6 +218,8 @@ class CallHeader:
         # Kept here: the exchange must not hold the row's last reference, or gloo's thread frees it,
         # which takes the GIL while it holds its queue lock and stalls the next call's enqueue.
         self.mine = row(self.call, OK if reason is None else status, fields, FIELDS, reason or "", self.slot, payload)
+        if early:
+            set_early(self.mine, len(FIELDS), early)
         self.ok = reason is None
         self.work, self.table = _exchange_table(group, self.mine, device, True)
 
@@ -216,13 +231,63 @@ class CallHeader:
 
     def finish(self) -> None:
         """Wait for every rank's row; raise the call's error (the same on every rank) if any."""
+        if self._arrival is not None:
+            try:
+                self._arrival.wait()
+            except Exception:  # noqa: BLE001 - the exchange's own error, raised just below
+                pass
         self.work.wait()
         err = self.error()
         if err is not None:
             raise err
 
+    def settle_on_arrival(self) -> None:
+        """Settle the table as soon as it is in, from the exchange's callback: for an early call,
+        whose own transfers may be waiting for those the table tells this rank to make
+        (:func:`flatcomm.comm.agreed.fill`). :meth:`finish` then only collects the verdict."""
+        def settle(fut):
+            fut.wait()
+            self._settle()
+
+        self._arrival = self.work.get_future().then(settle)
+
+    def abandoned(self) -> None:
+        """The call failed on this rank before its check: settle the exchange, and if it completed,
+        what the table means for the group's plans (the peers read the same table)."""
+        try:
+            self.finish()
+        except Exception:  # noqa: BLE001 - the call's own error is the one to raise
+            pass
+
     def error(self) -> Optional[Exception]:
-        """The call's error, from the table the exchange completed (every rank holds the same)."""
+        """The call's error, from the table the exchange completed (every rank holds the same).
+        The first time, also what the table means for the group's agreed plans: a new one, or, on
+        an error, none, once this rank made the transfers of the peers that ran early
+        (:mod:`flatcomm.comm.agreed`)."""
+        self._settle()
+        fills, self._fills = self._fills, []
+        for w in fills:
+            try:
+                w.wait()
+            except Exception:  # noqa: BLE001 - the header's error is the one to raise
+                pass
+        return self._error
+
+    def _settle(self) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        self._error = self._checked()
+        group = self._group() if self._group is not None else None
+        if self._group is not None and group is None:
+            return
+        if self._error is not None:
+            self._fills = agreed.fill(group, self.table.cpu(), FIELDS, self.early)
+            agreed.forget(group)
+        elif self.agree is not None:
+            agreed.agree(group, self.agree)
+
+    def _checked(self) -> Optional[Exception]:
         table = self.table.cpu()
         width = _FIXED + len(FIELDS)
         if self.ok and torch.equal(table[:, :width], self.mine[:width].expand(table.shape[0], width)):

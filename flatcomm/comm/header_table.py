@@ -4,7 +4,8 @@ and no exchange here: those are :mod:`flatcomm.comm.header`'s, which re-exports 
 
 A row, int64: magic, call number on the group, status (:data:`OK`, or the call's arguments were
 rejected with a ValueError / TypeError), the signature fields, the reason (UTF-8,
-:data:`REASON_BYTES`), then the payload slot, if the group's rows have one.
+:data:`REASON_BYTES`; in an OK row its last word names the plan the rank's call ran on before the
+check: :func:`early_of`), then the payload slot, if the group's rows have one.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["FAILED_TYPE", "FAILED_VALUE", "MAGIC", "OK", "REASON_BYTES", "call_numbers", "check", "error_of",
-           "float_bits", "length", "row"]
+__all__ = ["FAILED_TYPE", "FAILED_VALUE", "MAGIC", "OK", "REASON_BYTES", "call_numbers", "check", "early_of",
+           "error_of", "float_bits", "length", "row", "set_early"]
 
 MAGIC = 0x666C6174  # "flat"
 REASON_BYTES = 128
@@ -94,6 +95,24 @@ def _built(call: int, status: int, fields: Sequence[Tuple[str, int]], names: Seq
 
 def length(nfields: int, slot: int = 0) -> int:
     return _FIXED + nfields + (REASON_BYTES + slot) // 8
+
+
+def _early_index(nfields: int) -> int:
+    # An OK row carries no reason: the last word of its reason holds the plan its rank's call ran
+    # on before the check (flatcomm.comm.agreed); a failed row's reason may end there.
+    return _FIXED + nfields + REASON_BYTES // 8 - 1
+
+
+def set_early(out: torch.Tensor, nfields: int, plan: int) -> None:
+    """Mark an OK row: its rank's call runs on ``plan`` before the check."""
+    out[_early_index(nfields)] = plan
+
+
+def early_of(table: torch.Tensor, r: int, nfields: int) -> int:
+    """The plan row ``r``'s rank ran its call on before the check; 0: none."""
+    if int(table[r, 2]) != OK:
+        return 0
+    return int(table[r, _early_index(nfields)])
 
 
 def _reason_of(table: torch.Tensor, r: int, nfields: int) -> torch.Tensor:

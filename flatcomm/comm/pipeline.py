@@ -4,15 +4,15 @@ a pool per group."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import context, groups, header, p2p, standalone
+from . import agreed, context, groups, header, p2p, standalone
 from .labels import label
+from .shards import shard_bounds
 from ..ops.codecs import Codec, decode_sum, encode
 
 __all__ = ["CHUNK_TARGET_BYTES", "CommStats", "GATHER_PIECE_BYTES", "LOSSLESS_CHUNK_TARGET_BYTES", "MAX_AUTO_CHUNKS",
@@ -45,17 +45,6 @@ class CommStats:
     def add(self, other: "CommStats") -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-
-def shard_bounds(numel: int, world: int, align: int = 1) -> List[int]:
-    """Boundaries of ``world`` contiguous shards of ``numel`` values, starting on multiples of
-    ``align`` (so codec blocks and exact-mode blocks line up with the global tensor)."""
-    units = math.ceil(numel / align) if numel else 0
-    per, extra = divmod(units, world)
-    bounds = [0]
-    for r in range(world):
-        bounds.append(min(numel, bounds[-1] + (per + (1 if r < extra else 0)) * align))
-    return bounds
 
 
 def _auto_chunks(numel: int, codec: Codec, mode: str) -> int:
@@ -185,20 +174,31 @@ def drain(pending) -> None:
 
 
 class Pipeline:
-    """Runs one collective chunk by chunk: while chunk j is exchanged, j-1 is decoded."""
+    """Runs one collective chunk by chunk: while chunk j is exchanged, j-1 is decoded.
+
+    A call on an agreed plan (:mod:`flatcomm.comm.agreed`) tags its transfers with the plan;
+    ``early``: the call may then run without waiting for its check (``self.early``), which
+    happens when the pipeline is released."""
 
     def __init__(self, group, stats: Optional[CommStats], fields: Sequence[Tuple[str, int]],
-                 device: torch.device, validate: bool = True):
+                 device: torch.device, validate: bool = True, early: bool = False):
         self.group = group
         self.stats = stats if stats is not None else CommStats()
         self.pool = context.of(group).slot(_POOL, BufferPool)
         self.taken: List[torch.Tensor] = []
-        self.tags = 0  # of this call's point-to-point exchanges (flatcomm.comm.p2p)
         self.header: Optional[header.CallHeader] = None
+        may_agree = agreed.capable(fields)
+        self.plan = agreed.plan_id(group, fields) if may_agree else 0
+        self.tags = agreed.tag_base(self.plan)  # of this call's point-to-point exchanges (flatcomm.comm.p2p)
+        self.early = False  # whether it runs before its check
         if groups.exchanges(group):
             where = header.header_device(group, device, validate)
             if where is not None:
-                self.header = header.CallHeader(group, fields, where)
+                self.early = early and self.plan > 0 and where.type == "cpu"
+                self.header = header.CallHeader(group, fields, where, agree=may_agree,
+                                                early=self.plan if self.early else 0)
+                if self.early:
+                    self.header.settle_on_arrival()
 
     def __enter__(self) -> "Pipeline":
         return self
@@ -209,11 +209,12 @@ class Pipeline:
         if kind is None:
             self.release()
         elif self.header is not None:
-            drain([self.header.work])
+            self.header.abandoned()
             self.header = None
 
     def checked(self) -> None:
-        """Wait for the call's header exchange and check it: before any payload byte is sent."""
+        """Wait for the call's header exchange and check it: before any payload byte is sent (an
+        early call: after its transfers)."""
         if self.header is not None:
             h, self.header = self.header, None
             self.timed("exchange_s", h.finish, "flatcomm.comm.verify")

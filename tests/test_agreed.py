@@ -1,0 +1,143 @@
+"""Agreed plans (flatcomm/comm/agreed.py): a lossless fp32 all-reduce the ranks agreed on once runs
+its next calls before its header is checked. What must hold:
+
+* it does run early (from the second call of a signature on), with the fixed-order sum's bits;
+* when the ranks' calls then disagree, in any way (two early calls of different sizes, an early call
+  against a call on no plan, a small call, another collective, a rank whose arguments were
+  rejected, 3 ranks with two plans), every rank raises the header's named error at once (well
+  before the group's timeout), no process dies, and the group's next calls are right again, early
+  again from their second call;
+* ranks whose plans drifted apart (one forgot them) get a named error, then start over together.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from flatcomm.tools import spawn
+
+TIMEOUT_S = 60.0
+N1, N2 = 1_200_096, 600_032  # two signatures, each native at 2 and 3 ranks (16-byte pieces)
+
+
+def _values(rank: int, n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(1000 * seed + rank))
+
+
+def _ordered_sum(world: int, n: int, seed: int) -> torch.Tensor:
+    """The fixed-order fp32 sum of every rank's values (rank 0 first), as every rank must hold it."""
+    acc = _values(0, n, seed).clone()
+    for r in range(1, world):
+        acc += _values(r, n, seed)
+    return acc
+
+
+def _early_calls():
+    """Counts the calls that ran early: their native op ran while the header was unchecked."""
+    import flatcomm.comm.pipeline as P
+
+    seen = []
+    real = P.Pipeline.__init__
+
+    def init(self, *a, **k):
+        real(self, *a, **k)
+        seen.append(self.early)
+
+    P.Pipeline.__init__ = init
+    return seen
+
+
+def _right_again(rank: int, world: int, seed: int, seen: list, failed: bool = True) -> bool:
+    """Three agreeing calls after the failure: right sums, and the later ones early again (all of
+    them when nothing failed)."""
+    import flatcomm.collectives as C
+
+    before = len(seen)
+    for k in range(3):
+        t = _values(rank, N1, seed + k)
+        C.all_reduce(t, op="sum")
+        if not torch.equal(t, _ordered_sum(world, N1, seed + k)):
+            return False
+    # A failure dropped the plans: the first call agrees N1's anew, the next ones run early.
+    return seen[before:] == [not failed, True, True]
+
+
+def _disagree(rank: int, world: int, case: str) -> dict:
+    import flatcomm.collectives as C
+
+    seen = _early_calls()
+    for k in range(2):  # N1 and N2 both become plans
+        for n in (N1, N2):
+            C.all_reduce(_values(rank, n, k), op="sum")
+    early_before = seen[-2:] == [True, True]
+
+    t0 = time.monotonic()
+    try:
+        if rank == 0 or case == "same" or (case == "3 ranks" and rank == 1):
+            C.all_reduce(_values(rank, N1, 7), op="sum")  # early on N1's plan
+        elif case in ("two plans", "3 ranks"):
+            C.all_reduce(_values(rank, N2, 7), op="sum")  # early on N2's plan
+        elif case == "no plan":
+            C.all_reduce(_values(rank, 333_344, 7), op="sum")  # a size never agreed: checks first
+        elif case == "small":
+            C.all_reduce(_values(rank, 100, 7), op="sum")  # the data rides in the header
+        elif case == "reduce_scatter":
+            C.reduce_scatter(torch.empty(N1 // world), _values(rank, N1, 7), op="sum")
+        elif case == "rejected":
+            C.all_reduce(torch.zeros(N1, dtype=torch.int32), op="sum")  # rejected: fails in step
+        err = None
+    except (RuntimeError, ValueError, TypeError) as e:
+        err = f"{type(e).__name__}: {e}"
+    return {"err": err, "s": time.monotonic() - t0, "early_before": early_before,
+            "right_again": _right_again(rank, world, 20, seen, failed=err is not None)}
+
+
+@pytest.mark.parametrize("world,case,says", [
+    (2, "two plans", "numel"),
+    (2, "no plan", "numel"),
+    (2, "small", "numel"),
+    (2, "reduce_scatter", "collective"),
+    (2, "rejected", "rank 1 failed"),
+    (3, "3 ranks", "numel"),
+])
+def test_a_disagreeing_call_after_early_ones_raises_everywhere_and_the_group_recovers(world, case, says):
+    res = spawn.run(world, _disagree, case, timeout_s=TIMEOUT_S)
+    errors = {r["err"] for r in res}
+    assert len(errors) == 1 and None not in errors, errors  # the same error on every rank
+    assert says in errors.pop()
+    for r in res:
+        assert r["early_before"]  # the agreed calls had run early
+        assert r["s"] < TIMEOUT_S / 3, r["s"]  # named at once, not after the group's timeout
+        assert r["right_again"]
+
+
+def test_agreeing_calls_run_early_with_the_fixed_order_sums_bits():
+    (a, b) = spawn.run(2, _disagree, "same", timeout_s=TIMEOUT_S)
+    for r in (a, b):
+        assert r["err"] is None and r["early_before"] and r["right_again"]
+
+
+def _drifted(rank: int, world: int) -> dict:
+    import flatcomm.collectives as C
+    import flatcomm.comm.agreed as A
+    from flatcomm.comm import groups
+
+    seen = _early_calls()
+    for k in range(2):
+        C.all_reduce(_values(rank, N1, k), op="sum")
+    if rank == 1:  # as if this rank had missed the table that agreed the plan
+        A.forget(groups.private_group(None))
+    try:
+        C.all_reduce(_values(rank, N1, 5), op="sum")
+        err = None
+    except (RuntimeError, ValueError) as e:
+        err = str(e)
+    return {"err": err, "right_again": _right_again(rank, world, 30, seen)}
+
+
+def test_ranks_whose_plans_drifted_apart_are_told_and_start_over():
+    a, b = spawn.run(2, _drifted, timeout_s=TIMEOUT_S)
+    assert a["err"] is not None and a["err"] == b["err"] and "agreed plans" in a["err"], (a["err"], b["err"])
+    assert a["right_again"] and b["right_again"]
