@@ -2,11 +2,11 @@
 its next calls before its header is checked. What must hold:
 
 * it does run early (from the second call of a signature on), with the fixed-order sum's bits;
-* when the ranks' calls then disagree, in any way (two early calls of different sizes, an early call
-  against a call on no plan, a small call, another collective, a rank whose arguments were
-  rejected, 3 ranks with two plans), every rank raises the header's named error at once (well
-  before the group's timeout), no process dies, and the group's next calls are right again, early
-  again from their second call;
+* when the ranks' calls then disagree, in any way (two early calls of different sizes or chunk
+  counts, an early call against a call on no plan, a small call, another collective, a rank whose
+  arguments were rejected, 3 ranks with two plans), every rank raises the header's named error at
+  once (well before the group's timeout), no process dies, and the group's next calls are right
+  again, early again from their second call;
 * ranks whose plans drifted apart (one forgot them) get a named error, then start over together.
 """
 from __future__ import annotations
@@ -68,10 +68,10 @@ def _disagree(rank: int, world: int, case: str) -> dict:
     import flatcomm.collectives as C
 
     seen = _early_calls()
-    for k in range(2):  # N1 and N2 both become plans
-        for n in (N1, N2):
-            C.all_reduce(_values(rank, n, k), op="sum")
-    early_before = seen[-2:] == [True, True]
+    for k in range(2):  # N1, N2 and N1 in 3 chunks become plans
+        for n, chunks in ((N1, None), (N2, None), (N1, 3)):
+            C.all_reduce(_values(rank, n, k), op="sum", chunks=chunks)
+    early_before = seen[-3:] == [True, True, True]
 
     t0 = time.monotonic()
     try:
@@ -79,6 +79,8 @@ def _disagree(rank: int, world: int, case: str) -> dict:
             C.all_reduce(_values(rank, N1, 7), op="sum")  # early on N1's plan
         elif case in ("two plans", "3 ranks"):
             C.all_reduce(_values(rank, N2, 7), op="sum")  # early on N2's plan
+        elif case == "chunks":
+            C.all_reduce(_values(rank, N1, 7), op="sum", chunks=3)  # early on the 3-chunk plan
         elif case == "no plan":
             C.all_reduce(_values(rank, 333_344, 7), op="sum")  # a size never agreed: checks first
         elif case == "small":
@@ -96,6 +98,7 @@ def _disagree(rank: int, world: int, case: str) -> dict:
 
 @pytest.mark.parametrize("world,case,says", [
     (2, "two plans", "numel"),
+    (2, "chunks", "chunks"),
     (2, "no plan", "numel"),
     (2, "small", "numel"),
     (2, "reduce_scatter", "collective"),

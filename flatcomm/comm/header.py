@@ -276,8 +276,8 @@ class CallHeader:
     def _settle(self) -> None:
         if self._settled:
             return
+        self._error = self._checked()  # (if this raises, the next error() raises it again)
         self._settled = True
-        self._error = self._checked()
         group = self._group() if self._group is not None else None
         if self._group is not None and group is None:
             return
@@ -336,7 +336,7 @@ def fail_in_step(group, kind: int, err: BaseException) -> Optional["concurrent.f
             h.work.wait()
         except Exception as x:  # noqa: BLE001 - the peers never answered: report our own error
             raise err from x
-        agreed = h.error()
-        raise agreed if agreed is not None else err  # never None: this rank's row says failed
+        verdict = h.error()
+        raise verdict if verdict is not None else err  # never None: this rank's row says failed
 
     return worker.in_order(worker.key_of(group), body)
