@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from . import context, standalone
-from .header_table import MAGIC, OK, early_of
+from .header_table import _FIXED, MAGIC, OK, early_of
 from .shards import shard_bounds
 from ..ops.codecs import CODECS, resolve
 
@@ -108,8 +108,8 @@ def _exchanges(numel: int, chunks: int, world: int, q: int, me: int) -> List[Tup
 def fill(group, table: torch.Tensor, names: Sequence[str], mine: int) -> List[dist.Work]:
     """After a failed check: post the transfers of the ranks early on another plan than this
     rank's (``mine``, 0: none) with this rank, as the peers of their call (zeros out, whatever
-    comes in dropped). Returns them, for the caller to wait for. A row is read as untrusted: only
-    a well-formed row of a :func:`capable` call is answered."""
+    comes in dropped; one piece's memory each way). Returns them, for the caller to wait for. A
+    row is read as untrusted: only a well-formed row of a :func:`capable` call is answered."""
     me, world = standalone.rank(group), table.shape[0]
     nfields = len(names)
     works: List[Optional[dist.Work]] = []
@@ -117,16 +117,18 @@ def fill(group, table: torch.Tensor, names: Sequence[str], mine: int) -> List[di
         plan = early_of(table, q, nfields)
         if q == me or plan == mine or not 0 < plan <= MAX_PLANS:
             continue
-        f = {n: int(v) for n, v in zip(names, table[q, 3:3 + nfields].tolist())}
+        f = {n: int(v) for n, v in zip(names, table[q, _FIXED:_FIXED + nfields].tolist())}
         if int(table[q, 0]) != MAGIC or int(table[q, 2]) != OK or not capable(list(f.items())) or f["numel"] < 0:
             continue
-        try:
-            for offset, incoming, outgoing in _exchanges(f["numel"], f["chunks"], world, q, me):
-                tag = tag_base(plan) + offset
-                if incoming:
-                    works.append(dist.irecv(torch.empty(incoming), group=group, group_src=q, tag=tag))
-                if outgoing:
-                    works.append(dist.isend(torch.zeros(outgoing), group=group, group_dst=q, tag=tag))
-        except Exception:  # noqa: BLE001 - e.g. a row naming more values than this host holds
+        exchanges = _exchanges(f["numel"], f["chunks"], world, q, me)
+        try:  # one buffer each way, for every exchange (what comes in is dropped)
+            sink = torch.empty(max(n for _, n, _ in exchanges))
+            zeros = torch.zeros(max(n for _, _, n in exchanges))
+        except RuntimeError:  # a row naming more values than this host holds: nothing posted
             continue
+        for offset, incoming, outgoing in exchanges:
+            if incoming:
+                works.append(dist.irecv(sink[:incoming], group=group, group_src=q, tag=tag_base(plan) + offset))
+            if outgoing:
+                works.append(dist.isend(zeros[:outgoing], group=group, group_dst=q, tag=tag_base(plan) + offset))
     return [w for w in works if w is not None]
