@@ -46,6 +46,9 @@ TORCH_LIBRARY(flatcomm, m) {
   // this rank's shard received into scratch; its transfers tagged tag_base + 1, + 2, ... CPU only.
   m.def("p2p_sum_all_reduce_(Tensor(a!) flat, Tensor(b!) scratch, str group, int[] pieces, int chunks, "
         "float scale, int tag_base=0) -> ()");
+  // An early call's header (cpu/header_watch.cpp): once `work` completes, when the first `width`
+  // values of a row of `table` differ from `mine`, flatcomm.comm.header.on_disagreement(token).
+  m.def("watch_header(__torch__.torch.classes.c10d.Work work, Tensor table, Tensor mine, int width, int token) -> ()");
 }
 
 #define FLATCOMM_STRINGIFY_(x) #x

@@ -29,8 +29,10 @@ groups' rows carry none: its bytes would go with every large call on a slow link
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
+import threading
 import weakref
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,9 +42,10 @@ from . import agreed, context, groups, standalone, worker
 from .header_table import (FAILED_TYPE, FAILED_VALUE, MAGIC, OK, REASON_BYTES, _FIXED, _MORE, _float_of, _reason,
                            _reason_bytes, _reason_of, call_numbers, check, error_of, float_bits, length, row, set_early)
 from ..ops.codecs import CODECS
+from ..ops.native import ops
 
 __all__ = ["ALL_DTYPES", "AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "KIND_IDS", "MAGIC", "MODES", "REASON_BYTES",
-           "SLOT_MAX_BYTES", "call_numbers", "check", "check_consistent", "error_of", "fail_in_step",
+           "SLOT_MAX_BYTES", "call_numbers", "check", "check_consistent", "error_of", "fail_in_step", "on_disagreement",
            "float_bits", "header_device", "length", "row", "slot_of"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
@@ -190,6 +193,18 @@ def check_consistent(group, fields: Sequence[Tuple[str, int]], device: torch.dev
         raise err
 
 
+_WATCHED: Dict[int, "CallHeader"] = {}  # watched headers not yet settled, by token
+_tokens = itertools.count(1)
+
+
+def on_disagreement(token: int) -> None:
+    """Called from C++ (gloo's thread) when a watched header's rows disagree or its exchange
+    failed: settle it now (its fills go out), unless its call already did."""
+    h = _WATCHED.get(token)
+    if h is not None:
+        h._settle()
+
+
 class CallHeader:
     """The header exchange of one call, started at once and checked by :meth:`finish` before the
     first payload byte moves (an early call on an agreed plan, :mod:`flatcomm.comm.agreed`: once
@@ -205,7 +220,8 @@ class CallHeader:
             fields = list(fields) + [("agreed plans", agreed.count(group))]
         self.early, self._settled = early, False
         self._error: Optional[Exception] = None
-        self._arrival: Optional[torch.futures.Future] = None
+        self._lock = threading.Lock()  # _settle: the worker's and, for a watched header, gloo's thread
+        self._token = 0  # in _WATCHED while a watched header is unsettled
         self._fills: List[dist.Work] = []
         self.call = ctx.get(_CALLS, 0)
         ctx.set(_CALLS, self.call + 1)
@@ -231,25 +247,23 @@ class CallHeader:
 
     def finish(self) -> None:
         """Wait for every rank's row; raise the call's error (the same on every rank) if any."""
-        if self._arrival is not None:
-            try:
-                self._arrival.wait()
-            except Exception:  # noqa: BLE001 - the exchange's own error, raised just below
-                pass
-        self.work.wait()
+        try:
+            self.work.wait()
+        finally:
+            _WATCHED.pop(self._token, None)
         err = self.error()
         if err is not None:
             raise err
 
     def settle_on_arrival(self) -> None:
-        """Settle the table as soon as it is in, from the exchange's callback: for an early call,
-        whose own transfers may be waiting for those the table tells this rank to make
-        (:func:`flatcomm.comm.agreed.fill`). :meth:`finish` then only collects the verdict."""
-        def settle(fut):
-            fut.wait()
-            self._settle()
-
-        self._arrival = self.work.get_future().then(settle)
+        """Settle the table as soon as it is in, if it disagrees: for an early call, whose own
+        transfers may be waiting for those the table tells this rank to make
+        (:func:`flatcomm.comm.agreed.fill`). The rows are compared in C++ on gloo's thread
+        (csrc/cpu/header_watch.cpp); only a disagreement calls back into Python
+        (:func:`on_disagreement`)."""
+        self._token = next(_tokens)
+        _WATCHED[self._token] = self
+        ops.watch_header(self.work.boxed(), self.table, self.mine, _FIXED + len(FIELDS), self._token)
 
     def abandoned(self) -> None:
         """The call failed on this rank before its check: settle the exchange, and if it completed,
@@ -274,8 +288,11 @@ class CallHeader:
         return self._error
 
     def _settle(self) -> None:
-        if self._settled:
-            return
+        with self._lock:
+            if not self._settled:
+                self._settle_once()
+
+    def _settle_once(self) -> None:
         self._error = self._checked()  # (if this raises, the next error() raises it again)
         self._settled = True
         group = self._group() if self._group is not None else None
