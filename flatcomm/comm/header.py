@@ -198,8 +198,8 @@ _tokens = itertools.count(1)
 
 
 def on_disagreement(token: int) -> None:
-    """Called from C++ (gloo's thread) when a watched header's rows disagree or its exchange
-    failed: settle it now (its fills go out), unless its call already did."""
+    """Called from C++ (gloo's thread, csrc/cpu/header_watch.cpp) when a watched header's rows
+    disagree: settle it now (its fills go out), unless its call already did."""
     h = _WATCHED.get(token)
     if h is not None:
         h._settle()
