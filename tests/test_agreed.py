@@ -144,3 +144,13 @@ def test_ranks_whose_plans_drifted_apart_are_told_and_start_over():
     a, b = spawn.run(2, _drifted, timeout_s=TIMEOUT_S)
     assert a["err"] is not None and a["err"] == b["err"] and "agreed plans" in a["err"], (a["err"], b["err"])
     assert a["right_again"] and b["right_again"]
+
+
+def test_a_plans_header_ids_are_the_headers_own():
+    """agreed.py names what a plan is by the header's ids (it sits below flatcomm.comm.header)."""
+    import flatcomm.comm.agreed as A
+    from flatcomm.comm import header as H
+
+    assert A._ALL_REDUCE == H.KIND_IDS["all_reduce"] and A._FP32 == H.DTYPES.index(torch.float32)
+    assert A._ORDERED == H.MODES.index("ordered") and A._CPU == H.DEVICE_TYPES.index("cpu")
+    assert A._FP32_CODEC == H.CODECS.index("fp32")

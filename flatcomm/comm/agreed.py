@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from . import context, standalone
-from .header_table import _FIXED, MAGIC, OK, early_of
+from .header_table import _FIXED, MAGIC, early_of
 from .shards import shard_bounds
 from ..ops.codecs import CODECS, resolve
 
@@ -118,7 +118,7 @@ def fill(group, table: torch.Tensor, names: Sequence[str], mine: int) -> List[di
         if q == me or plan == mine or not 0 < plan <= MAX_PLANS:
             continue
         f = {n: int(v) for n, v in zip(names, table[q, _FIXED:_FIXED + nfields].tolist())}
-        if int(table[q, 0]) != MAGIC or int(table[q, 2]) != OK or not capable(list(f.items())) or f["numel"] < 0:
+        if int(table[q, 0]) != MAGIC or not capable(list(f.items())) or f["numel"] < 0:  # (early_of: status OK)
             continue
         exchanges = _exchanges(f["numel"], f["chunks"], world, q, me)
         try:  # one buffer each way, for every exchange (what comes in is dropped)

@@ -262,11 +262,14 @@ class _Ordered:
 def _native(group, a: args.Call, mode: str) -> bool:
     """Whether an all-reduce takes the native op of :func:`_raw_all_reduce_p2p` (which may run
     before the call's check: :mod:`flatcomm.comm.agreed`)."""
-    flat = a.src
-    return (mode == "ordered" and a.feedback is None and a.codec.lossless and flat.dtype == torch.float32
-            and p2p.used_for(flat) and a.plan is not None
+    flat = a.src  # (the tests of _ordered_all_reduce's zero-copy branch, then of _native_name)
+    return (mode == "ordered" and a.feedback is None and p2p.used_for(flat) and a.plan is not None
             and zero_copy(a.codec, flat.dtype, a.plan, a.chunks, None, gathers=True, on_cpu=True)
-            and p2p.native_name(group) is not None)
+            and _native_name(group, flat) is not None)
+
+
+def _native_name(group, flat: torch.Tensor):
+    return p2p.native_name(group) if flat.dtype == torch.float32 else None
 
 
 def _raw_all_reduce_p2p(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale: float, chunks: int) -> None:
@@ -277,7 +280,7 @@ def _raw_all_reduce_p2p(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, s
     sum in one native op, without the GIL (csrc/cpu/p2p_all_reduce.cpp); on an agreed plan it
     runs before the call's check (``pipe.early``: :mod:`flatcomm.comm.agreed`)."""
     me, world = p.rank, p.world
-    name = p2p.native_name(pipe.group) if flat.dtype == torch.float32 else None
+    name = _native_name(pipe.group, flat)
     if name is not None:
         shard = p.bounds[me + 1] - p.bounds[me]
         scratch = pipe.empty((world - 1) * shard, torch.float32, flat.device)
@@ -288,6 +291,8 @@ def _raw_all_reduce_p2p(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, s
         pipe.timed("exchange_s", lambda: ops.p2p_sum_all_reduce_(flat, scratch, name, pieces, chunks, scale, pipe.tags),
                    "flatcomm.comm.p2p_all_reduce")
         return
+
+    assert not pipe.early, "an early call runs natively (its row told the peers so)"
 
     def send(j):
         a, b = p.piece(me, j)
