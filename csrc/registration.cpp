@@ -8,6 +8,7 @@
 
 #include "core/rng.h"
 #include "cpu/kernels.h"
+#include "cpu/lane.h"
 #include "cuda/kernels.cuh"  // plain C++: the launch shapes and the topk scratch layout
 #include "ops_common.h"
 
@@ -49,6 +50,13 @@ TORCH_LIBRARY(flatcomm, m) {
   // An early call's header (cpu/header_watch.cpp): once `work` completes, when the first `width`
   // values of a row of `table` differ from `mine`, flatcomm.comm.header.on_disagreement(token).
   m.def("watch_header(__torch__.torch.classes.c10d.Work work, Tensor table, Tensor mine, int width, int token) -> ()");
+  // An agreed early all-reduce on the group's native lane `lane` (cpu/lane.cpp): p2p_sum_all_reduce_'s
+  // arguments (the scratch is the lane's), then the call header: this rank's row `mine`, gathered
+  // into `table` (posted here) and watched as watch_header's. The Work completes with [out] once the
+  // op ran and the rows agreed.
+  m.def("lane_all_reduce(Tensor(a!) flat, Tensor out, str group, int[] pieces, int chunks, float scale, "
+        "int tag_base, Tensor(b!) table, Tensor mine, int width, int token, int lane) -> "
+        "__torch__.torch.classes.c10d.Work");
 }
 
 #define FLATCOMM_STRINGIFY_(x) #x
@@ -227,6 +235,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "set_simd", [](const std::string& isa) { return flatcomm::cpu::select_kernels(isa.c_str()); },
       "Select the CPU kernel build ('baseline', 'avx2', 'avx512'); False if unsupported here.");
+  m.def("lane_drain", &flatcomm::ops::lane_drain, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "Wait until every call posted to a group's native lane has finished (cpu/lane.h).");
+  m.def("lane_completed", &flatcomm::ops::lane_completed, "How many calls of a native lane have finished.");
+  m.def("lane_close", &flatcomm::ops::lane_close, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "End a native lane (its group was destroyed).");
   m.def("max_block_size", [] { return flatcomm::core::kMaxBlock; });
   m.def("default_headroom", [] { return flatcomm::core::kDefaultHeadroom; });
 }

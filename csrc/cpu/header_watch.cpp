@@ -11,41 +11,41 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/library.h>
 
-#include <cstring>
+#include "header_rows.h"
 
 namespace flatcomm {
 namespace ops {
-namespace {
 
-bool rows_agree(const at::Tensor& table, const at::Tensor& mine, int64_t width) {
-  const int64_t world = table.size(0), length = table.size(1);
-  const int64_t* rows = table.data_ptr<int64_t>();
-  const int64_t* own = mine.data_ptr<int64_t>();
-  for (int64_t r = 0; r < world; ++r)
-    if (std::memcmp(rows + r * length, own, width * sizeof(int64_t)) != 0) return false;
-  return true;
+void check_rows(const at::Tensor& table, const at::Tensor& mine, int64_t width, const char* op) {
+  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == at::kLong && table.dim() == 2 && table.is_contiguous(),
+              "flatcomm: ", op, ": the table must be a contiguous 2-d CPU int64 tensor, got ", table.toString(), " ",
+              table.sizes());
+  TORCH_CHECK(mine.device().is_cpu() && mine.scalar_type() == at::kLong && mine.dim() == 1 && mine.is_contiguous(),
+              "flatcomm: ", op, ": the row must be a contiguous 1-d CPU int64 tensor, got ", mine.toString(), " ",
+              mine.sizes());
+  TORCH_CHECK(0 <= width && width <= mine.numel() && width <= table.size(1), "flatcomm: ", op, ": width ", width,
+              " is outside the rows of ", mine.numel(), " and ", table.size(1), " values");
 }
 
-void watch_header(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& table, const at::Tensor& mine,
-                  int64_t width, int64_t token) {
-  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == at::kLong && table.dim() == 2 && table.is_contiguous(),
-              "flatcomm: watch_header: the table must be a contiguous 2-d CPU int64 tensor, got ", table.toString(),
-              " ", table.sizes());
-  TORCH_CHECK(mine.device().is_cpu() && mine.scalar_type() == at::kLong && mine.dim() == 1 && mine.is_contiguous(),
-              "flatcomm: watch_header: the row must be a contiguous 1-d CPU int64 tensor, got ", mine.toString(), " ",
-              mine.sizes());
-  TORCH_CHECK(0 <= width && width <= mine.numel() && width <= table.size(1),
-              "flatcomm: watch_header: width ", width, " is outside the rows of ", mine.numel(), " and ", table.size(1),
-              " values");
-  work->getFuture()->addCallback([table, mine, width, token](c10::ivalue::Future& done) {
+void watch_rows(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& table, const at::Tensor& mine,
+                int64_t width, int64_t token, const char* module) {
+  work->getFuture()->addCallback([table, mine, width, token, module](c10::ivalue::Future& done) {
     if (done.hasError() || rows_agree(table, mine, width)) return;  // the common case: no Python
     pybind11::gil_scoped_acquire gil;
     try {
-      pybind11::module_::import("flatcomm.comm.header").attr("on_disagreement")(token);
+      pybind11::module_::import(module).attr("on_disagreement")(token);
     } catch (pybind11::error_already_set& e) {
       e.discard_as_unraisable("flatcomm: settling a call header that disagreed");
     }
   });
+}
+
+namespace {
+
+void watch_header(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& table, const at::Tensor& mine,
+                  int64_t width, int64_t token) {
+  check_rows(table, mine, width, "watch_header");
+  watch_rows(work, table, mine, width, token, "flatcomm.comm.header");
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "../core/common.h"
+#include "p2p_all_reduce.h"
 
 #include <algorithm>
 #include <string>
@@ -160,6 +161,8 @@ class P2pAllReduce {
   std::vector<Works> sent_, gathered_;
 };
 
+}  // namespace
+
 void p2p_sum_all_reduce_(const at::Tensor& flat, const at::Tensor& scratch, c10::string_view group,
                          at::IntArrayRef pieces, int64_t chunks, double scale, int64_t tag_base) {
   TORCH_CHECK(flat.device().is_cpu() && flat.scalar_type() == at::kFloat && flat.is_contiguous() && flat.dim() == 1,
@@ -186,8 +189,6 @@ void p2p_sum_all_reduce_(const at::Tensor& flat, const at::Tensor& scratch, c10:
               "flatcomm: p2p_sum_all_reduce_: tag_base ", tag_base, " leaves no room for ", 2 * chunks, " tags");
   P2pAllReduce(flat, scratch, pg, pieces, chunks, static_cast<float>(scale), static_cast<int>(tag_base)).run();
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(flatcomm, CPU, m) {
   m.impl("p2p_sum_all_reduce_", &p2p_sum_all_reduce_);

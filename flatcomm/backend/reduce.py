@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import warnings
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -98,10 +98,11 @@ def _call_args(pg, dtype: torch.dtype) -> dict:
 _PREPARED_MAX = 64  # prepared all-reduces kept per group (by numel, dtype and op)
 
 
-def _prepared_all_reduce(pg, t: torch.Tensor, name: str) -> Optional[collectives.Handle]:
+def _prepared_all_reduce(pg, t: torch.Tensor, name: str) -> Union[None, collectives.Handle, dist.Work]:
     """A CPU all-reduce started through the group's :class:`flatcomm.comm.prepared.Prepared` call
     for this numel, dtype and op (made at the first such call, again when the group's settings
-    or private group change); None: the full path (a two-level call, ``codec="auto"``)."""
+    or private group change; a ``dist.Work`` from the group's native lane); None: the full path (a
+    two-level call, ``codec="auto"``)."""
     if t.device.type != "cpu":
         return None
     s, priv = settings_for(pg), groups.private_group(pg)
@@ -141,7 +142,7 @@ def _copy_back(pairs: List[Tuple[List[torch.Tensor], torch.Tensor]]) -> Callable
 
 
 def all_reduce(pg, tensors: List[torch.Tensor], how: Tuple[str, object],
-               timeout: Optional[datetime.timedelta], root: Optional[int] = None) -> ReductionWork:
+               timeout: Optional[datetime.timedelta], root: Optional[int] = None) -> dist.Work:
     """All-reduce ``tensors`` in place (coalesced: staged per dtype). ``root``: a reduce, where
     only that rank's tensors receive the result."""
     name, factor = how
@@ -149,6 +150,8 @@ def all_reduce(pg, tensors: List[torch.Tensor], how: Tuple[str, object],
     _counted(pg)
     if len(tensors) == 1 and t.is_contiguous() and factor is None and root is None:
         handle = _prepared_all_reduce(pg, t, name)
+        if isinstance(handle, dist.Work):  # the group's native lane: its Work is C++ all the way
+            return handle
         if handle is None:
             handle = collectives.all_reduce(t.view(-1), op=name, **_call_args(pg, t.dtype))
         return ReductionWork([handle], tensors, None, timeout)
@@ -164,7 +167,7 @@ def all_reduce(pg, tensors: List[torch.Tensor], how: Tuple[str, object],
     return ReductionWork(handles, tensors, _copy_back(pairs) if keep else None, timeout)
 
 
-def reduce(pg, tensors: List[torch.Tensor], root: int, how, timeout) -> ReductionWork:
+def reduce(pg, tensors: List[torch.Tensor], root: int, how, timeout) -> dist.Work:
     return all_reduce(pg, tensors, how, timeout, root=root)
 
 

@@ -47,7 +47,7 @@ from .spec import CallSpec
 from ..ops.codecs import Codec, decode, encode, reencode_sum
 from ..ops.native import ops
 
-__all__ = ["all_gather", "all_reduce", "checked_all_reduce", "reduce_scatter", "rounding_into"]
+__all__ = ["all_gather", "all_reduce", "checked_all_reduce", "reduce_scatter", "rounding_into", "runs_natively"]
 
 
 def all_reduce(tensor: torch.Tensor, spec: CallSpec = CallSpec(), group=None) -> Optional[worker.Handle]:
@@ -67,7 +67,7 @@ def checked_all_reduce(group, a: args.Call, spec: CallSpec, tensor: torch.Tensor
     mode, residual, stats, validate = spec.mode, a.feedback, spec.stats, spec.validate
 
     def body():
-        with Pipeline(group, stats, a.fields, flat.device, validate, early=_native(group, a, mode)) as pipe:
+        with Pipeline(group, stats, a.fields, flat.device, validate, early=runs_natively(group, a, mode)) as pipe:
             pipe.stats.calls += 1
             if mode == "exact":
                 exact.all_reduce(pipe, flat, a.plan, a.chunks, a.scale, a.exact_block, a.headroom)
@@ -259,7 +259,7 @@ class _Ordered:
         self.pipe.timed("decode_s", dec)
 
 
-def _native(group, a: args.Call, mode: str) -> bool:
+def runs_natively(group, a: args.Call, mode: str) -> bool:
     """Whether an all-reduce takes the native op of :func:`_raw_all_reduce_p2p` (which may run
     before the call's check: :mod:`flatcomm.comm.agreed`)."""
     flat = a.src  # (the tests of _ordered_all_reduce's zero-copy branch, then of _native_name)

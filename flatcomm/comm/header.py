@@ -46,7 +46,7 @@ from ..ops.native import ops
 
 __all__ = ["ALL_DTYPES", "AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "KIND_IDS", "MAGIC", "MODES", "REASON_BYTES",
            "SLOT_MAX_BYTES", "call_numbers", "check", "check_consistent", "error_of", "fail_in_step", "on_disagreement",
-           "float_bits", "header_device", "length", "row", "slot_of"]
+           "float_bits", "header_device", "length", "next_call", "row", "slot_of", "WIDTH"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -124,6 +124,7 @@ FIELDS = ("collective", "numel", "codec", "block_size", "topk ratio", "mode", "o
 # those of the reductions the flatcomm backend passes through (each checked by a header too).
 ALL_DTYPES = DTYPES + (torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
                        torch.complex64, torch.complex128)
+WIDTH = _FIXED + len(FIELDS)  # values at the head of a row that every rank's must equal
 _CALLS = "header calls"  # context slot: number of the next call on that group (advanced on its worker, in order)
 
 
@@ -193,6 +194,27 @@ def check_consistent(group, fields: Sequence[Tuple[str, int]], device: torch.dev
         raise err
 
 
+def next_call(group) -> int:
+    """The number of the group's next call (advanced in call order: on its worker, or on a
+    caller's thread while the worker is idle)."""
+    ctx = context.of(group)
+    call = ctx.get(_CALLS, 0)
+    ctx.set(_CALLS, call + 1)
+    return call
+
+
+class _Exchanged:
+    """The completed exchange of a header C++ made: ``wait()`` raises its error, if any."""
+
+    def __init__(self, failed: Optional[str]):
+        self.failed = failed
+
+    def wait(self) -> bool:
+        if self.failed is not None:
+            raise RuntimeError(self.failed)
+        return True
+
+
 _WATCHED: Dict[int, "CallHeader"] = {}  # watched headers not yet settled, by token
 _tokens = itertools.count(1)
 
@@ -202,7 +224,7 @@ def on_disagreement(token: int) -> None:
     disagree: settle it now (its fills go out), unless its call already did."""
     h = _WATCHED.get(token)
     if h is not None:
-        h._settle()
+        h.settle()
 
 
 class CallHeader:
@@ -214,23 +236,12 @@ class CallHeader:
     def __init__(self, group, fields: Sequence[Tuple[str, int]], device: torch.device,
                  reason: Optional[str] = None, status: int = FAILED_VALUE, payload: Optional[torch.Tensor] = None,
                  agree: bool = False, early: int = 0):
-        ctx = context.of(group)
         self.agree: Optional[List[Tuple[str, int]]] = list(fields) if agree else None
         if agree:
             fields = list(fields) + [("agreed plans", agreed.count(group))]
-        self.early, self._settled = early, False
-        self._error: Optional[Exception] = None
-        self._lock = threading.Lock()  # _settle: the worker's and, for a watched header, gloo's thread
-        self._token = 0  # in _WATCHED while a watched header is unsettled
-        self._fills: List[dist.Work] = []
-        self.call = ctx.get(_CALLS, 0)
-        ctx.set(_CALLS, self.call + 1)
-        # The group held weakly: a callback on gloo's thread may drop this header last, and a group
-        # freed there would join that very thread (std::system_error, the process aborted).
-        self._group, self.fields = (weakref.ref(group) if group is not None else None), list(fields)
+        self._start(group, fields, early, next_call(group))
         if reason is not None:
             _publish(group, self.call, reason)
-        self.slot = slot_of(group)
         # Kept here: the exchange must not hold the row's last reference, or gloo's thread frees it,
         # which takes the GIL while it holds its queue lock and stalls the next call's enqueue.
         self.mine = row(self.call, OK if reason is None else status, fields, FIELDS, reason or "", self.slot, payload)
@@ -238,6 +249,28 @@ class CallHeader:
             set_early(self.mine, len(FIELDS), early)
         self.ok = reason is None
         self.work, self.table = _exchange_table(group, self.mine, device, True)
+
+    def _start(self, group, fields: Sequence[Tuple[str, int]], early: int, call: int) -> None:
+        self.early, self._settled, self.call = early, False, call
+        self._error: Optional[Exception] = None
+        self._lock = threading.Lock()  # settle: the worker's and, for a watched header, gloo's thread
+        self._token = 0  # in _WATCHED while a watched header is unsettled
+        self._fills: List[dist.Work] = []
+        # The group held weakly: a callback on gloo's thread may drop this header last, and a group
+        # freed there would join that very thread (std::system_error, the process aborted).
+        self._group, self.fields = (weakref.ref(group) if group is not None else None), list(fields)
+        self.slot = slot_of(group)
+
+    @classmethod
+    def exchanged(cls, group, agree: Sequence[Tuple[str, int]], fields: Sequence[Tuple[str, int]], call: int,
+                  mine: torch.Tensor, table: torch.Tensor, early: int, failed: Optional[str]) -> "CallHeader":
+        """The header of an early call whose exchange C++ made (:mod:`flatcomm.comm.lane`), built
+        only when Python must settle it: ``mine``, this rank's row (``fields``, the call number
+        ``call``), ``table``, every rank's; ``failed``: the exchange's error, if it failed."""
+        h = cls.__new__(cls)
+        h._start(group, fields, early, call)
+        h.agree, h.mine, h.table, h.ok, h.work = list(agree), mine, table, True, _Exchanged(failed)
+        return h
 
     def payloads(self, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of every rank's payload slot, [world, nbytes] uint8 (contiguous),
@@ -263,7 +296,7 @@ class CallHeader:
         (:func:`on_disagreement`)."""
         self._token = next(_tokens)
         _WATCHED[self._token] = self
-        ops.watch_header(self.work.boxed(), self.table, self.mine, _FIXED + len(FIELDS), self._token)
+        ops.watch_header(self.work.boxed(), self.table, self.mine, WIDTH, self._token)
 
     def abandoned(self) -> None:
         """The call failed on this rank before its check: settle the exchange, and if it completed,
@@ -278,7 +311,7 @@ class CallHeader:
         The first time, also what the table means for the group's agreed plans: a new one, or, on
         an error, none, once this rank made the transfers of the peers that ran early
         (:mod:`flatcomm.comm.agreed`)."""
-        self._settle()
+        self.settle()
         fills, self._fills = self._fills, []
         for w in fills:
             try:
@@ -287,7 +320,9 @@ class CallHeader:
                 pass
         return self._error
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
+        """Read the table once it is in: an error, or the plan the table agreed (on every rank the
+        same), without waiting for anything."""
         with self._lock:
             if not self._settled:
                 self._settle_once()
@@ -306,7 +341,7 @@ class CallHeader:
 
     def _checked(self) -> Optional[Exception]:
         table = self.table.cpu()
-        width = _FIXED + len(FIELDS)
+        width = WIDTH
         if self.ok and torch.equal(table[:, :width], self.mine[:width].expand(table.shape[0], width)):
             return None  # every row is this (valid) row's head: the common case, checked in one pass
         group = self._group() if self._group is not None else None

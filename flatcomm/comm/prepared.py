@@ -8,6 +8,8 @@ call keeps the first call's checked :class:`flatcomm.comm.args.Call` and runs ea
 it, on the same paths, rows, checks and kernels as :func:`flatcomm.comm.flat.all_reduce`, so with
 the same bits and errors:
 
+* a native call on an agreed plan: on the group's native lane (:mod:`flatcomm.comm.lane`), posted
+  from the caller's thread while the group's worker is idle, returning a C++ ``dist.Work``;
 * in the header's payload slot (:mod:`flatcomm.comm.small`), posted from the caller's thread: the
   call number, the payload copied into the row, the exchange;
 * else the gathered or the pipelined path, queued on the group's worker.
@@ -15,11 +17,12 @@ the same bits and errors:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
 
-from . import args, flat, small, worker
+from . import args, flat, lane, p2p, small, worker
 from .spec import CallSpec
 
 __all__ = ["Prepared", "prepare_all_reduce"]
@@ -32,15 +35,24 @@ class Prepared:
         self.group, self.spec = group, spec
         self.in_slot = small.fits_all_reduce(group, a, spec.mode) and small.in_slot(group, a, spec.mode)
         self.what = f"all_reduce of {a.src.numel()} values ({a.codec.name})"
+        # the group's name in torch's registry when its calls run natively (the lane's), else None
+        self.native = p2p.native_name(group) if flat.runs_natively(group, a, spec.mode) else None
         none = a.src.new_empty(0)  # each post gives its tensor: the first one is not kept alive here
         self.a = dataclasses.replace(a, src=none, out=none)
 
-    def post(self, tensor: torch.Tensor) -> worker.Handle:
-        """Start the all-reduce of ``tensor`` (contiguous, the prepared numel and dtype): in the slot
-        through :func:`flatcomm.comm.small.run` (posted from this thread while the group's worker is
-        idle, else queued there in order), any other through
-        :func:`flatcomm.comm.flat.checked_all_reduce`."""
+    def post(self, tensor: torch.Tensor) -> Union[worker.Handle, dist.Work]:
+        """Start the all-reduce of ``tensor`` (contiguous, the prepared numel and dtype): on the
+        group's native lane (:mod:`flatcomm.comm.lane`, a ``dist.Work``) once it is an agreed plan
+        and the group's worker is idle; in the slot through :func:`flatcomm.comm.small.run`
+        (posted from this thread while the group's worker is idle, else queued there in order);
+        any other through :func:`flatcomm.comm.flat.checked_all_reduce`."""
         flat_ = tensor.view(-1)
+        if self.native is not None:  # on an agreed plan: the group's native lane, when its worker is idle
+            name = self.native
+            work = worker.post_if_idle(worker.key_of(self.group),
+                                       lambda: lane.post(self.group, self.a, self.spec, tensor, name))
+            if work is not None:
+                return work
         if self.in_slot:
             handle = small.run(self.group, self.a, True, small.all_reduce_parts(self.a, self.spec.mode, flat_),
                                self.spec, (flat_,), self.what, tensor)

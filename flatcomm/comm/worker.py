@@ -20,8 +20,9 @@ import torch
 
 from . import context, groups, streams as _streams
 from .labels import label
+from ..ops.native import extension
 
-__all__ = ["Handle", "call", "in_order", "is_on", "key_of", "post_if_idle", "run", "submit"]
+__all__ = ["LANE_TIMEOUT", "Handle", "call", "in_order", "is_on", "key_of", "post_if_idle", "run", "submit"]
 
 T = TypeVar("T")
 
@@ -87,12 +88,24 @@ def _lane(key) -> _Lane:
     return context.by_token(key).slot("lane", _Lane)
 
 
+LANE_TIMEOUT = "native lane timeout"  # context slot, set once the group has a native lane
+
+
+def _drain_native(key) -> None:
+    """Wait for the calls of the group's native lane (:mod:`flatcomm.comm.lane`), which came
+    before this one: the group's calls run one at a time, in call order."""
+    timeout = context.by_token(key).get(LANE_TIMEOUT)
+    if timeout is not None:
+        extension.lane_drain(key, timeout)
+
+
 def _enqueue(key, fn: Callable[[], T]) -> "concurrent.futures.Future":
     """``fn`` queued on the worker of ``key``, counted in its lane until it ends."""
     lane = _lane(key)
 
     def task() -> T:
         try:
+            _drain_native(key)
             return fn()
         finally:
             with lane.lock:

@@ -1,0 +1,33 @@
+// The rows of a call header (flatcomm/comm/header.py), compared without the GIL, and the watch that
+// compares them when their exchange completes (header_watch.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <cstring>
+
+namespace flatcomm {
+namespace ops {
+
+// Whether every rank's row agrees with this rank's: the first `width` values of each row of
+// `table` equal those of `mine`.
+inline bool rows_agree(const at::Tensor& table, const at::Tensor& mine, int64_t width) {
+  const int64_t world = table.size(0), length = table.size(1);
+  const int64_t* rows = table.data_ptr<int64_t>();
+  const int64_t* own = mine.data_ptr<int64_t>();
+  for (int64_t r = 0; r < world; ++r)
+    if (std::memcmp(rows + r * length, own, width * sizeof(int64_t)) != 0) return false;
+  return true;
+}
+
+// The op `op`'s checks of a table, a row and a width (named in its errors).
+void check_rows(const at::Tensor& table, const at::Tensor& mine, int64_t width, const char* op);
+
+// Once `work` (the rows' exchange) completes, when the rows disagree: module.on_disagreement(token),
+// with the GIL (module: a static string).
+void watch_rows(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& table, const at::Tensor& mine,
+                int64_t width, int64_t token, const char* module);
+
+}  // namespace ops
+}  // namespace flatcomm

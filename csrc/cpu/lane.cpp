@@ -1,0 +1,326 @@
+// The native lane of a CPU group: the flatcomm backend's agreed early all-reduces
+// (flatcomm/comm/lane.py) run here, one after another, on a C++ thread, and complete a c10d Work
+// whose future DDP's reducer reads in C++. A call costs Python only while it is posted.
+//
+// Why: run by the group's Python worker, a DDP bucket's all-reduce waited ~0.8 ms for the worker
+// to wake and take the GIL, ~0.5 ms for the Python around the op, and the next bucket waited for
+// the previous one's future callbacks, all on 2 cores the backward pass keeps busy.
+//
+// A call: the native all-reduce (p2p_all_reduce.cpp, without waiting for the call header, which
+// was posted with the call: flatcomm/comm/agreed.py), then the header's rows compared. Only a
+// failure calls Python: the header's error (the same on every rank), or the op's own error once
+// the header is settled. Calls of the lane run in the order they were posted; the group's Python
+// worker drains the lane before each of its own calls (flatcomm/comm/worker.py), so the group's
+// calls still run one at a time, in call order.
+#include "lane.h"
+
+#include <ATen/ATen.h>
+#include <Python.h>
+#include <pybind11/pybind11.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/library.h>
+
+#include "header_rows.h"
+#include "p2p_all_reduce.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace flatcomm {
+namespace ops {
+namespace {
+
+// The Work of a lane call: completed by the lane; its future holds [out] (as gloo's allreduce).
+class LaneWork : public c10d::Work {
+ public:
+  explicit LaneWork(at::Tensor out)
+      : c10d::Work(-1, c10d::OpType::ALLREDUCE),
+        out_(std::move(out)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  std::vector<at::Tensor> result() override { return {out_}; }
+
+  void settle(const std::exception_ptr& error) {
+    finish(error);
+    if (error)
+      future_->setError(error);
+    else
+      future_->markCompleted(c10::IValue(c10::List<at::Tensor>({out_})));
+  }
+
+ private:
+  at::Tensor out_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+struct Call {
+  at::Tensor flat;
+  std::string group;
+  std::vector<int64_t> pieces;
+  int64_t chunks = 0;
+  double scale = 1.0;
+  int64_t tag_base = 0;
+  c10::intrusive_ptr<c10d::Work> header;
+  at::Tensor table, mine;
+  int64_t width = 0, token = 0;
+  c10::intrusive_ptr<LaneWork> work;
+};
+
+std::exception_ptr error_named(const std::string& kind, const std::string& message) {
+  try {
+    if (kind == "ValueError") TORCH_CHECK_VALUE(false, message);
+    if (kind == "TypeError") TORCH_CHECK_TYPE(false, message);
+    TORCH_CHECK(false, message);
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
+bool python_alive() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+pybind11::object text_or_none(const std::exception_ptr& error) {
+  return error ? pybind11::object(pybind11::str(message_of(error))) : pybind11::none();
+}
+
+// What a call that failed raises, from flatcomm.comm.lane.verdict (nullptr: the header agreed after
+// all): the header's error, the same on every rank, once settled (its fills made); or the op's own
+// (`failed`), once the header is settled. `exchange`: the header exchange's own error, if any.
+std::exception_ptr verdict(int64_t token, const std::exception_ptr& failed, const std::exception_ptr& exchange) {
+  if (!python_alive())
+    return failed ? failed : exchange ? exchange : error_named("RuntimeError", "flatcomm: the call header disagreed");
+  pybind11::gil_scoped_acquire gil;
+  try {
+    pybind11::object said =
+        pybind11::module_::import("flatcomm.comm.lane").attr("verdict")(token, text_or_none(failed), text_or_none(exchange));
+    if (failed) return failed;
+    if (said.is_none()) return nullptr;
+    auto kind_message = said.cast<std::pair<std::string, std::string>>();
+    return error_named(kind_message.first, kind_message.second);
+  } catch (pybind11::error_already_set& e) {
+    const std::string what = e.what();
+    return failed ? failed : error_named("RuntimeError", "flatcomm: settling a lane call's header: " + what);
+  }
+}
+
+class Lane : public std::enable_shared_from_this<Lane> {
+ public:
+  // The thread holds the lane until its loop ends (a lane closed from its own thread then outlives
+  // the close).
+  void start() {
+    thread_ = std::thread([self = shared_from_this()] { self->loop(); });
+  }
+
+  void post(Call call) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      TORCH_CHECK(!closing_, "flatcomm: the process group's lane was closed (its group was destroyed)");
+      queue_.push_back(std::move(call));
+      ++posted_;
+    }
+    wake_.notify_one();
+  }
+
+  void drain(double timeout_s) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const auto limit = std::chrono::duration<double>(timeout_s);
+    while (done_ < posted_) {
+      const int64_t before = done_;
+      // Each call is bounded by the group's timeout (its transfers and header): time out only
+      // when none finishes within it.
+      if (!idle_.wait_for(lock, limit, [&] { return done_ != before; }))
+        TORCH_CHECK(false, "flatcomm: no call of the group's native lane finished within ", timeout_s, " s (",
+                    posted_ - done_, " in flight)");
+    }
+  }
+
+  int64_t completed() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_;
+  }
+
+  void close() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      closing_ = true;
+    }
+    wake_.notify_all();
+    if (std::this_thread::get_id() == thread_.get_id())
+      thread_.detach();
+    else if (thread_.joinable())
+      thread_.join();
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      Call call;
+      bool skip;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return closing_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        call = std::move(queue_.front());
+        queue_.pop_front();
+        skip = closing_;
+      }
+      const std::exception_ptr error =
+          skip ? error_named("RuntimeError", "flatcomm: the process group was destroyed before this all-reduce ran")
+               : run(call);
+      {  // counted before the Work completes: a waiter that saw it complete sees it counted
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++done_;
+      }
+      idle_.notify_all();
+      call.work->settle(error);  // (DDP's callbacks run here, in C++)
+    }
+  }
+
+  // The call's error, or nullptr.
+  std::exception_ptr run(Call& call) {
+    std::exception_ptr failed, exchange;
+    try {
+      p2p_sum_all_reduce_(call.flat, scratch(scratch_numel(call)), call.group, call.pieces, call.chunks, call.scale,
+                          call.tag_base);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    bool agreed = false;
+    try {  // (bounded by the group's timeout, as the op's transfers)
+      call.header->wait();
+      agreed = rows_agree(call.table, call.mine, call.width);
+    } catch (...) {
+      exchange = std::current_exception();
+    }
+    return failed || !agreed ? verdict(call.token, failed, exchange) : nullptr;
+  }
+
+  // Enough for the peers' pieces of this rank's shard, whichever rank it is (the op checks it).
+  static int64_t scratch_numel(const Call& call) {
+    const int64_t world = call.table.size(0), stride = call.chunks + 1;
+    int64_t widest = 0;
+    for (int64_t d = 0; d < world && call.chunks; ++d)
+      widest = std::max(widest, call.pieces[d * stride + call.chunks] - call.pieces[d * stride]);
+    return (world - 1) * widest;
+  }
+
+  // The lane's receive rows, grown as needed (its calls run one at a time).
+  at::Tensor scratch(int64_t numel) {
+    if (scratch_.numel() < numel) scratch_ = at::empty({numel}, at::kFloat);
+    return scratch_;
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_, idle_;
+  std::deque<Call> queue_;
+  int64_t posted_ = 0, done_ = 0;
+  bool closing_ = false;
+  at::Tensor scratch_ = at::empty({0}, at::kFloat);
+  std::thread thread_;
+};
+
+// Never destroyed: a lane's thread may still be waiting when the process exits.
+std::mutex registry_mutex;
+auto* registry = new std::unordered_map<int64_t, std::shared_ptr<Lane>>();
+
+std::shared_ptr<Lane> lane_of(int64_t id, bool make) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry->find(id);
+  if (it != registry->end()) return it->second;
+  if (!make) return nullptr;
+  auto lane = std::make_shared<Lane>();
+  lane->start();
+  return (*registry)[id] = lane;
+}
+
+c10::intrusive_ptr<c10d::Work> lane_all_reduce(const at::Tensor& flat, const at::Tensor& out, c10::string_view group,
+                                               at::IntArrayRef pieces, int64_t chunks, double scale, int64_t tag_base,
+                                               const at::Tensor& table, const at::Tensor& mine, int64_t width,
+                                               int64_t token, int64_t lane) {
+  check_rows(table, mine, width, "lane_all_reduce");
+  auto pg = c10d::resolve_process_group(std::string(group));
+  TORCH_CHECK(table.size(0) == pg->getSize() && table.size(1) == mine.numel(),
+              "flatcomm: lane_all_reduce: the table must hold one row of ", mine.numel(), " values per rank (",
+              pg->getSize(), "), got ", table.sizes());
+  TORCH_CHECK(chunks >= 0 && static_cast<int64_t>(pieces.size()) == table.size(0) * (chunks + 1),
+              "flatcomm: lane_all_reduce: pieces must hold world * (chunks + 1) = ", table.size(0) * (chunks + 1),
+              " bounds, got ", pieces.size());
+  Call call;
+  call.flat = flat;
+  call.group = std::string(group);
+  call.pieces = pieces.vec();
+  call.chunks = chunks;
+  call.scale = scale;
+  call.tag_base = tag_base;
+  // The call header, posted here, in call order (the caller holds its group's worker idle), and
+  // watched: an early peer's transfers may be waiting for the ones its disagreement calls for.
+  at::Tensor rows = table.view({-1}), row = mine;
+  call.header = pg->getBackend(c10::DeviceType::CPU)->_allgather_base(rows, row, c10d::AllgatherOptions());
+  watch_rows(call.header, table, mine, width, token, "flatcomm.comm.lane");
+  call.table = table;
+  call.mine = mine;
+  call.width = width;
+  call.token = token;
+  call.work = c10::make_intrusive<LaneWork>(out);
+  c10::intrusive_ptr<c10d::Work> work = call.work;
+  lane_of(lane, true)->post(std::move(call));
+  return work;
+}
+
+}  // namespace
+
+void lane_drain(int64_t lane, double timeout_s) {
+  if (auto l = lane_of(lane, false)) l->drain(timeout_s);
+}
+
+int64_t lane_completed(int64_t lane) {
+  auto l = lane_of(lane, false);
+  return l ? l->completed() : 0;
+}
+
+void lane_close(int64_t lane) {
+  std::shared_ptr<Lane> l;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto it = registry->find(lane);
+    if (it == registry->end()) return;
+    l = it->second;
+    registry->erase(it);
+  }
+  l->close();
+}
+
+TORCH_LIBRARY_IMPL(flatcomm, CPU, m) {
+  m.impl("lane_all_reduce", &lane_all_reduce);
+}
+
+}  // namespace ops
+}  // namespace flatcomm
