@@ -9,6 +9,7 @@
 #include "core/rng.h"
 #include "cpu/kernels.h"
 #include "cpu/lane.h"
+#include "cpu/native_work.h"
 #include "cuda/kernels.cuh"  // plain C++: the launch shapes and the topk scratch layout
 #include "ops_common.h"
 
@@ -57,6 +58,12 @@ TORCH_LIBRARY(flatcomm, m) {
   m.def("lane_all_reduce(Tensor(a!) flat, Tensor out, str group, int[] pieces, int chunks, float scale, "
         "int tag_base, Tensor(b!) table, Tensor mine, int width, int token, int lane) -> "
         "__torch__.torch.classes.c10d.Work");
+  // A small ordered fp32 all-reduce in one exchange (cpu/slot_all_reduce.cpp): flat's values copied
+  // into this rank's row `mine` at byte slot_offset, every rank's row gathered into `table`; once the
+  // rows agree (their first `width` values), the payloads summed in rank order, times scale, into
+  // flat. The Work completes with [out].
+  m.def("slot_all_reduce(Tensor(a!) flat, Tensor out, str group, Tensor(b!) table, Tensor(c!) mine, int width, "
+        "int slot_offset, float scale, int token) -> __torch__.torch.classes.c10d.Work");
 }
 
 #define FLATCOMM_STRINGIFY_(x) #x
@@ -237,6 +244,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Select the CPU kernel build ('baseline', 'avx2', 'avx512'); False if unsupported here.");
   m.def("lane_drain", &flatcomm::ops::lane_drain, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Wait until every call posted to a group's native lane has finished (cpu/lane.h).");
+  m.def("native_finished", &flatcomm::ops::native_finished,
+        "The tokens of the native calls completed since the last call (cpu/native_work.h).");
   m.def("lane_completed", &flatcomm::ops::lane_completed, "How many calls of a native lane have finished.");
   m.def("lane_close", &flatcomm::ops::lane_close, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "End a native lane (its group was destroyed).");

@@ -24,7 +24,7 @@ FLOORS: List[Tuple[str, List[str]]] = [
              "flatcomm.ops.reference", "flatcomm.ops.cupy_backend.kernels", "flatcomm.ops.cupy_backend.launches",
              "flatcomm.ops.cupy_backend.ops", "flatcomm.ops.cupy_backend.nvrtc_cache", "flatcomm.ops.cupy_backend"]),
     ("comm", ["flatcomm.comm.context", "flatcomm.comm.standalone", "flatcomm.comm.labels", "flatcomm.comm.groups", "flatcomm.comm.streams", "flatcomm.comm.worker", "flatcomm.comm.header_table", "flatcomm.comm.shards", "flatcomm.comm.agreed", "flatcomm.comm.header", "flatcomm.comm.signature", "flatcomm.comm.p2p",
-              "flatcomm.comm.pipeline", "flatcomm.comm.spec", "flatcomm.comm.args", "flatcomm.comm.exact", "flatcomm.comm.small", "flatcomm.comm.flat", "flatcomm.comm.lane", "flatcomm.comm.prepared",
+              "flatcomm.comm.pipeline", "flatcomm.comm.spec", "flatcomm.comm.args", "flatcomm.comm.exact", "flatcomm.comm.small", "flatcomm.comm.flat", "flatcomm.comm.native_calls", "flatcomm.comm.lane", "flatcomm.comm.small_native", "flatcomm.comm.prepared",
               "flatcomm.comm.topology", "flatcomm.comm.node", "flatcomm.comm.two_level_args", "flatcomm.comm.two_level_ordered",
               "flatcomm.comm.two_level"]),
     ("autotune", ["flatcomm.autotune.costmodel", "flatcomm.autotune.tiers", "flatcomm.autotune.costs",

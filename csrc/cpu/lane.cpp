@@ -15,14 +15,13 @@
 #include "lane.h"
 
 #include <ATen/ATen.h>
-#include <Python.h>
-#include <pybind11/pybind11.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/library.h>
 
 #include "header_rows.h"
+#include "native_work.h"
 #include "p2p_all_reduce.h"
 
 #include <chrono>
@@ -39,30 +38,6 @@ namespace flatcomm {
 namespace ops {
 namespace {
 
-// The Work of a lane call: completed by the lane; its future holds [out] (as gloo's allreduce).
-class LaneWork : public c10d::Work {
- public:
-  explicit LaneWork(at::Tensor out)
-      : c10d::Work(-1, c10d::OpType::ALLREDUCE),
-        out_(std::move(out)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
-
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-  std::vector<at::Tensor> result() override { return {out_}; }
-
-  void settle(const std::exception_ptr& error) {
-    finish(error);
-    if (error)
-      future_->setError(error);
-    else
-      future_->markCompleted(c10::IValue(c10::List<at::Tensor>({out_})));
-  }
-
- private:
-  at::Tensor out_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
-
 struct Call {
   at::Tensor flat;
   std::string group;
@@ -73,63 +48,8 @@ struct Call {
   c10::intrusive_ptr<c10d::Work> header;
   at::Tensor table, mine;
   int64_t width = 0, token = 0;
-  c10::intrusive_ptr<LaneWork> work;
+  c10::intrusive_ptr<NativeWork> work;
 };
-
-std::exception_ptr error_named(const std::string& kind, const std::string& message) {
-  try {
-    if (kind == "ValueError") TORCH_CHECK_VALUE(false, message);
-    if (kind == "TypeError") TORCH_CHECK_TYPE(false, message);
-    TORCH_CHECK(false, message);
-  } catch (...) {
-    return std::current_exception();
-  }
-  return nullptr;
-}
-
-bool python_alive() {
-#if PY_VERSION_HEX >= 0x030D0000
-  return Py_IsInitialized() && !Py_IsFinalizing();
-#else
-  return Py_IsInitialized() && !_Py_IsFinalizing();
-#endif
-}
-
-std::string message_of(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
-
-pybind11::object text_or_none(const std::exception_ptr& error) {
-  return error ? pybind11::object(pybind11::str(message_of(error))) : pybind11::none();
-}
-
-// What a call that failed raises, from flatcomm.comm.lane.verdict (nullptr: the header agreed after
-// all): the header's error, the same on every rank, once settled (its fills made); or the op's own
-// (`failed`), once the header is settled. `exchange`: the header exchange's own error, if any.
-std::exception_ptr verdict(int64_t token, const std::exception_ptr& failed, const std::exception_ptr& exchange) {
-  if (!python_alive())
-    return failed ? failed : exchange ? exchange : error_named("RuntimeError", "flatcomm: the call header disagreed");
-  pybind11::gil_scoped_acquire gil;
-  try {
-    pybind11::object said =
-        pybind11::module_::import("flatcomm.comm.lane").attr("verdict")(token, text_or_none(failed), text_or_none(exchange));
-    if (failed) return failed;
-    if (said.is_none()) return nullptr;
-    auto kind_message = said.cast<std::pair<std::string, std::string>>();
-    return error_named(kind_message.first, kind_message.second);
-  } catch (pybind11::error_already_set& e) {
-    const std::string what = e.what();
-    return failed ? failed : error_named("RuntimeError", "flatcomm: settling a lane call's header: " + what);
-  }
-}
 
 class Lane : public std::enable_shared_from_this<Lane> {
  public:
@@ -284,12 +204,12 @@ c10::intrusive_ptr<c10d::Work> lane_all_reduce(const at::Tensor& flat, const at:
   // watched: an early peer's transfers may be waiting for the ones its disagreement calls for.
   at::Tensor rows = table.view({-1}), row = mine;
   call.header = pg->getBackend(c10::DeviceType::CPU)->_allgather_base(rows, row, c10d::AllgatherOptions());
-  watch_rows(call.header, table, mine, width, token, "flatcomm.comm.lane");
+  watch_rows(call.header, table, mine, width, token, kNativeCalls);
   call.table = table;
   call.mine = mine;
   call.width = width;
   call.token = token;
-  call.work = c10::make_intrusive<LaneWork>(out);
+  call.work = c10::make_intrusive<NativeWork>(out, token);
   c10::intrusive_ptr<c10d::Work> work = call.work;
   lane_of(lane, true)->post(std::move(call));
   return work;

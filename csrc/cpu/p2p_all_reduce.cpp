@@ -36,9 +36,8 @@ constexpr int64_t kGrainTiles = 32;      // small pieces stay on one thread
 
 using Works = std::vector<c10::intrusive_ptr<c10d::Work>>;
 
-// rows[0] + rows[1] + ... in ascending order, then times scale, into out (which may be one of the
-// rows): decode_sum's fp32 arithmetic (cpu/kernels_impl.h decode_sum_tile), one tile at a time so
-// that every value is read before it is overwritten.
+}  // namespace
+
 void ordered_sum(const std::vector<const float*>& rows, float scale, int64_t n, float* out) {
   at::parallel_for(0, (n + kTile - 1) / kTile, kGrainTiles, [&](int64_t t0, int64_t t1) {
     float acc[kTile];
@@ -55,6 +54,8 @@ void ordered_sum(const std::vector<const float*>& rows, float scale, int64_t n, 
     }
   });
 }
+
+namespace {
 
 // Waits for every work, the first error rethrown after all have settled: a failed call leaves no
 // transfer in flight into a buffer that is about to be reused.

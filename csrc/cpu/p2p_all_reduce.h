@@ -1,11 +1,18 @@
 // The native lossless fp32 all-reduce of a CPU group (p2p_all_reduce.cpp), for the lane that runs
-// it off Python's threads (lane.cpp).
+// it off Python's threads (lane.cpp), and its fixed-order sum, for the small one (slot_all_reduce.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace flatcomm {
 namespace ops {
+
+// rows[0] + rows[1] + ... in ascending order, then times scale, into out (which may be one of the
+// rows): decode_sum's fp32 arithmetic (cpu/kernels_impl.h decode_sum_tile), one tile at a time so
+// that every value is read before it is overwritten.
+void ordered_sum(const std::vector<const float*>& rows, float scale, int64_t n, float* out);
 
 void p2p_sum_all_reduce_(const at::Tensor& flat, const at::Tensor& scratch, c10::string_view group,
                          at::IntArrayRef pieces, int64_t chunks, double scale, int64_t tag_base);

@@ -46,7 +46,7 @@ from ..ops.native import ops
 
 __all__ = ["ALL_DTYPES", "AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "KIND_IDS", "MAGIC", "MODES", "REASON_BYTES",
            "SLOT_MAX_BYTES", "call_numbers", "check", "check_consistent", "error_of", "fail_in_step", "on_disagreement",
-           "float_bits", "header_device", "length", "next_call", "row", "slot_of", "WIDTH"]
+           "float_bits", "header_device", "length", "next_call", "row", "slot_of", "SLOT_OFFSET", "WIDTH"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -125,6 +125,7 @@ FIELDS = ("collective", "numel", "codec", "block_size", "topk ratio", "mode", "o
 ALL_DTYPES = DTYPES + (torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
                        torch.complex64, torch.complex128)
 WIDTH = _FIXED + len(FIELDS)  # values at the head of a row that every rank's must equal
+SLOT_OFFSET = WIDTH * 8 + REASON_BYTES  # the byte a row's payload slot starts at
 _CALLS = "header calls"  # context slot: number of the next call on that group (advanced on its worker, in order)
 
 
@@ -262,21 +263,21 @@ class CallHeader:
         self.slot = slot_of(group)
 
     @classmethod
-    def exchanged(cls, group, agree: Sequence[Tuple[str, int]], fields: Sequence[Tuple[str, int]], call: int,
+    def exchanged(cls, group, agree: Optional[Sequence[Tuple[str, int]]], fields: Sequence[Tuple[str, int]], call: int,
                   mine: torch.Tensor, table: torch.Tensor, early: int, failed: Optional[str]) -> "CallHeader":
         """The header of an early call whose exchange C++ made (:mod:`flatcomm.comm.lane`), built
         only when Python must settle it: ``mine``, this rank's row (``fields``, the call number
         ``call``), ``table``, every rank's; ``failed``: the exchange's error, if it failed."""
         h = cls.__new__(cls)
         h._start(group, fields, early, call)
-        h.agree, h.mine, h.table, h.ok, h.work = list(agree), mine, table, True, _Exchanged(failed)
+        h.agree = list(agree) if agree is not None else None
+        h.mine, h.table, h.ok, h.work = mine, table, True, _Exchanged(failed)
         return h
 
     def payloads(self, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of every rank's payload slot, [world, nbytes] uint8 (contiguous),
         once :meth:`finish` passed."""
-        start = (_FIXED + len(FIELDS)) * 8 + REASON_BYTES
-        return self.table.cpu().view(torch.uint8)[:, start:start + nbytes].contiguous()
+        return self.table.cpu().view(torch.uint8)[:, SLOT_OFFSET:SLOT_OFFSET + nbytes].contiguous()
 
     def finish(self) -> None:
         """Wait for every rank's row; raise the call's error (the same on every rank) if any."""

@@ -11,7 +11,8 @@ the same bits and errors:
 * a native call on an agreed plan: on the group's native lane (:mod:`flatcomm.comm.lane`), posted
   from the caller's thread while the group's worker is idle, returning a C++ ``dist.Work``;
 * in the header's payload slot (:mod:`flatcomm.comm.small`), posted from the caller's thread: the
-  call number, the payload copied into the row, the exchange;
+  call number, the payload copied into the row, the exchange (an ordered fp32 one as one op,
+  :mod:`flatcomm.comm.small_native`, returning a C++ ``dist.Work``);
 * else the gathered or the pipelined path, queued on the group's worker.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import args, flat, lane, p2p, small, worker
+from . import args, flat, lane, p2p, small, small_native, worker
 from .spec import CallSpec
 
 __all__ = ["Prepared", "prepare_all_reduce"]
@@ -37,6 +38,7 @@ class Prepared:
         self.what = f"all_reduce of {a.src.numel()} values ({a.codec.name})"
         # the group's name in torch's registry when its calls run natively (the lane's), else None
         self.native = p2p.native_name(group) if flat.runs_natively(group, a, spec.mode) else None
+        self.slot_native = small_native.name_if_native(group, a, spec.mode, self.in_slot)  # the same, in the slot
         none = a.src.new_empty(0)  # each post gives its tensor: the first one is not kept alive here
         self.a = dataclasses.replace(a, src=none, out=none)
 
@@ -51,6 +53,12 @@ class Prepared:
             name = self.native
             work = worker.post_if_idle(worker.key_of(self.group),
                                        lambda: lane.post(self.group, self.a, self.spec, tensor, name))
+            if work is not None:
+                return work
+        if self.slot_native is not None:  # in the slot, in C++, when the group's worker is idle
+            name = self.slot_native
+            work = worker.post_if_idle(worker.key_of(self.group),
+                                       lambda: small_native.post(self.group, self.a, self.spec, tensor, name))
             if work is not None:
                 return work
         if self.in_slot:

@@ -1,0 +1,98 @@
+// NativeWork and the way back into Python of a failed native call (native_work.h).
+#include "native_work.h"
+
+#include <Python.h>
+#include <pybind11/pybind11.h>
+
+#include <mutex>
+#include <utility>
+
+namespace flatcomm {
+namespace ops {
+
+namespace {
+
+std::mutex finished_mutex;
+std::vector<int64_t> finished;  // (guarded by finished_mutex)
+
+}  // namespace
+
+NativeWork::NativeWork(at::Tensor out, int64_t token)
+    : c10d::Work(-1, c10d::OpType::ALLREDUCE),
+      out_(std::move(out)),
+      token_(token),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+void NativeWork::settle(const std::exception_ptr& error) {
+  finish(error);
+  if (error)
+    future_->setError(error);
+  else
+    future_->markCompleted(c10::IValue(c10::List<at::Tensor>({out_})));
+  std::lock_guard<std::mutex> lock(finished_mutex);
+  finished.push_back(token_);
+}
+
+std::vector<int64_t> native_finished() {
+  std::lock_guard<std::mutex> lock(finished_mutex);
+  return std::exchange(finished, {});
+}
+
+std::exception_ptr error_named(const std::string& kind, const std::string& message) {
+  try {
+    if (kind == "ValueError") TORCH_CHECK_VALUE(false, message);
+    if (kind == "TypeError") TORCH_CHECK_TYPE(false, message);
+    TORCH_CHECK(false, message);
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
+namespace {
+
+bool python_alive() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+pybind11::object text_or_none(const std::exception_ptr& error) {
+  return error ? pybind11::object(pybind11::str(message_of(error))) : pybind11::none();
+}
+
+}  // namespace
+
+std::exception_ptr verdict(int64_t token, const std::exception_ptr& failed, const std::exception_ptr& exchange) {
+  if (!python_alive())
+    return failed ? failed : exchange ? exchange : error_named("RuntimeError", "flatcomm: the call header disagreed");
+  pybind11::gil_scoped_acquire gil;
+  try {
+    pybind11::object said =
+        pybind11::module_::import(kNativeCalls).attr("verdict")(token, text_or_none(failed), text_or_none(exchange));
+    if (failed) return failed;
+    if (said.is_none()) return nullptr;
+    auto kind_message = said.cast<std::pair<std::string, std::string>>();
+    return error_named(kind_message.first, kind_message.second);
+  } catch (pybind11::error_already_set& e) {
+    const std::string what = e.what();
+    return failed ? failed : error_named("RuntimeError", "flatcomm: settling a native call's header: " + what);
+  }
+}
+
+}  // namespace ops
+}  // namespace flatcomm

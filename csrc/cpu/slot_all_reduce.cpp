@@ -1,0 +1,68 @@
+// A small ordered fp32 all-reduce in one exchange, natively: the values ride in this rank's call
+// header row (its payload slot, flatcomm/comm/small.py), every rank's row is gathered, and when the
+// exchange completes the rows are compared and the payloads summed in ascending rank order into
+// the tensor (decode_sum's arithmetic, p2p_all_reduce.h ordered_sum), in C++ on gloo's thread.
+// Python's part of a call is only its post; a disagreement or a failed exchange goes to
+// flatcomm.comm.native_calls.verdict for the header's error, the same on every rank.
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/library.h>
+
+#include "header_rows.h"
+#include "native_work.h"
+#include "p2p_all_reduce.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace flatcomm {
+namespace ops {
+namespace {
+
+c10::intrusive_ptr<c10d::Work> slot_all_reduce(const at::Tensor& flat, const at::Tensor& out, c10::string_view group,
+                                               const at::Tensor& table, const at::Tensor& mine, int64_t width,
+                                               int64_t slot_offset, double scale, int64_t token) {
+  check_rows(table, mine, width, "slot_all_reduce");
+  TORCH_CHECK(flat.device().is_cpu() && flat.scalar_type() == at::kFloat && flat.is_contiguous() && flat.dim() == 1,
+              "flatcomm: slot_all_reduce takes a contiguous 1-d CPU fp32 tensor, got ", flat.toString(), " ",
+              flat.sizes());
+  const int64_t n = flat.numel(), row_bytes = mine.numel() * 8;
+  TORCH_CHECK(slot_offset >= width * 8 && slot_offset % 8 == 0 && slot_offset + 4 * n <= row_bytes,
+              "flatcomm: slot_all_reduce: ", n, " values at byte ", slot_offset, " do not fit the slot of a ", row_bytes,
+              "-byte row");
+  auto pg = c10d::resolve_process_group(std::string(group));
+  TORCH_CHECK(table.size(0) == pg->getSize() && table.size(1) == mine.numel(),
+              "flatcomm: slot_all_reduce: the table must hold one row of ", mine.numel(), " values per rank (",
+              pg->getSize(), "), got ", table.sizes());
+  std::memcpy(reinterpret_cast<char*>(mine.data_ptr<int64_t>()) + slot_offset, flat.data_ptr<float>(), 4 * n);
+  at::Tensor rows = table.view({-1}), row = mine;
+  auto exchange = pg->getBackend(c10::DeviceType::CPU)->_allgather_base(rows, row, c10d::AllgatherOptions());
+  auto work = c10::make_intrusive<NativeWork>(out, token);
+  const float fscale = static_cast<float>(scale);
+  exchange->getFuture()->addCallback(
+      [work, flat, table, mine, width, slot_offset, fscale, token](c10::ivalue::Future& done) {
+        const std::exception_ptr failed = done.hasError() ? done.exception_ptr() : nullptr;
+        if (failed || !rows_agree(table, mine, width)) {
+          work->settle(verdict(token, nullptr, failed));
+          return;
+        }
+        const char* base = reinterpret_cast<const char*>(table.data_ptr<int64_t>());
+        std::vector<const float*> payloads;
+        for (int64_t r = 0; r < table.size(0); ++r)
+          payloads.push_back(reinterpret_cast<const float*>(base + r * table.size(1) * 8 + slot_offset));
+        ordered_sum(payloads, fscale, flat.numel(), flat.data_ptr<float>());
+        work->settle(nullptr);
+      });
+  return work;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flatcomm, CPU, m) {
+  m.impl("slot_all_reduce", &slot_all_reduce);
+}
+
+}  // namespace ops
+}  // namespace flatcomm

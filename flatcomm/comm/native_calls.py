@@ -1,0 +1,121 @@
+"""The way back into Python of flatcomm's native calls (csrc/cpu/native_work.h): the lane's agreed
+all-reduces (:mod:`flatcomm.comm.lane`) and the small ones in one exchange
+(:mod:`flatcomm.comm.small_native`).
+
+A native call posts its call header from C++ and checks it there; Python keeps only what its
+:class:`~flatcomm.comm.header.CallHeader` would be built from (:func:`record`). Only when the call
+fails does C++ call back: :func:`on_disagreement` (gloo's thread, the rows arrived and differ: the
+header is settled at once, so an early peer's transfers get their fills) and :func:`verdict` (what
+the call's Work fails with). A record holds the row and the table, never the caller's tensor; it is
+dropped once :data:`KEEP` more calls finished (a finished exchange's tensors freed last on gloo's
+thread would take the GIL there), or with its group.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import weakref
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import context, header
+from ..ops.native import extension
+
+__all__ = ["KEEP", "forget", "on_disagreement", "posted", "record", "verdict"]
+
+KEEP = 8  # finished calls whose records stay (see the module's docstring)
+_WATCHED = "native calls"  # context slot: True once the group's records go when it is destroyed
+_tokens = itertools.count(1)
+_lock = threading.Lock()  # _CALLS and _HEADERS: the callers', gloo's and the lanes' threads
+_CALLS: Dict[int, tuple] = {}  # token -> what the call's header is built from
+_HEADERS: Dict[int, header.CallHeader] = {}  # token -> its header, once built
+
+
+def record(group, agree: Optional[Sequence[Tuple[str, int]]], fields: Sequence[Tuple[str, int]], call: int,
+           mine: torch.Tensor, table: torch.Tensor, early: int) -> int:
+    """Keep what a native call's header is built from; its token (for C++)."""
+    token = next(_tokens)
+    with _lock:
+        _CALLS[token] = (weakref.ref(group), agree, list(fields), call, mine, table, early)
+    return token
+
+
+_FINISHED: Deque[int] = collections.deque()  # tokens of finished calls whose records still stay
+
+
+def _drop(tokens: List[int]) -> None:
+    with _lock:
+        for token in tokens:
+            _CALLS.pop(token, None)
+            _HEADERS.pop(token, None)
+
+
+def _closing(ref: "weakref.ref") -> None:
+    """A group is destroyed: drop its calls' records (and those of groups already gone)."""
+    group = ref()
+    with _lock:
+        gone = [t for t, rec in _CALLS.items() if rec[0]() is None or rec[0]() is group]
+    _drop(gone)
+
+
+def forget(token: int) -> None:
+    """The call of ``token`` was never posted (its op raised)."""
+    _drop([token])
+
+
+def posted(group) -> None:
+    """A native call was posted on ``group``: drop the records of the calls that finished before
+    the last :data:`KEEP` (the first time, arrange for the group's to go when it is destroyed)."""
+    ctx = context.of(group)
+    if not ctx.get(_WATCHED):
+        ctx.set(_WATCHED, True)
+        ref = weakref.ref(group)
+        ctx.on_close(lambda: _closing(ref))
+    finished = extension.native_finished()
+    with _lock:
+        _FINISHED.extend(finished)
+        while len(_FINISHED) > KEEP:
+            token = _FINISHED.popleft()
+            _CALLS.pop(token, None)
+            _HEADERS.pop(token, None)
+
+
+def _header(token: int, failed: Optional[str] = None) -> Optional[header.CallHeader]:
+    """The header of a native call, built the first time Python needs it (None: its group is gone)."""
+    with _lock:
+        h = _HEADERS.get(token)
+        if h is None and token in _CALLS:
+            ref, agree, fields, call, mine, table, early = _CALLS[token]
+            group = ref()
+            if group is None:
+                return None
+            h = _HEADERS[token] = header.CallHeader.exchanged(group, agree, fields, call, mine, table, early, failed)
+        return h
+
+
+def on_disagreement(token: int) -> None:
+    """Called from C++ (gloo's thread) when a native call's rows disagree: settle its header now
+    (its fills go out, which an early peer's transfers may be waiting for)."""
+    h = _header(token)
+    if h is not None:
+        h.settle()  # (no wait here, on gloo's thread: the call waits for the fills)
+
+
+def verdict(token: int, failed: Optional[str], exchange: Optional[str]) -> Optional[Tuple[str, str]]:
+    """Called from C++ when a native call failed, its header exchange settled: the (exception
+    type, message) its Work fails with; None: the rows agreed after all. ``failed``: the op's own
+    error (raised as it is, once the header is settled); ``exchange``: the header exchange's."""
+    h = _header(token, exchange)
+    if h is None:
+        return ("RuntimeError", "flatcomm: the process group of a native call was destroyed before its header was "
+                                "checked")
+    if failed is not None:
+        h.abandoned()
+        return None
+    try:
+        h.finish()
+    except Exception as e:  # noqa: BLE001 - the header's error, raised by the call's Work
+        return (type(e).__name__, str(e))
+    return None

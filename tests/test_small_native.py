@@ -1,0 +1,116 @@
+"""The small path's ordered fp32 all-reduce in C++ (flatcomm/comm/small_native.py,
+csrc/cpu/slot_all_reduce.cpp), what the flatcomm backend's small float sums take. What must hold:
+
+* it is taken (a C++ ``dist.Work``), with the Python small path's bits (flatcomm.all_reduce on the
+  same group: decode_sum's order), for odd sizes, zeros, huge values, inf/NaN, sum and avg, 2 and
+  3 ranks; its ``get_future()`` completes with the tensor;
+* ranks whose calls disagree (another size on the slot, a call of the lane, an integer reduction,
+  another op) all raise the same named error at once, and the group's next calls are right.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from flatcomm.tools import spawn
+
+TIMEOUT_S = 60.0
+SIZES = (1, 3, 7, 33, 1024, 4093)
+KINDS = ("random", "zeros", "huge", "nonfinite")
+
+
+def _inputs(rank: int, n: int, kind: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + n)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())
+    if kind == "zeros":
+        x.zero_()
+    elif kind == "huge":  # sums that overflow
+        x = torch.full((n,), torch.finfo(torch.float32).max * (0.75 if rank % 2 == 0 else 0.5))
+    elif kind == "nonfinite":
+        x[::5] = float("inf") if rank == 0 else 1.0
+        x[1::7] = float("nan")
+        x[2::11] = -float("inf")
+    return x
+
+
+def _compare(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    import flatcomm
+
+    out = {}
+    for n in SIZES:
+        for kind in KINDS:
+            for op, dist_op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
+                native = _inputs(rank, n, kind)
+                work = dist.all_reduce(native, op=dist_op, async_op=True)
+                got = work.get_future().wait()[0]
+                python = _inputs(rank, n, kind)
+                flatcomm.all_reduce(python, op=op, codec="fp32")  # the Python small path, the same group
+                out[(n, kind, op)] = (type(work).__name__, got is native,
+                                      torch.equal(native.view(torch.int32), python.view(torch.int32)))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_native_small_all_reduce_has_the_python_paths_bits(world):
+    for res in spawn.run(world, _compare, backend="flatcomm", timeout_s=TIMEOUT_S):
+        for case, (kind, same_tensor, same_bits) in res.items():
+            assert kind == "Work" and same_tensor and same_bits, (case, kind, same_tensor, same_bits)
+
+
+def _disagree(rank: int, world: int, case: str) -> dict:
+    import torch.distributed as dist
+
+    big = 1_200_096  # native at 2 and 3 ranks: its second call runs on the lane
+    for seed in (0, 1):
+        dist.all_reduce(_inputs(rank, big, "random"))
+    t0 = time.monotonic()
+    err = None
+    try:
+        if rank == 0 or case == "same":
+            dist.all_reduce(_inputs(rank, 1024, "random"))
+        elif case == "size":
+            dist.all_reduce(_inputs(rank, 1000, "random"))
+        elif case == "lane":
+            dist.all_reduce(_inputs(rank, big, "random"))  # early on the lane
+        elif case == "integer":
+            dist.all_reduce(torch.ones(1024, dtype=torch.int64))
+        elif case == "op":
+            dist.all_reduce(_inputs(rank, 1024, "random"), op=dist.ReduceOp.MAX)
+    except (RuntimeError, ValueError, TypeError) as e:
+        err = f"{type(e).__name__}: {e}"
+    elapsed = time.monotonic() - t0
+    right = []
+    for k in range(3):
+        t = _inputs(rank, 33, "random") * (k + 1)
+        ref = _inputs(0, 33, "random") * (k + 1)
+        for r in range(1, world):
+            ref += _inputs(r, 33, "random") * (k + 1)
+        dist.all_reduce(t)
+        right.append(torch.equal(t, ref))
+    return {"err": err, "s": elapsed, "right": right}
+
+
+@pytest.mark.parametrize("world,case,says", [
+    (2, "size", "ValueError: flatcomm: ranks disagree on numel"),
+    (2, "lane", "ValueError: flatcomm: ranks disagree on numel"),
+    (2, "integer", "ValueError: flatcomm: ranks disagree on"),
+    (2, "op", "ValueError: flatcomm: ranks disagree on"),
+    (3, "size", "ValueError: flatcomm: ranks disagree on numel"),
+])
+def test_disagreeing_native_small_calls_raise_everywhere_and_the_group_goes_on(world, case, says):
+    res = spawn.run(world, _disagree, case, backend="flatcomm", timeout_s=TIMEOUT_S)
+    errors = {r["err"] for r in res}
+    assert len(errors) == 1 and None not in errors, errors
+    assert errors.pop().startswith(says)
+    for r in res:
+        assert r["s"] < TIMEOUT_S / 3, r["s"]
+        assert r["right"] == [True] * 3
+
+
+def test_agreeing_native_small_calls_raise_nothing():
+    for r in spawn.run(2, _disagree, "same", backend="flatcomm", timeout_s=TIMEOUT_S):
+        assert r["err"] is None and r["right"] == [True] * 3
