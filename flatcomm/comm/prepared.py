@@ -36,8 +36,10 @@ class Prepared:
         self.group, self.spec = group, spec
         self.in_slot = small.fits_all_reduce(group, a, spec.mode) and small.in_slot(group, a, spec.mode)
         self.what = f"all_reduce of {a.src.numel()} values ({a.codec.name})"
-        # the group's name in torch's registry when its calls run natively (the lane's), else None
-        self.native = p2p.native_name(group) if flat.runs_natively(group, a, spec.mode) else None
+        # the group's name in torch's registry when its calls run natively (the lane's; a small call
+        # takes the small path first, as flat.checked_all_reduce does), else None
+        self.native = (p2p.native_name(group) if not small.fits_all_reduce(group, a, spec.mode)
+                       and flat.runs_natively(group, a, spec.mode) else None)
         self.slot_native = small_native.name_if_native(group, a, spec.mode, self.in_slot)  # the same, in the slot
         none = a.src.new_empty(0)  # each post gives its tensor: the first one is not kept alive here
         self.a = dataclasses.replace(a, src=none, out=none)
