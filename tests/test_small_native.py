@@ -114,3 +114,30 @@ def test_disagreeing_native_small_calls_raise_everywhere_and_the_group_goes_on(w
 def test_agreeing_native_small_calls_raise_nothing():
     for r in spawn.run(2, _disagree, "same", backend="flatcomm", timeout_s=TIMEOUT_S):
         assert r["err"] is None and r["right"] == [True] * 3
+
+
+def _late_peer(rank: int, world: int) -> tuple:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(16))  # prepared: the next call is native
+    t = torch.full((16,), float(rank + 1))
+    if rank == 1:
+        time.sleep(1.0)
+    work = dist.all_reduce(t, async_op=True)
+    early = None
+    if rank == 0:
+        try:
+            work.wait(datetime.timedelta(seconds=0.2))
+        except RuntimeError as e:
+            early = str(e)
+    work.wait()  # the peer joined: done
+    return type(work).__name__, early, t.tolist()
+
+
+def test_a_native_calls_wait_with_a_timeout_names_it_and_the_call_stays_in_flight():
+    (r0, r1) = spawn.run(2, _late_peer, backend="flatcomm", timeout_s=TIMEOUT_S)
+    assert r0[0] == r1[0] == "Work"
+    assert r0[1] is not None and "did not finish within 200 ms (still in flight" in r0[1], r0[1]
+    assert r0[2] == r1[2] == [3.0] * 16

@@ -33,6 +33,19 @@ void NativeWork::settle(const std::exception_ptr& error) {
   finished.push_back(token_);
 }
 
+bool NativeWork::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const auto done = [&] { return completed_; };
+  if (timeout == ::kNoTimeout)
+    cv_.wait(lock, done);  // (each native call is bounded by its group's timeout)
+  else
+    TORCH_CHECK(cv_.wait_for(lock, timeout, done), "flatcomm: all_reduce of ", out_.numel(),
+                " values did not finish within ", timeout.count(),
+                " ms (still in flight: wait again; the group's own timeout fails it if a peer never joins)");
+  if (exception_) std::rethrow_exception(exception_);
+  return true;
+}
+
 std::vector<int64_t> native_finished() {
   std::lock_guard<std::mutex> lock(finished_mutex);
   return std::exchange(finished, {});

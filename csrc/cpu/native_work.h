@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <chrono>
 #include <exception>
 #include <string>
 #include <vector>
@@ -24,6 +25,8 @@ class NativeWork : public c10d::Work {
   NativeWork(at::Tensor out, int64_t token);
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return {out_}; }
+  // As Work::wait, with a timeout that names what is still in flight (which it stays: wait again).
+  bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
   // Complete it: nullptr, with [out]; else failed with `error` (a C++ error DDP's reducer rethrows).
   void settle(const std::exception_ptr& error);
 

@@ -265,8 +265,8 @@ class CallHeader:
     @classmethod
     def exchanged(cls, group, agree: Optional[Sequence[Tuple[str, int]]], fields: Sequence[Tuple[str, int]], call: int,
                   mine: torch.Tensor, table: torch.Tensor, early: int, failed: Optional[str]) -> "CallHeader":
-        """The header of an early call whose exchange C++ made (:mod:`flatcomm.comm.lane`), built
-        only when Python must settle it: ``mine``, this rank's row (``fields``, the call number
+        """The header of a native call whose exchange C++ made (:mod:`flatcomm.comm.native_calls`),
+        built only when Python must settle it: ``mine``, this rank's row (``fields``, the call number
         ``call``), ``table``, every rank's; ``failed``: the exchange's error, if it failed."""
         h = cls.__new__(cls)
         h._start(group, fields, early, call)
