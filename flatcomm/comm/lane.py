@@ -67,10 +67,6 @@ def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> Opt
     token = native_calls.record(group, a.fields, fields, call, mine, table, plan)
     p, flat = a.plan, tensor.view(-1)
     pieces = [p.bounds[d] + x for d in range(p.world) for x in p.chunk_bounds[d]]
-    if isinstance(spec.stats, CommStats):  # (exchange_s is not timed on the lane: that would take Python)
-        shard = p.bounds[p.rank + 1] - p.bounds[p.rank]
-        spec.stats.calls += 1
-        spec.stats.wire_bytes += (flat.numel() - shard + shard * (p.world - 1)) * flat.element_size()
     try:
         work = ops.lane_all_reduce(flat, tensor, name, pieces, a.chunks, a.scale, agreed.tag_base(plan), table, mine,
                                    header.WIDTH, token, lane)
@@ -78,4 +74,8 @@ def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> Opt
         native_calls.forget(token)
         raise
     native_calls.posted(group)
+    if isinstance(spec.stats, CommStats):  # (exchange_s is not timed on the lane: that would take Python)
+        shard = p.bounds[p.rank + 1] - p.bounds[p.rank]
+        spec.stats.calls += 1
+        spec.stats.wire_bytes += (flat.numel() - shard + shard * (p.world - 1)) * flat.element_size()
     return dist.Work.unbox(work)

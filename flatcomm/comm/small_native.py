@@ -42,9 +42,6 @@ def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> dis
     mine = row(call, OK, a.fields, header.FIELDS, "", header.slot_of(group))
     table = torch.empty(a.world, mine.numel(), dtype=torch.int64)
     token = native_calls.record(group, None, a.fields, call, mine, table, 0)
-    if isinstance(spec.stats, CommStats):  # (the exchange is not timed: that would take Python)
-        spec.stats.calls += 1
-        spec.stats.wire_bytes += a.codec.wire_bytes(tensor.numel()) * (a.world - 1)
     try:
         work = ops.slot_all_reduce(tensor.view(-1), tensor, name, table, mine, header.WIDTH, header.SLOT_OFFSET,
                                    a.scale, token)
@@ -52,4 +49,7 @@ def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> dis
         native_calls.forget(token)
         raise
     native_calls.posted(group)
+    if isinstance(spec.stats, CommStats):  # (the exchange is not timed: that would take Python)
+        spec.stats.calls += 1
+        spec.stats.wire_bytes += a.codec.wire_bytes(tensor.numel()) * (a.world - 1)
     return dist.Work.unbox(work)
