@@ -24,6 +24,11 @@ inline bool rows_agree(const at::Tensor& table, const at::Tensor& mine, int64_t 
 // The op `op`'s checks of a table, a row and a width (named in its errors).
 void check_rows(const at::Tensor& table, const at::Tensor& mine, int64_t width, const char* op);
 
+// This rank's row `mine` gathered from every rank of the registered group `group` into `table`
+// (one row per rank, checked: the op `op` names it in its error), posted on the group's CPU backend.
+c10::intrusive_ptr<c10d::Work> gather_rows(c10::string_view group, const at::Tensor& table, const at::Tensor& mine,
+                                           const char* op);
+
 // Once `work` (the rows' exchange) completes, when the rows disagree: module.on_disagreement(token),
 // with the GIL (module: a static string).
 void watch_rows(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& table, const at::Tensor& mine,

@@ -6,10 +6,17 @@
 // Why not a Python callback on the exchange's future: it would take the GIL on gloo's thread at
 // every call, while that thread holds its queue (the hazard flatcomm/comm/header.py keeps the row
 // alive for). A DDP step on 2 ranks measured the same either way (docs/backend.md).
+//
+// Also what the native calls (lane.cpp, slot_all_reduce.cpp) do with their rows: the checks of a
+// table and a row, and the rows' all-gather.
 #include <ATen/ATen.h>
 #include <pybind11/pybind11.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/library.h>
+
+#include <string>
 
 #include "header_rows.h"
 
@@ -25,6 +32,16 @@ void check_rows(const at::Tensor& table, const at::Tensor& mine, int64_t width, 
               mine.sizes());
   TORCH_CHECK(0 <= width && width <= mine.numel() && width <= table.size(1), "flatcomm: ", op, ": width ", width,
               " is outside the rows of ", mine.numel(), " and ", table.size(1), " values");
+}
+
+c10::intrusive_ptr<c10d::Work> gather_rows(c10::string_view group, const at::Tensor& table, const at::Tensor& mine,
+                                           const char* op) {
+  auto pg = c10d::resolve_process_group(std::string(group));
+  TORCH_CHECK(table.size(0) == pg->getSize() && table.size(1) == mine.numel(), "flatcomm: ", op,
+              ": the table must hold one row of ", mine.numel(), " values per rank (", pg->getSize(), "), got ",
+              table.sizes());
+  at::Tensor rows = table.view({-1}), row = mine;
+  return pg->getBackend(c10::DeviceType::CPU)->_allgather_base(rows, row, c10d::AllgatherOptions());
 }
 
 void watch_rows(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& table, const at::Tensor& mine,

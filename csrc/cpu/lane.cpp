@@ -15,8 +15,6 @@
 #include "lane.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/library.h>
 
@@ -186,10 +184,6 @@ c10::intrusive_ptr<c10d::Work> lane_all_reduce(const at::Tensor& flat, const at:
                                                const at::Tensor& table, const at::Tensor& mine, int64_t width,
                                                int64_t token, int64_t lane) {
   check_rows(table, mine, width, "lane_all_reduce");
-  auto pg = c10d::resolve_process_group(std::string(group));
-  TORCH_CHECK(table.size(0) == pg->getSize() && table.size(1) == mine.numel(),
-              "flatcomm: lane_all_reduce: the table must hold one row of ", mine.numel(), " values per rank (",
-              pg->getSize(), "), got ", table.sizes());
   TORCH_CHECK(chunks >= 0 && static_cast<int64_t>(pieces.size()) == table.size(0) * (chunks + 1),
               "flatcomm: lane_all_reduce: pieces must hold world * (chunks + 1) = ", table.size(0) * (chunks + 1),
               " bounds, got ", pieces.size());
@@ -202,8 +196,7 @@ c10::intrusive_ptr<c10d::Work> lane_all_reduce(const at::Tensor& flat, const at:
   call.tag_base = tag_base;
   // The call header, posted here, in call order (the caller holds its group's worker idle), and
   // watched: an early peer's transfers may be waiting for the ones its disagreement calls for.
-  at::Tensor rows = table.view({-1}), row = mine;
-  call.header = pg->getBackend(c10::DeviceType::CPU)->_allgather_base(rows, row, c10d::AllgatherOptions());
+  call.header = gather_rows(group, table, mine, "lane_all_reduce");
   watch_rows(call.header, table, mine, width, token, kNativeCalls);
   call.table = table;
   call.mine = mine;

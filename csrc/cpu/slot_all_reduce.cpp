@@ -5,8 +5,6 @@
 // Python's part of a call is only its post; a disagreement or a failed exchange goes to
 // flatcomm.comm.native_calls.verdict for the header's error, the same on every rank.
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 
 #include "header_rows.h"
@@ -32,13 +30,8 @@ c10::intrusive_ptr<c10d::Work> slot_all_reduce(const at::Tensor& flat, const at:
   TORCH_CHECK(slot_offset >= width * 8 && slot_offset % 8 == 0 && slot_offset + 4 * n <= row_bytes,
               "flatcomm: slot_all_reduce: ", n, " values at byte ", slot_offset, " do not fit the slot of a ", row_bytes,
               "-byte row");
-  auto pg = c10d::resolve_process_group(std::string(group));
-  TORCH_CHECK(table.size(0) == pg->getSize() && table.size(1) == mine.numel(),
-              "flatcomm: slot_all_reduce: the table must hold one row of ", mine.numel(), " values per rank (",
-              pg->getSize(), "), got ", table.sizes());
   std::memcpy(reinterpret_cast<char*>(mine.data_ptr<int64_t>()) + slot_offset, flat.data_ptr<float>(), 4 * n);
-  at::Tensor rows = table.view({-1}), row = mine;
-  auto exchange = pg->getBackend(c10::DeviceType::CPU)->_allgather_base(rows, row, c10d::AllgatherOptions());
+  auto exchange = gather_rows(group, table, mine, "slot_all_reduce");
   auto work = c10::make_intrusive<NativeWork>(out, token);
   const float fscale = static_cast<float>(scale);
   exchange->getFuture()->addCallback(

@@ -26,28 +26,22 @@ import torch.distributed as dist
 
 from . import agreed, context, groups, header, native_calls, worker
 from .args import Call
-from .header_table import OK, row, set_early
 from .pipeline import CommStats
 from .spec import CallSpec
 from ..ops.native import extension, ops
 
 __all__ = ["post"]
 
-_LANE = "native lane"  # context slot: the group's lane id, once it has one
-
-
 def _lane(group) -> int:
-    """The id of the group's lane (its worker key), made with the group's timeout the first time."""
+    """The id of the group's lane: its worker key. The first time, the group's timeout is kept for
+    the worker's drains (which marks the group as having a lane) and the lane closes with it."""
     ctx = context.of(group)
-
-    def make() -> int:
-        key = ctx.token
+    if ctx.get(worker.LANE_TIMEOUT) is None:
         timeout = groups.group_timeout(group) or dist.distributed_c10d.default_pg_timeout
         ctx.set(worker.LANE_TIMEOUT, timeout.total_seconds())
+        key = ctx.token
         ctx.on_close(lambda: extension.lane_close(key))
-        return key
-
-    return ctx.slot(_LANE, make)
+    return ctx.token
 
 
 def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> Optional[dist.Work]:
@@ -60,22 +54,13 @@ def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> Opt
         return None
     lane = _lane(group)
     fields = list(a.fields) + [("agreed plans", agreed.count(group))]
-    call = header.next_call(group)
-    mine = row(call, OK, fields, header.FIELDS, "", header.slot_of(group))
-    set_early(mine, len(header.FIELDS), plan)
-    table = torch.empty(a.world, mine.numel(), dtype=torch.int64)
-    token = native_calls.record(group, a.fields, fields, call, mine, table, plan)
+    token, mine, table = native_calls.record(group, a.fields, fields, plan, a.world)
     p, flat = a.plan, tensor.view(-1)
     pieces = [p.bounds[d] + x for d in range(p.world) for x in p.chunk_bounds[d]]
-    try:
-        work = ops.lane_all_reduce(flat, tensor, name, pieces, a.chunks, a.scale, agreed.tag_base(plan), table, mine,
-                                   header.WIDTH, token, lane)
-    except BaseException:
-        native_calls.forget(token)
-        raise
-    native_calls.posted(group)
+    work = native_calls.launched(group, token, lambda: ops.lane_all_reduce(
+        flat, tensor, name, pieces, a.chunks, a.scale, agreed.tag_base(plan), table, mine, header.WIDTH, token, lane))
     if isinstance(spec.stats, CommStats):  # (exchange_s is not timed on the lane: that would take Python)
         shard = p.bounds[p.rank + 1] - p.bounds[p.rank]
         spec.stats.calls += 1
         spec.stats.wire_bytes += (flat.numel() - shard + shard * (p.world - 1)) * flat.element_size()
-    return dist.Work.unbox(work)
+    return work

@@ -3,7 +3,8 @@ all-reduces (:mod:`flatcomm.comm.lane`) and the small ones in one exchange
 (:mod:`flatcomm.comm.small_native`).
 
 A native call posts its call header from C++ and checks it there; Python keeps only what its
-:class:`~flatcomm.comm.header.CallHeader` would be built from (:func:`record`). Only when the call
+:class:`~flatcomm.comm.header.CallHeader` would be built from (:func:`record`, then
+:func:`launched`). Only when the call
 fails does C++ call back: :func:`on_disagreement` (gloo's thread, the rows arrived and differ: the
 header is settled at once, so an early peer's transfers get their fills) and :func:`verdict` (what
 the call's Work fails with). A record holds the row and the table, never the caller's tensor; it is
@@ -16,70 +17,86 @@ import collections
 import itertools
 import threading
 import weakref
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from . import context, header
+from .header_table import OK, row, set_early
 from ..ops.native import extension
 
-__all__ = ["KEEP", "forget", "on_disagreement", "posted", "record", "verdict"]
+__all__ = ["KEEP", "launched", "on_disagreement", "record", "verdict"]
 
 KEEP = 8  # finished calls whose records stay (see the module's docstring)
-_WATCHED = "native calls"  # context slot: True once the group's records go when it is destroyed
+_TRACKED = "native calls"  # context slot: True once the group's records go when it is destroyed
 _tokens = itertools.count(1)
 _lock = threading.Lock()  # _CALLS and _HEADERS: the callers', gloo's and the lanes' threads
 _CALLS: Dict[int, tuple] = {}  # token -> what the call's header is built from
 _HEADERS: Dict[int, header.CallHeader] = {}  # token -> its header, once built
 
 
-def record(group, agree: Optional[Sequence[Tuple[str, int]]], fields: Sequence[Tuple[str, int]], call: int,
-           mine: torch.Tensor, table: torch.Tensor, early: int) -> int:
-    """Keep what a native call's header is built from; its token (for C++)."""
+def record(group, agree: Optional[Sequence[Tuple[str, int]]], fields: Sequence[Tuple[str, int]], early: int,
+           world: int) -> Tuple[int, torch.Tensor, torch.Tensor]:
+    """A native call's header: its number (taken in call order, under the group's idle worker),
+    this rank's row of ``fields`` (``early``: the plan it runs on before its check, else 0) and the
+    table for every rank's, kept under a new token. Returns (token, row, table)."""
+    call = header.next_call(group)
+    mine = row(call, OK, fields, header.FIELDS, "", header.slot_of(group))
+    if early:
+        set_early(mine, len(header.FIELDS), early)
+    table = torch.empty(world, mine.numel(), dtype=torch.int64)
     token = next(_tokens)
     with _lock:
         _CALLS[token] = (weakref.ref(group), agree, list(fields), call, mine, table, early)
-    return token
+    return token, mine, table
+
+
+def launched(group, token: int, launch: Callable[[], torch.ScriptObject]) -> dist.Work:
+    """``launch()``, the op that posts the call of ``token``, as a ``dist.Work`` (the record is
+    dropped if it raises); then the records of the calls that finished before the last
+    :data:`KEEP` are dropped."""
+    try:
+        work = launch()
+    except BaseException:
+        _drop([token])
+        raise
+    _track(group)
+    finished = extension.native_finished()
+    with _lock:
+        _FINISHED.extend(finished)
+        while len(_FINISHED) > KEEP:
+            _forget_locked(_FINISHED.popleft())
+    return dist.Work.unbox(work)
 
 
 _FINISHED: Deque[int] = collections.deque()  # tokens of finished calls whose records still stay
 
 
+def _forget_locked(token: int) -> None:
+    _CALLS.pop(token, None)
+    _HEADERS.pop(token, None)
+
+
 def _drop(tokens: List[int]) -> None:
     with _lock:
         for token in tokens:
-            _CALLS.pop(token, None)
-            _HEADERS.pop(token, None)
+            _forget_locked(token)
 
 
-def _closing(ref: "weakref.ref") -> None:
-    """A group is destroyed: drop its calls' records (and those of groups already gone)."""
-    group = ref()
-    with _lock:
-        gone = [t for t, rec in _CALLS.items() if rec[0]() is None or rec[0]() is group]
-    _drop(gone)
-
-
-def forget(token: int) -> None:
-    """The call of ``token`` was never posted (its op raised)."""
-    _drop([token])
-
-
-def posted(group) -> None:
-    """A native call was posted on ``group``: drop the records of the calls that finished before
-    the last :data:`KEEP` (the first time, arrange for the group's to go when it is destroyed)."""
+def _track(group) -> None:
+    """The first time: drop the group's records when it is destroyed (and those of groups gone)."""
     ctx = context.of(group)
-    if not ctx.get(_WATCHED):
-        ctx.set(_WATCHED, True)
+    if not ctx.get(_TRACKED):
+        ctx.set(_TRACKED, True)
         ref = weakref.ref(group)
-        ctx.on_close(lambda: _closing(ref))
-    finished = extension.native_finished()
-    with _lock:
-        _FINISHED.extend(finished)
-        while len(_FINISHED) > KEEP:
-            token = _FINISHED.popleft()
-            _CALLS.pop(token, None)
-            _HEADERS.pop(token, None)
+
+        def closing() -> None:
+            with _lock:
+                gone = [t for t, rec in _CALLS.items() if rec[0]() is None or rec[0]() is ref()]
+            _drop(gone)
+
+        ctx.on_close(closing)
 
 
 def _header(token: int, failed: Optional[str] = None) -> Optional[header.CallHeader]:

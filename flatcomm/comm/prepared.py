@@ -18,7 +18,7 @@ the same bits and errors:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Callable, Optional, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -36,31 +36,32 @@ class Prepared:
         self.group, self.spec = group, spec
         self.in_slot = small.fits_all_reduce(group, a, spec.mode) and small.in_slot(group, a, spec.mode)
         self.what = f"all_reduce of {a.src.numel()} values ({a.codec.name})"
-        # the group's name in torch's registry when its calls run natively (the lane's; a small call
-        # takes the small path first, as flat.checked_all_reduce does), else None
-        self.native = (p2p.native_name(group) if not small.fits_all_reduce(group, a, spec.mode)
-                       and flat.runs_natively(group, a, spec.mode) else None)
-        self.slot_native = small_native.name_if_native(group, a, spec.mode, self.in_slot)  # the same, in the slot
+        self.native = self._native_post(group, a, spec.mode)
         none = a.src.new_empty(0)  # each post gives its tensor: the first one is not kept alive here
         self.a = dataclasses.replace(a, src=none, out=none)
 
+    @staticmethod
+    def _native_post(group, a: args.Call, mode: str) -> Optional[Tuple[Callable, str]]:
+        """(post, the group's name in torch's registry) of the native path the call takes, if any:
+        the small ordered call in the slot, else the lane (a small call takes the small path first,
+        as flat.checked_all_reduce does); the lane's post may still decline (no agreed plan yet)."""
+        if small.fits_all_reduce(group, a, mode):
+            name = small_native.name_if_native(group, a, mode, small.in_slot(group, a, mode))
+            return (small_native.post, name) if name is not None else None
+        return (lane.post, cast(str, p2p.native_name(group))) if flat.runs_natively(group, a, mode) else None
+
     def post(self, tensor: torch.Tensor) -> Union[worker.Handle, dist.Work]:
-        """Start the all-reduce of ``tensor`` (contiguous, the prepared numel and dtype): on the
-        group's native lane (:mod:`flatcomm.comm.lane`, a ``dist.Work``) once it is an agreed plan
-        and the group's worker is idle; in the slot through :func:`flatcomm.comm.small.run`
+        """Start the all-reduce of ``tensor`` (contiguous, the prepared numel and dtype): natively
+        while the group's worker is idle (a ``dist.Work``: the small call in the slot,
+        :mod:`flatcomm.comm.small_native`, or the lane once it is an agreed plan,
+        :mod:`flatcomm.comm.lane`); else in the slot through :func:`flatcomm.comm.small.run`
         (posted from this thread while the group's worker is idle, else queued there in order);
         any other through :func:`flatcomm.comm.flat.checked_all_reduce`."""
         flat_ = tensor.view(-1)
-        if self.native is not None:  # on an agreed plan: the group's native lane, when its worker is idle
-            name = self.native
+        if self.native is not None:  # posted from this thread while the group's worker is idle
+            post, name = self.native
             work = worker.post_if_idle(worker.key_of(self.group),
-                                       lambda: lane.post(self.group, self.a, self.spec, tensor, name))
-            if work is not None:
-                return work
-        if self.slot_native is not None:  # in the slot, in C++, when the group's worker is idle
-            name = self.slot_native
-            work = worker.post_if_idle(worker.key_of(self.group),
-                                       lambda: small_native.post(self.group, self.a, self.spec, tensor, name))
+                                       lambda: post(self.group, self.a, self.spec, tensor, name))
             if work is not None:
                 return work
         if self.in_slot:

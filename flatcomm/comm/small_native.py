@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from . import groups, header, native_calls, p2p
 from .args import Call
-from .header_table import OK, row
 from .pipeline import CommStats
 from .spec import CallSpec
 from ..ops.native import ops
@@ -38,18 +37,10 @@ def name_if_native(group, a: Call, mode: str, in_slot: bool) -> Optional[str]:
 def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> dist.Work:
     """Post the all-reduce of ``tensor`` (contiguous, the numel of ``a``). Called under
     :func:`flatcomm.comm.worker.post_if_idle`: its exchange is issued in call order."""
-    call = header.next_call(group)
-    mine = row(call, OK, a.fields, header.FIELDS, "", header.slot_of(group))
-    table = torch.empty(a.world, mine.numel(), dtype=torch.int64)
-    token = native_calls.record(group, None, a.fields, call, mine, table, 0)
-    try:
-        work = ops.slot_all_reduce(tensor.view(-1), tensor, name, table, mine, header.WIDTH, header.SLOT_OFFSET,
-                                   a.scale, token)
-    except BaseException:
-        native_calls.forget(token)
-        raise
-    native_calls.posted(group)
+    token, mine, table = native_calls.record(group, None, a.fields, 0, a.world)
+    work = native_calls.launched(group, token, lambda: ops.slot_all_reduce(
+        tensor.view(-1), tensor, name, table, mine, header.WIDTH, header.SLOT_OFFSET, a.scale, token))
     if isinstance(spec.stats, CommStats):  # (the exchange is not timed: that would take Python)
         spec.stats.calls += 1
         spec.stats.wire_bytes += a.codec.wire_bytes(tensor.numel()) * (a.world - 1)
-    return dist.Work.unbox(work)
+    return work
