@@ -51,6 +51,10 @@ TORCH_LIBRARY(flatcomm, m) {
   // An early call's header (cpu/header_watch.cpp): once `work` completes, when the first `width`
   // values of a row of `table` differ from `mine`, flatcomm.comm.header.on_disagreement(token).
   m.def("watch_header(__torch__.torch.classes.c10d.Work work, Tensor table, Tensor mine, int width, int token) -> ()");
+  // A call header's exchange (cpu/header_watch.cpp): this rank's row `mine` gathered from every rank
+  // of `group` into `table` (one row per rank), on the group's CPU backend, through tensors made in C++.
+  m.def("gather_header(__torch__.torch.classes.c10d.ProcessGroup group, Tensor(a!) table, Tensor mine) -> "
+        "__torch__.torch.classes.c10d.Work");
   // An agreed early all-reduce on the group's native lane `lane` (cpu/lane.cpp): p2p_sum_all_reduce_'s
   // arguments (the scratch is the lane's), then the call header: this rank's row `mine`, gathered
   // into `table` (posted here) and watched as watch_header's. The Work completes with [out] once the
@@ -63,7 +67,7 @@ TORCH_LIBRARY(flatcomm, m) {
   // rows agree (their first `width` values), the payloads summed in rank order, times scale, into
   // flat. The Work completes with [out].
   m.def("slot_all_reduce(Tensor(a!) flat, Tensor out, str group, Tensor(b!) table, Tensor(c!) mine, int width, "
-        "int slot_offset, float scale, int token) -> __torch__.torch.classes.c10d.Work");
+        "int slot_offset, float scale, int token, int lane) -> __torch__.torch.classes.c10d.Work");
 }
 
 #define FLATCOMM_STRINGIFY_(x) #x
@@ -247,6 +251,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("native_finished", &flatcomm::ops::native_finished,
         "The tokens of the native calls completed since the last call (cpu/native_work.h).");
   m.def("lane_completed", &flatcomm::ops::lane_completed, "How many calls of a native lane have finished.");
+  m.def("lane_in_flight", &flatcomm::ops::lane_in_flight,
+        "How many native calls of a group were posted and have not finished (cpu/lane.h).");
   m.def("lane_close", &flatcomm::ops::lane_close, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "End a native lane (its group was destroyed).");
   m.def("max_block_size", [] { return flatcomm::core::kMaxBlock; });

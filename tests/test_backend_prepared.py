@@ -145,7 +145,7 @@ def _behind_a_queued_call(rank: int, world: int) -> list:
 
     took = []
     post_if_idle = worker.post_if_idle  # (None: the call was queued behind the others)
-    worker.post_if_idle = lambda key, post: took.append(p := post_if_idle(key, post)) or p
+    worker.post_if_idle = lambda key, post, **kw: took.append(p := post_if_idle(key, post, **kw)) or p
     big = torch.full((1 << 22,), float(rank + 1))
     out = []
     for _ in range(3):

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <cstring>
@@ -21,13 +22,22 @@ inline bool rows_agree(const at::Tensor& table, const at::Tensor& mine, int64_t 
   return true;
 }
 
+// A tensor on `t`'s memory that never had a Python object and holds no reference to `t` (a view
+// would: its base). What C++ threads keep of a tensor Python made: dropping the second-to-last
+// reference to a tensor with a Python object takes the GIL (torch 2.13's decref_pyobject), and a
+// lane or gloo thread that waits for the GIL stalls every exchange of the group behind whichever
+// thread holds it. (Storage has no Python object unless Python asked for it.)
+inline at::Tensor alias_of(const at::Tensor& t) {
+  return at::empty({0}, t.options()).set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
+}
+
 // The op `op`'s checks of a table, a row and a width (named in its errors).
 void check_rows(const at::Tensor& table, const at::Tensor& mine, int64_t width, const char* op);
 
-// This rank's row `mine` gathered from every rank of the registered group `group` into `table`
-// (one row per rank, checked: the op `op` names it in its error), posted on the group's CPU backend.
-c10::intrusive_ptr<c10d::Work> gather_rows(c10::string_view group, const at::Tensor& table, const at::Tensor& mine,
-                                           const char* op);
+// This rank's row `mine` gathered from every rank of a group into `table` (one row per rank,
+// checked: the op `op` names it in its error), posted on the group's CPU backend `backend`.
+c10::intrusive_ptr<c10d::Work> gather_rows(const c10::intrusive_ptr<c10d::Backend>& backend, const at::Tensor& table,
+                                           const at::Tensor& mine, const char* op);
 
 // Once `work` (the rows' exchange) completes, when the rows disagree: module.on_disagreement(token),
 // with the GIL (module: a static string).

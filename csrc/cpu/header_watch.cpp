@@ -19,6 +19,7 @@
 #include <string>
 
 #include "header_rows.h"
+#include "native_work.h"
 
 namespace flatcomm {
 namespace ops {
@@ -34,20 +35,23 @@ void check_rows(const at::Tensor& table, const at::Tensor& mine, int64_t width, 
               " is outside the rows of ", mine.numel(), " and ", table.size(1), " values");
 }
 
-c10::intrusive_ptr<c10d::Work> gather_rows(c10::string_view group, const at::Tensor& table, const at::Tensor& mine,
-                                           const char* op) {
-  auto pg = c10d::resolve_process_group(std::string(group));
-  TORCH_CHECK(table.size(0) == pg->getSize() && table.size(1) == mine.numel(), "flatcomm: ", op,
-              ": the table must hold one row of ", mine.numel(), " values per rank (", pg->getSize(), "), got ",
+c10::intrusive_ptr<c10d::Work> gather_rows(const c10::intrusive_ptr<c10d::Backend>& backend, const at::Tensor& table,
+                                           const at::Tensor& mine, const char* op) {
+  TORCH_CHECK(table.size(0) == backend->getSize() && table.size(1) == mine.numel(), "flatcomm: ", op,
+              ": the table must hold one row of ", mine.numel(), " values per rank (", backend->getSize(), "), got ",
               table.sizes());
-  at::Tensor rows = table.view({-1}), row = mine;
-  return pg->getBackend(c10::DeviceType::CPU)->_allgather_base(rows, row, c10d::AllgatherOptions());
+  // Aliases made here (header_rows.h): gloo's thread drops a finished exchange's tensors.
+  at::Tensor rows = alias_of(table).view({-1}), row = alias_of(mine).view({-1});
+  return backend->_allgather_base(rows, row, c10d::AllgatherOptions());
 }
 
 void watch_rows(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& table, const at::Tensor& mine,
                 int64_t width, int64_t token, const char* module) {
-  work->getFuture()->addCallback([table, mine, width, token, module](c10::ivalue::Future& done) {
+  // (aliases: the callback is dropped on gloo's thread once it ran)
+  work->getFuture()->addCallback([table = alias_of(table), mine = alias_of(mine), width, token,
+                                  module](c10::ivalue::Future& done) {
     if (done.hasError() || rows_agree(table, mine, width)) return;  // the common case: no Python
+    if (!python_alive()) return;  // (exiting: nobody is left to wait for the fills)
     pybind11::gil_scoped_acquire gil;
     try {
       pybind11::module_::import(module).attr("on_disagreement")(token);
@@ -59,6 +63,14 @@ void watch_rows(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& ta
 
 namespace {
 
+// Every rank's row gathered into the table, on the group's CPU backend (a Python call header's
+// exchange: flatcomm/comm/header.py).
+c10::intrusive_ptr<c10d::Work> gather_header(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                             const at::Tensor& table, const at::Tensor& mine) {
+  check_rows(table, mine, 0, "gather_header");
+  return gather_rows(group->getBackend(c10::DeviceType::CPU), table, mine, "gather_header");
+}
+
 void watch_header(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& table, const at::Tensor& mine,
                   int64_t width, int64_t token) {
   check_rows(table, mine, width, "watch_header");
@@ -69,6 +81,7 @@ void watch_header(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& 
 
 TORCH_LIBRARY_IMPL(flatcomm, CPU, m) {
   m.impl("watch_header", &watch_header);
+  m.impl("gather_header", &gather_header);
 }
 
 }  // namespace ops

@@ -9,9 +9,11 @@
 // A call: the native all-reduce (p2p_all_reduce.cpp, without waiting for the call header, which
 // was posted with the call: flatcomm/comm/agreed.py), then the header's rows compared. Only a
 // failure calls Python: the header's error (the same on every rank), or the op's own error once
-// the header is settled. Calls of the lane run in the order they were posted; the group's Python
-// worker drains the lane before each of its own calls (flatcomm/comm/worker.py), so the group's
-// calls still run one at a time, in call order.
+// the header is settled. A call starts only once every native call posted before it finished
+// (lane calls and small slot calls, counted together here); the group's Python worker drains the
+// lane before each of its own calls (flatcomm/comm/worker.py), so the group's calls run one at a
+// time, in call order. Nothing here takes the GIL on success: the transfers go to the group's CPU
+// backend (gloo) directly, and every tensor a call holds was made in C++ or is held by Python too.
 #include "lane.h"
 
 #include <ATen/ATen.h>
@@ -21,6 +23,9 @@
 #include "header_rows.h"
 #include "native_work.h"
 #include "p2p_all_reduce.h"
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
 #include <condition_variable>
@@ -34,37 +39,50 @@
 
 namespace flatcomm {
 namespace ops {
+
 namespace {
 
 struct Call {
   at::Tensor flat;
-  std::string group;
+  c10::intrusive_ptr<c10d::Backend> backend;
   std::vector<int64_t> pieces;
   int64_t chunks = 0;
   double scale = 1.0;
   int64_t tag_base = 0;
+  int64_t seq = 0;  // native calls of the group posted before this one
   c10::intrusive_ptr<c10d::Work> header;
   at::Tensor table, mine;
   int64_t width = 0, token = 0;
   c10::intrusive_ptr<NativeWork> work;
 };
 
+}  // namespace
+
 class Lane : public std::enable_shared_from_this<Lane> {
  public:
-  // The thread holds the lane until its loop ends (a lane closed from its own thread then outlives
-  // the close).
-  void start() {
-    thread_ = std::thread([self = shared_from_this()] { self->loop(); });
+  int64_t admit(const std::function<void()>& post_exchange) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!closing_, "flatcomm: the process group was destroyed; its collectives cannot run");
+    post_exchange();
+    return posted_++;
   }
 
-  void post(Call call) {
+  void enqueue(Call call) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      TORCH_CHECK(!closing_, "flatcomm: the process group's lane was closed (its group was destroyed)");
       queue_.push_back(std::move(call));
-      ++posted_;
+      if (!thread_.joinable()) thread_ = std::thread([self = shared_from_this()] { self->loop(); });
     }
-    wake_.notify_one();
+    wake_.notify_all();
+  }
+
+  void finished() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++done_;
+    }
+    wake_.notify_all();
+    idle_.notify_all();
   }
 
   void drain(double timeout_s) {
@@ -82,19 +100,27 @@ class Lane : public std::enable_shared_from_this<Lane> {
 
   int64_t completed() {
     std::lock_guard<std::mutex> lock(mutex_);
-    return done_;
+    return ran_;
+  }
+
+  int64_t in_flight() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return posted_ - done_;
   }
 
   void close() {
+    bool join;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       closing_ = true;
+      join = !running_ && queue_.empty();
     }
     wake_.notify_all();
-    if (std::this_thread::get_id() == thread_.get_id())
-      thread_.detach();
-    else if (thread_.joinable())
+    if (!thread_.joinable()) return;
+    if (join && std::this_thread::get_id() != thread_.get_id())
       thread_.join();
+    else  // (a call still running ends by its own timeout; the thread holds the lane until then)
+      thread_.detach();
   }
 
  private:
@@ -106,19 +132,26 @@ class Lane : public std::enable_shared_from_this<Lane> {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return closing_ || !queue_.empty(); });
         if (queue_.empty()) return;
+        // In call order: the native calls posted before this one (small ones complete on gloo's
+        // thread) finish first; a closed lane stops waiting and fails what is left.
+        wake_.wait(lock, [&] { return closing_ || done_ >= queue_.front().seq; });
         call = std::move(queue_.front());
         queue_.pop_front();
         skip = closing_;
+        running_ = true;
       }
       const std::exception_ptr error =
-          skip ? error_named("RuntimeError", "flatcomm: the process group was destroyed before this all-reduce ran")
+          skip ? error_named("RuntimeError",
+                             "flatcomm: the process group was destroyed before this all-reduce ran (its calls were "
+                             "not drained)")
                : run(call);
       {  // counted before the Work completes: a waiter that saw it complete sees it counted
         std::lock_guard<std::mutex> lock(mutex_);
-        ++done_;
+        running_ = false;
+        ++ran_;
       }
-      idle_.notify_all();
-      call.work->settle(error);  // (DDP's callbacks run here, in C++)
+      call.work->settle(error, [this] { finished(); });  // (DDP's callbacks run here, in C++)
+      release_work(call.work);
     }
   }
 
@@ -126,8 +159,8 @@ class Lane : public std::enable_shared_from_this<Lane> {
   std::exception_ptr run(Call& call) {
     std::exception_ptr failed, exchange;
     try {
-      p2p_sum_all_reduce_(call.flat, scratch(scratch_numel(call)), call.group, call.pieces, call.chunks, call.scale,
-                          call.tag_base);
+      p2p_sum_all_reduce_(call.flat, scratch(scratch_numel(call)), call.backend, call.pieces, call.chunks,
+                          call.scale, call.tag_base);
     } catch (...) {
       failed = std::current_exception();
     }
@@ -159,24 +192,25 @@ class Lane : public std::enable_shared_from_this<Lane> {
   std::mutex mutex_;
   std::condition_variable wake_, idle_;
   std::deque<Call> queue_;
-  int64_t posted_ = 0, done_ = 0;
-  bool closing_ = false;
+  int64_t posted_ = 0, done_ = 0;  // every native call of the group
+  int64_t ran_ = 0;                 // the calls this lane's thread ran
+  bool closing_ = false, running_ = false;
   at::Tensor scratch_ = at::empty({0}, at::kFloat);
   std::thread thread_;
 };
 
-// Never destroyed: a lane's thread may still be waiting when the process exits.
+namespace {
+
+// Never destroyed: a lane's thread may still be waiting when the process exits. A closed lane
+// stays listed (as nullptr): its id is never reused, and a post racing the close must fail, not
+// start a lane nobody closes.
 std::mutex registry_mutex;
 auto* registry = new std::unordered_map<int64_t, std::shared_ptr<Lane>>();
 
-std::shared_ptr<Lane> lane_of(int64_t id, bool make) {
+std::shared_ptr<Lane> existing_lane(int64_t id) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   auto it = registry->find(id);
-  if (it != registry->end()) return it->second;
-  if (!make) return nullptr;
-  auto lane = std::make_shared<Lane>();
-  lane->start();
-  return (*registry)[id] = lane;
+  return it == registry->end() ? nullptr : it->second;
 }
 
 c10::intrusive_ptr<c10d::Work> lane_all_reduce(const at::Tensor& flat, const at::Tensor& out, c10::string_view group,
@@ -187,48 +221,70 @@ c10::intrusive_ptr<c10d::Work> lane_all_reduce(const at::Tensor& flat, const at:
   TORCH_CHECK(chunks >= 0 && static_cast<int64_t>(pieces.size()) == table.size(0) * (chunks + 1),
               "flatcomm: lane_all_reduce: pieces must hold world * (chunks + 1) = ", table.size(0) * (chunks + 1),
               " bounds, got ", pieces.size());
+  auto target = lane_for_post(lane);
   Call call;
-  call.flat = flat;
-  call.group = std::string(group);
+  call.flat = alias_of(flat).view({-1});  // (aliases: dropped on the lane's thread without the GIL)
+  call.backend = cpu_backend(group);
   call.pieces = pieces.vec();
   call.chunks = chunks;
   call.scale = scale;
   call.tag_base = tag_base;
-  // The call header, posted here, in call order (the caller holds its group's worker idle), and
-  // watched: an early peer's transfers may be waiting for the ones its disagreement calls for.
-  call.header = gather_rows(group, table, mine, "lane_all_reduce");
-  watch_rows(call.header, table, mine, width, token, kNativeCalls);
-  call.table = table;
-  call.mine = mine;
+  call.table = alias_of(table);
+  call.mine = alias_of(mine);
   call.width = width;
   call.token = token;
   call.work = c10::make_intrusive<NativeWork>(out, token);
+  // The call header, posted here, in call order, and watched: an early peer's transfers may be
+  // waiting for the ones its disagreement calls for.
+  call.seq = lane_admit(*target, [&] {
+    call.header = gather_rows(call.backend, call.table, call.mine, "lane_all_reduce");
+    watch_rows(call.header, call.table, call.mine, width, token, kNativeCalls);
+  });
   c10::intrusive_ptr<c10d::Work> work = call.work;
-  lane_of(lane, true)->post(std::move(call));
+  target->enqueue(std::move(call));
   return work;
 }
 
 }  // namespace
 
+std::shared_ptr<Lane> lane_for_post(int64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry->find(id);
+  if (it == registry->end()) it = registry->emplace(id, std::make_shared<Lane>()).first;
+  TORCH_CHECK(it->second, "flatcomm: the process group was destroyed; its collectives cannot run");
+  return it->second;
+}
+
+int64_t lane_admit(Lane& lane, const std::function<void()>& post_exchange) { return lane.admit(post_exchange); }
+
+void lane_finished(Lane& lane) { lane.finished(); }
+
+c10::intrusive_ptr<c10d::Backend> cpu_backend(c10::string_view group) {
+  return c10d::resolve_process_group(std::string(group))->getBackend(c10::DeviceType::CPU);
+}
+
 void lane_drain(int64_t lane, double timeout_s) {
-  if (auto l = lane_of(lane, false)) l->drain(timeout_s);
+  if (auto l = existing_lane(lane)) l->drain(timeout_s);
 }
 
 int64_t lane_completed(int64_t lane) {
-  auto l = lane_of(lane, false);
+  auto l = existing_lane(lane);
   return l ? l->completed() : 0;
+}
+
+int64_t lane_in_flight(int64_t lane) {
+  auto l = existing_lane(lane);
+  return l ? l->in_flight() : 0;
 }
 
 void lane_close(int64_t lane) {
   std::shared_ptr<Lane> l;
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
-    auto it = registry->find(lane);
-    if (it == registry->end()) return;
-    l = it->second;
-    registry->erase(it);
+    auto& slot = (*registry)[lane];
+    l = std::exchange(slot, nullptr);
   }
-  l->close();
+  if (l) l->close();
 }
 
 TORCH_LIBRARY_IMPL(flatcomm, CPU, m) {

@@ -14,6 +14,9 @@ namespace {
 
 std::mutex finished_mutex;
 std::vector<int64_t> finished;  // (guarded by finished_mutex)
+// Works of completed calls nobody else held (guarded by finished_mutex). Never destroyed: a Work
+// left at exit is dropped with the process, not after the interpreter is gone.
+auto* unheld = new std::vector<c10::intrusive_ptr<NativeWork>>();
 
 }  // namespace
 
@@ -23,14 +26,18 @@ NativeWork::NativeWork(at::Tensor out, int64_t token)
       token_(token),
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
-void NativeWork::settle(const std::exception_ptr& error) {
-  finish(error);
+void NativeWork::settle(const std::exception_ptr& error, const std::function<void()>& counted) {
+  {
+    std::lock_guard<std::mutex> lock(finished_mutex);
+    finished.push_back(token_);
+  }
+  // The future first: a waiter whom wait() let go finds it completed too (as gloo's works do).
   if (error)
     future_->setError(error);
   else
     future_->markCompleted(c10::IValue(c10::List<at::Tensor>({out_})));
-  std::lock_guard<std::mutex> lock(finished_mutex);
-  finished.push_back(token_);
+  counted();
+  finish(error);
 }
 
 bool NativeWork::wait(std::chrono::milliseconds timeout) {
@@ -46,9 +53,19 @@ bool NativeWork::wait(std::chrono::milliseconds timeout) {
   return true;
 }
 
+void release_work(c10::intrusive_ptr<NativeWork>& work) {
+  if (work && work.use_count() == 1) {  // (a waiter dropping its own at this moment: the GIL taken here, rarely)
+    std::lock_guard<std::mutex> lock(finished_mutex);
+    unheld->push_back(std::move(work));
+  }
+  work.reset();
+}
+
 std::vector<int64_t> native_finished() {
+  std::vector<c10::intrusive_ptr<NativeWork>> drop;
   std::lock_guard<std::mutex> lock(finished_mutex);
-  return std::exchange(finished, {});
+  drop.swap(*unheld);
+  return std::exchange(finished, {});  // (`drop` goes after the lock, on this Python thread)
 }
 
 std::exception_ptr error_named(const std::string& kind, const std::string& message) {
@@ -62,8 +79,6 @@ std::exception_ptr error_named(const std::string& kind, const std::string& messa
   return nullptr;
 }
 
-namespace {
-
 bool python_alive() {
 #if PY_VERSION_HEX >= 0x030D0000
   return Py_IsInitialized() && !Py_IsFinalizing();
@@ -71,6 +86,8 @@ bool python_alive() {
   return Py_IsInitialized() && !_Py_IsFinalizing();
 #endif
 }
+
+namespace {
 
 std::string message_of(const std::exception_ptr& error) {
   try {

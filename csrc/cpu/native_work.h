@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <exception>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -28,7 +29,9 @@ class NativeWork : public c10d::Work {
   // As Work::wait, with a timeout that names what is still in flight (which it stays: wait again).
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
   // Complete it: nullptr, with [out]; else failed with `error` (a C++ error DDP's reducer rethrows).
-  void settle(const std::exception_ptr& error);
+  // The future first, then `counted()` (the call counted finished on its lane), then the Work: a
+  // waiter whom wait() let go finds the future completed and the lane free for its next call.
+  void settle(const std::exception_ptr& error, const std::function<void()>& counted);
 
  private:
   at::Tensor out_;
@@ -36,7 +39,18 @@ class NativeWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-// The tokens of the native calls completed since the last call (Python drops their records).
+// Whether the interpreter is up and not finalizing: the GIL may be taken.
+bool python_alive();
+
+// Drops the caller's reference to a completed native call's Work. Where it is the last one (nobody
+// waits on the Work: DDP keeps only its future), the Work is kept for native_finished() to drop on
+// a Python thread: it holds the caller's tensor, and dropping the last C++ reference to a tensor
+// Python made takes the GIL (torch 2.13's decref_pyobject), which must never happen on the lane's
+// or gloo's thread (header_rows.h alias_of).
+void release_work(c10::intrusive_ptr<NativeWork>& work);
+
+// The tokens of the native calls completed since the last call (Python drops their records); also
+// drops the Works release_work kept. Called from Python.
 std::vector<int64_t> native_finished();
 
 // An exception of the c10 type Python raises as `kind` ("ValueError", "TypeError", else RuntimeError).

@@ -16,11 +16,10 @@
 // agreed plan, flatcomm/comm/agreed.py: calls of different signatures never meet.)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 
 #include "../core/common.h"
+#include "lane.h"
 #include "p2p_all_reduce.h"
 
 #include <algorithm>
@@ -74,7 +73,7 @@ void wait_all(Works& works) {
 
 class P2pAllReduce {
  public:
-  P2pAllReduce(const at::Tensor& flat, const at::Tensor& scratch, c10::intrusive_ptr<c10d::ProcessGroup> pg,
+  P2pAllReduce(const at::Tensor& flat, const at::Tensor& scratch, c10::intrusive_ptr<c10d::Backend> pg,
                at::IntArrayRef pieces, int64_t chunks, float scale, int tag_base)
       : flat_(flat), scratch_(scratch), pg_(std::move(pg)), pieces_(pieces), chunks_(chunks), scale_(scale),
         me_(pg_->getRank()), world_(pg_->getSize()), tag_(tag_base), sent_(chunks), gathered_(chunks) {}
@@ -153,7 +152,7 @@ class P2pAllReduce {
   }
 
   at::Tensor flat_, scratch_;
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  c10::intrusive_ptr<c10d::Backend> pg_;  // the group's CPU backend: no Python between transfers
   at::IntArrayRef pieces_;
   int64_t chunks_;
   float scale_;
@@ -164,13 +163,13 @@ class P2pAllReduce {
 
 }  // namespace
 
-void p2p_sum_all_reduce_(const at::Tensor& flat, const at::Tensor& scratch, c10::string_view group,
-                         at::IntArrayRef pieces, int64_t chunks, double scale, int64_t tag_base) {
+void p2p_sum_all_reduce_(const at::Tensor& flat, const at::Tensor& scratch,
+                         const c10::intrusive_ptr<c10d::Backend>& pg, at::IntArrayRef pieces, int64_t chunks,
+                         double scale, int64_t tag_base) {
   TORCH_CHECK(flat.device().is_cpu() && flat.scalar_type() == at::kFloat && flat.is_contiguous() && flat.dim() == 1,
               "flatcomm: p2p_sum_all_reduce_ takes a contiguous 1-d CPU fp32 tensor, got ", flat.toString(), " ",
               flat.sizes());
   TORCH_CHECK(chunks >= 0, "flatcomm: p2p_sum_all_reduce_: chunks must be >= 0, got ", chunks);
-  auto pg = c10d::resolve_process_group(std::string(group));
   const int64_t me = pg->getRank(), world = pg->getSize();
   TORCH_CHECK(static_cast<int64_t>(pieces.size()) == world * (chunks + 1),
               "flatcomm: p2p_sum_all_reduce_: pieces must hold world * (chunks + 1) = ", world * (chunks + 1),
@@ -191,8 +190,17 @@ void p2p_sum_all_reduce_(const at::Tensor& flat, const at::Tensor& scratch, c10:
   P2pAllReduce(flat, scratch, pg, pieces, chunks, static_cast<float>(scale), static_cast<int>(tag_base)).run();
 }
 
+namespace {
+
+void p2p_sum_all_reduce_op(const at::Tensor& flat, const at::Tensor& scratch, c10::string_view group,
+                           at::IntArrayRef pieces, int64_t chunks, double scale, int64_t tag_base) {
+  p2p_sum_all_reduce_(flat, scratch, cpu_backend(group), pieces, chunks, scale, tag_base);
+}
+
+}  // namespace
+
 TORCH_LIBRARY_IMPL(flatcomm, CPU, m) {
-  m.impl("p2p_sum_all_reduce_", &p2p_sum_all_reduce_);
+  m.impl("p2p_sum_all_reduce_", &p2p_sum_all_reduce_op);
 }
 
 }  // namespace ops

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <vector>
 
@@ -14,8 +15,10 @@ namespace ops {
 // that every value is read before it is overwritten.
 void ordered_sum(const std::vector<const float*>& rows, float scale, int64_t n, float* out);
 
-void p2p_sum_all_reduce_(const at::Tensor& flat, const at::Tensor& scratch, c10::string_view group,
-                         at::IntArrayRef pieces, int64_t chunks, double scale, int64_t tag_base);
+// The op's arguments checked, its transfers posted on the group's CPU backend `backend`.
+void p2p_sum_all_reduce_(const at::Tensor& flat, const at::Tensor& scratch,
+                         const c10::intrusive_ptr<c10d::Backend>& backend, at::IntArrayRef pieces, int64_t chunks,
+                         double scale, int64_t tag_base);
 
 }  // namespace ops
 }  // namespace flatcomm

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "header_rows.h"
+#include "lane.h"
 #include "native_work.h"
 #include "p2p_all_reduce.h"
 
@@ -21,32 +22,43 @@ namespace {
 
 c10::intrusive_ptr<c10d::Work> slot_all_reduce(const at::Tensor& flat, const at::Tensor& out, c10::string_view group,
                                                const at::Tensor& table, const at::Tensor& mine, int64_t width,
-                                               int64_t slot_offset, double scale, int64_t token) {
+                                               int64_t slot_offset, double scale, int64_t token, int64_t lane) {
   check_rows(table, mine, width, "slot_all_reduce");
-  TORCH_CHECK(flat.device().is_cpu() && flat.scalar_type() == at::kFloat && flat.is_contiguous() && flat.dim() == 1,
-              "flatcomm: slot_all_reduce takes a contiguous 1-d CPU fp32 tensor, got ", flat.toString(), " ",
+  TORCH_CHECK(flat.device().is_cpu() && flat.scalar_type() == at::kFloat && flat.is_contiguous(),
+              "flatcomm: slot_all_reduce takes a contiguous CPU fp32 tensor, got ", flat.toString(), " ",
               flat.sizes());
   const int64_t n = flat.numel(), row_bytes = mine.numel() * 8;
   TORCH_CHECK(slot_offset >= width * 8 && slot_offset % 8 == 0 && slot_offset + 4 * n <= row_bytes,
               "flatcomm: slot_all_reduce: ", n, " values at byte ", slot_offset, " do not fit the slot of a ", row_bytes,
               "-byte row");
-  std::memcpy(reinterpret_cast<char*>(mine.data_ptr<int64_t>()) + slot_offset, flat.data_ptr<float>(), 4 * n);
-  auto exchange = gather_rows(group, table, mine, "slot_all_reduce");
+  auto target = lane_for_post(lane);
+  auto backend = cpu_backend(group);
   auto work = c10::make_intrusive<NativeWork>(out, token);
   const float fscale = static_cast<float>(scale);
+  // Aliases (header_rows.h): what the callback holds is dropped on gloo's thread.
+  at::Tensor into = alias_of(flat).view({-1}), rows = alias_of(table), row = alias_of(mine);
+  c10::intrusive_ptr<c10d::Work> exchange;
+  // Python posts this call only while no call of the group is in flight (flatcomm/comm/worker.py):
+  // it reads its values now and writes them when every row is in, in call order.
+  lane_admit(*target, [&] {
+    std::memcpy(reinterpret_cast<char*>(mine.data_ptr<int64_t>()) + slot_offset, flat.data_ptr<float>(), 4 * n);
+    exchange = gather_rows(backend, rows, row, "slot_all_reduce");
+  });
   exchange->getFuture()->addCallback(
-      [work, flat, table, mine, width, slot_offset, fscale, token](c10::ivalue::Future& done) {
+      [work, into, table = rows, mine = row, width, slot_offset, fscale, token, target](c10::ivalue::Future& done) mutable {
         const std::exception_ptr failed = done.hasError() ? done.exception_ptr() : nullptr;
         if (failed || !rows_agree(table, mine, width)) {
-          work->settle(verdict(token, nullptr, failed));
+          work->settle(verdict(token, nullptr, failed), [&] { lane_finished(*target); });
+          release_work(work);
           return;
         }
         const char* base = reinterpret_cast<const char*>(table.data_ptr<int64_t>());
         std::vector<const float*> payloads;
         for (int64_t r = 0; r < table.size(0); ++r)
           payloads.push_back(reinterpret_cast<const float*>(base + r * table.size(1) * 8 + slot_offset));
-        ordered_sum(payloads, fscale, flat.numel(), flat.data_ptr<float>());
-        work->settle(nullptr);
+        ordered_sum(payloads, fscale, into.numel(), into.data_ptr<float>());
+        work->settle(nullptr, [&] { lane_finished(*target); });
+        release_work(work);
       });
   return work;
 }

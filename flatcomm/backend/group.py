@@ -19,6 +19,7 @@ so they never pair with the caller's own ops on this group.
 """
 from __future__ import annotations
 
+import collections
 import datetime
 from typing import Any, List, Optional
 
@@ -69,6 +70,8 @@ class FlatcommGroup(dist.ProcessGroup):
         # collectives add to it on the group's worker, in order.
         self.counters = CommStats()
         self.reductions = 0  # calls of this group's reduction methods that flatcomm ran
+        # all-reduces (and reductions passed through) by route (flatcomm.comm.route): see route()
+        self.routes: collections.Counter = collections.Counter()
         # (numel, dtype, op) -> (settings, flatcomm.comm.prepared.Prepared or None): see reduce.py
         self.prepared: dict = {}
         for device, kind, backend in _inner_backends(store, rank, size, timeout, group_name,
@@ -83,7 +86,9 @@ class FlatcommGroup(dist.ProcessGroup):
     def stats(self) -> Snapshot:
         """flatcomm's reductions on this group so far, a read-only :class:`flatcomm.stats.Snapshot`
         (``source="backend"``; ``calls`` counts collectives, one per dtype of a coalesced call;
-        detail: ``reductions``, the calls torch made). Passed-through ops are not counted.
+        detail: ``reductions``, the calls torch made; ``routes``, the all-reduces and the reductions
+        passed through by route, :func:`flatcomm.backend.route`). Other passed-through ops are
+        not counted.
 
         Example::
 
@@ -92,7 +97,7 @@ class FlatcommGroup(dist.ProcessGroup):
             snap = flatcomm.backend.stats()   # or dist.group.WORLD.stats
             snap.wire_bytes, snap["reductions"]
         """
-        return Snapshot.of("backend", self.counters, {"reductions": self.reductions})
+        return Snapshot.of("backend", self.counters, {"reductions": self.reductions, "routes": dict(self.routes)})
 
     def shutdown(self) -> None:
         """What ``destroy_process_group`` calls: also drop flatcomm's private copy of this group,

@@ -22,11 +22,12 @@ import torch.distributed as dist
 from .. import collectives
 from ..comm import groups, header, prepared, worker
 from ..comm.args import premultiplied, reduce_op
+from ..comm.route import Route
 from ..comm.spec import CallSpec
 from .settings import settings_for, topology_for
 from .work import ReductionWork
 
-__all__ = ["FLOATS", "all_reduce", "guard", "plan", "reduce", "reduce_scatter", "reduce_scatter_lists"]
+__all__ = ["FLOATS", "all_reduce", "guard", "plan", "reduce", "reduce_scatter", "reduce_scatter_lists", "route"]
 
 FLOATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -65,8 +66,13 @@ def guard(pg, kind: str, tensors: Sequence[torch.Tensor], op) -> None:
     process on a size mismatch). One small exchange, waited for here (bounded by the group's
     timeout). CPU tensors only (a CUDA reduction's check would synchronise the host); on the world
     group always, on a subgroup once a float reduction made flatcomm's private copy of it."""
+    pg.routes[str(Route.PASSED_THROUGH)] += 1
     t = tensors[0]
-    if t.device.type != "cpu" or not groups.exchanges(pg):
+    if not groups.exchanges(pg):
+        return
+    if t.device.type not in ("cpu", "cuda"):  # (a meta tensor, say): its peers learn of it, in step
+        _refuse(pg, kind, t)
+    if t.device.type != "cpu":
         return
     if pg is not dist.group.WORLD and not groups.has_private(pg):
         # A subgroup's private copy is made only by a float reduction: made here, by an integer one,
@@ -86,6 +92,23 @@ def guard(pg, kind: str, tensors: Sequence[torch.Tensor], op) -> None:
         posted.finish()
 
 
+def _refuse(pg, kind: str, t: torch.Tensor) -> None:
+    """Raise, on every rank of the call, that this rank's tensor is on a device flatcomm's backend
+    has no transport for: its call header goes out marked failed (header.fail_in_step)."""
+    err = ValueError(f"flatcomm backend: {kind} of a tensor on the {t.device.type} device: the backend's "
+                     "transports take CPU and CUDA tensors")
+    if pg is not dist.group.WORLD and not groups.has_private(pg):
+        raise err
+    fut = header.fail_in_step(groups.private_group(pg), header.KIND_IDS[kind], err)
+    if fut is None:
+        raise err
+    try:
+        fut.result()
+    except Exception as agreed:  # noqa: BLE001 - always: the future holds the agreed error
+        raise agreed from None
+    raise err
+
+
 def _call_args(pg, dtype: torch.dtype) -> dict:
     """codec / mode / group-or-topology of a reduction on ``pg`` (the group's :class:`Settings`)."""
     s = settings_for(pg)
@@ -98,11 +121,10 @@ def _call_args(pg, dtype: torch.dtype) -> dict:
 _PREPARED_MAX = 64  # prepared all-reduces kept per group (by numel, dtype and op)
 
 
-def _prepared_all_reduce(pg, t: torch.Tensor, name: str) -> Union[None, collectives.Handle, dist.Work]:
-    """A CPU all-reduce started through the group's :class:`flatcomm.comm.prepared.Prepared` call
-    for this numel, dtype and op (made at the first such call, again when the group's settings
-    or private group change; a ``dist.Work`` from the group's native lane); None: the full path (a
-    two-level call, ``codec="auto"``)."""
+def _prepared(pg, t: torch.Tensor, name: str) -> Optional[prepared.Prepared]:
+    """The group's :class:`flatcomm.comm.prepared.Prepared` call for this numel, dtype and op (made
+    at the first such call, again when the group's settings or private group change); None: the
+    full path (not on the CPU, a two-level call, ``codec="auto"``)."""
     if t.device.type != "cpu":
         return None
     s, priv = settings_for(pg), groups.private_group(pg)
@@ -116,7 +138,19 @@ def _prepared_all_reduce(pg, t: torch.Tensor, name: str) -> Union[None, collecti
             pg.prepared.clear()
         entry = pg.prepared[key] = (s, prepared.prepare_all_reduce(priv, t.view(-1), spec)
                                     if ok else None)
-    return entry[1].post(t) if entry[1] is not None else None
+    return entry[1]
+
+
+def route(pg, t: torch.Tensor, op) -> str:
+    """The route (:mod:`flatcomm.comm.route`) an all-reduce of ``t`` with ``op`` takes on ``pg``
+    now, without running it."""
+    how = plan(op, [t])
+    if how is None:
+        return str(Route.PASSED_THROUGH)
+    if not (t.is_contiguous() and how[1] is None and groups.exchanges(pg)):
+        return str(Route.FULL)
+    p = _prepared(pg, t, how[0])
+    return str(p.route if p is not None else Route.FULL)
 
 
 def _counted(pg) -> None:
@@ -149,12 +183,15 @@ def all_reduce(pg, tensors: List[torch.Tensor], how: Tuple[str, object],
     t = tensors[0]
     _counted(pg)
     if len(tensors) == 1 and t.is_contiguous() and factor is None and root is None:
-        handle = _prepared_all_reduce(pg, t, name)
-        if isinstance(handle, dist.Work):  # the group's native lane: its Work is C++ all the way
+        p = _prepared(pg, t, name)
+        pg.routes[str(p.route if p is not None else Route.FULL)] += 1
+        handle = p.post(t) if p is not None else None
+        if isinstance(handle, dist.Work):  # a native route: its Work is C++ all the way
             return handle
         if handle is None:
             handle = collectives.all_reduce(t.view(-1), op=name, **_call_args(pg, t.dtype))
         return ReductionWork([handle], tensors, None, timeout)
+    pg.routes[str(Route.FULL)] += 1
     by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
     for x in tensors:
         by_dtype.setdefault(x.dtype, []).append(x)

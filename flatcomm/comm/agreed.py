@@ -46,6 +46,7 @@ __all__ = ["MAX_PLANS", "TAG_SHIFT", "agree", "capable", "count", "fill", "forge
 TAG_SHIFT = 16  # a call's own tags count up below this bit (MAX_CHUNKS keeps them there)
 MAX_PLANS = (1 << (31 - TAG_SHIFT)) - 1  # tags stay non-negative int32s
 MAX_CHUNKS = (1 << (TAG_SHIFT - 1)) - 1  # a call takes two tags per chunk
+FILL_LIMIT = 1 << 26  # values of a call a rank answers (fill) on a peer's word alone: 256 MB of fp32
 _PLANS = "agreed plans"  # context slot: {signature: plan number}
 
 # The header's ids (flatcomm.comm.header: KIND_IDS, DTYPES, MODES, DEVICE_TYPES) of what a plan is.
@@ -109,17 +110,23 @@ def fill(group, table: torch.Tensor, names: Sequence[str], mine: int) -> List[di
     """After a failed check: post the transfers of the ranks early on another plan than this
     rank's (``mine``, 0: none) with this rank, as the peers of their call (zeros out, whatever
     comes in dropped; one piece's memory each way). Returns them, for the caller to wait for. A
-    row is read as untrusted: only a well-formed row of a :func:`capable` call is answered."""
+    row is read as untrusted: only a well-formed row of a :func:`capable` call is answered, sized
+    by this rank's own plan of that number (the ranks' plans are equal) where it has one, else
+    by the row (a rank whose plans drifted) only up to the larger of this rank's largest plan and
+    :data:`FILL_LIMIT` values: a peer's word never sizes a larger buffer here."""
     me, world = standalone.rank(group), table.shape[0]
     nfields = len(names)
     works: List[Optional[dist.Work]] = []
+    known = {p: dict(key) for key, p in _plans(group).items()}
+    largest = max([f.get("numel", 0) for f in known.values()] + [FILL_LIMIT])
     for q in range(world):
         plan = early_of(table, q, nfields)
         if q == me or plan == mine or not 0 < plan <= MAX_PLANS:
             continue
         f = {n: int(v) for n, v in zip(names, table[q, _FIXED:_FIXED + nfields].tolist())}
-        if int(table[q, 0]) != MAGIC or not capable(list(f.items())) or f["numel"] < 0:  # (early_of: status OK)
-            continue
+        if int(table[q, 0]) != MAGIC or not capable(list(f.items())) or not 0 <= f["numel"] <= largest:
+            continue  # (early_of: status OK)
+        f = known.get(plan, f)
         exchanges = _exchanges(f["numel"], f["chunks"], world, q, me)
         try:  # one buffer each way, for every exchange (what comes in is dropped)
             sink = torch.empty(max(n for _, n, _ in exchanges))

@@ -72,6 +72,7 @@ class GroupContext:
         self._listed = group is not None and _registered(group)
         self._slots: Dict[Any, Any] = {}
         self._closers: List[Callable[[], None]] = []
+        self._drainers: List[Callable[[], None]] = []
         self._build = threading.RLock()  # held while a slot's value is made (one build per slot)
         self.closed = False
         self.waits = True  # whether closing joins the worker (not from a garbage collection)
@@ -115,6 +116,13 @@ class GroupContext:
             self._check_open()
             self._closers.append(fn)
 
+    def on_drain(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when the context closes with ``wait=True``, before anything is dropped: the
+        group's calls in flight finish first, on every rank alike (as gloo drains its queue)."""
+        with self._build:
+            self._check_open()
+            self._drainers.append(fn)
+
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError(f"flatcomm: the {self.name} was destroyed; its collectives cannot run")
@@ -133,6 +141,12 @@ class GroupContext:
             wait: join the worker threads; False also returns at once, leaving the close to the
                 next :func:`sweep`, when another thread holds this context's locks.
         """
+        if wait and not self.closed:
+            for drain in list(self._drainers):
+                try:
+                    drain()
+                except Exception:  # noqa: BLE001 - what could not drain fails when closed
+                    log.warning("flatcomm: draining the calls of a %s failed", self.name, exc_info=True)
         # The order slot() takes them in: this context's build lock, then the module's.
         if not self._build.acquire(blocking=wait):
             return
@@ -164,6 +178,8 @@ def of(group) -> GroupContext:
     """The context of ``group`` (None: the default group), made on first use. Making one first
     closes the contexts of destroyed groups (:func:`sweep`)."""
     g = group if group is not None else _default()
+    if isinstance(g, int):  # (torch's marker for a rank outside the group is an int)
+        _not_a_member()
     global _no_group
     with _lock:
         if g is None:
@@ -181,6 +197,15 @@ def of(group) -> GroupContext:
             ctx = _of_group[g] = GroupContext(g)
             _by_token[ctx.token] = ctx
         return ctx
+
+
+def _not_a_member() -> None:
+    """The error for ``group=GroupMember.NON_GROUP_MEMBER``: what ``dist.new_group`` returns on the
+    ranks it leaves out."""
+    rank = dist.get_rank() if dist.is_initialized() else "?"
+    raise ValueError(f"flatcomm: rank {rank} is not a member of the process group it passed as group= "
+                     "(dist.new_group returns GroupMember.NON_GROUP_MEMBER on the ranks it leaves out): call a "
+                     "group's collectives only on its members")
 
 
 def pair(first, second) -> GroupContext:

@@ -61,7 +61,7 @@ def all_reduce(tensor: torch.Tensor, spec: CallSpec = CallSpec(), group=None) ->
 
 def checked_all_reduce(group, a: args.Call, spec: CallSpec, tensor: torch.Tensor) -> Optional[worker.Handle]:
     """The all-reduce of ``tensor`` with its checked arguments ``a`` (``group``: a private group)."""
-    if small.fits_all_reduce(group, a, spec.mode):  # one exchange: the data rides in the call header
+    if small.fits_all_reduce(group, a, spec.mode):  # route.all_reduce: small, small-native or gathered
         return small.all_reduce(group, a, spec, tensor)
     flat, c, n = a.src, a.codec, a.src.numel()
     mode, residual, stats, validate = spec.mode, a.feedback, spec.stats, spec.validate

@@ -36,7 +36,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions  # (not re-exported by torch.distributed)
 
 from . import agreed, context, groups, standalone, worker
 from .header_table import (FAILED_TYPE, FAILED_VALUE, MAGIC, OK, REASON_BYTES, _FIXED, _MORE, _float_of, _reason,
@@ -144,7 +143,7 @@ def _shown(name: str, v: int):
             return "a flatcomm sum" if v == 0 else dist.ReduceOp.RedOpType(v - 1).name
         if name == "device":
             return DEVICE_TYPES[v]
-    except (IndexError, KeyError):
+    except Exception:  # noqa: BLE001 - a peer's row is untrusted: a value no name fits is shown as it is
         return v
     if name in ("topk ratio", "intra topk ratio", "op scale"):
         return repr(_float_of(v))
@@ -163,10 +162,12 @@ def has_cpu_backend(group) -> bool:
 def _exchange_table(group, mine: torch.Tensor, device: torch.device, async_op: bool):
     if async_op and group is not None and device.type == "cpu":
         # Straight to the group's CPU backend: torch.distributed's Python wrappers (and, on a
-        # flatcomm group, its Python method) cost more than a small exchange itself.
+        # flatcomm group, its Python method) cost more than a small exchange itself. Through an op
+        # that hands gloo views made in C++: a tensor whose Python object died while gloo still held
+        # it would take the GIL on gloo's thread when dropped (csrc/cpu/header_watch.cpp).
         world = group.size()
-        allv = torch.empty(world * mine.numel(), dtype=torch.int64)
-        work = group._get_backend(device)._allgather_base(allv, mine, AllgatherOptions())
+        table = torch.empty(world, mine.numel(), dtype=torch.int64)
+        return dist.Work.unbox(ops.gather_header(group.boxed(), table, mine)), table
     else:
         world = dist.get_world_size(group)
         allv = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
@@ -329,7 +330,11 @@ class CallHeader:
                 self._settle_once()
 
     def _settle_once(self) -> None:
-        self._error = self._checked()  # (if this raises, the next error() raises it again)
+        try:
+            self._error = self._checked()
+        except Exception as e:  # noqa: BLE001 - a table this rank cannot read still fails the call
+            self._error = RuntimeError(f"flatcomm: the call header's rows could not be checked ({type(e).__name__}: "
+                                       f"{e}); the ranks' calls do not match")
         self._settled = True
         group = self._group() if self._group is not None else None
         if self._group is not None and group is None:

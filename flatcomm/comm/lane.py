@@ -8,9 +8,11 @@ call on the group's lane thread, which runs the native all-reduce, checks the ro
 worker thread to wake, no Python between one bucket's op and the next, no Python callbacks.
 
 Order: a call is posted to the lane only while nothing is queued or running on the group's Python
-worker (:func:`flatcomm.comm.worker.post_if_idle`), and the worker drains the lane before each of
-its own calls. So the group's calls still run one at a time, in call order, as on the worker
-alone, and each rank issues its exchanges in the same order.
+worker and no small call posted from a caller's thread is unfinished
+(:func:`flatcomm.comm.worker.post_to_lane_if_idle`); the lane starts it once every native call
+posted before it finished (a small native one completes on gloo's thread), and the worker drains
+the lane before each of its own calls. So the group's calls take effect one at a time, in call
+order, as on the worker alone, and each rank issues its exchanges in the same order.
 
 Failures: only then does Python see a call (:mod:`flatcomm.comm.native_calls`): its
 :class:`~flatcomm.comm.header.CallHeader` is built from the row and table the call kept, and
@@ -30,9 +32,9 @@ from .pipeline import CommStats
 from .spec import CallSpec
 from ..ops.native import extension, ops
 
-__all__ = ["post"]
+__all__ = ["lane_of", "post"]
 
-def _lane(group) -> int:
+def lane_of(group) -> int:
     """The id of the group's lane: its worker key. The first time, the group's timeout is kept for
     the worker's drains (which marks the group as having a lane) and the lane closes with it."""
     ctx = context.of(group)
@@ -48,19 +50,20 @@ def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> Opt
     """Post the all-reduce of ``tensor`` (its checked arguments ``a``, a call that
     :func:`flatcomm.comm.flat.runs_natively`; ``name``: its group's name in torch's registry) to
     the lane, or None where it must take the worker's path (no agreed plan yet, no header
-    exchange). Called under :func:`flatcomm.comm.worker.post_if_idle`."""
+    exchange). Called under :func:`flatcomm.comm.worker.post_to_lane_if_idle`."""
     plan = agreed.plan_id(group, a.fields)
     if plan == 0 or a.plan is None or not groups.exchanges(group):
         return None
-    lane = _lane(group)
+    lane = lane_of(group)
     fields = list(a.fields) + [("agreed plans", agreed.count(group))]
     token, mine, table = native_calls.record(group, a.fields, fields, plan, a.world)
-    p, flat = a.plan, tensor.view(-1)
+    p = a.plan
     pieces = [p.bounds[d] + x for d in range(p.world) for x in p.chunk_bounds[d]]
+    # (the tensor itself: the op makes its flat view, which the lane thread then drops without the GIL)
     work = native_calls.launched(group, token, lambda: ops.lane_all_reduce(
-        flat, tensor, name, pieces, a.chunks, a.scale, agreed.tag_base(plan), table, mine, header.WIDTH, token, lane))
+        tensor, tensor, name, pieces, a.chunks, a.scale, agreed.tag_base(plan), table, mine, header.WIDTH, token, lane))
     if isinstance(spec.stats, CommStats):  # (exchange_s is not timed on the lane: that would take Python)
         shard = p.bounds[p.rank + 1] - p.bounds[p.rank]
         spec.stats.calls += 1
-        spec.stats.wire_bytes += (flat.numel() - shard + shard * (p.world - 1)) * flat.element_size()
+        spec.stats.wire_bytes += (tensor.numel() - shard + shard * (p.world - 1)) * tensor.element_size()
     return work

@@ -263,7 +263,7 @@ def run(group, a: Call, slot: bool, parts: tuple, spec: CallSpec, keep: Sequence
         return Posted(group, a, payload(), result, stats, what, undo)
 
     with label("flatcomm." + what.split(" ", 1)[0]):
-        posted = worker.post_if_idle(key, post) if not worker.is_on(key) else None
+        posted = worker.post_if_idle(key, post, track=True) if not worker.is_on(key) else None
         if posted is None:
             return worker.run(key, lambda: post().finish(), value, spec.async_op, keep, what, group)
         if not spec.async_op:

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import groups, header, native_calls, p2p
+from . import groups, header, lane, native_calls, p2p
 from .args import Call
 from .pipeline import CommStats
 from .spec import CallSpec
@@ -36,10 +36,13 @@ def name_if_native(group, a: Call, mode: str, in_slot: bool) -> Optional[str]:
 
 def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> dist.Work:
     """Post the all-reduce of ``tensor`` (contiguous, the numel of ``a``). Called under
-    :func:`flatcomm.comm.worker.post_if_idle`: its exchange is issued in call order."""
+    :func:`flatcomm.comm.worker.post_if_idle` (nothing of the group in flight): it reads the values
+    now and writes the sum when the rows are in, in call order. Counted on the group's lane, which
+    the worker and later lane calls wait for."""
+    lane_id = lane.lane_of(group)
     token, mine, table = native_calls.record(group, None, a.fields, 0, a.world)
     work = native_calls.launched(group, token, lambda: ops.slot_all_reduce(
-        tensor.view(-1), tensor, name, table, mine, header.WIDTH, header.SLOT_OFFSET, a.scale, token))
+        tensor, tensor, name, table, mine, header.WIDTH, header.SLOT_OFFSET, a.scale, token, lane_id))
     if isinstance(spec.stats, CommStats):  # (the exchange is not timed: that would take Python)
         spec.stats.calls += 1
         spec.stats.wire_bytes += a.codec.wire_bytes(tensor.numel()) * (a.world - 1)

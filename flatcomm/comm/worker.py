@@ -7,12 +7,26 @@ of that key, synchronous ones included, in submission order, so every rank issue
 while an earlier asynchronous collective is still exchanging chunks on the worker could pair with a
 different collective on a peer (gloo matches collectives by issue order) and hang. Nothing blocks
 inside a future callback.
+
+Call order: a call that reads its values when it is posted (a small call, a header check) is posted
+from the caller's thread only while nothing of the group is in flight (:func:`post_if_idle`); a
+call for the native lane only while the worker has nothing and no small call is unfinished
+(:func:`post_to_lane_if_idle`: the lane runs its calls after every earlier native one). Every
+other call is queued here, and the worker first finishes what came before it (the lane's calls,
+the small calls posted from a caller's thread). So a group's calls take effect in call order,
+whatever mix of routes they take.
+
+Destroying a group first lets its calls in flight finish (:func:`drain`, as gloo drains its queue),
+as long as they keep finishing: every rank posted them, so every rank completes them alike.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import datetime
+import logging
 import threading
+import time
 import weakref
 from typing import Callable, List, Optional, Sequence, TypeVar, Union
 
@@ -22,9 +36,11 @@ from . import context, groups, streams as _streams
 from .labels import label
 from ..ops.native import extension
 
-__all__ = ["LANE_TIMEOUT", "Handle", "call", "in_order", "is_on", "key_of", "post_if_idle", "run", "submit"]
+__all__ = ["CLOSE_DRAIN_S", "LANE_TIMEOUT", "Handle", "call", "drain", "in_order", "is_on", "key_of", "post_if_idle",
+           "post_to_lane_if_idle", "run", "submit"]
 
 T = TypeVar("T")
+log = logging.getLogger("flatcomm")
 
 # The profiler label of a collective, from the first word of its description.
 _LABELS = {"all_reduce": "flatcomm.all_reduce", "reduce_scatter": "flatcomm.reduce_scatter",
@@ -53,8 +69,11 @@ def _executor(key) -> concurrent.futures.ThreadPoolExecutor:
     def make() -> concurrent.futures.ThreadPoolExecutor:
         ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flatcomm", initializer=_mark,
                                                    initargs=(key,))
-        # Closed with the group: its queued calls cancelled, its thread joined (unless closing on
-        # that thread itself, which then ends after its current call).
+        # Closed with the group: its calls drained first (while they keep finishing), what is left
+        # cancelled, its thread joined (unless closing on that thread itself, which then ends after
+        # its current call).
+        ctx.on_drain(lambda: None if drain(key) else log.warning(
+            "flatcomm: calls of a destroyed group did not finish within %s s of each other: failed", CLOSE_DRAIN_S))
         ctx.on_close(lambda: ex.shutdown(wait=ctx.waits and not is_on(key), cancel_futures=True))
         return ex
 
@@ -75,13 +94,20 @@ def _on_side(fn: Callable[[], None], streams: Optional[_streams.CallStreams],
 
 
 class _Lane:
-    """How many calls are queued or running on a key's worker. A small collective posts its one
-    exchange from the caller's thread only while there are none (:func:`post_if_idle`), so every
-    exchange of the group is still issued in call order."""
+    """What of a key's calls is in flight outside the native lane: how many are queued or running
+    on its worker, and the small calls posted from a caller's thread that have not written their
+    result yet (see the module's docstring)."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.busy = 0
+        self.finished = 0  # worker calls ended (drain's measure of progress)
+        self.posted: "collections.deque" = collections.deque()  # (.done, .finish()) of posted small calls
+
+    def posted_pending(self) -> bool:
+        while self.posted and self.posted[0].done:
+            self.posted.popleft()
+        return bool(self.posted)
 
 
 def _lane(key) -> _Lane:
@@ -91,12 +117,28 @@ def _lane(key) -> _Lane:
 LANE_TIMEOUT = "native lane timeout"  # context slot, set once the group has a native lane
 
 
-def _drain_native(key) -> None:
-    """Wait for the calls of the group's native lane (:mod:`flatcomm.comm.lane`), which came
-    before this one: the group's calls run one at a time, in call order."""
+def _native_in_flight(key) -> int:
+    """Native calls of the group posted and not finished (0 for a group that has made none)."""
+    ctx = context.by_token(key)
+    return extension.lane_in_flight(key) if ctx.get(LANE_TIMEOUT) is not None else 0
+
+
+def _finish_earlier(key) -> None:
+    """Finish the calls that came before this one outside the worker: the native lane's
+    (:mod:`flatcomm.comm.lane`, small native ones included) and the small calls posted from a
+    caller's thread (their results written now; their errors are their own waiters')."""
     timeout = context.by_token(key).get(LANE_TIMEOUT)
     if timeout is not None:
         extension.lane_drain(key, timeout)
+    lane = _lane(key)
+    with lane.lock:
+        pending = list(lane.posted)
+        lane.posted.clear()
+    for posted in pending:
+        try:
+            posted.finish()
+        except Exception:  # noqa: BLE001 - raised to that call's own waiter
+            pass
 
 
 def _enqueue(key, fn: Callable[[], T]) -> "concurrent.futures.Future":
@@ -105,11 +147,12 @@ def _enqueue(key, fn: Callable[[], T]) -> "concurrent.futures.Future":
 
     def task() -> T:
         try:
-            _drain_native(key)
+            _finish_earlier(key)
             return fn()
         finally:
             with lane.lock:
                 lane.busy -= 1
+                lane.finished += 1
 
     with lane.lock:
         lane.busy += 1
@@ -121,15 +164,59 @@ def _enqueue(key, fn: Callable[[], T]) -> "concurrent.futures.Future":
         raise
 
 
-def post_if_idle(key, post: Callable[[], T]) -> Optional[T]:
-    """``post()`` run on the calling thread when nothing is queued or running on the worker of
-    ``key`` (else None: queue the call there). ``post`` only issues an exchange, never waits for
-    one: another thread's call waits for the lane while it runs, then queues after it."""
+def post_if_idle(key, post: Callable[[], T], track: bool = False) -> Optional[T]:
+    """``post()`` run on the calling thread when nothing of the group of ``key`` is in flight: no
+    call queued or running on its worker, none on its native lane, no small call unfinished (else
+    None: queue the call on the worker, which runs it after them). For a call that reads its
+    values when posted. ``post`` only issues an exchange, never waits for one; ``track``: what it
+    returns is a small call the worker must finish before its next call (``.done``,
+    ``.finish()``)."""
     lane = _lane(key)
     with lane.lock:
-        if lane.busy:
+        if lane.busy or lane.posted_pending() or _native_in_flight(key):
+            return None
+        posted = post()
+        if track:
+            lane.posted.append(posted)
+        return posted
+
+
+def post_to_lane_if_idle(key, post: Callable[[], T]) -> Optional[T]:
+    """``post()`` (a call for the group's native lane, which starts only once every native call
+    posted before it finished) run on the calling thread when nothing is queued or running on the
+    worker of ``key`` and no small call posted from a caller's thread is unfinished; else None."""
+    lane = _lane(key)
+    with lane.lock:
+        if lane.busy or lane.posted_pending():
             return None
         return post()
+
+
+CLOSE_DRAIN_S = 5.0  # a closing group waits for its calls in flight while one finishes within this
+
+
+def drain(key) -> bool:
+    """Wait for every call of the group of ``key`` in flight (its worker's, its native lane's, its
+    posted small calls') while they keep finishing: give up once none finished for
+    :data:`CLOSE_DRAIN_S` (a peer that will never join). True when all finished."""
+    if is_on(key):
+        return False  # (closing from the worker itself: its own call is one of them)
+    lane = _lane(key)
+    done = _enqueue(key, lambda: None)  # runs once everything before it finished
+    seen, last = None, time.monotonic()
+    while True:
+        try:
+            done.result(timeout=0.05)
+            return True
+        except concurrent.futures.TimeoutError:
+            pass
+        except Exception:  # noqa: BLE001 - e.g. the lane's drain timed out
+            return False
+        progress = (lane.finished, extension.lane_completed(key))
+        if progress != seen:
+            seen, last = progress, time.monotonic()
+        elif time.monotonic() - last > CLOSE_DRAIN_S:
+            return False
 
 
 def submit(key, device: torch.device, fn: Callable[[], None]) -> "concurrent.futures.Future":
@@ -219,7 +306,9 @@ class Handle:
         future.add_done_callback(self._complete)
 
     def _complete(self, cf: "concurrent.futures.Future") -> None:
-        exc = concurrent.futures.CancelledError("flatcomm: collective cancelled") if cf.cancelled() else cf.exception()
+        exc = concurrent.futures.CancelledError(
+            f"flatcomm: {self._what} was cancelled: its process group was destroyed before it ran"
+        ) if cf.cancelled() else cf.exception()
         if exc is not None:
             self._torch_future.set_exception(exc)
         elif self._streams is None:
@@ -247,6 +336,9 @@ class Handle:
                              f"got {timeout!r}")
         try:
             self._cf.result(timeout)
+        except concurrent.futures.CancelledError:
+            raise concurrent.futures.CancelledError(
+                f"flatcomm: {self._what} was cancelled: its process group was destroyed before it ran") from None
         except concurrent.futures.TimeoutError:
             if self._cf.done():  # the collective itself raised a TimeoutError: keep it
                 raise

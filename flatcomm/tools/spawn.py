@@ -51,7 +51,8 @@ def _entry(rank, world, init_file, timeout_s, threads, fn, args, queue, backend=
         try:
             result = fn(rank, world, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # (unless fn destroyed it)
+                dist.destroy_process_group()
         # Tensors travel as bytes: shared-memory handles would die with this process.
         buf = io.BytesIO()
         torch.save(result, buf)

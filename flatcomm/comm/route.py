@@ -1,0 +1,65 @@
+"""Which route an all-reduce takes, decided in one place from its checked arguments.
+
+An all-reduce's route depends only on its shape (numel, dtype, device, codec, mode, error feedback,
+the group's size and header slot), never on timing, so it is decided once per shape
+(:func:`all_reduce`) and kept with a prepared call (:mod:`flatcomm.comm.prepared`). When a call is
+*posted* is a separate matter of call order (:mod:`flatcomm.comm.worker`): a route that may be
+posted from the caller's thread is queued on the group's worker while earlier calls are in flight,
+with the same exchanges and bits.
+
+The routes, cheapest first (docs/backend.md has the table a user reads, and a test keeps the two
+equal):
+
+========================  ========================================================================
+``small-native``          ordered fp32 in the header's payload slot: one exchange, summed in C++
+                          on gloo's thread (:mod:`flatcomm.comm.small_native`)
+``small``                 the other calls whose data fits the slot (bf16/fp16, exact mode, error
+                          feedback): one exchange, summed in Python (:mod:`flatcomm.comm.small`)
+``gathered``              up to :data:`flatcomm.comm.small.GATHER_TABLE_BYTES` in all: the header,
+                          then one all-gather of the payloads, on the worker
+``native``                lossless fp32, ordered, on CPU point-to-point transfers: one C++ op on
+                          the native lane once the ranks agreed its plan (its second call on),
+                          before that on the worker after its header (:mod:`flatcomm.comm.lane`)
+``pipelined``             everything else ordered: encode, exchange and decode-sum chunk by chunk
+                          on the worker (:mod:`flatcomm.comm.flat`)
+``exact``                 exact mode over the gather table (:mod:`flatcomm.comm.exact`)
+========================  ========================================================================
+
+The backend adds two of its own (:mod:`flatcomm.backend.reduce`): ``passed-through`` (a reduction
+flatcomm does not change, run by the inner backend after its header check) and ``full`` (a call the
+collectives facade routes each time: CUDA tensors, several tensors, ``codec="auto"``, two levels).
+"""
+from __future__ import annotations
+
+import enum
+
+from . import flat, small, small_native
+from .args import Call
+
+__all__ = ["Route", "all_reduce"]
+
+
+class Route(str, enum.Enum):
+    SMALL_NATIVE = "small-native"
+    SMALL = "small"
+    GATHERED = "gathered"
+    NATIVE = "native"
+    PIPELINED = "pipelined"
+    EXACT = "exact"
+    PASSED_THROUGH = "passed-through"
+    FULL = "full"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def all_reduce(group, a: Call, mode: str) -> Route:
+    """The route of an all-reduce with the checked arguments ``a`` on ``group`` (a private group)."""
+    if small.fits_all_reduce(group, a, mode):
+        if not small.in_slot(group, a, mode):
+            return Route.GATHERED
+        native = small_native.name_if_native(group, a, mode, True) is not None
+        return Route.SMALL_NATIVE if native else Route.SMALL
+    if mode == "exact":
+        return Route.EXACT
+    return Route.NATIVE if flat.runs_natively(group, a, mode) else Route.PIPELINED

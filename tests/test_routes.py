@@ -1,0 +1,52 @@
+"""The route table of docs/backend.md is the code's: every row's call, on 2 ranks of the flatcomm
+backend, has the route ``flatcomm.backend.route`` names (decided by flatcomm.comm.route), runs with
+the right sum, and is counted under that route in ``flatcomm.backend.stats()["routes"]``."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import torch
+
+from flatcomm.tools import spawn
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "backend.md"
+ROW = re.compile(r"^\| `dist\.all_reduce\((?P<expr>.+)\)`(?P<exact>, exact mode)? \| (?P<route>[a-z-]+) \|")
+
+
+def _rows() -> list:
+    text = DOC.read_text()
+    section = text[text.index("## Routes"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = [m.groupdict() for m in map(ROW.match, section.splitlines()) if m]
+    assert len(rows) >= 8, rows
+    return rows
+
+
+def _check(rank: int, world: int, rows: list) -> list:
+    import torch.distributed as dist
+
+    import flatcomm.backend as fb
+
+    out = []
+    for row in rows:
+        fb.configure(None, mode="exact" if row["exact"] else "ordered")
+        t = eval(row["expr"], {"torch": torch})  # noqa: S307 - the docs' own expressions
+        named = fb.route(t)
+        before = fb.stats()["routes"].get(named, 0)
+        t.fill_(rank + 1)
+        dist.all_reduce(t)
+        counted = fb.stats()["routes"].get(named, 0) - before
+        out.append((row["expr"], row["route"], named, counted, bool((t == sum(range(1, world + 1))).all())))
+    return out
+
+
+def test_the_docs_route_table_is_the_codes():
+    rows = _rows()
+    assert {r["route"] for r in rows} >= {"small-native", "small", "gathered", "native", "pipelined", "exact",
+                                          "passed-through", "full"}
+    for result in spawn.run(2, _check, rows, timeout_s=60, backend="flatcomm"):
+        for expr, documented, named, counted, right in result:
+            assert named == documented, f"{expr}: the docs say {documented}, the code routes it {named}"
+            assert counted == 1, (expr, counted)
+            assert right, expr
