@@ -1093,6 +1093,79 @@ __global__ void __launch_bounds__(kThreads) exact_exponents_kernel(ExactArgs a, 
   }
 }
 
+// exact_sum's output for elements [i, i + cnt) of a block from their int64 sums (kernels_impl.h
+// from_fixed_block): 0 for an all-zero block, NaN for a non-finite one, else the hoisted from_fixed.
+__device__ __forceinline__ void exact_out4(float* out, int64_t i, int cnt, bool vec, int32_t E, const FixedScale& sc,
+                                           const uint64_t acc[4]) {
+  float o[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    o[e] = !exp_in_range(E) ? (E == kExpZero ? 0.0f : u2f(0x7fc00000u))
+                            : from_fixed_in_block(static_cast<int64_t>(acc[e]), sc);
+  st4f(out, i, cnt, vec, o);
+}
+
+// One codec block of exact_sum with every row's values in registers, so each value is read once
+// (the H200 timed the two-pass form, which reads the block's rows again for the sums, at 0.48x
+// copy_). Lane l holds chunk l + 32 k (k < CPL) of every row r < MAXR; CPL * 128 >= block and
+// MAXR >= rows (the kernel checks). The same integer max, the same to_fixed_scaled terms and the
+// same wrapping int64 sums as kernels_impl.h exact_sum_t: integer sums, so their order is free.
+template <int DT, int MAXR, int CPL>
+__device__ __forceinline__ void exact_block_in_registers(const ExactArgs& a, int64_t b, int64_t i0, int len,
+                                                         int lane, bool vec) {
+  const int64_t esize = dtype_bytes(DT);
+  const char* x = static_cast<const char*>(a.x);
+  float f[MAXR][CPL][4];
+  int cnt[CPL];
+#pragma unroll
+  for (int k = 0; k < CPL; ++k) {
+    const int j = 4 * (lane + 32 * k);
+    cnt[k] = j < len ? mini(4, len - j) : 0;
+  }
+  // All loads first, so they are in flight together; missing elements read as 0 (no effect on max).
+  uint32_t m = 0;
+#pragma unroll
+  for (int r = 0; r < MAXR; ++r)
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+      if (r < a.rows && cnt[k] > 0) {
+        load4<DT>(x + r * a.row_stride * esize, i0 + 4 * (lane + 32 * k), cnt[k], vec, f[r][k]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f[r][k][e] = 0.0f;
+      }
+    }
+#pragma unroll
+  for (int r = 0; r < MAXR; ++r)
+#pragma unroll
+    for (int k = 0; k < CPL; ++k)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) m = umax(m, abs_bits(f[r][k][e]));
+  m = __reduce_max_sync(kFull, m);
+  const int32_t E = exponent_of_abs_bits(m);
+  if (lane == 0 && a.exponents) a.exponents[b] = E;
+  const bool special = exp_is_special(E);
+  const ToFixedScale ts = to_fixed_scale(special ? 0 : E, a.precision);  // every value is below 2^E
+  const FixedScale fs = fixed_scale(E, a.precision);
+#pragma unroll
+  for (int k = 0; k < CPL; ++k) {
+    if (cnt[k] == 0) continue;
+    uint64_t acc[4] = {0, 0, 0, 0};
+    if (!special) {
+#pragma unroll
+      for (int r = 0; r < MAXR; ++r)
+        if (r < a.rows) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[e] += static_cast<uint64_t>(to_fixed_scaled(f[r][k][e], ts));
+        }
+    }
+    exact_out4(a.out, i0 + 4 * (lane + 32 * k), cnt[k], vec, E, fs, acc);
+  }
+}
+
+// One warp per block (warp-uniform loop). Blocks of up to 512 values with few enough rows to fit
+// 64 values per lane take the one-pass register form above; others read the rows twice (the max,
+// then the sums).
 template <int DT>
 __global__ void __launch_bounds__(kThreads) exact_sum_kernel(ExactArgs a, bool vec) {
   const int lane = threadIdx.x % 32;
@@ -1103,23 +1176,27 @@ __global__ void __launch_bounds__(kThreads) exact_sum_kernel(ExactArgs a, bool v
        b += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int64_t i0 = b * a.block;
     const int len = static_cast<int>(min64(a.block, a.n - i0));
+    // Launch-uniform choices (block and rows are the same for every block).
+    if (a.block <= 128 && a.rows <= 16) { exact_block_in_registers<DT, 16, 1>(a, b, i0, len, lane, vec); continue; }
+    if (a.block <= 256 && a.rows <= 8) { exact_block_in_registers<DT, 8, 2>(a, b, i0, len, lane, vec); continue; }
+    if (a.block <= 512 && a.rows <= 4) { exact_block_in_registers<DT, 4, 4>(a, b, i0, len, lane, vec); continue; }
     const int32_t E = exponent_of_abs_bits(block_max_bits<DT>(a, i0, len, lane, vec));
     if (lane == 0 && a.exponents) a.exponents[b] = E;
+    const bool special = exp_is_special(E);
+    const ToFixedScale ts = to_fixed_scale(special ? 0 : E, a.precision);
+    const FixedScale fs = fixed_scale(E, a.precision);
     for (int j = 4 * lane; j < len; j += 128) {
       const int cnt = mini(4, len - j);
       // Integer sums: any order gives the same bits. Unsigned so that overflow (more than 2^headroom
       // rows) wraps as it does on the CPU instead of being undefined.
       uint64_t acc[4] = {0, 0, 0, 0};
-      for (int64_t r = 0; r < a.rows; ++r) {
+      for (int64_t r = 0; !special && r < a.rows; ++r) {
         float f[4];
         load4<DT>(x + r * a.row_stride * esize, i0 + j, cnt, vec, f);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[e] += static_cast<uint64_t>(to_fixed(f[e], E, a.precision));
+        for (int e = 0; e < 4; ++e) acc[e] += static_cast<uint64_t>(to_fixed_scaled(f[e], ts));
       }
-      float o[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[e] = from_fixed(static_cast<int64_t>(acc[e]), E, a.precision);
-      st4f(a.out, i0 + j, cnt, vec, o);
+      exact_out4(a.out, i0 + j, cnt, vec, E, fs, acc);
     }
   }
 }

@@ -559,8 +559,12 @@ int main(int argc, char** argv) {
       test_ordered_sum(dt, pick_size(true), 1 + rng() % 4, rng() % 2 ? 0 : 1 + rng() % 5, rng() % 3 == 0);
       test_ordered_sum(dt, pick_size(false), 1 + rng() % 4, rng() % 2 ? 0 : 4, false);
       static const int64_t blocks[] = {1, 3, 32, 100, 256, 4096};
-      test_exact(dt, pick_size(rng() % 2), 1 + rng() % 3, blocks[rng() % 6], rng() % 3 == 0);
+      // exact_sum holds up to 16 rows of small blocks in registers (1 to 16 rows of 128, 8 of 256,
+      // 4 of 512), the rest in two passes: rows on both sides of each limit.
+      static const int64_t exact_rows[] = {1, 2, 3, 4, 5, 8, 9, 16, 17};
+      test_exact(dt, pick_size(rng() % 2), exact_rows[rng() % 9], blocks[rng() % 6], rng() % 3 == 0);
       test_exact(dt, pick_size(true), 2, 256, false);
+      test_exact(dt, pick_size(false), exact_rows[rng() % 9], rng() % 2 ? 128 : 512, rng() % 3 == 0);
     }
   }
   // topk past 1024 chunks of 4096 (4.2M values): the scan kernel carries across its 1024-thread
