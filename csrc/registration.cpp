@@ -191,6 +191,7 @@ pybind11::dict constants() {
   d["max_grid"] = gpu::kMaxGrid;
   d["scan_threads"] = gpu::kScanThreads;
   d["reg_max_block"] = gpu::kRegMaxBlock;
+  d["sparse_per_thread"] = gpu::kSparsePerThread;
   d["topk_chunk"] = gpu::kTopkChunk;
   d["topk_bins"] = gpu::kTopkBins;
   return d;

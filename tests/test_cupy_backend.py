@@ -369,8 +369,9 @@ def test_constants_are_the_cpp_headers():
                'gpu::kWarps, gpu::kScanThreads, (long long)gpu::kCastTile, gpu::kTopkTile, (long long)gpu::kMaxGrid, '
                '(long long)gpu::kTopkChunk, (long long)gpu::kTopkBins, (long long)core::kMinBlock, '
                '(long long)core::kMaxBlock, (long long)core::kMaxTopkNumel, (int)core::kF32, (int)core::kBF16, '
-               '(int)core::kF16, (long long)gpu::kRegMaxBlock);for(int c=0;c<=core::kCodecTopK;++c) std::printf("%d ", (int)core::is_blockwise(c));}')
-    first, blockwise = out.splitlines()
+               '(int)core::kF16, (long long)gpu::kRegMaxBlock);for(int b=32;b<=4096;b+=32) std::printf(" %d", gpu::sparse_threads(b));std::printf("\\n");for(int c=0;c<=core::kCodecTopK;++c) std::printf("%d ", (int)core::is_blockwise(c));}')
+    first, sparse, blockwise = out.splitlines()
+    assert [int(v) for v in sparse.split()] == [cb.sparse_threads(b) for b in range(32, 4097, 32)]
     assert [int(v) for v in first.split()] == [
         cb.K_THREADS, cb.K_WARPS, cb.K_SCAN_THREADS, cb.K_CAST_TILE, cb.K_TOPK_TILE, cb.K_MAX_GRID, cb.K_TOPK_CHUNK,
         cb.K_TOPK_BINS, cb.MIN_BLOCK, cb.MAX_BLOCK, cb.MAX_TOPK_NUMEL, cb.F32, cb.BF16, cb.F16, cb.K_REG_MAX_BLOCK]

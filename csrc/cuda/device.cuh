@@ -356,64 +356,340 @@ topk_decode_kernel(const uint8_t* payloads, int64_t row_stride, int64_t rows, in
   }
 }
 
-// ---- chunked sparse (sparse, sparse4): one thread per chunk ---------------------------------------
-// A first, plain version: each thread runs core/sparse.h's chunk functions, the same code as the
-// CPU kernels (so the same bytes and residual bits), with its scratch in local memory. Correct on
-// any payload; not yet fast on a GPU (a CTA per chunk with a shared-memory radix select would be).
+// ---- chunked sparse (sparse, sparse4): one CTA per chunk ------------------------------------------
+// Thread t of the CTA (sparse_threads(block) threads: 32 to 256) holds in-chunk positions
+// [16 t, 16 t + 16) in registers, so each value is read once and written once. The selection is
+// the CPU's (core/sparse.h sparse_encode_chunk): the k largest |v| bit patterns, ties to the lower
+// position. The threshold comes from block-wide counts (a compare per value and a warp shuffle sum
+// per round: no shared-memory histogram, whose atomics would pile onto the few bins that most
+// values share); which method finds the k-th largest pattern does not change it. Kept values are
+// ranked in position order by one packed block scan, the record's bits are ORed into shared memory
+// and copied out, and the level table is the CPU's: each level's mean summed in double, in
+// ascending position order, by one lane.
+
+// Block-wide reductions for a CTA of whole warps. `sh` holds kWarps words; callers alternate
+// between two such buffers, so one barrier per call suffices (a buffer is rewritten only after
+// every thread has passed the next call's barrier, i.e. after it read the buffer).
+__device__ __forceinline__ uint32_t cta_sum(uint32_t x, uint32_t* sh) {
+#pragma unroll
+  for (int w = 16; w > 0; w /= 2) x += __shfl_down_sync(kFull, x, w);
+  if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = x;
+  __syncthreads();
+  uint32_t s = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) s += sh[w];
+  return s;
+}
+
+__device__ __forceinline__ uint32_t cta_max(uint32_t x, uint32_t* sh) {
+  x = __reduce_max_sync(kFull, x);
+  if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = x;
+  __syncthreads();
+  uint32_t m = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) m = umax(m, sh[w]);
+  return m;
+}
+
+// Exclusive prefix sum of x over the threads in index order; total = the sum over all.
+__device__ __forceinline__ uint32_t cta_scan(uint32_t x, uint32_t* sh, uint32_t& total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  uint32_t inc = x;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const uint32_t y = __shfl_up_sync(kFull, inc, o);
+    if (lane >= o) inc += y;
+  }
+  if (lane == 31) sh[warp] = inc;
+  __syncthreads();
+  uint32_t before = 0;
+  total = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) {
+    if (w < warp) before += sh[w];
+    total += sh[w];
+  }
+  return before + inc - x;
+}
+
+// ORs the w (<= 24) low bits of v into a zeroed little-endian bit stream of shared words at bit
+// pos (core/sparse.h put_bits, word-wise: entries of different threads share words).
+__device__ __forceinline__ void or_bits(uint32_t* words, int64_t pos, uint32_t v, int32_t w) {
+  const uint64_t x = static_cast<uint64_t>(v & ((1u << w) - 1u)) << (pos & 31);
+  if (static_cast<uint32_t>(x)) atomicOr(&words[pos >> 5], static_cast<uint32_t>(x));
+  if (x >> 32) atomicOr(&words[(pos >> 5) + 1], static_cast<uint32_t>(x >> 32));
+}
+
+// The w (<= 32) bits of a little-endian byte stream at bit pos (core/sparse.h get_bits), reading
+// only the bytes that hold them.
+__device__ __forceinline__ uint32_t read_bits(const uint8_t* p, int64_t pos, int32_t w) {
+  if (w <= 0) return 0;
+  const int64_t b0 = pos >> 3, b1 = (pos + w - 1) >> 3;
+  uint64_t x = 0;
+  for (int64_t b = b1; b >= b0; --b) x = (x << 8) | p[b];
+  x >>= (pos & 7);
+  return static_cast<uint32_t>(w == 32 ? x : x & ((uint64_t{1} << w) - 1u));
+}
+
+// A record is built in shared memory: at most 3,072 bytes (chunk 4096, kept 4096, 4-bit codes).
+constexpr int kSparseRecWords = 768;
 
 template <int DT>
 __global__ void __launch_bounds__(kThreads) sparse_encode_kernel(const void* xv, float* residual, uint8_t* payload,
                                                                  int64_t n, int32_t codec, int64_t block, int64_t k,
                                                                  int64_t codes_offset) {
+  __shared__ float sval[kSparseMaxChunk];  // the kept values in position order
+  __shared__ uint32_t recw[kSparseRecWords];
+  __shared__ uint32_t red[2][kWarps];
+  __shared__ float table[8];
   const SparseGeom g = sparse_geom(code_bits(codec), block, k);
   const int64_t nchunks = ceil_div(n, block);
-  const auto* x = static_cast<const typename Elem<DT>::T*>(xv);
-  uint16_t cand[kSparseMaxChunk], pos[kSparseMaxChunk];
-  float val[kSparseMaxChunk];
-  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < nchunks;
-       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t i = c * block;
-    sparse_encode_chunk<DT>(x + i, residual ? residual + i : nullptr, min64(block, n - i), g,
-                            reinterpret_cast<float*>(payload) + c * g.levels, payload + codes_offset + c * g.rec_bytes,
-                            cand, pos, val);
+  const int t = threadIdx.x;
+  const int rec_words = static_cast<int>(ceil_div(g.rec_bytes, 4));
+  const int64_t high0 = g.keep * g.low_bits;
+  const uint32_t low_mask = (1u << g.low_bits) - 1u;
+  // Chunks start at multiples of 32 elements and threads at multiples of 16: whole 4-element chunks
+  // are 16-byte aligned when the bases are.
+  const bool vec = ((reinterpret_cast<uintptr_t>(xv) | reinterpret_cast<uintptr_t>(residual)) & 15u) == 0;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {  // CTA-uniform
+    const int64_t c0 = c * block;
+    const int m = static_cast<int>(min64(block, n - c0));
+    const int kk = m < g.keep ? m : static_cast<int>(g.keep);
+    const int j0 = kSparsePerThread * t;
+    float* tables = reinterpret_cast<float*>(payload) + c * g.levels;
+    uint8_t* rec = payload + codes_offset + c * g.rec_bytes;
+    for (int w = t; w < rec_words; w += blockDim.x) recw[w] = 0;
+    // v = x + residual (the CPU's v_at), all loads first; positions past the chunk read as 0.
+    float v[kSparsePerThread];
+#pragma unroll
+    for (int q = 0; q < kSparsePerThread / 4; ++q) {
+      const int j = j0 + 4 * q;
+      const int cnt = j < m ? mini(4, m - j) : 0;
+      if (cnt > 0) {
+        load4<DT>(xv, c0 + j, cnt, vec, v + 4 * q);
+        if (residual) {
+          float r[4];
+          ld4f(residual, c0 + j, cnt, vec, r);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) v[4 * q + e] = v[4 * q + e] + r[e];
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[4 * q + e] = 0.0f;
+      }
+    }
+    uint32_t ab[kSparsePerThread], tmax = 0;
+#pragma unroll
+    for (int e = 0; e < kSparsePerThread; ++e) {
+      ab[e] = abs_bits(v[e]);
+      tmax = umax(tmax, ab[e]);
+    }
+    const uint32_t mx = cta_max(tmax, red[0]);  // also orders the record's zeroing before any OR
+    int buf = 1;
+    if (!bits_finite(mx)) {  // non-finite rule: NaN table, positions 0..kk-1, zero codes, residual kept
+      if (t < g.levels) tables[t] = u2f(0x7fc00000u);
+      for (int e = t; e < kk; e += blockDim.x) {
+        or_bits(recw, static_cast<int64_t>(e) * g.low_bits, static_cast<uint32_t>(e) & low_mask, g.low_bits);
+        or_bits(recw, high0 + (e >> g.low_bits) + e, 1u, 1);
+      }
+    } else {
+      // The threshold by bisection on the bit pattern: count(|v| bits >= lo) >= kk > count(>= hi).
+      // It ends at hi = lo + 1 (T = lo, the kk-th largest pattern; `above` values lie above it and
+      // the first kk - above equal to it are kept) or early, at a lo with exactly kk values at or
+      // above it (all kept; T is then their smallest pattern).
+      uint32_t lo = 0, hi = mx + 1, above = 0;
+      bool exact = false;
+      while (hi - lo > 1) {  // CTA-uniform: every thread computes the same bounds
+        const uint32_t mid = lo + (hi - lo) / 2;  // >= 1: positions past the chunk (0) never count
+        uint32_t cnt = 0;
+#pragma unroll
+        for (int e = 0; e < kSparsePerThread; ++e) cnt += ab[e] >= mid ? 1u : 0u;
+        const uint32_t total = cta_sum(cnt, red[buf]);
+        buf ^= 1;
+        if (total == static_cast<uint32_t>(kk)) {
+          lo = mid;
+          exact = true;
+          break;
+        }
+        if (total > static_cast<uint32_t>(kk)) {
+          lo = mid;
+        } else {
+          hi = mid;
+          above = total;
+        }
+      }
+      // Kept: ab > gt, plus the first `ties` (in position order) with ab == gt.
+      const uint32_t gt = exact ? lo - 1 : lo;
+      const uint32_t ties = exact ? 0u : static_cast<uint32_t>(kk) - above;
+      uint32_t T = lo;  // the smallest kept pattern: the levels' lower bound
+      if (exact) {
+        uint32_t x = 0;
+#pragma unroll
+        for (int e = 0; e < kSparsePerThread; ++e) x = umax(x, ab[e] >= lo ? ~ab[e] : 0u);
+        T = ~cta_max(x, red[buf]);
+        buf ^= 1;
+      }
+      // Ranks in position order: values above gt and values equal to it before this thread's first,
+      // packed in one scan (each count <= 4096).
+      uint32_t na = 0, nq = 0;
+#pragma unroll
+      for (int e = 0; e < kSparsePerThread; ++e) {
+        const bool in = j0 + e < m;
+        na += in && ab[e] > gt ? 1u : 0u;
+        nq += in && ties && ab[e] == gt ? 1u : 0u;
+      }
+      uint32_t tot;
+      const uint32_t before = cta_scan(na | (nq << 16), red[buf], tot);
+      buf ^= 1;
+      uint32_t kept = 0;  // bit e: position j0 + e is kept
+      uint16_t rank[kSparsePerThread];
+      {
+        uint32_t ra = before & 0xffffu, rq = before >> 16;
+        for (int e = 0; e < kSparsePerThread; ++e) {
+          const bool in = j0 + e < m;
+          const bool is_a = in && ab[e] > gt, is_q = in && ties && ab[e] == gt;
+          rank[e] = static_cast<uint16_t>(ra + (rq < ties ? rq : ties));
+          if (is_a || (is_q && rq < ties)) {
+            kept |= 1u << e;
+            sval[rank[e]] = v[e];
+          }
+          ra += is_a ? 1u : 0u;
+          rq += is_q ? 1u : 0u;
+        }
+      }
+      __syncthreads();  // sval complete
+      // Levels: bin j of the kept patterns in [T, mx]; table[j] = the bin's mean, summed in double
+      // in position order (sparse_encode_chunk), one level per lane.
+      const uint64_t span = static_cast<uint64_t>(mx - T) + 1;
+      if (t < g.levels) {
+        double sum = 0.0;
+        int64_t cnt = 0;
+        for (int e = 0; e < kk; ++e) {
+          const uint32_t b = abs_bits(sval[e]);
+          if (static_cast<int32_t>((static_cast<uint64_t>(b - T) * g.levels) / span) == t) {
+            sum += static_cast<double>(u2f(b));
+            ++cnt;
+          }
+        }
+        const float tv = cnt ? static_cast<float>(sum / static_cast<double>(cnt)) : 0.0f;
+        table[t] = tv;
+        tables[t] = tv;
+      }
+      __syncthreads();  // table complete
+      // Record bits and the new residual: r = v - decoded for kept values, v for the rest.
+      const int64_t code0 = 8 * g.idx_bytes;
+      for (int e = 0; e < kSparsePerThread; ++e) {
+        if (!((kept >> e) & 1u)) continue;
+        const uint32_t pos = static_cast<uint32_t>(j0 + e), re = rank[e];
+        const uint32_t j = static_cast<uint32_t>((static_cast<uint64_t>(ab[e] - T) * g.levels) / span);
+        const uint32_t neg = f2u(v[e]) >> 31;
+        const float d = neg ? -table[j] : table[j];
+        or_bits(recw, static_cast<int64_t>(re) * g.low_bits, pos & low_mask, g.low_bits);
+        or_bits(recw, high0 + (pos >> g.low_bits) + re, 1u, 1);
+        or_bits(recw, code0 + static_cast<int64_t>(re) * g.bits, neg | (j << 1), g.bits);
+        v[e] = v[e] - d;
+      }
+      if (residual) {
+#pragma unroll
+        for (int q = 0; q < kSparsePerThread / 4; ++q) {
+          const int j = j0 + 4 * q;
+          if (j < m) st4f(residual, c0 + j, mini(4, m - j), vec, v + 4 * q);
+        }
+      }
+    }
+    __syncthreads();  // the record's bits complete
+    for (int64_t b = t; b < g.rec_bytes; b += blockDim.x) rec[b] = static_cast<uint8_t>(recw[b >> 2] >> (8 * (b & 3)));
+    __syncthreads();  // shared memory is reused by the next chunk
   }
 }
 
 // out (n values of ODT) = the sum of `rows` payloads' chunks, row 0 assigned and later rows added in
 // ascending order at their kept positions, then times `scale` (kernels_impl.h decode_sum_tile and
-// decode_range_sparse). A chunk that does not parse decodes to NaN (the CUDA ops cannot raise
-// without a host sync: defined values instead, as topk).
+// decode_range_sparse). One CTA per chunk, summed in a shared tile: each row's record is parsed in
+// parallel (thread t counts the set bits of its words of the high vector, a block scan gives each
+// bit's entry number) and checked whole -- exactly `kept` entries, positions inside the chunk and
+// strictly ascending, a valid table -- before anything is scattered (sparse_parse_chunk's rules).
+// A chunk with a row that fails decodes to NaN (the CUDA ops cannot raise without a host sync:
+// defined values instead, as topk); a non-finite chunk's NaN table fails the same way.
 template <int ODT>
 __global__ void __launch_bounds__(kThreads) sparse_decode_kernel(const uint8_t* payloads, int64_t row_stride,
                                                                  int64_t rows, int64_t n, int32_t codec, int64_t block,
                                                                  int64_t k, int64_t codes_offset, float scale,
                                                                  void* out) {
   using E = Elem<ODT>;
+  __shared__ float tile[kSparseMaxChunk];
+  __shared__ uint16_t spos[kSparseMaxChunk];
+  __shared__ uint32_t red[2][kWarps];
   const SparseGeom g = sparse_geom(code_bits(codec), block, k);
   const int64_t nchunks = ceil_div(n, block);
-  uint16_t pos[kSparseMaxChunk];
-  float val[kSparseMaxChunk];
-  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < nchunks;
-       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t c0 = c * block, m = min64(block, n - c0);
-    typename E::T* o = static_cast<typename E::T*>(out) + c0;
-    if (rows == 0)
-      for (int64_t j = 0; j < m; ++j) o[j] = E::store(0.0f);
+  const int t = threadIdx.x, nt = blockDim.x;
+  const int64_t high0 = g.keep * g.low_bits;
+  const int words = static_cast<int>(ceil_div(g.high_bits, 32));
+  const int wpt = static_cast<int>(ceil_div(words, nt));  // high-vector words per thread
+  int buf = 0;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {  // CTA-uniform
+    const int64_t c0 = c * block;
+    const int m = static_cast<int>(min64(block, n - c0));
+    const int kk = m < g.keep ? m : static_cast<int>(g.keep);
+    for (int j = t; j < m; j += nt) tile[j] = 0.0f;
+    bool bad = false;  // CTA-uniform: from block reductions only
     for (int64_t r = 0; r < rows; ++r) {
       const uint8_t* p = payloads + r * row_stride;
-      const SparseParse sp = sparse_parse_chunk(reinterpret_cast<const float*>(p) + c * g.levels,
-                                                p + codes_offset + c * g.rec_bytes, m, g, pos, val);
-      if (sp.status != kSparseOk) {
-        for (int64_t j = 0; j < m; ++j) o[j] = E::store(u2f(0x7fc00000u));
+      const float* table = reinterpret_cast<const float*>(p) + c * g.levels;
+      const uint8_t* rec = p + codes_offset + c * g.rec_bytes;
+      // Any NaN, inf or negative table entry fails the row (a non-finite chunk's all-NaN table too).
+      uint32_t x = 0;
+      if (t < g.levels) {
+        const uint32_t b = f2u(table[t]);
+        x = ((b & kAbsMask) >= kInfBits || (b >> 31 && (b & kAbsMask) != 0)) ? 1u << 16 : 0u;
+      }
+      const int w0 = t * wpt, w1 = mini(words, w0 + wpt);
+      for (int w = w0; w < w1; ++w)
+        x += static_cast<uint32_t>(popcount32(read_bits(rec, high0 + 32 * w, static_cast<int32_t>(min64(32, g.high_bits - 32 * w)))));
+      uint32_t tot;
+      uint32_t e = cta_scan(x, red[buf], tot) & 0xffffu;  // set bits before this thread's words (<= 8193)
+      buf ^= 1;
+      bool row_bad = (tot >> 16) != 0 || (tot & 0xffffu) != static_cast<uint32_t>(kk);
+      if (!row_bad) {  // exactly kk entries: e < kk below
+        uint32_t outside = 0;
+        for (int w = w0; w < w1; ++w) {
+          for (uint32_t bits = read_bits(rec, high0 + 32 * w, static_cast<int32_t>(min64(32, g.high_bits - 32 * w)));
+               bits; bits &= bits - 1u) {
+            const int64_t q = 32 * w + ctz32(bits);
+            const int64_t pos = ((q - e) << g.low_bits) | read_bits(rec, static_cast<int64_t>(e) * g.low_bits, g.low_bits);
+            if (pos < m) spos[e] = static_cast<uint16_t>(pos); else outside = 1;
+            ++e;
+          }
+        }
+        row_bad = cta_sum(outside, red[buf]) != 0;  // also: spos complete
+        buf ^= 1;
+        if (!row_bad) {
+          uint32_t descending = 0;
+          for (int i = t + 1; i < kk; i += nt) descending |= spos[i - 1] >= spos[i] ? 1u : 0u;
+          row_bad = cta_sum(descending, red[buf]) != 0;
+          buf ^= 1;
+        }
+      }
+      if (row_bad) {  // sticky: the chunk ends NaN, whatever later rows hold
+        bad = true;
         continue;
       }
-      if (r == 0)
-        for (int64_t j = 0; j < m; ++j) o[j] = E::store(0.0f);
-      for (int64_t t = 0; t < sp.count; ++t)
-        o[pos[t]] = r == 0 ? E::store(val[t]) : E::store(E::load(o[pos[t]]) + val[t]);
+      // Distinct positions: the threads of a row never touch the same element. Row r + 1's scans
+      // (barriers) come before its scatter, so rows never overlap.
+      const uint8_t* codes = rec + g.idx_bytes;
+      for (int i = t; i < kk; i += nt) {
+        const uint32_t code = read_bits(codes, static_cast<int64_t>(i) * g.bits, g.bits);
+        const float a = table[code >> 1];
+        const float val = (code & 1u) ? -a : a;
+        float& o = tile[spos[i]];
+        o = E::load(E::store(r == 0 ? val : o + val));  // out holds ODT values after every row
+      }
     }
-    if (scale != 1.0f)
-      for (int64_t j = 0; j < m; ++j) o[j] = E::store(E::load(o[j]) * scale);
+    __syncthreads();  // the tile complete
+    auto* o = static_cast<typename E::T*>(out) + c0;
+    for (int j = t; j < m; j += nt) {
+      float val = bad ? u2f(0x7fc00000u) : tile[j];
+      if (!bad && scale != 1.0f) val = val * scale;
+      o[j] = E::store(val);
+    }
+    __syncthreads();  // shared memory is reused by the next chunk
   }
 }
 

@@ -115,7 +115,7 @@ cudaError_t encode(const EncodeArgs& a, cudaStream_t s) {
         return cudaErrorInvalidValue;  // handled above
       } else if constexpr (is_chunk_sparse(C)) {
         const int64_t co = layout(C, a.n, a.block, a.k).codes_offset;
-        sparse_encode_kernel<decltype(dt)::value><<<grid_for(ceil_div(a.n, a.block), kThreads), kThreads, 0, s>>>(
+        sparse_encode_kernel<decltype(dt)::value><<<grid_for(ceil_div(a.n, a.block), 1), sparse_threads(a.block), 0, s>>>(
             a.x, a.residual, a.payload, a.n, C, a.block, a.k, co);
         return cudaGetLastError();
       } else {
@@ -142,7 +142,7 @@ cudaError_t decode(const DecodeArgs& a, cudaStream_t s) {
         topk_decode_kernel<ODT><<<grid_for(a.n, kTopkTile), kThreads, 0, s>>>(a.payload, 0, 1, a.n, a.k, co,
                                                                               1.0f, a.out);
       } else if constexpr (is_chunk_sparse(C)) {
-        sparse_decode_kernel<ODT><<<grid_for(ceil_div(a.n, a.block), kThreads), kThreads, 0, s>>>(
+        sparse_decode_kernel<ODT><<<grid_for(ceil_div(a.n, a.block), 1), sparse_threads(a.block), 0, s>>>(
             a.payload, 0, 1, a.n, C, a.block, a.k, co, 1.0f, a.out);
       } else {
         decode_kernel<C, ODT><<<grid_for(a.n, 4 * kThreads), kThreads, 0, s>>>(a.payload, co, a.block, a.n,
@@ -193,7 +193,7 @@ cudaError_t decode_sum(const DecodeSumArgs& a, cudaStream_t s) {
       topk_decode_kernel<kF32><<<grid_for(a.n, kTopkTile), kThreads, 0, s>>>(a.payloads, a.row_stride, a.rows,
                                                                              a.n, a.k, co, a.scale, a.out);
     } else if constexpr (is_chunk_sparse(C)) {
-      sparse_decode_kernel<kF32><<<grid_for(ceil_div(a.n, a.block), kThreads), kThreads, 0, s>>>(
+      sparse_decode_kernel<kF32><<<grid_for(ceil_div(a.n, a.block), 1), sparse_threads(a.block), 0, s>>>(
           a.payloads, a.row_stride, a.rows, a.n, C, a.block, a.k, co, a.scale, a.out);
     } else {
       decode_sum_kernel<C><<<grid_for(a.n, 4 * kThreads), kThreads, 0, s>>>(a, co, vec);

@@ -30,6 +30,14 @@ constexpr int64_t kMaxGrid = 0x7fffffff;
 constexpr int kScanThreads = 1024;   // the topk scan's single CTA
 constexpr int kRegChunks = 4;        // 4-element chunks per lane on encode_kernel's register path
 constexpr int64_t kRegMaxBlock = 32 * 4 * kRegChunks;  // its largest codec block: 512
+constexpr int kSparsePerThread = 16;  // chunked sparse kernels: values per thread, one CTA per chunk
+
+// Threads of a chunked sparse kernel's CTA for chunks of `block` values: whole warps, 16 values
+// each, so 32 up to a chunk of 512 and 256 for the largest chunk (4096).
+inline int sparse_threads(int64_t block) {
+  const int64_t warps = (block + 32 * kSparsePerThread - 1) / (32 * kSparsePerThread);
+  return static_cast<int>(32 * (warps < 1 ? 1 : warps));
+}
 
 // ---- topk scratch ----------------------------------------------------------------------------
 // encode with codec topk needs EncodeArgs::scratch to point at topk_scratch_bytes(n) bytes of device

@@ -5,6 +5,7 @@
 // inf, NaN, -0, subnormals), aligned and misaligned buffers (the vector and the scalar paths);
 // FLATCOMM_TEST_SEED pins them. Built with AddressSanitizer when the compiler has it, so a kernel
 // that reads or writes outside its buffers fails here too.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -329,6 +330,53 @@ static void test_decode_sum_encode(int32_t src, int32_t enc_codec, int64_t n, in
   });
 }
 
+// The chunked sparse kernels (a CTA per chunk, selection by block-wide counts, ranks by a block
+// scan) on inputs full of ties: values from a few magnitudes, zeros and -0, so the kept set ends
+// inside a run of equal |v| and position order decides; k from 1 to the whole chunk, short last
+// chunks, and now and then a non-finite chunk. The encode, then decode_sum of two such rows.
+static void test_sparse_ties(int32_t codec) {
+  static const int64_t blocks[] = {32, 64, 544, 4096};
+  const int64_t block = blocks[rng() % 4];
+  const int64_t n = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(2 * block + 40));
+  const int64_t ks[] = {1, 2, block / 2 + 1, block - 1, block};
+  const int64_t k = std::max<int64_t>(1, ks[rng() % 5]);
+  const int32_t dt = static_cast<int32_t>(rng() % kNumDTypes);
+  static const float pool[] = {0.0f, -0.0f, 1.0f, -1.0f, 2.0f, -2.0f, 1.5f, -0.75f, 3.0e38f, 1e-40f};
+  const int spread = 2 + static_cast<int>(rng() % 9);  // how many of the pool's values appear
+  std::vector<float> xf(n);
+  for (auto& v : xf) v = pool[rng() % spread];
+  if (rng() % 4 == 0) xf[rng() % n] = rng() % 2 ? INFINITY : NAN;
+  Buf x(n * esize(dt));
+  x.set(as_dtype(xf, dt));
+  std::vector<float> r0(n);
+  const bool with_residual = rng() % 2;
+  for (auto& v : r0) v = rng() % 3 ? 0.0f : pool[rng() % spread];
+  const Layout L = layout(codec, n, block, k);
+  const std::string what = describe("sparse ties encode", codec, dt, n, block, k, with_residual ? " +EF" : "");
+  std::vector<uint8_t> cpu_payload;
+  compare(what, [&](bool gpu, uint8_t poison) {
+    Buf payload(L.total), residual(with_residual ? 4 * n : 0);
+    payload.fill(poison);
+    residual.set(bytes_of(r0));
+    EncodeArgs a{x.p(), dt, reinterpret_cast<float*>(residual.p()), payload.p(), n, codec, block, k, false, 0, nullptr};
+    if (gpu) expect_ok(gpu::launch_encode(a, nullptr), what); else K().encode(a, 0, n);
+    if (!gpu && poison == 0) cpu_payload = payload.data();
+    return Outputs{payload_out(payload.data(), codec, n, block, k), floats(residual.data())};
+  });
+  // Any padding bytes as the ops leave them (zeros), then the same row twice.
+  std::vector<uint8_t> rows = cpu_payload;
+  rows.insert(rows.end(), cpu_payload.begin(), cpu_payload.end());
+  const std::string swhat = describe("sparse ties decode_sum", codec, kF32, n, block, k, " rows=2");
+  compare(swhat, [&](bool gpu, uint8_t poison) {
+    Buf payloads(rows.size()), out(4 * n);
+    payloads.set(rows);
+    out.fill(poison);
+    DecodeSumArgs a{payloads.p(), L.total, 2, n, codec, block, k, 0.5f, reinterpret_cast<float*>(out.p())};
+    if (gpu) expect_ok(gpu::launch_decode_sum(a, nullptr), swhat); else K().decode_sum(a, 0, n);
+    return Outputs{floats(out.data())};
+  });
+}
+
 static void test_ordered_sum(int32_t dt, int64_t n, int64_t rows, int64_t pad, bool misalign) {
   const int64_t stride = n + pad;
   const size_t off = misalign ? esize(dt) : 0;
@@ -555,6 +603,9 @@ int main(int argc, char** argv) {
       for (int32_t enc = 0; enc < kNumCodecs; ++enc)
         if (enc != kCodecTopK && !is_chunk_sparse(enc) && !is_chunk_sparse(codec)) test_decode_sum_encode(codec, enc, pick_size(rng() % 4 == 0), 1 + rng() % 3, rng() % 2);
     }
+    for (int32_t codec = 0; codec < kNumCodecs; ++codec)
+      if (is_chunk_sparse(codec))
+        for (int i = 0; i < 3; ++i) test_sparse_ties(codec);
     for (int32_t dt = 0; dt < kNumDTypes; ++dt) {
       test_ordered_sum(dt, pick_size(true), 1 + rng() % 4, rng() % 2 ? 0 : 1 + rng() % 5, rng() % 3 == 0);
       test_ordered_sum(dt, pick_size(false), 1 + rng() % 4, rng() % 2 ? 0 : 4, false);

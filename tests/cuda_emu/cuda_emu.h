@@ -71,6 +71,13 @@ T atomicAdd(T* p, T v) {
   return old;
 }
 
+template <class T>
+T atomicOr(T* p, T v) {
+  const T old = *p;
+  *p = static_cast<T>(old | v);
+  return old;
+}
+
 namespace fc_emu {
 
 // The warp intrinsics device.cuh uses (add others here and in cuda_emu.cpp when it needs them).

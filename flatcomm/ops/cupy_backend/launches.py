@@ -13,7 +13,7 @@ from .kernels import (
     CHUNKED, CODEC_IDS, DECODE_SUM_ARGS, DTYPES, ENCODE_PARAMS, EXACT_ARGS, F32, INT4, INT8, SIGN,
     K_CAST_TILE, K_REG_MAX_BLOCK, K_SCAN_THREADS, K_THREADS, K_TOPK_BINS, K_TOPK_CHUNK, K_TOPK_TILE, K_WARPS,
     MAX_BLOCK, MAX_SPARSE_CHUNK, MAX_TOPK_NUMEL, MIN_BLOCK, NON_TOPK, ORDERED_SUM_ARGS, STOCHASTIC, SUM_SOURCE, TOPK, X_SOURCE,
-    al16, ceil_div, grid_for, is_blockwise, k_encode, k_encode_sum, k_t, layout, pack, seed_key,
+    al16, ceil_div, grid_for, is_blockwise, sparse_threads, k_encode, k_encode_sum, k_t, layout, pack, seed_key,
     topk_scratch_layout,
 )
 
@@ -88,8 +88,8 @@ class Launches:
             return
         if e["codec"] in CHUNKED:
             co = layout(e["codec"], e["n"], e["block"], e["k"])[1]
-            self.run(k_t("sparse_encode_kernel", e["x_dtype"]), grid_for(ceil_div(e["n"], e["block"]), K_THREADS),
-                     K_THREADS, 0, (np.uint64(e["x"]), np.uint64(e["residual"]), np.uint64(e["payload"]),
+            self.run(k_t("sparse_encode_kernel", e["x_dtype"]), grid_for(ceil_div(e["n"], e["block"]), 1),
+                     sparse_threads(e["block"]), 0, (np.uint64(e["x"]), np.uint64(e["residual"]), np.uint64(e["payload"]),
                                     np.int64(e["n"]), np.int32(e["codec"]), np.int64(e["block"]), np.int64(e["k"]),
                                     np.int64(co)))
             return
@@ -140,8 +140,8 @@ class Launches:
                      (U64(d["payload"]), I64(0), I64(1), I64(n), I64(d["k"]), I64(co), np.float32(1.0),
                       U64(d["out"])))
         elif c in CHUNKED:
-            self.run(k_t("sparse_decode_kernel", d["out_dtype"]), grid_for(ceil_div(n, d["block"]), K_THREADS),
-                     K_THREADS, 0, (U64(d["payload"]), I64(0), I64(1), I64(n), np.int32(c), I64(d["block"]),
+            self.run(k_t("sparse_decode_kernel", d["out_dtype"]), grid_for(ceil_div(n, d["block"]), 1),
+                     sparse_threads(d["block"]), 0, (U64(d["payload"]), I64(0), I64(1), I64(n), np.int32(c), I64(d["block"]),
                                     I64(d["k"]), I64(co), np.float32(1.0), U64(d["out"])))
         else:
             vec = al16(d["payload"]) and al16(d["out"])
@@ -184,7 +184,7 @@ class Launches:
                      (U64(a["payloads"]), I64(a["row_stride"]), I64(a["rows"]), I64(n), I64(a["k"]), I64(co),
                       np.float32(a["scale"]), U64(a["out"])))
         elif c in CHUNKED:
-            self.run(k_t("sparse_decode_kernel", F32), grid_for(ceil_div(n, a["block"]), K_THREADS), K_THREADS, 0,
+            self.run(k_t("sparse_decode_kernel", F32), grid_for(ceil_div(n, a["block"]), 1), sparse_threads(a["block"]), 0,
                      (U64(a["payloads"]), I64(a["row_stride"]), I64(a["rows"]), I64(n), np.int32(c), I64(a["block"]),
                       I64(a["k"]), I64(co), np.float32(a["scale"]), U64(a["out"])))
         else:
