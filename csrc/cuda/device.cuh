@@ -1262,57 +1262,95 @@ __global__ void __launch_bounds__(kScanThreads) topk_scan_kernel(unsigned long l
   }
 }
 
-// Exclusive rank of this thread's flag among the CTA's 256 flags; total = number of set flags.
-__device__ __forceinline__ uint32_t block_rank(bool f, uint32_t* sh, uint32_t& total) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const uint32_t bal = __ballot_sync(kFull, f);
-  if (lane == 0) sh[warp] = __popc(bal);
-  __syncthreads();
-  uint32_t before = __popc(bal & ((1u << lane) - 1u));
-  total = 0;
-  for (int w = 0; w < kWarps; ++w) {
-    const uint32_t c = sh[w];
-    if (w < warp) before += c;
-    total += c;
-  }
-  __syncthreads();  // sh is reused by the next call
-  return before;
-}
+// Per chunk of kTopkChunk elements: take every |v| above the threshold T and the first `need` (by
+// index) equal to it, write them in index order at their global rank, and update the residual
+// (kernels_impl.h encode_topk_impl, last loop). Thread t holds the 4-element pieces t, t + 256,
+// t + 512 and t + 768 of the chunk (coalesced 16-byte loads); one block scan of the four pieces'
+// packed (above, equal) counts ranks every element, so a chunk costs two barriers, not the four
+// per 256 values of a rank per element.
+constexpr int kTopkPieces = static_cast<int>(kTopkChunk / (4 * kThreads));
+static_assert(kTopkPieces * 4 * kThreads == kTopkChunk, "a topk chunk is whole pieces of every thread");
 
-// Per chunk: take every |v| above the threshold T and the first `need` (by index) equal to it, write
-// them in index order at their global rank, and update the residual (kernels_impl.h
-// encode_topk_impl, last loop).
 __global__ void __launch_bounds__(kThreads)
 topk_write_kernel(const float* v, int64_t n, const TopkState* st, const unsigned long long* counts,
                   uint32_t* idx, float* val, float* residual) {
-  __shared__ uint32_t sh[kWarps];
+  __shared__ uint32_t sh[kTopkPieces][kWarps];
   const uint32_t T = st->prefix;
   const long long need = st->need;
   const int64_t nchunks = ceil_div(n, kTopkChunk);
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  const bool rvec = (reinterpret_cast<uintptr_t>(residual) & 15u) == 0;  // v (scratch) is aligned
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
-    long long eq_before = static_cast<long long>(counts[2 * c + 1]);
-    long long taken_before =
-        static_cast<long long>(counts[2 * c]) + (eq_before < need ? eq_before : need);
+    const long long eq_before = static_cast<long long>(counts[2 * c + 1]);
+    const long long taken_before = static_cast<long long>(counts[2 * c]) + (eq_before < need ? eq_before : need);
+    const long long take_eq = need - eq_before;  // this chunk's equal values below it are taken
     const int64_t c0 = c * kTopkChunk, c1 = min64(n, c0 + kTopkChunk);
-    for (int64_t base = c0; base < c1; base += blockDim.x) {  // CTA-uniform trip count
-      const int64_t i = base + threadIdx.x;
-      const bool in = i < c1;
-      const float x = in ? v[i] : 0.0f;
-      const uint32_t ab = abs_bits(x);
-      const bool is_eq = in && ab == T;
-      uint32_t eq_total, take_total;
-      const long long eq_rank = eq_before + block_rank(is_eq, sh, eq_total);
-      const bool take = (in && ab > T) || (is_eq && eq_rank < need);
-      const long long pos = taken_before + block_rank(take, sh, take_total);
-      if (take) {
-        idx[pos] = static_cast<uint32_t>(i);
-        val[pos] = x;
+    float f[kTopkPieces][4];
+    int cnt[kTopkPieces];
+    uint32_t inc[kTopkPieces], mine[kTopkPieces];
+#pragma unroll
+    for (int q = 0; q < kTopkPieces; ++q) {
+      const int64_t i = c0 + 4 * (t + kThreads * q);
+      cnt[q] = i < c1 ? static_cast<int>(min64(4, c1 - i)) : 0;
+      ld4f(v, i, cnt[q], true, f[q]);  // nothing read when cnt is 0
+      uint32_t gt = 0, eq = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t ab = abs_bits(f[q][e]);
+        gt += e < cnt[q] && ab > T ? 1u : 0u;
+        eq += e < cnt[q] && ab == T ? 1u : 0u;
       }
-      // Sent values leave a zero residual, unsent ones carry over, non-finite keeps the old one.
-      if (in && residual && bits_finite(ab)) residual[i] = take ? 0.0f : x;
-      eq_before += eq_total;
-      taken_before += take_total;
+      mine[q] = gt | (eq << 16);  // each at most kTopkChunk
+      inc[q] = mine[q];
+#pragma unroll
+      for (int o = 1; o < 32; o *= 2) {
+        const uint32_t y = __shfl_up_sync(kFull, inc[q], o);
+        if (lane >= o) inc[q] += y;
+      }
+      if (lane == 31) sh[q][warp] = inc[q];
     }
+    __syncthreads();
+    // Exclusive (above, equal) counts before each piece of this thread: the chunk's earlier pieces
+    // (all of pieces q' < q, then warps before this one, then lanes).
+    uint32_t base = 0;
+#pragma unroll
+    for (int q = 0; q < kTopkPieces; ++q) {
+      uint32_t before = base + inc[q] - mine[q];
+      for (int w = 0; w < kWarps; ++w) {
+        if (w < warp) before += sh[q][w];
+        base += sh[q][w];
+      }
+      long long na = before & 0xffffu, nq = before >> 16;
+      const int64_t i = c0 + 4 * (t + kThreads * q);
+      float r[4];
+      bool all_finite = true;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t ab = abs_bits(f[q][e]);
+        const bool in = e < cnt[q], is_gt = in && ab > T, is_eq = in && ab == T;
+        const bool take = is_gt || (is_eq && nq < take_eq);
+        if (take) {
+          const long long pos = taken_before + na + (nq < take_eq ? nq : (take_eq > 0 ? take_eq : 0));
+          idx[pos] = static_cast<uint32_t>(i + e);
+          val[pos] = f[q][e];
+        }
+        // Sent values leave a zero residual, unsent ones carry over, non-finite keeps the old one.
+        r[e] = take ? 0.0f : f[q][e];
+        all_finite = all_finite && (!in || bits_finite(ab));
+        na += is_gt ? 1 : 0;
+        nq += is_eq ? 1 : 0;
+      }
+      if (residual && cnt[q] > 0) {
+        if (all_finite) {
+          st4f(residual, i, cnt[q], rvec, r);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (e < cnt[q] && bits_finite(abs_bits(f[q][e]))) residual[i + e] = r[e];
+        }
+      }
+    }
+    __syncthreads();  // sh is rewritten by the next chunk
   }
 }
 
