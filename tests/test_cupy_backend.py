@@ -52,11 +52,11 @@ def test_blockwise_encode_shape(block, wpg, groups, regs):
     assert src["x"][0] == x.data_ptr() and p["residual"][0] == r.data_ptr()
 
 
-@pytest.mark.parametrize("codec,rows,regs", [("sign", None, True), ("sign", "int8", False), ("int4", "int8", True),
-                                             ("int8", "topk", False)])
+@pytest.mark.parametrize("codec,rows,regs", [("sign", None, True), ("sign", "int8", True), ("int4", "int8", True),
+                                             ("int8", "topk", False), ("sign", "topk", False)])
 def test_register_path_by_source(codec, rows, regs):
-    """Sign takes the register path from x only (it reads element by element), int8 / int4 also
-    from decoded rows, but not from topk rows (decoded a window at a time)."""
+    """int8 / int4 / sign take the register path from x and from decoded rows, but not from topk
+    rows (decoded a window at a time)."""
     o, rec = make()
     n, block = 10_001, 256
     if rows is None:

@@ -739,7 +739,20 @@ struct SumSource {  // decode_sum_encode: the decoded sum of the rows
   DecodeSumArgs a;
   int64_t codes_offset;  // of the rows' layout
   static constexpr bool kChunked = C != kCodecTopK;  // topk rows only decode a whole window at once
-  static constexpr bool kScalar = false;  // decodes in aligned 4-element chunks only
+  static constexpr bool kScalar = C != kCodecTopK;   // so sign re-encodes in registers too
+  // Element i of the sum: decode_sum4's operations for one element (its unaligned form decodes
+  // element by element through decode1 too).
+  __device__ __forceinline__ float one(int64_t i) const {
+    float acc = 0.0f;
+    if constexpr (C != kCodecTopK) {
+      for (int64_t r = 0; r < a.rows; ++r) {
+        const float d = decode1<C>(a.payloads + r * a.row_stride, codes_offset, a.block, i);
+        acc = r == 0 ? d : acc + d;
+      }
+      if (a.scale != 1.0f) acc = acc * a.scale;
+    }
+    return acc;
+  }
   __device__ __forceinline__ void chunk(float f[4], int64_t i, int cnt, bool vec) const {
     decode_sum4<C>(a, codes_offset, i, cnt, vec, f);
   }

@@ -63,9 +63,8 @@ class Launches:
         stochastic = bool(e["stochastic"]) and c in STOCHASTIC
         vec = vec and al16(e["payload"]) and (e["residual"] == 0 or al16(e["residual"]))
         # encode_kernel's register paths (device.cuh encode_in_registers): one warp per block, no
-        # smem; int8/int4 from x or non-topk rows (Src::kChunked), sign from x only (Src::kScalar)
-        regs = e["block"] <= K_REG_MAX_BLOCK and ((c in (INT8, INT4) and rows != TOPK)
-                                                  or (c == SIGN and rows is None))
+        # smem; int8/int4 (Src::kChunked) and sign (Src::kScalar) from x or non-topk rows
+        regs = e["block"] <= K_REG_MAX_BLOCK and c in (INT8, INT4, SIGN) and rows != TOPK
         if is_blockwise(c):
             block, wpg = e["block"], 1 if regs else min(e["block"] // 32, K_WARPS)
         else:
