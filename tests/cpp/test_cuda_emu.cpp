@@ -377,6 +377,44 @@ static void test_sparse_ties(int32_t codec) {
   });
 }
 
+// topk on inputs full of ties (a few magnitudes, zeros and -0, now and then inf or NaN): the
+// threshold falls inside a run of equal |v| and the lower indices must win, across topk_write's
+// 4,096-value chunks and their pieces; k from 0 to n.
+static void test_topk_ties() {
+  static const float pool[] = {0.0f, -0.0f, 1.0f, -1.0f, 2.0f, -2.0f, 0.5f, 3.0e38f, 1e-40f};
+  const int64_t n = 1 + static_cast<int64_t>(rng() % 12000);
+  const int spread = 2 + static_cast<int>(rng() % 8);
+  std::vector<float> xf(n);
+  for (auto& v : xf) v = pool[rng() % spread];
+  if (rng() % 4 == 0) xf[rng() % n] = rng() % 2 ? -INFINITY : NAN;
+  const int64_t k = rng() % 4 == 0 ? n : static_cast<int64_t>(rng() % (n + 1));
+  const int32_t dt = static_cast<int32_t>(rng() % kNumDTypes);
+  Buf x(n * esize(dt));
+  x.set(as_dtype(xf, dt));
+  std::vector<float> r0(n);
+  for (auto& v : r0) v = rng() % 3 ? 0.0f : pool[rng() % spread];
+  const bool with_residual = rng() % 2;
+  const Layout L = layout(kCodecTopK, n, 0, k);
+  const std::string what = describe("topk ties encode", kCodecTopK, dt, n, 0, k, with_residual ? " +EF" : "");
+  compare(what, [&](bool gpu, uint8_t poison) {
+    Buf payload(L.total), residual(with_residual ? 4 * n : 0);
+    payload.fill(poison);
+    residual.set(bytes_of(r0));
+    EncodeArgs a{x.p(), dt, reinterpret_cast<float*>(residual.p()), payload.p(), n, kCodecTopK, 0, k, false, 0, nullptr};
+    if (!gpu) {
+      std::vector<float> scratch(n);
+      a.scratch = scratch.data();
+      K().encode_topk(a);
+    } else {
+      Buf scratch(gpu::topk_scratch_bytes(n));
+      scratch.fill(static_cast<uint8_t>(rng()));
+      a.scratch = reinterpret_cast<float*>(scratch.p());
+      expect_ok(gpu::launch_encode(a, nullptr), what);
+    }
+    return Outputs{payload_out(payload.data(), kCodecTopK, n, 0, k), floats(residual.data())};
+  });
+}
+
 static void test_ordered_sum(int32_t dt, int64_t n, int64_t rows, int64_t pad, bool misalign) {
   const int64_t stride = n + pad;
   const size_t off = misalign ? esize(dt) : 0;
@@ -606,6 +644,7 @@ int main(int argc, char** argv) {
     for (int32_t codec = 0; codec < kNumCodecs; ++codec)
       if (is_chunk_sparse(codec))
         for (int i = 0; i < 3; ++i) test_sparse_ties(codec);
+    for (int i = 0; i < 3; ++i) test_topk_ties();
     for (int32_t dt = 0; dt < kNumDTypes; ++dt) {
       test_ordered_sum(dt, pick_size(true), 1 + rng() % 4, rng() % 2 ? 0 : 1 + rng() % 5, rng() % 3 == 0);
       test_ordered_sum(dt, pick_size(false), 1 + rng() % 4, rng() % 2 ? 0 : 4, false);
