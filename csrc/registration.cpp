@@ -136,6 +136,7 @@ pybind11::dict topk_scratch_layout(int64_t n) {
   r["hist"] = l.hist;
   r["state"] = l.state;
   r["counts"] = l.counts;
+  r["cand"] = l.cand;
   r["total"] = l.total;
   return r;
 }

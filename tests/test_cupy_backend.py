@@ -99,8 +99,8 @@ def test_topk_encode_pipeline():
     x, r = torch.randn(n), torch.zeros(n)
     p = o.encode(x, "topk", 0, k, r, False, 0)
     names = [l[0].split("::")[-1].split("<")[0] for l in rec.launches]
-    assert names == ["topk_fill_kernel", "topk_select_kernel", "topk_hist_kernel", "topk_select_kernel",
-                     "topk_hist_kernel", "topk_select_kernel", "topk_count_kernel", "topk_scan_kernel",
+    assert names == ["topk_fill_kernel", "topk_select_kernel", "topk_compact_kernel", "topk_select_kernel",
+                     "topk_cand_hist_kernel", "topk_select_kernel", "topk_cand_count_kernel", "topk_scan_kernel",
                      "topk_write_kernel"]
     sl = cb.topk_scratch_layout(n)
     (ptr, nbytes), = rec.memsets
@@ -118,11 +118,11 @@ def test_topk_scratch_layout_matches_cuh():
     """kernels.cuh topk_scratch_layout, compiled by g++."""
     out = _gxx('#include "cuda/kernels.cuh"\n#include <cstdio>\n#include <initializer_list>\nint main(){for(long long n: {1LL, 4096LL, '
                '4097LL, 1000003LL}){auto l=flatcomm::gpu::topk_scratch_layout(n);std::printf("%lld %lld %lld '
-               '%lld %lld\\n",(long long)l.v,(long long)l.hist,(long long)l.state,(long long)l.counts,'
-               '(long long)l.total);}}')
+               '%lld %lld %lld\\n",(long long)l.v,(long long)l.hist,(long long)l.state,(long long)l.counts,'
+               '(long long)l.cand,(long long)l.total);}}')
     for line, n in zip(out.splitlines(), (1, 4096, 4097, 1000003)):
         s = cb.topk_scratch_layout(n)
-        assert [int(v) for v in line.split()] == [s["v"], s["hist"], s["state"], s["counts"], s["total"]]
+        assert [int(v) for v in line.split()] == [s["v"], s["hist"], s["state"], s["counts"], s["cand"], s["total"]]
 
 
 def test_decode_and_sum_shapes():

@@ -1102,7 +1102,7 @@ struct TopkState {
   uint32_t prefix;  // the selected high bits so far
   uint32_t mask;    // which bits prefix covers
   long long need;   // how many still to take at or below prefix
-  long long pad;
+  long long ncand;  // candidates appended by topk_compact (zeroed with the histograms)
 };
 
 // The CPU's three digit passes over the 31 bits of |v|: 11, 11 and 9 bits.
@@ -1145,24 +1145,6 @@ topk_fill_kernel(const void* x, const float* residual, int64_t n, float* vout, u
   flush_hist(sh, hist, kTopkBins);
 }
 
-// Histogram of pass 1 or 2 over the values whose higher bits match the selected prefix.
-__global__ void __launch_bounds__(kThreads)
-topk_hist_kernel(const float* v, int64_t n, int pass, const TopkState* st, unsigned long long* hist) {
-  __shared__ uint32_t sh[kTopkBins];
-  const int shift = topk_shift(pass);
-  const uint32_t digits = topk_digits(pass);
-  const uint32_t prefix = st->prefix, mask = st->mask;
-  for (uint32_t d = threadIdx.x; d < digits; d += blockDim.x) sh[d] = 0;
-  __syncthreads();
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const uint32_t ab = abs_bits(v[i]);
-    if ((ab & mask) == prefix) atomicAdd(&sh[(ab >> shift) & (digits - 1)], 1u);
-  }
-  __syncthreads();
-  flush_hist(sh, hist, digits);
-}
-
 // One CTA: the digit of this pass, as the CPU's scan from the top digit down: the largest d with
 // S(d) = sum of hist[d'] for d' >= d at least `need`; then need -= S(d + 1).
 __global__ void __launch_bounds__(kThreads)
@@ -1171,8 +1153,8 @@ topk_select_kernel(const unsigned long long* hist, int pass, long long k, TopkSt
   const int shift = topk_shift(pass);
   const uint32_t digits = topk_digits(pass);
   uint32_t prefix = 0, mask = 0;
-  long long need = k;
-  if (pass > 0) { prefix = st->prefix; mask = st->mask; need = st->need; }
+  long long need = k, ncand = 0;
+  if (pass > 0) { prefix = st->prefix; mask = st->mask; need = st->need; ncand = st->ncand; }
   const uint32_t per = digits / kThreads;  // 8 or 2 bins per thread
   const uint32_t lo = threadIdx.x * per;
   unsigned long long local = 0;
@@ -1197,7 +1179,7 @@ topk_select_kernel(const unsigned long long* hist, int pass, long long k, TopkSt
     out.prefix = prefix | (d << shift);
     out.mask = mask | ((digits - 1) << shift);
     out.need = need - s;
-    out.pad = 0;
+    out.ncand = ncand;  // pass 0: 0, as the memset left it
     *st = out;
   }
 }
@@ -1206,35 +1188,6 @@ __device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long x)
 #pragma unroll
   for (int w = 16; w > 0; w /= 2) x += __shfl_down_sync(kFull, x, w);
   return x;
-}
-
-// Per chunk of kTopkChunk elements: how many are above the threshold and how many equal it.
-__global__ void __launch_bounds__(kThreads)
-topk_count_kernel(const float* v, int64_t n, const TopkState* st, unsigned long long* counts) {
-  __shared__ unsigned long long sh[2][kWarps];
-  const uint32_t T = st->prefix;
-  const int64_t nchunks = ceil_div(n, kTopkChunk);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
-    const int64_t e = min64(n, (c + 1) * kTopkChunk);
-    unsigned long long gt = 0, eq = 0;
-    for (int64_t i = c * kTopkChunk + threadIdx.x; i < e; i += blockDim.x) {
-      const uint32_t ab = abs_bits(v[i]);
-      gt += ab > T ? 1 : 0;
-      eq += ab == T ? 1 : 0;
-    }
-    gt = warp_sum_u64(gt);
-    eq = warp_sum_u64(eq);
-    if (lane == 0) { sh[0][warp] = gt; sh[1][warp] = eq; }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      unsigned long long tg = 0, te = 0;
-      for (int w = 0; w < kWarps; ++w) { tg += sh[0][w]; te += sh[1][w]; }
-      counts[2 * c] = tg;
-      counts[2 * c + 1] = te;
-    }
-    __syncthreads();
-  }
 }
 
 // One CTA of 1024 threads: exclusive prefix sums of the per-chunk counts, in place.
@@ -1364,6 +1317,95 @@ topk_write_kernel(const float* v, int64_t n, const TopkState* st, const unsigned
       }
     }
     __syncthreads();  // sh is rewritten by the next chunk
+  }
+}
+
+// After pass 0, one read of v: per chunk, how many values lie above the selected first digit (bits
+// 20..30 of |v|; all of them are taken: the chunk's `above` count, its `equal` count zeroed), and
+// the indices of the values in that digit (the candidates, appended in any order: they are only
+// counted below) with the pass-1 histogram of their next 11 bits. Passes 1 and 2 and the per-chunk
+// counts then read the candidates alone (hist0[d0] of them), not all of v twice more. Thread t holds
+// the chunk's 4-element pieces t, t + 256, ... (as topk_write).
+__global__ void __launch_bounds__(kThreads)
+topk_compact_kernel(const float* v, int64_t n, TopkState* st, unsigned long long* counts, uint32_t* cand,
+                    unsigned long long* hist) {
+  __shared__ uint32_t sh[kTopkBins];
+  __shared__ uint32_t part[kWarps];
+  const uint32_t d0 = st->prefix >> 20;
+  auto* ncand = reinterpret_cast<unsigned long long*>(&st->ncand);
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  for (int d = t; d < kTopkBins; d += blockDim.x) sh[d] = 0;
+  __syncthreads();
+  const int64_t nchunks = ceil_div(n, kTopkChunk);
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {  // CTA-uniform
+    const int64_t c0 = c * kTopkChunk, c1 = min64(n, c0 + kTopkChunk);
+    uint32_t above = 0;
+#pragma unroll
+    for (int q = 0; q < kTopkPieces; ++q) {
+      const int64_t i = c0 + 4 * (t + kThreads * q);
+      const int cnt = i < c1 ? static_cast<int>(min64(4, c1 - i)) : 0;
+      float f[4];
+      ld4f(v, i, cnt, true, f);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t ab = abs_bits(f[e]);
+        above += e < cnt && (ab >> 20) > d0 ? 1u : 0u;
+        const bool is_c = e < cnt && (ab >> 20) == d0;
+        if (is_c) atomicAdd(&sh[(ab >> 9) & (kTopkBins - 1)], 1u);
+        // One reservation per warp and value slot: the leader adds the warp's count.
+        const uint32_t bal = __ballot_sync(kFull, is_c);
+        if (bal) {  // warp-uniform
+          unsigned long long at = 0;
+          if (lane == 0) at = atomicAdd(ncand, static_cast<unsigned long long>(__popc(bal)));
+          at = __shfl_sync(kFull, at, 0);
+          if (is_c) cand[at + __popc(bal & ((1u << lane) - 1u))] = static_cast<uint32_t>(i + e);
+        }
+      }
+    }
+#pragma unroll
+    for (int w = 16; w > 0; w /= 2) above += __shfl_down_sync(kFull, above, w);
+    if (lane == 0) part[warp] = above;
+    __syncthreads();
+    if (t == 0) {
+      unsigned long long total = 0;
+      for (int w = 0; w < kWarps; ++w) total += part[w];
+      counts[2 * c] = total;
+      counts[2 * c + 1] = 0;
+    }
+    __syncthreads();  // part is rewritten by the next chunk
+  }
+  flush_hist(sh, hist, kTopkBins);  // the loop ended on a barrier: sh is complete
+}
+
+// Pass 2's histogram (bits 0..8) over the candidates that match the 22-bit prefix of pass 1.
+__global__ void __launch_bounds__(kThreads)
+topk_cand_hist_kernel(const float* v, const TopkState* st, const uint32_t* cand, unsigned long long* hist) {
+  __shared__ uint32_t sh[kTopkBins];
+  const uint32_t prefix = st->prefix, mask = st->mask;
+  const int64_t m = st->ncand;
+  const uint32_t digits = topk_digits(2);
+  for (uint32_t d = threadIdx.x; d < digits; d += blockDim.x) sh[d] = 0;
+  __syncthreads();
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < m;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t ab = abs_bits(v[cand[j]]);
+    if ((ab & mask) == prefix) atomicAdd(&sh[ab & (digits - 1)], 1u);
+  }
+  __syncthreads();
+  flush_hist(sh, hist, digits);
+}
+
+// The candidates' share of the per-chunk counts: above or equal to the final threshold T (values
+// above the first digit were counted by topk_compact, values below it are below T).
+__global__ void __launch_bounds__(kThreads)
+topk_cand_count_kernel(const float* v, const TopkState* st, const uint32_t* cand, unsigned long long* counts) {
+  const uint32_t T = st->prefix;
+  const int64_t m = st->ncand;
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < m;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t i = cand[j];
+    const uint32_t ab = abs_bits(v[i]);
+    if (ab >= T) atomicAdd(counts + 2 * (i / kTopkChunk) + (ab == T ? 1 : 0), 1ull);
   }
 }
 

@@ -86,13 +86,15 @@ cudaError_t encode_topk(const EncodeArgs& a, cudaStream_t s) {
     return cudaGetLastError();
   });
   if (err != cudaSuccess) return err;
-  for (int pass = 0; pass < 3; ++pass) {
-    if (pass > 0) {
-      topk_hist_kernel<<<hist_grid, kThreads, 0, s>>>(v, a.n, pass, st, hist + pass * kTopkBins);
-    }
-    topk_select_kernel<<<1, kThreads, 0, s>>>(hist + pass * kTopkBins, pass, a.k, st);
-  }
-  topk_count_kernel<<<grid_for(nchunks, 1), kThreads, 0, s>>>(v, a.n, st, counts);
+  // Pass 0 over v; then the candidates (the values in pass 0's digit) alone for passes 1 and 2 and
+  // their share of the per-chunk counts, so v is read once more here and once by topk_write.
+  auto* cand = reinterpret_cast<uint32_t*>(base + sl.cand);
+  topk_select_kernel<<<1, kThreads, 0, s>>>(hist, 0, a.k, st);
+  topk_compact_kernel<<<grid_for(nchunks, 1), kThreads, 0, s>>>(v, a.n, st, counts, cand, hist + kTopkBins);
+  topk_select_kernel<<<1, kThreads, 0, s>>>(hist + kTopkBins, 1, a.k, st);
+  topk_cand_hist_kernel<<<hist_grid, kThreads, 0, s>>>(v, st, cand, hist + 2 * kTopkBins);
+  topk_select_kernel<<<1, kThreads, 0, s>>>(hist + 2 * kTopkBins, 2, a.k, st);
+  topk_cand_count_kernel<<<hist_grid, kThreads, 0, s>>>(v, st, cand, counts);
   topk_scan_kernel<<<1, kScanThreads, 0, s>>>(counts, nchunks);
   const Layout L = layout(kCodecTopK, a.n, 0, a.k);
   topk_write_kernel<<<grid_for(nchunks, 1), kThreads, 0, s>>>(

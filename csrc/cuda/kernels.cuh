@@ -45,13 +45,14 @@ inline int sparse_threads(int64_t block) {
 // matter. Layout (each part starts on a 256-byte boundary):
 //   v       n fp32: x + residual
 //   hist    3 x 2048 uint64: the radix-select histograms
-//   state   32 bytes: the select state (prefix, mask, need)
+//   state   32 bytes: the select state (prefix, mask, need, candidate count)
 //   counts  2 x uint64 per chunk of kTopkChunk elements
+//   cand    n uint32: indices of the values in pass 0's selected digit (usually far fewer than n)
 constexpr int64_t kTopkChunk = 4096;
 constexpr int64_t kTopkBins = 2048;
 
 struct TopkScratchLayout {
-  int64_t v, hist, state, counts, total;  // byte offsets, total size
+  int64_t v, hist, state, counts, cand, total;  // byte offsets, total size
 };
 
 inline TopkScratchLayout topk_scratch_layout(int64_t n) {
@@ -61,7 +62,8 @@ inline TopkScratchLayout topk_scratch_layout(int64_t n) {
   l.hist = up(4 * n);
   l.state = l.hist + 3 * kTopkBins * 8;
   l.counts = l.state + 256;
-  l.total = l.counts + up(16 * ((n + kTopkChunk - 1) / kTopkChunk));
+  l.cand = l.counts + up(16 * ((n + kTopkChunk - 1) / kTopkChunk));
+  l.total = l.cand + up(4 * n);
   return l;
 }
 

@@ -134,8 +134,9 @@ def kernel_names() -> List[str]:
         names += [k_t(k, dt) for k in ("sparse_encode_kernel", "sparse_decode_kernel")]
         names += [k_t(k, dt) for k in ("topk_decode_kernel", "topk_fill_kernel", "ordered_sum_kernel",
                                        "exact_exponents_kernel", "exact_sum_kernel", "to_fixed_kernel")]
-    names += [k_t(k) for k in ("topk_hist_kernel", "topk_select_kernel", "topk_count_kernel",
-                               "topk_scan_kernel", "topk_write_kernel", "from_fixed_kernel")]
+    names += [k_t(k) for k in ("topk_select_kernel", "topk_compact_kernel", "topk_cand_hist_kernel",
+                               "topk_cand_count_kernel", "topk_scan_kernel", "topk_write_kernel",
+                               "from_fixed_kernel")]
     return names
 
 
@@ -220,7 +221,7 @@ def layout(c: int, n: int, block: int, k: int) -> Tuple[int, int, int]:
 
 
 def topk_scratch_layout(n: int) -> Dict[str, int]:
-    """gpu::topk_scratch_layout: byte offsets of v, hist, state, counts and the total."""
+    """gpu::topk_scratch_layout: byte offsets of v, hist, state, counts, cand and the total."""
     return _C.topk_scratch_layout(n)
 
 

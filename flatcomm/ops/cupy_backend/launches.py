@@ -103,21 +103,24 @@ class Launches:
         self._check(e["scratch"] != 0 and al16(e["scratch"]), "encode (topk)")
         sl = topk_scratch_layout(n)
         base = e["scratch"]
-        v, hist, st, counts = base + sl["v"], base + sl["hist"], base + sl["state"], base + sl["counts"]
+        v, hist, st, counts, cand = (base + sl[part] for part in ("v", "hist", "state", "counts", "cand"))
         nchunks = ceil_div(n, K_TOPK_CHUNK)
         self.memset(hist, sl["counts"] - sl["hist"])
         vec = al16(e["x"]) and (e["residual"] == 0 or al16(e["residual"]))
         hist_grid = min(grid_for(n, 4 * K_THREADS), 1024)
         I64, U64, I32 = np.int64, np.uint64, np.int32
+        h = [U64(hist + p * K_TOPK_BINS * 8) for p in range(3)]
+        # kernels.cu encode_topk: pass 0 over v, then the candidates (values in the selected first
+        # digit) only, then the ordered compaction
         self.run(k_t("topk_fill_kernel", e["x_dtype"]), hist_grid, K_THREADS, 0,
-                 (U64(e["x"]), U64(e["residual"]), I64(n), U64(v), U64(hist), np.bool_(vec)))
-        for p in range(3):
-            if p > 0:
-                self.run(k_t("topk_hist_kernel"), hist_grid, K_THREADS, 0,
-                         (U64(v), I64(n), I32(p), U64(st), U64(hist + p * K_TOPK_BINS * 8)))
-            self.run(k_t("topk_select_kernel"), 1, K_THREADS, 0,
-                     (U64(hist + p * K_TOPK_BINS * 8), I32(p), I64(k), U64(st)))
-        self.run(k_t("topk_count_kernel"), grid_for(nchunks, 1), K_THREADS, 0, (U64(v), I64(n), U64(st), U64(counts)))
+                 (U64(e["x"]), U64(e["residual"]), I64(n), U64(v), h[0], np.bool_(vec)))
+        self.run(k_t("topk_select_kernel"), 1, K_THREADS, 0, (h[0], I32(0), I64(k), U64(st)))
+        self.run(k_t("topk_compact_kernel"), grid_for(nchunks, 1), K_THREADS, 0,
+                 (U64(v), I64(n), U64(st), U64(counts), U64(cand), h[1]))
+        self.run(k_t("topk_select_kernel"), 1, K_THREADS, 0, (h[1], I32(1), I64(k), U64(st)))
+        self.run(k_t("topk_cand_hist_kernel"), hist_grid, K_THREADS, 0, (U64(v), U64(st), U64(cand), h[2]))
+        self.run(k_t("topk_select_kernel"), 1, K_THREADS, 0, (h[2], I32(2), I64(k), U64(st)))
+        self.run(k_t("topk_cand_count_kernel"), hist_grid, K_THREADS, 0, (U64(v), U64(st), U64(cand), U64(counts)))
         self.run(k_t("topk_scan_kernel"), 1, K_SCAN_THREADS, 0, (U64(counts), I64(nchunks)))
         co = layout(TOPK, n, 0, k)[1]
         self.run(k_t("topk_write_kernel"), grid_for(nchunks, 1), K_THREADS, 0,
