@@ -133,9 +133,9 @@ def test_decode_and_sum_shapes():
     o.decode_sum(P, "int4", n, 256, 0, 0.25)
     o.decode_sum(payloads("topk", n, rows=2), "topk", n, 256, k_of("topk", n), 1.0)
     (n1, g1, _, _, a1), (n2, g2, _, _, a2), (n3, g3, _, _, a3) = rec.launches
-    assert n1 == cb.k_t("decode_kernel", cb.INT4, cb.BF16) and g1 == 5
+    assert n1 == cb.k_t("decode_kernel", cb.INT4, cb.BF16) and g1 == 2  # 16 elements per thread
     assert a1[1] == cb.layout(cb.INT4, n, 256, 0)[1] and a1[2] == 256 and a1[3] == n
-    assert n2 == cb.k_t("decode_sum_kernel", cb.INT4) and g2 == 5
+    assert n2 == cb.k_t("decode_sum_kernel", cb.INT4) and g2 == 2
     args = a2[0]
     assert (args["rows"][0], args["row_stride"][0], args["scale"][0]) == (3, P.shape[1], np.float32(0.25))
     assert n3 == cb.k_t("topk_decode_kernel", cb.F32) and g3 == 3 and a3[2] == 2

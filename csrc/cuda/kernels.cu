@@ -147,7 +147,7 @@ cudaError_t decode(const DecodeArgs& a, cudaStream_t s) {
         sparse_decode_kernel<ODT><<<grid_for(ceil_div(a.n, a.block), 1), sparse_threads(a.block), 0, s>>>(
             a.payload, 0, 1, a.n, C, a.block, a.k, co, 1.0f, a.out);
       } else {
-        decode_kernel<C, ODT><<<grid_for(a.n, 4 * kThreads), kThreads, 0, s>>>(a.payload, co, a.block, a.n,
+        decode_kernel<C, ODT><<<grid_for(a.n, 16 * kThreads), kThreads, 0, s>>>(a.payload, co, a.block, a.n,
                                                                                a.out, vec);
       }
       return cudaGetLastError();
@@ -198,7 +198,7 @@ cudaError_t decode_sum(const DecodeSumArgs& a, cudaStream_t s) {
       sparse_decode_kernel<kF32><<<grid_for(ceil_div(a.n, a.block), 1), sparse_threads(a.block), 0, s>>>(
           a.payloads, a.row_stride, a.rows, a.n, C, a.block, a.k, co, a.scale, a.out);
     } else {
-      decode_sum_kernel<C><<<grid_for(a.n, 4 * kThreads), kThreads, 0, s>>>(a, co, vec);
+      decode_sum_kernel<C><<<grid_for(a.n, 16 * kThreads), kThreads, 0, s>>>(a, co, vec);
     }
     return cudaGetLastError();
   });

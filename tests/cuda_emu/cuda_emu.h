@@ -48,6 +48,9 @@ struct alignas(16) float4 {
 struct alignas(8) uint2 {
   unsigned x, y;
 };
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
 struct alignas(16) longlong2 {
   long long x, y;
 };

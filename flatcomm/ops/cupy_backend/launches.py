@@ -147,7 +147,7 @@ class Launches:
                                     I64(d["k"]), I64(co), np.float32(1.0), U64(d["out"])))
         else:
             vec = al16(d["payload"]) and al16(d["out"])
-            self.run(k_t("decode_kernel", c, d["out_dtype"]), grid_for(n, 4 * K_THREADS), K_THREADS, 0,
+            self.run(k_t("decode_kernel", c, d["out_dtype"]), grid_for(n, 16 * K_THREADS), K_THREADS, 0,
                      (U64(d["payload"]), I64(co), I64(d["block"]), I64(n), U64(d["out"]), np.bool_(vec)))
 
     def decode_rows(self, d: dict) -> None:
@@ -191,7 +191,7 @@ class Launches:
                       I64(a["k"]), I64(co), np.float32(a["scale"]), U64(a["out"])))
         else:
             vec = self._rows_aligned(a) and al16(a["out"])
-            self.run(k_t("decode_sum_kernel", c), grid_for(n, 4 * K_THREADS), K_THREADS, 0,
+            self.run(k_t("decode_sum_kernel", c), grid_for(n, 16 * K_THREADS), K_THREADS, 0,
                      (pack(DECODE_SUM_ARGS, **a), I64(co), np.bool_(vec)))
 
     def decode_sum_encode(self, a: dict, e: dict) -> None:
