@@ -15,7 +15,7 @@ one-element offset, so the kernels' non-vectorised paths run too.
 
 Timing (CUDA events, warm-up, median and min-max of --reps, default 20): Tensor.copy_ as the
 bandwidth baseline, then each op and codec at 64M fp32 elements, with the bytes the op must move,
-GB/s and the ratio to copy_. Targets (issue 55, with error feedback): int8 / int4 / sign encode
+GB/s and the ratio to copy_. Speed targets (with error feedback): int8 / int4 / sign encode
 >= 0.8x copy_, sparse >= 0.5x, topk >= 0.4x, decode_sum of 4 int8 rows and ordered_sum >= 0.8x,
 exact_sum >= 0.7x; each printed as a TARGET MET / MISSED line. Bytes per fp32 element:
 copy_ 8; encode+EF 12 (x, residual in and out) + payload; encode 4 + payload; decode payload + 4;
@@ -212,7 +212,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             result["targets"] = targets
             if targets:
                 note = "" if device.type == "cuda" else " (informational: the targets are for CUDA)"
-                print(f"\n   issue 55's targets at {targets[0]['numel']} elements, x copy_ (median; min-max of "
+                print(f"\n   speed targets at {targets[0]['numel']} elements, x copy_ (median; min-max of "
                       f"{cfg.reps}){note}:", flush=True)
                 for t in targets:
                     spread = f" ({t['spread'][0]:.2f}-{t['spread'][1]:.2f})" if t["spread"] else ""

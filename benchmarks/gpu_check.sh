@@ -8,7 +8,7 @@
 #   1. environment: the machine's python3 (never .venv), torch + CUDA, nvidia-smi, nvcc, ninja
 #   2. build the extension in place with CUDA (FLATCOMM_CUDA=1 python3 setup.py build_ext --inplace)
 #   3. benchmarks/gpu_check.py: CUDA vs CPU bitwise on every op / codec / dtype, then timing at 64M
-#      values (median and min-max of 20 repeats, x copy_) with issue 55's targets as TARGET lines
+#      values (median and min-max of 20 repeats, x copy_) with the speed targets as TARGET lines
 #      -> gpu_check.txt, gpu_check.json
 #   4. cupy / NVRTC path, when cupy imports: gpu_check.py --cupy (NVRTC kernels vs CPU and vs the
 #      compiled kernels, bitwise; int8 encode+EF time of both) -> cupy_check.txt, cupy_check.json
@@ -255,7 +255,7 @@ fi
 section "7. summary"
 # The first GPU run (2026-12-04, docs/gpu.md) found five faults, fixed on CPU-only machines since;
 # each line names the step of this run that checks its fix.
-target_of() {  # "MET" / "MISSED" / "not timed" for one issue-55 target row of gpu_check.txt
+target_of() {  # "MET" / "MISSED" / "not timed" for one speed-target row of gpu_check.txt
     local line
     line=$(grep -E "TARGET (MET|MISSED) +$1 " "$RESULTS/gpu_check.txt" 2>/dev/null | head -1 || true)
     if [ -z "$line" ]; then echo "not timed"; else awk '{print $2}' <<<"$line"; fi

@@ -1,5 +1,5 @@
 """benchmarks/gpu_check.py's timing: each op and codec against Tensor.copy_ bandwidth (CUDA events,
-`reps` repetitions: the median and the spread, min and max) and issue 55's targets at the largest
+`reps` repetitions: the median and the spread, min and max) and the speed targets at the largest
 size."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 import flatcomm as fc
 from gpu_check_common import CODECS, SPARSE, Interrupted, STOCHASTIC
 
-# Issue 55's targets: x copy_'s bandwidth with error feedback at 64M values (the largest timing
-# size), in the same run. The op names are the table's rows.
+# The speed targets of the second GPU round (docs/gpu.md): x copy_'s bandwidth with error feedback
+# at 64M values (the largest timing size), in the same run. The op names are the table's rows.
 TARGETS: Dict[str, float] = {
     "encode+EF int8": 0.8, "encode+EF int4": 0.8, "encode+EF sign": 0.8,
     "encode+EF sparse": 0.5, "encode+EF sparse4": 0.5, "encode+EF topk": 0.4,
@@ -53,7 +53,7 @@ class Timer:
 
 
 def run_timing(device: torch.device, sizes: Sequence[int], reps: int, W: int = 4) -> Tuple[List[dict], List[dict]]:
-    """The table's rows and, for the largest size, one verdict per issue-55 target."""
+    """The table's rows and, for the largest size, one verdict per speed target."""
     timer = Timer(device, reps)
     rows: List[dict] = []
     print(f"  {'op':<34} {'numel':>6} {'ms':>9} {'min':>8} {'max':>8} {'GB/s':>8} {'x copy':>7} {'spread':>11}",
@@ -137,7 +137,7 @@ def run_timing(device: torch.device, sizes: Sequence[int], reps: int, W: int = 4
 
 
 def targets_of(rows: List[dict], n: int) -> List[dict]:
-    """Issue 55's verdicts from the rows of size n: met when the median's x copy_ reaches the target."""
+    """The targets' verdicts from the rows of size n: met when the median's x copy_ reaches the target."""
     out = []
     for op, need in TARGETS.items():
         rr = next((r for r in rows if r.get("op") == op and r.get("numel") == n), None)
