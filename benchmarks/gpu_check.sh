@@ -7,7 +7,8 @@
 # Steps, each under its own timeout, all together within GPU_CHECK_BUDGET_S seconds (default 480):
 #   1. environment: the machine's python3 (never .venv), torch + CUDA, nvidia-smi, nvcc, ninja
 #   2. build the extension in place with CUDA (FLATCOMM_CUDA=1 python3 setup.py build_ext --inplace)
-#   3. benchmarks/gpu_check.py: CUDA vs CPU bitwise on every op / codec / dtype, then timing
+#   3. benchmarks/gpu_check.py: CUDA vs CPU bitwise on every op / codec / dtype, then timing at 64M
+#      values (median and min-max of 20 repeats, x copy_) with the speed targets as TARGET lines
 #      -> gpu_check.txt, gpu_check.json
 #   4. cupy / NVRTC path, when cupy imports: gpu_check.py --cupy (NVRTC kernels vs CPU and vs the
 #      compiled kernels, bitwise; int8 encode+EF time of both) -> cupy_check.txt, cupy_check.json
@@ -15,7 +16,8 @@
 #      over gloo, bitwise; streams, CUDA-aware futures, a DDP step, a DiLoCo run) -> collectives.txt, collectives.json
 #   6. compute-sanitizer memcheck on gpu_check.py --sanitize (tiny sizes, every op); racecheck and
 #      initcheck too when time is left -> sanitizer_<tool>.txt
-#   7. summary (also in summary.txt)
+#   7. summary (also in summary.txt): each step, then each fix of the first GPU run (docs/gpu.md)
+#      with the step that checks it, the targets and the failures
 # Exit status: 0 everything passed; 1 a step failed; 2 no usable CUDA (torch without CUDA / no GPU).
 set -euo pipefail
 
@@ -251,8 +253,29 @@ fi
 
 # ---- 7. summary --------------------------------------------------------------------------------
 section "7. summary"
+# The first GPU run (2026-12-04, docs/gpu.md) found five faults, fixed on CPU-only machines since;
+# each line names the step of this run that checks its fix.
+target_of() {  # "MET" / "MISSED" / "not timed" for one speed-target row of gpu_check.txt
+    local line
+    line=$(grep -E "TARGET (MET|MISSED) +$1 " "$RESULTS/gpu_check.txt" 2>/dev/null | head -1 || true)
+    if [ -z "$line" ]; then echo "not timed"; else awk '{print $2}' <<<"$line"; fi
+}
+diloco_fix() {
+    if [ -f "$RESULTS/collectives.txt" ] && grep -q "FAIL DiLoCo" "$RESULTS/collectives.txt"; then echo "FAILED (see collectives.txt)"
+    elif [ "${STATUS[collectives]:-}" = ok ]; then echo ok
+    else echo "not shown: collectives ${STATUS[collectives]:-not run}"; fi
+}
+FIXES=(
+    "ninja arch-list quoting (9b1a8b0)|build: ${STATUS[build]:-not run}"
+    "topk decode race (d0e87a7)|racecheck: ${STATUS[sanitizer racecheck]:-${STATUS[sanitizer]:-not run}}"
+    "cupy -ftz=true (548066c)|cupy step: ${STATUS[cupy]:-not run}"
+    "DiLoCo check at 1 ulp (94a4266)|collectives [diloco]: $(diloco_fix)"
+    "slow encoders (19a35e5, 0d88d5e)|int8 $(target_of 'encode\+EF int8'), int4 $(target_of 'encode\+EF int4'), sign $(target_of 'encode\+EF sign')"
+)
 {
     for k in "${ORDER[@]}"; do printf '  %-22s %s\n' "$k" "${STATUS[$k]}"; done
+    echo "  fixes of the first GPU run:"
+    for f in "${FIXES[@]}"; do printf '    %-34s %s\n' "${f%%|*}" "${f#*|}"; done
     if [ -f "$RESULTS/gpu_check.txt" ]; then
         grep -E "passed, .* failed|TARGET|cases skipped|context is broken" "$RESULTS/gpu_check.txt" | sed 's/^ */  /' || true
     fi

@@ -262,6 +262,17 @@ def collectives_section(device: torch.device, seed: int, max_seconds: float, sel
             if outer.syncs != 2 or outer.pending is None:
                 raise RuntimeError(f"DiLoCo on {dev}: {outer.syncs} syncs applied and "
                                    f"{'one' if outer.pending else 'none'} in flight, expected 2 and one")
+            # Where the outer state lives with CUDA parameters (what this case checks): the fp32
+            # master and momentum in pinned host memory, the residuals beside the parameters.
+            for f in outer.fragments:
+                where = [(t.device.type, t.is_pinned()) for t in (f.master, f.momentum)]
+                if dev.type == "cuda" and (where != [("cpu", True)] * 2
+                                           or any(r.device != dev for r in f.residuals)):
+                    raise RuntimeError(f"DiLoCo on {dev}: master / momentum at {where}, residuals on "
+                                       f"{sorted({str(r.device) for r in f.residuals})}")
+            # TODO(elastic islands): elastic DiLoCo islands with CUDA parameters are being written in
+            # another branch and are not in this tree yet; when they land, run this case through an
+            # island too (its master and residuals checked the same way).
             state = outer.state_dict()  # drains the sync in flight
             outer.close()
             return ([p.detach().cpu().clone() for p in model.parameters()] + [f.master.clone() for f in outer.fragments]

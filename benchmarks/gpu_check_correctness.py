@@ -9,7 +9,7 @@ from typing import List, Tuple
 import torch
 
 import flatcomm as fc
-from gpu_check_common import (BLOCKWISE, CODECS, DT_NAME, DTYPES, REENCODE, STOCHASTIC, Checker, Config,
+from gpu_check_common import (BLOCKWISE, CODECS, SPARSE, DT_NAME, DTYPES, REENCODE, STOCHASTIC, Checker, Config,
                               ContextBroken, Interrupted, make_residual, make_x)
 
 HEADROOM = int(fc.ops.sums.DEFAULT_HEADROOM)
@@ -207,7 +207,7 @@ class Sweep:
     def codec_configs(self) -> List[Tuple[str, int, float]]:
         out = []
         for codec in CODECS:
-            if codec in BLOCKWISE:
+            if codec in BLOCKWISE or codec in SPARSE:  # sparse: `b` is the chunk (keep min(64, b))
                 out += [(codec, b, 0.01) for b in self.cfg.blocks]
             elif codec == "topk":
                 out += [(codec, 256, r) for r in self.cfg.topk_ratios]
@@ -236,7 +236,7 @@ class Sweep:
             if self.ck.broken or self.ck.out_of_time():
                 self.ck.skipped_cases += 1
                 continue
-            cdesc = f"{base} {codec}" + (f" B{b}" if codec in BLOCKWISE else "") + \
+            cdesc = f"{base} {codec}" + (f" B{b}" if codec in BLOCKWISE or codec in SPARSE else "") + \
                     (f" ratio={ratio:g}" if codec == "topk" else "")
             rot += 1
             try:
@@ -284,6 +284,8 @@ class Sweep:
             torch.zeros(0, fc.wire_bytes(codec, n, block_size=b, ratio=ratio), dtype=torch.uint8)
         scale = 1.0 if rot % 2 else 1.0 / max(W, 1)
         self.decode_sum(P, codec, n, b, ratio, scale, cdesc)
+        if codec in SPARSE:  # decode_sum_encode takes no chunked sparse rows (the op refuses them)
+            return
         # decode_sum_encode: every reencode codec for small n and fp32 inputs, else a rotation
         if n <= cfg.full_reencode_max_n and dtype == torch.float32:
             targets = REENCODE

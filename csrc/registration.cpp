@@ -140,6 +140,7 @@ pybind11::dict topk_scratch_layout(int64_t n) {
   r["hist"] = l.hist;
   r["state"] = l.state;
   r["counts"] = l.counts;
+  r["cand"] = l.cand;
   r["total"] = l.total;
   return r;
 }
@@ -195,6 +196,7 @@ pybind11::dict constants() {
   d["max_grid"] = gpu::kMaxGrid;
   d["scan_threads"] = gpu::kScanThreads;
   d["reg_max_block"] = gpu::kRegMaxBlock;
+  d["sparse_per_thread"] = gpu::kSparsePerThread;
   d["topk_chunk"] = gpu::kTopkChunk;
   d["topk_bins"] = gpu::kTopkBins;
   return d;

@@ -52,11 +52,11 @@ def test_blockwise_encode_shape(block, wpg, groups, regs):
     assert src["x"][0] == x.data_ptr() and p["residual"][0] == r.data_ptr()
 
 
-@pytest.mark.parametrize("codec,rows,regs", [("sign", None, True), ("sign", "int8", False), ("int4", "int8", True),
-                                             ("int8", "topk", False)])
+@pytest.mark.parametrize("codec,rows,regs", [("sign", None, True), ("sign", "int8", True), ("int4", "int8", True),
+                                             ("int8", "topk", False), ("sign", "topk", False)])
 def test_register_path_by_source(codec, rows, regs):
-    """Sign takes the register path from x only (it reads element by element), int8 / int4 also
-    from decoded rows, but not from topk rows (decoded a window at a time)."""
+    """int8 / int4 / sign take the register path from x and from decoded rows, but not from topk
+    rows (decoded a window at a time)."""
     o, rec = make()
     n, block = 10_001, 256
     if rows is None:
@@ -99,8 +99,8 @@ def test_topk_encode_pipeline():
     x, r = torch.randn(n), torch.zeros(n)
     p = o.encode(x, "topk", 0, k, r, False, 0)
     names = [l[0].split("::")[-1].split("<")[0] for l in rec.launches]
-    assert names == ["topk_fill_kernel", "topk_select_kernel", "topk_hist_kernel", "topk_select_kernel",
-                     "topk_hist_kernel", "topk_select_kernel", "topk_count_kernel", "topk_scan_kernel",
+    assert names == ["topk_fill_kernel", "topk_select_kernel", "topk_compact_kernel", "topk_select_kernel",
+                     "topk_cand_hist_kernel", "topk_select_kernel", "topk_cand_count_kernel", "topk_scan_kernel",
                      "topk_write_kernel"]
     sl = cb.topk_scratch_layout(n)
     (ptr, nbytes), = rec.memsets
@@ -118,11 +118,11 @@ def test_topk_scratch_layout_matches_cuh():
     """kernels.cuh topk_scratch_layout, compiled by g++."""
     out = _gxx('#include "cuda/kernels.cuh"\n#include <cstdio>\n#include <initializer_list>\nint main(){for(long long n: {1LL, 4096LL, '
                '4097LL, 1000003LL}){auto l=flatcomm::gpu::topk_scratch_layout(n);std::printf("%lld %lld %lld '
-               '%lld %lld\\n",(long long)l.v,(long long)l.hist,(long long)l.state,(long long)l.counts,'
-               '(long long)l.total);}}')
+               '%lld %lld %lld\\n",(long long)l.v,(long long)l.hist,(long long)l.state,(long long)l.counts,'
+               '(long long)l.cand,(long long)l.total);}}')
     for line, n in zip(out.splitlines(), (1, 4096, 4097, 1000003)):
         s = cb.topk_scratch_layout(n)
-        assert [int(v) for v in line.split()] == [s["v"], s["hist"], s["state"], s["counts"], s["total"]]
+        assert [int(v) for v in line.split()] == [s["v"], s["hist"], s["state"], s["counts"], s["cand"], s["total"]]
 
 
 def test_decode_and_sum_shapes():
@@ -133,9 +133,9 @@ def test_decode_and_sum_shapes():
     o.decode_sum(P, "int4", n, 256, 0, 0.25)
     o.decode_sum(payloads("topk", n, rows=2), "topk", n, 256, k_of("topk", n), 1.0)
     (n1, g1, _, _, a1), (n2, g2, _, _, a2), (n3, g3, _, _, a3) = rec.launches
-    assert n1 == cb.k_t("decode_kernel", cb.INT4, cb.BF16) and g1 == 5
+    assert n1 == cb.k_t("decode_kernel", cb.INT4, cb.BF16) and g1 == 2  # 16 elements per thread
     assert a1[1] == cb.layout(cb.INT4, n, 256, 0)[1] and a1[2] == 256 and a1[3] == n
-    assert n2 == cb.k_t("decode_sum_kernel", cb.INT4) and g2 == 5
+    assert n2 == cb.k_t("decode_sum_kernel", cb.INT4) and g2 == 2
     args = a2[0]
     assert (args["rows"][0], args["row_stride"][0], args["scale"][0]) == (3, P.shape[1], np.float32(0.25))
     assert n3 == cb.k_t("topk_decode_kernel", cb.F32) and g3 == 3 and a3[2] == 2
@@ -369,8 +369,9 @@ def test_constants_are_the_cpp_headers():
                'gpu::kWarps, gpu::kScanThreads, (long long)gpu::kCastTile, gpu::kTopkTile, (long long)gpu::kMaxGrid, '
                '(long long)gpu::kTopkChunk, (long long)gpu::kTopkBins, (long long)core::kMinBlock, '
                '(long long)core::kMaxBlock, (long long)core::kMaxTopkNumel, (int)core::kF32, (int)core::kBF16, '
-               '(int)core::kF16, (long long)gpu::kRegMaxBlock);for(int c=0;c<=core::kCodecTopK;++c) std::printf("%d ", (int)core::is_blockwise(c));}')
-    first, blockwise = out.splitlines()
+               '(int)core::kF16, (long long)gpu::kRegMaxBlock);for(int b=32;b<=4096;b+=32) std::printf(" %d", gpu::sparse_threads(b));std::printf("\\n");for(int c=0;c<=core::kCodecTopK;++c) std::printf("%d ", (int)core::is_blockwise(c));}')
+    first, sparse, blockwise = out.splitlines()
+    assert [int(v) for v in sparse.split()] == [cb.sparse_threads(b) for b in range(32, 4097, 32)]
     assert [int(v) for v in first.split()] == [
         cb.K_THREADS, cb.K_WARPS, cb.K_SCAN_THREADS, cb.K_CAST_TILE, cb.K_TOPK_TILE, cb.K_MAX_GRID, cb.K_TOPK_CHUNK,
         cb.K_TOPK_BINS, cb.MIN_BLOCK, cb.MAX_BLOCK, cb.MAX_TOPK_NUMEL, cb.F32, cb.BF16, cb.F16, cb.K_REG_MAX_BLOCK]

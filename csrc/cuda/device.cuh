@@ -192,6 +192,42 @@ __device__ __forceinline__ void decode4(const uint8_t* p, int64_t codes_offset, 
   }
 }
 
+// Elements [i, i + 16) of one payload, i % 16 == 0, all inside the tensor, the payload 16-byte
+// aligned: each codec's codes in one load as wide as they allow (16 int8 codes in 16 bytes, 16 int4
+// codes in 8, 16 sign bits in 2; values 16 bytes at a time), so a warp's load moves 512 bytes of
+// int8 codes, not 128. The same values as four decode4 calls (16 | block: one scale).
+template <int C>
+__device__ __forceinline__ void decode16(const uint8_t* p, int64_t codes_offset, int64_t block, int64_t i,
+                                         float d[16]) {
+  if constexpr (is_cast(C)) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) load4<cast_dtype(C)>(p, i + 4 * q, 4, true, d + 4 * q);
+  } else {
+    const float s = reinterpret_cast<const float*>(p)[i / block];
+    const uint8_t* codes = p + codes_offset;  // codes_offset % 16 == 0
+    if constexpr (C == kCodecInt8) {
+      const uint4 w = *reinterpret_cast<const uint4*>(codes + i);
+      const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int e = 0; e < 16; ++e) d[e] = int_dequantize(int8_code(static_cast<uint8_t>(ws[e / 4] >> (8 * (e % 4)))), s);
+    } else if constexpr (C == kCodecInt4) {
+      const uint2 w = *reinterpret_cast<const uint2*>(codes + i / 2);
+      const uint32_t ws[2] = {w.x, w.y};
+#pragma unroll
+      for (int b = 0; b < 8; ++b) {
+        const uint8_t byte = static_cast<uint8_t>(ws[b / 4] >> (8 * (b % 4)));
+        d[2 * b] = int_dequantize(int4_lo(byte), s);
+        d[2 * b + 1] = int_dequantize(int4_hi(byte), s);
+      }
+    } else {
+      static_assert(C == kCodecSign, "topk is decoded by scatter, not per element");
+      const uint32_t bits = *reinterpret_cast<const uint16_t*>(codes + i / 8);
+#pragma unroll
+      for (int e = 0; e < 16; ++e) d[e] = sign_dequantize((bits >> e) & 1u, s);
+    }
+  }
+}
+
 // Decoded sum of all rows at elements [i, i + cnt): row 0 assigns, later rows add in ascending
 // order, then the scale (kernels_impl.h decode_sum_tile).
 template <int C>
@@ -224,13 +260,21 @@ __device__ __forceinline__ void decode_sum4(const DecodeSumArgs& a, int64_t code
   }
 }
 
+// Elementwise kernels over 16-element chunks (decode16) when the launch found everything 16-byte
+// aligned, then the rest (all of it otherwise) in 4-element chunks. Grid-stride loops.
 template <int C, int ODT>
 __global__ void __launch_bounds__(kThreads)
 decode_kernel(const uint8_t* p, int64_t codes_offset, int64_t block, int64_t n, void* out, bool vec) {
-  const int64_t chunks = ceil_div(n, 4);
-  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
-       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t i = 4 * c;
+  const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t done = vec ? n / 16 * 16 : 0;
+  for (int64_t i = 16 * tid; i < done; i += 16 * step) {
+    float d[16];
+    decode16<C>(p, codes_offset, block, i, d);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) store4<ODT>(out, i + 4 * q, 4, true, d + 4 * q);
+  }
+  for (int64_t i = done + 4 * tid; i < n; i += 4 * step) {
     const int cnt = static_cast<int>(min64(4, n - i));
     float d[4];
     decode4<C>(p, codes_offset, block, i, cnt, vec, d);
@@ -262,10 +306,30 @@ decode_rows_kernel(const uint8_t* payloads, int64_t row_stride, int64_t rows, in
 template <int C>
 __global__ void __launch_bounds__(kThreads)
 decode_sum_kernel(DecodeSumArgs a, int64_t codes_offset, bool vec) {
-  const int64_t chunks = ceil_div(a.n, 4);
-  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
-       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t i = 4 * c;
+  const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t done = vec ? a.n / 16 * 16 : 0;
+  for (int64_t i = 16 * tid; i < done; i += 16 * step) {
+    // decode_sum4's operations on 16 elements: row 0 assigns, later rows add in order (unrolled,
+    // several rows' loads in flight), then the scale.
+    float acc[16];
+#pragma unroll
+    for (int e = 0; e < 16; ++e) acc[e] = 0.0f;
+#pragma unroll 4
+    for (int64_t r = 0; r < a.rows; ++r) {
+      float d[16];
+      decode16<C>(a.payloads + r * a.row_stride, codes_offset, a.block, i, d);
+#pragma unroll
+      for (int e = 0; e < 16; ++e) acc[e] = r == 0 ? d[e] : acc[e] + d[e];
+    }
+    if (a.scale != 1.0f) {
+#pragma unroll
+      for (int e = 0; e < 16; ++e) acc[e] = acc[e] * a.scale;
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) st4f(a.out, i + 4 * q, 4, true, acc + 4 * q);
+  }
+  for (int64_t i = done + 4 * tid; i < a.n; i += 4 * step) {
     const int cnt = static_cast<int>(min64(4, a.n - i));
     float acc[4];
     decode_sum4<C>(a, codes_offset, i, cnt, vec, acc);
@@ -356,64 +420,340 @@ topk_decode_kernel(const uint8_t* payloads, int64_t row_stride, int64_t rows, in
   }
 }
 
-// ---- chunked sparse (sparse, sparse4): one thread per chunk ---------------------------------------
-// A first, plain version: each thread runs core/sparse.h's chunk functions, the same code as the
-// CPU kernels (so the same bytes and residual bits), with its scratch in local memory. Correct on
-// any payload; not yet fast on a GPU (a CTA per chunk with a shared-memory radix select would be).
+// ---- chunked sparse (sparse, sparse4): one CTA per chunk ------------------------------------------
+// Thread t of the CTA (sparse_threads(block) threads: 32 to 256) holds in-chunk positions
+// [16 t, 16 t + 16) in registers, so each value is read once and written once. The selection is
+// the CPU's (core/sparse.h sparse_encode_chunk): the k largest |v| bit patterns, ties to the lower
+// position. The threshold comes from block-wide counts (a compare per value and a warp shuffle sum
+// per round: no shared-memory histogram, whose atomics would pile onto the few bins that most
+// values share); which method finds the k-th largest pattern does not change it. Kept values are
+// ranked in position order by one packed block scan, the record's bits are ORed into shared memory
+// and copied out, and the level table is the CPU's: each level's mean summed in double, in
+// ascending position order, by one lane.
+
+// Block-wide reductions for a CTA of whole warps. `sh` holds kWarps words; callers alternate
+// between two such buffers, so one barrier per call suffices (a buffer is rewritten only after
+// every thread has passed the next call's barrier, i.e. after it read the buffer).
+__device__ __forceinline__ uint32_t cta_sum(uint32_t x, uint32_t* sh) {
+#pragma unroll
+  for (int w = 16; w > 0; w /= 2) x += __shfl_down_sync(kFull, x, w);
+  if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = x;
+  __syncthreads();
+  uint32_t s = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) s += sh[w];
+  return s;
+}
+
+__device__ __forceinline__ uint32_t cta_max(uint32_t x, uint32_t* sh) {
+  x = __reduce_max_sync(kFull, x);
+  if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = x;
+  __syncthreads();
+  uint32_t m = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) m = umax(m, sh[w]);
+  return m;
+}
+
+// Exclusive prefix sum of x over the threads in index order; total = the sum over all.
+__device__ __forceinline__ uint32_t cta_scan(uint32_t x, uint32_t* sh, uint32_t& total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  uint32_t inc = x;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const uint32_t y = __shfl_up_sync(kFull, inc, o);
+    if (lane >= o) inc += y;
+  }
+  if (lane == 31) sh[warp] = inc;
+  __syncthreads();
+  uint32_t before = 0;
+  total = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) {
+    if (w < warp) before += sh[w];
+    total += sh[w];
+  }
+  return before + inc - x;
+}
+
+// ORs the w (<= 24) low bits of v into a zeroed little-endian bit stream of shared words at bit
+// pos (core/sparse.h put_bits, word-wise: entries of different threads share words).
+__device__ __forceinline__ void or_bits(uint32_t* words, int64_t pos, uint32_t v, int32_t w) {
+  const uint64_t x = static_cast<uint64_t>(v & ((1u << w) - 1u)) << (pos & 31);
+  if (static_cast<uint32_t>(x)) atomicOr(&words[pos >> 5], static_cast<uint32_t>(x));
+  if (x >> 32) atomicOr(&words[(pos >> 5) + 1], static_cast<uint32_t>(x >> 32));
+}
+
+// The w (<= 32) bits of a little-endian byte stream at bit pos (core/sparse.h get_bits), reading
+// only the bytes that hold them.
+__device__ __forceinline__ uint32_t read_bits(const uint8_t* p, int64_t pos, int32_t w) {
+  if (w <= 0) return 0;
+  const int64_t b0 = pos >> 3, b1 = (pos + w - 1) >> 3;
+  uint64_t x = 0;
+  for (int64_t b = b1; b >= b0; --b) x = (x << 8) | p[b];
+  x >>= (pos & 7);
+  return static_cast<uint32_t>(w == 32 ? x : x & ((uint64_t{1} << w) - 1u));
+}
+
+// A record is built in shared memory: at most 3,072 bytes (chunk 4096, kept 4096, 4-bit codes).
+constexpr int kSparseRecWords = 768;
 
 template <int DT>
 __global__ void __launch_bounds__(kThreads) sparse_encode_kernel(const void* xv, float* residual, uint8_t* payload,
                                                                  int64_t n, int32_t codec, int64_t block, int64_t k,
                                                                  int64_t codes_offset) {
+  __shared__ float sval[kSparseMaxChunk];  // the kept values in position order
+  __shared__ uint32_t recw[kSparseRecWords];
+  __shared__ uint32_t red[2][kWarps];
+  __shared__ float table[8];
   const SparseGeom g = sparse_geom(code_bits(codec), block, k);
   const int64_t nchunks = ceil_div(n, block);
-  const auto* x = static_cast<const typename Elem<DT>::T*>(xv);
-  uint16_t cand[kSparseMaxChunk], pos[kSparseMaxChunk];
-  float val[kSparseMaxChunk];
-  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < nchunks;
-       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t i = c * block;
-    sparse_encode_chunk<DT>(x + i, residual ? residual + i : nullptr, min64(block, n - i), g,
-                            reinterpret_cast<float*>(payload) + c * g.levels, payload + codes_offset + c * g.rec_bytes,
-                            cand, pos, val);
+  const int t = threadIdx.x;
+  const int rec_words = static_cast<int>(ceil_div(g.rec_bytes, 4));
+  const int64_t high0 = g.keep * g.low_bits;
+  const uint32_t low_mask = (1u << g.low_bits) - 1u;
+  // Chunks start at multiples of 32 elements and threads at multiples of 16: whole 4-element chunks
+  // are 16-byte aligned when the bases are.
+  const bool vec = ((reinterpret_cast<uintptr_t>(xv) | reinterpret_cast<uintptr_t>(residual)) & 15u) == 0;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {  // CTA-uniform
+    const int64_t c0 = c * block;
+    const int m = static_cast<int>(min64(block, n - c0));
+    const int kk = m < g.keep ? m : static_cast<int>(g.keep);
+    const int j0 = kSparsePerThread * t;
+    float* tables = reinterpret_cast<float*>(payload) + c * g.levels;
+    uint8_t* rec = payload + codes_offset + c * g.rec_bytes;
+    for (int w = t; w < rec_words; w += blockDim.x) recw[w] = 0;
+    // v = x + residual (the CPU's v_at), all loads first; positions past the chunk read as 0.
+    float v[kSparsePerThread];
+#pragma unroll
+    for (int q = 0; q < kSparsePerThread / 4; ++q) {
+      const int j = j0 + 4 * q;
+      const int cnt = j < m ? mini(4, m - j) : 0;
+      if (cnt > 0) {
+        load4<DT>(xv, c0 + j, cnt, vec, v + 4 * q);
+        if (residual) {
+          float r[4];
+          ld4f(residual, c0 + j, cnt, vec, r);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) v[4 * q + e] = v[4 * q + e] + r[e];
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[4 * q + e] = 0.0f;
+      }
+    }
+    uint32_t ab[kSparsePerThread], tmax = 0;
+#pragma unroll
+    for (int e = 0; e < kSparsePerThread; ++e) {
+      ab[e] = abs_bits(v[e]);
+      tmax = umax(tmax, ab[e]);
+    }
+    const uint32_t mx = cta_max(tmax, red[0]);  // also orders the record's zeroing before any OR
+    int buf = 1;
+    if (!bits_finite(mx)) {  // non-finite rule: NaN table, positions 0..kk-1, zero codes, residual kept
+      if (t < g.levels) tables[t] = u2f(0x7fc00000u);
+      for (int e = t; e < kk; e += blockDim.x) {
+        or_bits(recw, static_cast<int64_t>(e) * g.low_bits, static_cast<uint32_t>(e) & low_mask, g.low_bits);
+        or_bits(recw, high0 + (e >> g.low_bits) + e, 1u, 1);
+      }
+    } else {
+      // The threshold by bisection on the bit pattern: count(|v| bits >= lo) >= kk > count(>= hi).
+      // It ends at hi = lo + 1 (T = lo, the kk-th largest pattern; `above` values lie above it and
+      // the first kk - above equal to it are kept) or early, at a lo with exactly kk values at or
+      // above it (all kept; T is then their smallest pattern).
+      uint32_t lo = 0, hi = mx + 1, above = 0;
+      bool exact = false;
+      while (hi - lo > 1) {  // CTA-uniform: every thread computes the same bounds
+        const uint32_t mid = lo + (hi - lo) / 2;  // >= 1: positions past the chunk (0) never count
+        uint32_t cnt = 0;
+#pragma unroll
+        for (int e = 0; e < kSparsePerThread; ++e) cnt += ab[e] >= mid ? 1u : 0u;
+        const uint32_t total = cta_sum(cnt, red[buf]);
+        buf ^= 1;
+        if (total == static_cast<uint32_t>(kk)) {
+          lo = mid;
+          exact = true;
+          break;
+        }
+        if (total > static_cast<uint32_t>(kk)) {
+          lo = mid;
+        } else {
+          hi = mid;
+          above = total;
+        }
+      }
+      // Kept: ab > gt, plus the first `ties` (in position order) with ab == gt.
+      const uint32_t gt = exact ? lo - 1 : lo;
+      const uint32_t ties = exact ? 0u : static_cast<uint32_t>(kk) - above;
+      uint32_t T = lo;  // the smallest kept pattern: the levels' lower bound
+      if (exact) {
+        uint32_t x = 0;
+#pragma unroll
+        for (int e = 0; e < kSparsePerThread; ++e) x = umax(x, ab[e] >= lo ? ~ab[e] : 0u);
+        T = ~cta_max(x, red[buf]);
+        buf ^= 1;
+      }
+      // Ranks in position order: values above gt and values equal to it before this thread's first,
+      // packed in one scan (each count <= 4096).
+      uint32_t na = 0, nq = 0;
+#pragma unroll
+      for (int e = 0; e < kSparsePerThread; ++e) {
+        const bool in = j0 + e < m;
+        na += in && ab[e] > gt ? 1u : 0u;
+        nq += in && ties && ab[e] == gt ? 1u : 0u;
+      }
+      uint32_t tot;
+      const uint32_t before = cta_scan(na | (nq << 16), red[buf], tot);
+      buf ^= 1;
+      uint32_t kept = 0;  // bit e: position j0 + e is kept
+      uint16_t rank[kSparsePerThread];
+      {
+        uint32_t ra = before & 0xffffu, rq = before >> 16;
+        for (int e = 0; e < kSparsePerThread; ++e) {
+          const bool in = j0 + e < m;
+          const bool is_a = in && ab[e] > gt, is_q = in && ties && ab[e] == gt;
+          rank[e] = static_cast<uint16_t>(ra + (rq < ties ? rq : ties));
+          if (is_a || (is_q && rq < ties)) {
+            kept |= 1u << e;
+            sval[rank[e]] = v[e];
+          }
+          ra += is_a ? 1u : 0u;
+          rq += is_q ? 1u : 0u;
+        }
+      }
+      __syncthreads();  // sval complete
+      // Levels: bin j of the kept patterns in [T, mx]; table[j] = the bin's mean, summed in double
+      // in position order (sparse_encode_chunk), one level per lane.
+      const uint64_t span = static_cast<uint64_t>(mx - T) + 1;
+      if (t < g.levels) {
+        double sum = 0.0;
+        int64_t cnt = 0;
+        for (int e = 0; e < kk; ++e) {
+          const uint32_t b = abs_bits(sval[e]);
+          if (static_cast<int32_t>((static_cast<uint64_t>(b - T) * g.levels) / span) == t) {
+            sum += static_cast<double>(u2f(b));
+            ++cnt;
+          }
+        }
+        const float tv = cnt ? static_cast<float>(sum / static_cast<double>(cnt)) : 0.0f;
+        table[t] = tv;
+        tables[t] = tv;
+      }
+      __syncthreads();  // table complete
+      // Record bits and the new residual: r = v - decoded for kept values, v for the rest.
+      const int64_t code0 = 8 * g.idx_bytes;
+      for (int e = 0; e < kSparsePerThread; ++e) {
+        if (!((kept >> e) & 1u)) continue;
+        const uint32_t pos = static_cast<uint32_t>(j0 + e), re = rank[e];
+        const uint32_t j = static_cast<uint32_t>((static_cast<uint64_t>(ab[e] - T) * g.levels) / span);
+        const uint32_t neg = f2u(v[e]) >> 31;
+        const float d = neg ? -table[j] : table[j];
+        or_bits(recw, static_cast<int64_t>(re) * g.low_bits, pos & low_mask, g.low_bits);
+        or_bits(recw, high0 + (pos >> g.low_bits) + re, 1u, 1);
+        or_bits(recw, code0 + static_cast<int64_t>(re) * g.bits, neg | (j << 1), g.bits);
+        v[e] = v[e] - d;
+      }
+      if (residual) {
+#pragma unroll
+        for (int q = 0; q < kSparsePerThread / 4; ++q) {
+          const int j = j0 + 4 * q;
+          if (j < m) st4f(residual, c0 + j, mini(4, m - j), vec, v + 4 * q);
+        }
+      }
+    }
+    __syncthreads();  // the record's bits complete
+    for (int64_t b = t; b < g.rec_bytes; b += blockDim.x) rec[b] = static_cast<uint8_t>(recw[b >> 2] >> (8 * (b & 3)));
+    __syncthreads();  // shared memory is reused by the next chunk
   }
 }
 
 // out (n values of ODT) = the sum of `rows` payloads' chunks, row 0 assigned and later rows added in
 // ascending order at their kept positions, then times `scale` (kernels_impl.h decode_sum_tile and
-// decode_range_sparse). A chunk that does not parse decodes to NaN (the CUDA ops cannot raise
-// without a host sync: defined values instead, as topk).
+// decode_range_sparse). One CTA per chunk, summed in a shared tile: each row's record is parsed in
+// parallel (thread t counts the set bits of its words of the high vector, a block scan gives each
+// bit's entry number) and checked whole -- exactly `kept` entries, positions inside the chunk and
+// strictly ascending, a valid table -- before anything is scattered (sparse_parse_chunk's rules).
+// A chunk with a row that fails decodes to NaN (the CUDA ops cannot raise without a host sync:
+// defined values instead, as topk); a non-finite chunk's NaN table fails the same way.
 template <int ODT>
 __global__ void __launch_bounds__(kThreads) sparse_decode_kernel(const uint8_t* payloads, int64_t row_stride,
                                                                  int64_t rows, int64_t n, int32_t codec, int64_t block,
                                                                  int64_t k, int64_t codes_offset, float scale,
                                                                  void* out) {
   using E = Elem<ODT>;
+  __shared__ float tile[kSparseMaxChunk];
+  __shared__ uint16_t spos[kSparseMaxChunk];
+  __shared__ uint32_t red[2][kWarps];
   const SparseGeom g = sparse_geom(code_bits(codec), block, k);
   const int64_t nchunks = ceil_div(n, block);
-  uint16_t pos[kSparseMaxChunk];
-  float val[kSparseMaxChunk];
-  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < nchunks;
-       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t c0 = c * block, m = min64(block, n - c0);
-    typename E::T* o = static_cast<typename E::T*>(out) + c0;
-    if (rows == 0)
-      for (int64_t j = 0; j < m; ++j) o[j] = E::store(0.0f);
+  const int t = threadIdx.x, nt = blockDim.x;
+  const int64_t high0 = g.keep * g.low_bits;
+  const int words = static_cast<int>(ceil_div(g.high_bits, 32));
+  const int wpt = static_cast<int>(ceil_div(words, nt));  // high-vector words per thread
+  int buf = 0;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {  // CTA-uniform
+    const int64_t c0 = c * block;
+    const int m = static_cast<int>(min64(block, n - c0));
+    const int kk = m < g.keep ? m : static_cast<int>(g.keep);
+    for (int j = t; j < m; j += nt) tile[j] = 0.0f;
+    bool bad = false;  // CTA-uniform: from block reductions only
     for (int64_t r = 0; r < rows; ++r) {
       const uint8_t* p = payloads + r * row_stride;
-      const SparseParse sp = sparse_parse_chunk(reinterpret_cast<const float*>(p) + c * g.levels,
-                                                p + codes_offset + c * g.rec_bytes, m, g, pos, val);
-      if (sp.status != kSparseOk) {
-        for (int64_t j = 0; j < m; ++j) o[j] = E::store(u2f(0x7fc00000u));
+      const float* table = reinterpret_cast<const float*>(p) + c * g.levels;
+      const uint8_t* rec = p + codes_offset + c * g.rec_bytes;
+      // Any NaN, inf or negative table entry fails the row (a non-finite chunk's all-NaN table too).
+      uint32_t x = 0;
+      if (t < g.levels) {
+        const uint32_t b = f2u(table[t]);
+        x = ((b & kAbsMask) >= kInfBits || (b >> 31 && (b & kAbsMask) != 0)) ? 1u << 16 : 0u;
+      }
+      const int w0 = t * wpt, w1 = mini(words, w0 + wpt);
+      for (int w = w0; w < w1; ++w)
+        x += static_cast<uint32_t>(popcount32(read_bits(rec, high0 + 32 * w, static_cast<int32_t>(min64(32, g.high_bits - 32 * w)))));
+      uint32_t tot;
+      uint32_t e = cta_scan(x, red[buf], tot) & 0xffffu;  // set bits before this thread's words (<= 8193)
+      buf ^= 1;
+      bool row_bad = (tot >> 16) != 0 || (tot & 0xffffu) != static_cast<uint32_t>(kk);
+      if (!row_bad) {  // exactly kk entries: e < kk below
+        uint32_t outside = 0;
+        for (int w = w0; w < w1; ++w) {
+          for (uint32_t bits = read_bits(rec, high0 + 32 * w, static_cast<int32_t>(min64(32, g.high_bits - 32 * w)));
+               bits; bits &= bits - 1u) {
+            const int64_t q = 32 * w + ctz32(bits);
+            const int64_t pos = ((q - e) << g.low_bits) | read_bits(rec, static_cast<int64_t>(e) * g.low_bits, g.low_bits);
+            if (pos < m) spos[e] = static_cast<uint16_t>(pos); else outside = 1;
+            ++e;
+          }
+        }
+        row_bad = cta_sum(outside, red[buf]) != 0;  // also: spos complete
+        buf ^= 1;
+        if (!row_bad) {
+          uint32_t descending = 0;
+          for (int i = t + 1; i < kk; i += nt) descending |= spos[i - 1] >= spos[i] ? 1u : 0u;
+          row_bad = cta_sum(descending, red[buf]) != 0;
+          buf ^= 1;
+        }
+      }
+      if (row_bad) {  // sticky: the chunk ends NaN, whatever later rows hold
+        bad = true;
         continue;
       }
-      if (r == 0)
-        for (int64_t j = 0; j < m; ++j) o[j] = E::store(0.0f);
-      for (int64_t t = 0; t < sp.count; ++t)
-        o[pos[t]] = r == 0 ? E::store(val[t]) : E::store(E::load(o[pos[t]]) + val[t]);
+      // Distinct positions: the threads of a row never touch the same element. Row r + 1's scans
+      // (barriers) come before its scatter, so rows never overlap.
+      const uint8_t* codes = rec + g.idx_bytes;
+      for (int i = t; i < kk; i += nt) {
+        const uint32_t code = read_bits(codes, static_cast<int64_t>(i) * g.bits, g.bits);
+        const float a = table[code >> 1];
+        const float val = (code & 1u) ? -a : a;
+        float& o = tile[spos[i]];
+        o = E::load(E::store(r == 0 ? val : o + val));  // out holds ODT values after every row
+      }
     }
-    if (scale != 1.0f)
-      for (int64_t j = 0; j < m; ++j) o[j] = E::store(E::load(o[j]) * scale);
+    __syncthreads();  // the tile complete
+    auto* o = static_cast<typename E::T*>(out) + c0;
+    for (int j = t; j < m; j += nt) {
+      float val = bad ? u2f(0x7fc00000u) : tile[j];
+      if (!bad && scale != 1.0f) val = val * scale;
+      o[j] = E::store(val);
+    }
+    __syncthreads();  // shared memory is reused by the next chunk
   }
 }
 
@@ -463,7 +803,20 @@ struct SumSource {  // decode_sum_encode: the decoded sum of the rows
   DecodeSumArgs a;
   int64_t codes_offset;  // of the rows' layout
   static constexpr bool kChunked = C != kCodecTopK;  // topk rows only decode a whole window at once
-  static constexpr bool kScalar = false;  // decodes in aligned 4-element chunks only
+  static constexpr bool kScalar = C != kCodecTopK;   // so sign re-encodes in registers too
+  // Element i of the sum: decode_sum4's operations for one element (its unaligned form decodes
+  // element by element through decode1 too).
+  __device__ __forceinline__ float one(int64_t i) const {
+    float acc = 0.0f;
+    if constexpr (C != kCodecTopK) {
+      for (int64_t r = 0; r < a.rows; ++r) {
+        const float d = decode1<C>(a.payloads + r * a.row_stride, codes_offset, a.block, i);
+        acc = r == 0 ? d : acc + d;
+      }
+      if (a.scale != 1.0f) acc = acc * a.scale;
+    }
+    return acc;
+  }
   __device__ __forceinline__ void chunk(float f[4], int64_t i, int cnt, bool vec) const {
     decode_sum4<C>(a, codes_offset, i, cnt, vec, f);
   }
@@ -813,7 +1166,7 @@ struct TopkState {
   uint32_t prefix;  // the selected high bits so far
   uint32_t mask;    // which bits prefix covers
   long long need;   // how many still to take at or below prefix
-  long long pad;
+  long long ncand;  // candidates appended by topk_compact (zeroed with the histograms)
 };
 
 // The CPU's three digit passes over the 31 bits of |v|: 11, 11 and 9 bits.
@@ -856,24 +1209,6 @@ topk_fill_kernel(const void* x, const float* residual, int64_t n, float* vout, u
   flush_hist(sh, hist, kTopkBins);
 }
 
-// Histogram of pass 1 or 2 over the values whose higher bits match the selected prefix.
-__global__ void __launch_bounds__(kThreads)
-topk_hist_kernel(const float* v, int64_t n, int pass, const TopkState* st, unsigned long long* hist) {
-  __shared__ uint32_t sh[kTopkBins];
-  const int shift = topk_shift(pass);
-  const uint32_t digits = topk_digits(pass);
-  const uint32_t prefix = st->prefix, mask = st->mask;
-  for (uint32_t d = threadIdx.x; d < digits; d += blockDim.x) sh[d] = 0;
-  __syncthreads();
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const uint32_t ab = abs_bits(v[i]);
-    if ((ab & mask) == prefix) atomicAdd(&sh[(ab >> shift) & (digits - 1)], 1u);
-  }
-  __syncthreads();
-  flush_hist(sh, hist, digits);
-}
-
 // One CTA: the digit of this pass, as the CPU's scan from the top digit down: the largest d with
 // S(d) = sum of hist[d'] for d' >= d at least `need`; then need -= S(d + 1).
 __global__ void __launch_bounds__(kThreads)
@@ -882,8 +1217,8 @@ topk_select_kernel(const unsigned long long* hist, int pass, long long k, TopkSt
   const int shift = topk_shift(pass);
   const uint32_t digits = topk_digits(pass);
   uint32_t prefix = 0, mask = 0;
-  long long need = k;
-  if (pass > 0) { prefix = st->prefix; mask = st->mask; need = st->need; }
+  long long need = k, ncand = 0;
+  if (pass > 0) { prefix = st->prefix; mask = st->mask; need = st->need; ncand = st->ncand; }
   const uint32_t per = digits / kThreads;  // 8 or 2 bins per thread
   const uint32_t lo = threadIdx.x * per;
   unsigned long long local = 0;
@@ -908,7 +1243,7 @@ topk_select_kernel(const unsigned long long* hist, int pass, long long k, TopkSt
     out.prefix = prefix | (d << shift);
     out.mask = mask | ((digits - 1) << shift);
     out.need = need - s;
-    out.pad = 0;
+    out.ncand = ncand;  // pass 0: 0, as the memset left it
     *st = out;
   }
 }
@@ -917,35 +1252,6 @@ __device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long x)
 #pragma unroll
   for (int w = 16; w > 0; w /= 2) x += __shfl_down_sync(kFull, x, w);
   return x;
-}
-
-// Per chunk of kTopkChunk elements: how many are above the threshold and how many equal it.
-__global__ void __launch_bounds__(kThreads)
-topk_count_kernel(const float* v, int64_t n, const TopkState* st, unsigned long long* counts) {
-  __shared__ unsigned long long sh[2][kWarps];
-  const uint32_t T = st->prefix;
-  const int64_t nchunks = ceil_div(n, kTopkChunk);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
-    const int64_t e = min64(n, (c + 1) * kTopkChunk);
-    unsigned long long gt = 0, eq = 0;
-    for (int64_t i = c * kTopkChunk + threadIdx.x; i < e; i += blockDim.x) {
-      const uint32_t ab = abs_bits(v[i]);
-      gt += ab > T ? 1 : 0;
-      eq += ab == T ? 1 : 0;
-    }
-    gt = warp_sum_u64(gt);
-    eq = warp_sum_u64(eq);
-    if (lane == 0) { sh[0][warp] = gt; sh[1][warp] = eq; }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      unsigned long long tg = 0, te = 0;
-      for (int w = 0; w < kWarps; ++w) { tg += sh[0][w]; te += sh[1][w]; }
-      counts[2 * c] = tg;
-      counts[2 * c + 1] = te;
-    }
-    __syncthreads();
-  }
 }
 
 // One CTA of 1024 threads: exclusive prefix sums of the per-chunk counts, in place.
@@ -986,57 +1292,184 @@ __global__ void __launch_bounds__(kScanThreads) topk_scan_kernel(unsigned long l
   }
 }
 
-// Exclusive rank of this thread's flag among the CTA's 256 flags; total = number of set flags.
-__device__ __forceinline__ uint32_t block_rank(bool f, uint32_t* sh, uint32_t& total) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const uint32_t bal = __ballot_sync(kFull, f);
-  if (lane == 0) sh[warp] = __popc(bal);
-  __syncthreads();
-  uint32_t before = __popc(bal & ((1u << lane) - 1u));
-  total = 0;
-  for (int w = 0; w < kWarps; ++w) {
-    const uint32_t c = sh[w];
-    if (w < warp) before += c;
-    total += c;
-  }
-  __syncthreads();  // sh is reused by the next call
-  return before;
-}
+// Per chunk of kTopkChunk elements: take every |v| above the threshold T and the first `need` (by
+// index) equal to it, write them in index order at their global rank, and update the residual
+// (kernels_impl.h encode_topk_impl, last loop). Thread t holds the 4-element pieces t, t + 256,
+// t + 512 and t + 768 of the chunk (coalesced 16-byte loads); one block scan of the four pieces'
+// packed (above, equal) counts ranks every element, so a chunk costs two barriers, not the four
+// per 256 values of a rank per element.
+constexpr int kTopkPieces = static_cast<int>(kTopkChunk / (4 * kThreads));
+static_assert(kTopkPieces * 4 * kThreads == kTopkChunk, "a topk chunk is whole pieces of every thread");
 
-// Per chunk: take every |v| above the threshold T and the first `need` (by index) equal to it, write
-// them in index order at their global rank, and update the residual (kernels_impl.h
-// encode_topk_impl, last loop).
 __global__ void __launch_bounds__(kThreads)
 topk_write_kernel(const float* v, int64_t n, const TopkState* st, const unsigned long long* counts,
                   uint32_t* idx, float* val, float* residual) {
-  __shared__ uint32_t sh[kWarps];
+  __shared__ uint32_t sh[kTopkPieces][kWarps];
   const uint32_t T = st->prefix;
   const long long need = st->need;
   const int64_t nchunks = ceil_div(n, kTopkChunk);
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  const bool rvec = (reinterpret_cast<uintptr_t>(residual) & 15u) == 0;  // v (scratch) is aligned
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
-    long long eq_before = static_cast<long long>(counts[2 * c + 1]);
-    long long taken_before =
-        static_cast<long long>(counts[2 * c]) + (eq_before < need ? eq_before : need);
+    const long long eq_before = static_cast<long long>(counts[2 * c + 1]);
+    const long long taken_before = static_cast<long long>(counts[2 * c]) + (eq_before < need ? eq_before : need);
+    const long long take_eq = need - eq_before;  // this chunk's equal values below it are taken
     const int64_t c0 = c * kTopkChunk, c1 = min64(n, c0 + kTopkChunk);
-    for (int64_t base = c0; base < c1; base += blockDim.x) {  // CTA-uniform trip count
-      const int64_t i = base + threadIdx.x;
-      const bool in = i < c1;
-      const float x = in ? v[i] : 0.0f;
-      const uint32_t ab = abs_bits(x);
-      const bool is_eq = in && ab == T;
-      uint32_t eq_total, take_total;
-      const long long eq_rank = eq_before + block_rank(is_eq, sh, eq_total);
-      const bool take = (in && ab > T) || (is_eq && eq_rank < need);
-      const long long pos = taken_before + block_rank(take, sh, take_total);
-      if (take) {
-        idx[pos] = static_cast<uint32_t>(i);
-        val[pos] = x;
+    float f[kTopkPieces][4];
+    int cnt[kTopkPieces];
+    uint32_t inc[kTopkPieces], mine[kTopkPieces];
+#pragma unroll
+    for (int q = 0; q < kTopkPieces; ++q) {
+      const int64_t i = c0 + 4 * (t + kThreads * q);
+      cnt[q] = i < c1 ? static_cast<int>(min64(4, c1 - i)) : 0;
+      ld4f(v, i, cnt[q], true, f[q]);  // nothing read when cnt is 0
+      uint32_t gt = 0, eq = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t ab = abs_bits(f[q][e]);
+        gt += e < cnt[q] && ab > T ? 1u : 0u;
+        eq += e < cnt[q] && ab == T ? 1u : 0u;
       }
-      // Sent values leave a zero residual, unsent ones carry over, non-finite keeps the old one.
-      if (in && residual && bits_finite(ab)) residual[i] = take ? 0.0f : x;
-      eq_before += eq_total;
-      taken_before += take_total;
+      mine[q] = gt | (eq << 16);  // each at most kTopkChunk
+      inc[q] = mine[q];
+#pragma unroll
+      for (int o = 1; o < 32; o *= 2) {
+        const uint32_t y = __shfl_up_sync(kFull, inc[q], o);
+        if (lane >= o) inc[q] += y;
+      }
+      if (lane == 31) sh[q][warp] = inc[q];
     }
+    __syncthreads();
+    // Exclusive (above, equal) counts before each piece of this thread: the chunk's earlier pieces
+    // (all of pieces q' < q, then warps before this one, then lanes).
+    uint32_t base = 0;
+#pragma unroll
+    for (int q = 0; q < kTopkPieces; ++q) {
+      uint32_t before = base + inc[q] - mine[q];
+      for (int w = 0; w < kWarps; ++w) {
+        if (w < warp) before += sh[q][w];
+        base += sh[q][w];
+      }
+      long long na = before & 0xffffu, nq = before >> 16;
+      const int64_t i = c0 + 4 * (t + kThreads * q);
+      float r[4];
+      bool all_finite = true;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t ab = abs_bits(f[q][e]);
+        const bool in = e < cnt[q], is_gt = in && ab > T, is_eq = in && ab == T;
+        const bool take = is_gt || (is_eq && nq < take_eq);
+        if (take) {
+          const long long pos = taken_before + na + (nq < take_eq ? nq : (take_eq > 0 ? take_eq : 0));
+          idx[pos] = static_cast<uint32_t>(i + e);
+          val[pos] = f[q][e];
+        }
+        // Sent values leave a zero residual, unsent ones carry over, non-finite keeps the old one.
+        r[e] = take ? 0.0f : f[q][e];
+        all_finite = all_finite && (!in || bits_finite(ab));
+        na += is_gt ? 1 : 0;
+        nq += is_eq ? 1 : 0;
+      }
+      if (residual && cnt[q] > 0) {
+        if (all_finite) {
+          st4f(residual, i, cnt[q], rvec, r);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (e < cnt[q] && bits_finite(abs_bits(f[q][e]))) residual[i + e] = r[e];
+        }
+      }
+    }
+    __syncthreads();  // sh is rewritten by the next chunk
+  }
+}
+
+// After pass 0, one read of v: per chunk, how many values lie above the selected first digit (bits
+// 20..30 of |v|; all of them are taken: the chunk's `above` count, its `equal` count zeroed), and
+// the indices of the values in that digit (the candidates, appended in any order: they are only
+// counted below) with the pass-1 histogram of their next 11 bits. Passes 1 and 2 and the per-chunk
+// counts then read the candidates alone (hist0[d0] of them), not all of v twice more. Thread t holds
+// the chunk's 4-element pieces t, t + 256, ... (as topk_write).
+__global__ void __launch_bounds__(kThreads)
+topk_compact_kernel(const float* v, int64_t n, TopkState* st, unsigned long long* counts, uint32_t* cand,
+                    unsigned long long* hist) {
+  __shared__ uint32_t sh[kTopkBins];
+  __shared__ uint32_t part[kWarps];
+  const uint32_t d0 = st->prefix >> 20;
+  auto* ncand = reinterpret_cast<unsigned long long*>(&st->ncand);
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  for (int d = t; d < kTopkBins; d += blockDim.x) sh[d] = 0;
+  __syncthreads();
+  const int64_t nchunks = ceil_div(n, kTopkChunk);
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {  // CTA-uniform
+    const int64_t c0 = c * kTopkChunk, c1 = min64(n, c0 + kTopkChunk);
+    uint32_t above = 0;
+#pragma unroll
+    for (int q = 0; q < kTopkPieces; ++q) {
+      const int64_t i = c0 + 4 * (t + kThreads * q);
+      const int cnt = i < c1 ? static_cast<int>(min64(4, c1 - i)) : 0;
+      float f[4];
+      ld4f(v, i, cnt, true, f);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t ab = abs_bits(f[e]);
+        above += e < cnt && (ab >> 20) > d0 ? 1u : 0u;
+        const bool is_c = e < cnt && (ab >> 20) == d0;
+        if (is_c) atomicAdd(&sh[(ab >> 9) & (kTopkBins - 1)], 1u);
+        // One reservation per warp and value slot: the leader adds the warp's count.
+        const uint32_t bal = __ballot_sync(kFull, is_c);
+        if (bal) {  // warp-uniform
+          unsigned long long at = 0;
+          if (lane == 0) at = atomicAdd(ncand, static_cast<unsigned long long>(__popc(bal)));
+          at = __shfl_sync(kFull, at, 0);
+          if (is_c) cand[at + __popc(bal & ((1u << lane) - 1u))] = static_cast<uint32_t>(i + e);
+        }
+      }
+    }
+#pragma unroll
+    for (int w = 16; w > 0; w /= 2) above += __shfl_down_sync(kFull, above, w);
+    if (lane == 0) part[warp] = above;
+    __syncthreads();
+    if (t == 0) {
+      unsigned long long total = 0;
+      for (int w = 0; w < kWarps; ++w) total += part[w];
+      counts[2 * c] = total;
+      counts[2 * c + 1] = 0;
+    }
+    __syncthreads();  // part is rewritten by the next chunk
+  }
+  flush_hist(sh, hist, kTopkBins);  // the loop ended on a barrier: sh is complete
+}
+
+// Pass 2's histogram (bits 0..8) over the candidates that match the 22-bit prefix of pass 1.
+__global__ void __launch_bounds__(kThreads)
+topk_cand_hist_kernel(const float* v, const TopkState* st, const uint32_t* cand, unsigned long long* hist) {
+  __shared__ uint32_t sh[kTopkBins];
+  const uint32_t prefix = st->prefix, mask = st->mask;
+  const int64_t m = st->ncand;
+  const uint32_t digits = topk_digits(2);
+  for (uint32_t d = threadIdx.x; d < digits; d += blockDim.x) sh[d] = 0;
+  __syncthreads();
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < m;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t ab = abs_bits(v[cand[j]]);
+    if ((ab & mask) == prefix) atomicAdd(&sh[ab & (digits - 1)], 1u);
+  }
+  __syncthreads();
+  flush_hist(sh, hist, digits);
+}
+
+// The candidates' share of the per-chunk counts: above or equal to the final threshold T (values
+// above the first digit were counted by topk_compact, values below it are below T).
+__global__ void __launch_bounds__(kThreads)
+topk_cand_count_kernel(const float* v, const TopkState* st, const uint32_t* cand, unsigned long long* counts) {
+  const uint32_t T = st->prefix;
+  const int64_t m = st->ncand;
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < m;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t i = cand[j];
+    const uint32_t ab = abs_bits(v[i]);
+    if (ab >= T) atomicAdd(counts + 2 * (i / kTopkChunk) + (ab == T ? 1 : 0), 1ull);
   }
 }
 
@@ -1093,6 +1526,79 @@ __global__ void __launch_bounds__(kThreads) exact_exponents_kernel(ExactArgs a, 
   }
 }
 
+// exact_sum's output for elements [i, i + cnt) of a block from their int64 sums (kernels_impl.h
+// from_fixed_block): 0 for an all-zero block, NaN for a non-finite one, else the hoisted from_fixed.
+__device__ __forceinline__ void exact_out4(float* out, int64_t i, int cnt, bool vec, int32_t E, const FixedScale& sc,
+                                           const uint64_t acc[4]) {
+  float o[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    o[e] = !exp_in_range(E) ? (E == kExpZero ? 0.0f : u2f(0x7fc00000u))
+                            : from_fixed_in_block(static_cast<int64_t>(acc[e]), sc);
+  st4f(out, i, cnt, vec, o);
+}
+
+// One codec block of exact_sum with every row's values in registers, so each value is read once
+// (the H200 timed the two-pass form, which reads the block's rows again for the sums, at 0.48x
+// copy_). Lane l holds chunk l + 32 k (k < CPL) of every row r < MAXR; CPL * 128 >= block and
+// MAXR >= rows (the kernel checks). The same integer max, the same to_fixed_scaled terms and the
+// same wrapping int64 sums as kernels_impl.h exact_sum_t: integer sums, so their order is free.
+template <int DT, int MAXR, int CPL>
+__device__ __forceinline__ void exact_block_in_registers(const ExactArgs& a, int64_t b, int64_t i0, int len,
+                                                         int lane, bool vec) {
+  const int64_t esize = dtype_bytes(DT);
+  const char* x = static_cast<const char*>(a.x);
+  float f[MAXR][CPL][4];
+  int cnt[CPL];
+#pragma unroll
+  for (int k = 0; k < CPL; ++k) {
+    const int j = 4 * (lane + 32 * k);
+    cnt[k] = j < len ? mini(4, len - j) : 0;
+  }
+  // All loads first, so they are in flight together; missing elements read as 0 (no effect on max).
+  uint32_t m = 0;
+#pragma unroll
+  for (int r = 0; r < MAXR; ++r)
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+      if (r < a.rows && cnt[k] > 0) {
+        load4<DT>(x + r * a.row_stride * esize, i0 + 4 * (lane + 32 * k), cnt[k], vec, f[r][k]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f[r][k][e] = 0.0f;
+      }
+    }
+#pragma unroll
+  for (int r = 0; r < MAXR; ++r)
+#pragma unroll
+    for (int k = 0; k < CPL; ++k)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) m = umax(m, abs_bits(f[r][k][e]));
+  m = __reduce_max_sync(kFull, m);
+  const int32_t E = exponent_of_abs_bits(m);
+  if (lane == 0 && a.exponents) a.exponents[b] = E;
+  const bool special = exp_is_special(E);
+  const ToFixedScale ts = to_fixed_scale(special ? 0 : E, a.precision);  // every value is below 2^E
+  const FixedScale fs = fixed_scale(E, a.precision);
+#pragma unroll
+  for (int k = 0; k < CPL; ++k) {
+    if (cnt[k] == 0) continue;
+    uint64_t acc[4] = {0, 0, 0, 0};
+    if (!special) {
+#pragma unroll
+      for (int r = 0; r < MAXR; ++r)
+        if (r < a.rows) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[e] += static_cast<uint64_t>(to_fixed_scaled(f[r][k][e], ts));
+        }
+    }
+    exact_out4(a.out, i0 + 4 * (lane + 32 * k), cnt[k], vec, E, fs, acc);
+  }
+}
+
+// One warp per block (warp-uniform loop). Blocks of up to 512 values with few enough rows to fit
+// 64 values per lane take the one-pass register form above; others read the rows twice (the max,
+// then the sums).
 template <int DT>
 __global__ void __launch_bounds__(kThreads) exact_sum_kernel(ExactArgs a, bool vec) {
   const int lane = threadIdx.x % 32;
@@ -1103,23 +1609,27 @@ __global__ void __launch_bounds__(kThreads) exact_sum_kernel(ExactArgs a, bool v
        b += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int64_t i0 = b * a.block;
     const int len = static_cast<int>(min64(a.block, a.n - i0));
+    // Launch-uniform choices (block and rows are the same for every block).
+    if (a.block <= 128 && a.rows <= 16) { exact_block_in_registers<DT, 16, 1>(a, b, i0, len, lane, vec); continue; }
+    if (a.block <= 256 && a.rows <= 8) { exact_block_in_registers<DT, 8, 2>(a, b, i0, len, lane, vec); continue; }
+    if (a.block <= 512 && a.rows <= 4) { exact_block_in_registers<DT, 4, 4>(a, b, i0, len, lane, vec); continue; }
     const int32_t E = exponent_of_abs_bits(block_max_bits<DT>(a, i0, len, lane, vec));
     if (lane == 0 && a.exponents) a.exponents[b] = E;
+    const bool special = exp_is_special(E);
+    const ToFixedScale ts = to_fixed_scale(special ? 0 : E, a.precision);
+    const FixedScale fs = fixed_scale(E, a.precision);
     for (int j = 4 * lane; j < len; j += 128) {
       const int cnt = mini(4, len - j);
       // Integer sums: any order gives the same bits. Unsigned so that overflow (more than 2^headroom
       // rows) wraps as it does on the CPU instead of being undefined.
       uint64_t acc[4] = {0, 0, 0, 0};
-      for (int64_t r = 0; r < a.rows; ++r) {
+      for (int64_t r = 0; !special && r < a.rows; ++r) {
         float f[4];
         load4<DT>(x + r * a.row_stride * esize, i0 + j, cnt, vec, f);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[e] += static_cast<uint64_t>(to_fixed(f[e], E, a.precision));
+        for (int e = 0; e < 4; ++e) acc[e] += static_cast<uint64_t>(to_fixed_scaled(f[e], ts));
       }
-      float o[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[e] = from_fixed(static_cast<int64_t>(acc[e]), E, a.precision);
-      st4f(a.out, i0 + j, cnt, vec, o);
+      exact_out4(a.out, i0 + j, cnt, vec, E, fs, acc);
     }
   }
 }

@@ -86,13 +86,15 @@ cudaError_t encode_topk(const EncodeArgs& a, cudaStream_t s) {
     return cudaGetLastError();
   });
   if (err != cudaSuccess) return err;
-  for (int pass = 0; pass < 3; ++pass) {
-    if (pass > 0) {
-      topk_hist_kernel<<<hist_grid, kThreads, 0, s>>>(v, a.n, pass, st, hist + pass * kTopkBins);
-    }
-    topk_select_kernel<<<1, kThreads, 0, s>>>(hist + pass * kTopkBins, pass, a.k, st);
-  }
-  topk_count_kernel<<<grid_for(nchunks, 1), kThreads, 0, s>>>(v, a.n, st, counts);
+  // Pass 0 over v; then the candidates (the values in pass 0's digit) alone for passes 1 and 2 and
+  // their share of the per-chunk counts, so v is read once more here and once by topk_write.
+  auto* cand = reinterpret_cast<uint32_t*>(base + sl.cand);
+  topk_select_kernel<<<1, kThreads, 0, s>>>(hist, 0, a.k, st);
+  topk_compact_kernel<<<grid_for(nchunks, 1), kThreads, 0, s>>>(v, a.n, st, counts, cand, hist + kTopkBins);
+  topk_select_kernel<<<1, kThreads, 0, s>>>(hist + kTopkBins, 1, a.k, st);
+  topk_cand_hist_kernel<<<hist_grid, kThreads, 0, s>>>(v, st, cand, hist + 2 * kTopkBins);
+  topk_select_kernel<<<1, kThreads, 0, s>>>(hist + 2 * kTopkBins, 2, a.k, st);
+  topk_cand_count_kernel<<<hist_grid, kThreads, 0, s>>>(v, st, cand, counts);
   topk_scan_kernel<<<1, kScanThreads, 0, s>>>(counts, nchunks);
   const Layout L = layout(kCodecTopK, a.n, 0, a.k);
   topk_write_kernel<<<grid_for(nchunks, 1), kThreads, 0, s>>>(
@@ -115,7 +117,7 @@ cudaError_t encode(const EncodeArgs& a, cudaStream_t s) {
         return cudaErrorInvalidValue;  // handled above
       } else if constexpr (is_chunk_sparse(C)) {
         const int64_t co = layout(C, a.n, a.block, a.k).codes_offset;
-        sparse_encode_kernel<decltype(dt)::value><<<grid_for(ceil_div(a.n, a.block), kThreads), kThreads, 0, s>>>(
+        sparse_encode_kernel<decltype(dt)::value><<<grid_for(ceil_div(a.n, a.block), 1), sparse_threads(a.block), 0, s>>>(
             a.x, a.residual, a.payload, a.n, C, a.block, a.k, co);
         return cudaGetLastError();
       } else {
@@ -142,10 +144,10 @@ cudaError_t decode(const DecodeArgs& a, cudaStream_t s) {
         topk_decode_kernel<ODT><<<grid_for(a.n, kTopkTile), kThreads, 0, s>>>(a.payload, 0, 1, a.n, a.k, co,
                                                                               1.0f, a.out);
       } else if constexpr (is_chunk_sparse(C)) {
-        sparse_decode_kernel<ODT><<<grid_for(ceil_div(a.n, a.block), kThreads), kThreads, 0, s>>>(
+        sparse_decode_kernel<ODT><<<grid_for(ceil_div(a.n, a.block), 1), sparse_threads(a.block), 0, s>>>(
             a.payload, 0, 1, a.n, C, a.block, a.k, co, 1.0f, a.out);
       } else {
-        decode_kernel<C, ODT><<<grid_for(a.n, 4 * kThreads), kThreads, 0, s>>>(a.payload, co, a.block, a.n,
+        decode_kernel<C, ODT><<<grid_for(a.n, 16 * kThreads), kThreads, 0, s>>>(a.payload, co, a.block, a.n,
                                                                                a.out, vec);
       }
       return cudaGetLastError();
@@ -193,10 +195,10 @@ cudaError_t decode_sum(const DecodeSumArgs& a, cudaStream_t s) {
       topk_decode_kernel<kF32><<<grid_for(a.n, kTopkTile), kThreads, 0, s>>>(a.payloads, a.row_stride, a.rows,
                                                                              a.n, a.k, co, a.scale, a.out);
     } else if constexpr (is_chunk_sparse(C)) {
-      sparse_decode_kernel<kF32><<<grid_for(ceil_div(a.n, a.block), kThreads), kThreads, 0, s>>>(
+      sparse_decode_kernel<kF32><<<grid_for(ceil_div(a.n, a.block), 1), sparse_threads(a.block), 0, s>>>(
           a.payloads, a.row_stride, a.rows, a.n, C, a.block, a.k, co, a.scale, a.out);
     } else {
-      decode_sum_kernel<C><<<grid_for(a.n, 4 * kThreads), kThreads, 0, s>>>(a, co, vec);
+      decode_sum_kernel<C><<<grid_for(a.n, 16 * kThreads), kThreads, 0, s>>>(a, co, vec);
     }
     return cudaGetLastError();
   });

@@ -30,6 +30,14 @@ constexpr int64_t kMaxGrid = 0x7fffffff;
 constexpr int kScanThreads = 1024;   // the topk scan's single CTA
 constexpr int kRegChunks = 4;        // 4-element chunks per lane on encode_kernel's register path
 constexpr int64_t kRegMaxBlock = 32 * 4 * kRegChunks;  // its largest codec block: 512
+constexpr int kSparsePerThread = 16;  // chunked sparse kernels: values per thread, one CTA per chunk
+
+// Threads of a chunked sparse kernel's CTA for chunks of `block` values: whole warps, 16 values
+// each, so 32 up to a chunk of 512 and 256 for the largest chunk (4096).
+inline int sparse_threads(int64_t block) {
+  const int64_t warps = (block + 32 * kSparsePerThread - 1) / (32 * kSparsePerThread);
+  return static_cast<int>(32 * (warps < 1 ? 1 : warps));
+}
 
 // ---- topk scratch ----------------------------------------------------------------------------
 // encode with codec topk needs EncodeArgs::scratch to point at topk_scratch_bytes(n) bytes of device
@@ -37,13 +45,14 @@ constexpr int64_t kRegMaxBlock = 32 * 4 * kRegChunks;  // its largest codec bloc
 // matter. Layout (each part starts on a 256-byte boundary):
 //   v       n fp32: x + residual
 //   hist    3 x 2048 uint64: the radix-select histograms
-//   state   32 bytes: the select state (prefix, mask, need)
+//   state   32 bytes: the select state (prefix, mask, need, candidate count)
 //   counts  2 x uint64 per chunk of kTopkChunk elements
+//   cand    n uint32: indices of the values in pass 0's selected digit (usually far fewer than n)
 constexpr int64_t kTopkChunk = 4096;
 constexpr int64_t kTopkBins = 2048;
 
 struct TopkScratchLayout {
-  int64_t v, hist, state, counts, total;  // byte offsets, total size
+  int64_t v, hist, state, counts, cand, total;  // byte offsets, total size
 };
 
 inline TopkScratchLayout topk_scratch_layout(int64_t n) {
@@ -53,7 +62,8 @@ inline TopkScratchLayout topk_scratch_layout(int64_t n) {
   l.hist = up(4 * n);
   l.state = l.hist + 3 * kTopkBins * 8;
   l.counts = l.state + 256;
-  l.total = l.counts + up(16 * ((n + kTopkChunk - 1) / kTopkChunk));
+  l.cand = l.counts + up(16 * ((n + kTopkChunk - 1) / kTopkChunk));
+  l.total = l.cand + up(4 * n);
   return l;
 }
 

@@ -5,6 +5,7 @@
 // inf, NaN, -0, subnormals), aligned and misaligned buffers (the vector and the scalar paths);
 // FLATCOMM_TEST_SEED pins them. Built with AddressSanitizer when the compiler has it, so a kernel
 // that reads or writes outside its buffers fails here too.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -329,6 +330,91 @@ static void test_decode_sum_encode(int32_t src, int32_t enc_codec, int64_t n, in
   });
 }
 
+// The chunked sparse kernels (a CTA per chunk, selection by block-wide counts, ranks by a block
+// scan) on inputs full of ties: values from a few magnitudes, zeros and -0, so the kept set ends
+// inside a run of equal |v| and position order decides; k from 1 to the whole chunk, short last
+// chunks, and now and then a non-finite chunk. The encode, then decode_sum of two such rows.
+static void test_sparse_ties(int32_t codec) {
+  static const int64_t blocks[] = {32, 64, 544, 4096};
+  const int64_t block = blocks[rng() % 4];
+  const int64_t n = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(2 * block + 40));
+  const int64_t ks[] = {1, 2, block / 2 + 1, block - 1, block};
+  const int64_t k = std::max<int64_t>(1, ks[rng() % 5]);
+  const int32_t dt = static_cast<int32_t>(rng() % kNumDTypes);
+  static const float pool[] = {0.0f, -0.0f, 1.0f, -1.0f, 2.0f, -2.0f, 1.5f, -0.75f, 3.0e38f, 1e-40f};
+  const int spread = 2 + static_cast<int>(rng() % 9);  // how many of the pool's values appear
+  std::vector<float> xf(n);
+  for (auto& v : xf) v = pool[rng() % spread];
+  if (rng() % 4 == 0) xf[rng() % n] = rng() % 2 ? INFINITY : NAN;
+  Buf x(n * esize(dt));
+  x.set(as_dtype(xf, dt));
+  std::vector<float> r0(n);
+  const bool with_residual = rng() % 2;
+  for (auto& v : r0) v = rng() % 3 ? 0.0f : pool[rng() % spread];
+  const Layout L = layout(codec, n, block, k);
+  const std::string what = describe("sparse ties encode", codec, dt, n, block, k, with_residual ? " +EF" : "");
+  std::vector<uint8_t> cpu_payload;
+  compare(what, [&](bool gpu, uint8_t poison) {
+    Buf payload(L.total), residual(with_residual ? 4 * n : 0);
+    payload.fill(poison);
+    residual.set(bytes_of(r0));
+    EncodeArgs a{x.p(), dt, reinterpret_cast<float*>(residual.p()), payload.p(), n, codec, block, k, false, 0, nullptr};
+    if (gpu) expect_ok(gpu::launch_encode(a, nullptr), what); else K().encode(a, 0, n);
+    if (!gpu && poison == 0) cpu_payload = payload.data();
+    return Outputs{payload_out(payload.data(), codec, n, block, k), floats(residual.data())};
+  });
+  // Any padding bytes as the ops leave them (zeros), then the same row twice.
+  std::vector<uint8_t> rows = cpu_payload;
+  rows.insert(rows.end(), cpu_payload.begin(), cpu_payload.end());
+  const std::string swhat = describe("sparse ties decode_sum", codec, kF32, n, block, k, " rows=2");
+  compare(swhat, [&](bool gpu, uint8_t poison) {
+    Buf payloads(rows.size()), out(4 * n);
+    payloads.set(rows);
+    out.fill(poison);
+    DecodeSumArgs a{payloads.p(), L.total, 2, n, codec, block, k, 0.5f, reinterpret_cast<float*>(out.p())};
+    if (gpu) expect_ok(gpu::launch_decode_sum(a, nullptr), swhat); else K().decode_sum(a, 0, n);
+    return Outputs{floats(out.data())};
+  });
+}
+
+// topk on inputs full of ties (a few magnitudes, zeros and -0, now and then inf or NaN): the
+// threshold falls inside a run of equal |v| and the lower indices must win, across topk_write's
+// 4,096-value chunks and their pieces; k from 0 to n.
+static void test_topk_ties() {
+  static const float pool[] = {0.0f, -0.0f, 1.0f, -1.0f, 2.0f, -2.0f, 0.5f, 3.0e38f, 1e-40f};
+  const int64_t n = 1 + static_cast<int64_t>(rng() % 12000);
+  const int spread = 2 + static_cast<int>(rng() % 8);
+  std::vector<float> xf(n);
+  for (auto& v : xf) v = pool[rng() % spread];
+  if (rng() % 4 == 0) xf[rng() % n] = rng() % 2 ? -INFINITY : NAN;
+  const int64_t k = rng() % 4 == 0 ? n : static_cast<int64_t>(rng() % (n + 1));
+  const int32_t dt = static_cast<int32_t>(rng() % kNumDTypes);
+  Buf x(n * esize(dt));
+  x.set(as_dtype(xf, dt));
+  std::vector<float> r0(n);
+  for (auto& v : r0) v = rng() % 3 ? 0.0f : pool[rng() % spread];
+  const bool with_residual = rng() % 2;
+  const Layout L = layout(kCodecTopK, n, 0, k);
+  const std::string what = describe("topk ties encode", kCodecTopK, dt, n, 0, k, with_residual ? " +EF" : "");
+  compare(what, [&](bool gpu, uint8_t poison) {
+    Buf payload(L.total), residual(with_residual ? 4 * n : 0);
+    payload.fill(poison);
+    residual.set(bytes_of(r0));
+    EncodeArgs a{x.p(), dt, reinterpret_cast<float*>(residual.p()), payload.p(), n, kCodecTopK, 0, k, false, 0, nullptr};
+    if (!gpu) {
+      std::vector<float> scratch(n);
+      a.scratch = scratch.data();
+      K().encode_topk(a);
+    } else {
+      Buf scratch(gpu::topk_scratch_bytes(n));
+      scratch.fill(static_cast<uint8_t>(rng()));
+      a.scratch = reinterpret_cast<float*>(scratch.p());
+      expect_ok(gpu::launch_encode(a, nullptr), what);
+    }
+    return Outputs{payload_out(payload.data(), kCodecTopK, n, 0, k), floats(residual.data())};
+  });
+}
+
 static void test_ordered_sum(int32_t dt, int64_t n, int64_t rows, int64_t pad, bool misalign) {
   const int64_t stride = n + pad;
   const size_t off = misalign ? esize(dt) : 0;
@@ -555,12 +641,20 @@ int main(int argc, char** argv) {
       for (int32_t enc = 0; enc < kNumCodecs; ++enc)
         if (enc != kCodecTopK && !is_chunk_sparse(enc) && !is_chunk_sparse(codec)) test_decode_sum_encode(codec, enc, pick_size(rng() % 4 == 0), 1 + rng() % 3, rng() % 2);
     }
+    for (int32_t codec = 0; codec < kNumCodecs; ++codec)
+      if (is_chunk_sparse(codec))
+        for (int i = 0; i < 3; ++i) test_sparse_ties(codec);
+    for (int i = 0; i < 3; ++i) test_topk_ties();
     for (int32_t dt = 0; dt < kNumDTypes; ++dt) {
       test_ordered_sum(dt, pick_size(true), 1 + rng() % 4, rng() % 2 ? 0 : 1 + rng() % 5, rng() % 3 == 0);
       test_ordered_sum(dt, pick_size(false), 1 + rng() % 4, rng() % 2 ? 0 : 4, false);
       static const int64_t blocks[] = {1, 3, 32, 100, 256, 4096};
-      test_exact(dt, pick_size(rng() % 2), 1 + rng() % 3, blocks[rng() % 6], rng() % 3 == 0);
+      // exact_sum holds up to 16 rows of small blocks in registers (1 to 16 rows of 128, 8 of 256,
+      // 4 of 512), the rest in two passes: rows on both sides of each limit.
+      static const int64_t exact_rows[] = {1, 2, 3, 4, 5, 8, 9, 16, 17};
+      test_exact(dt, pick_size(rng() % 2), exact_rows[rng() % 9], blocks[rng() % 6], rng() % 3 == 0);
       test_exact(dt, pick_size(true), 2, 256, false);
+      test_exact(dt, pick_size(false), exact_rows[rng() % 9], rng() % 2 ? 128 : 512, rng() % 3 == 0);
     }
   }
   // topk past 1024 chunks of 4096 (4.2M values): the scan kernel carries across its 1024-thread

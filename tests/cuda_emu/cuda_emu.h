@@ -48,6 +48,9 @@ struct alignas(16) float4 {
 struct alignas(8) uint2 {
   unsigned x, y;
 };
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
 struct alignas(16) longlong2 {
   long long x, y;
 };
@@ -68,6 +71,13 @@ template <class T>
 T atomicAdd(T* p, T v) {
   const T old = *p;
   *p = static_cast<T>(old + v);
+  return old;
+}
+
+template <class T>
+T atomicOr(T* p, T v) {
+  const T old = *p;
+  *p = static_cast<T>(old | v);
   return old;
 }
 

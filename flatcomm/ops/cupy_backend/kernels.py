@@ -16,12 +16,12 @@ from ..native import extension as _C
 
 __all__ = [
     "BF16", "BLOCKWISE", "CODEC_IDS", "DECODE_SUM_ARGS", "DROPPED_SYSTEM_HEADERS", "DTYPES",
-    "ENCODE_PARAMS", "EXACT_ARGS", "F16", "F32", "INT4", "INT8", "K_CAST_TILE", "K_MAX_GRID", "K_REG_MAX_BLOCK",
+    "ENCODE_PARAMS", "EXACT_ARGS", "F16", "F32", "INT4", "INT8", "K_CAST_TILE", "K_MAX_GRID", "K_REG_MAX_BLOCK", "K_SPARSE_PER_THREAD",
     "K_SCAN_THREADS", "K_THREADS", "K_TOPK_BINS", "K_TOPK_CHUNK", "K_TOPK_TILE", "K_WARPS", "MAX_BLOCK",
     "MAX_TOPK_NUMEL", "MIN_BLOCK", "NON_TOPK", "CHUNKED", "NS", "NVRTC_OPTIONS", "ORDERED_SUM_ARGS", "PTR", "SIGN", "STOCHASTIC",
     "STRUCTS", "SUM_SOURCE", "TOPK", "X_SOURCE", "al16", "ceil_div", "csrc_dir", "grid_for",
     "is_blockwise", "k_encode", "k_encode_sum", "k_t", "kernel_names", "layout", "module_of", "modules",
-    "nvrtc_source", "pack", "seed_key", "topk_scratch_layout"
+    "nvrtc_source", "pack", "seed_key", "sparse_threads", "topk_scratch_layout"
 ]
 
 # ---- the NVRTC source -----------------------------------------------------------------------------
@@ -103,6 +103,7 @@ K_CAST_TILE, K_TOPK_TILE, K_MAX_GRID = _K["cast_tile"], _K["topk_tile"], _K["max
 K_TOPK_CHUNK, K_TOPK_BINS = _K["topk_chunk"], _K["topk_bins"]
 MAX_SPARSE_CHUNK = _K["max_sparse_chunk"]
 K_REG_MAX_BLOCK = _K["reg_max_block"]  # encode_kernel's register path (device.cuh encode_in_registers)
+K_SPARSE_PER_THREAD = _K["sparse_per_thread"]  # chunked sparse kernels: one CTA per chunk
 
 
 # ---- kernel names and modules ---------------------------------------------------------------------
@@ -133,8 +134,9 @@ def kernel_names() -> List[str]:
         names += [k_t(k, dt) for k in ("sparse_encode_kernel", "sparse_decode_kernel")]
         names += [k_t(k, dt) for k in ("topk_decode_kernel", "topk_fill_kernel", "ordered_sum_kernel",
                                        "exact_exponents_kernel", "exact_sum_kernel", "to_fixed_kernel")]
-    names += [k_t(k) for k in ("topk_hist_kernel", "topk_select_kernel", "topk_count_kernel",
-                               "topk_scan_kernel", "topk_write_kernel", "from_fixed_kernel")]
+    names += [k_t(k) for k in ("topk_select_kernel", "topk_compact_kernel", "topk_cand_hist_kernel",
+                               "topk_cand_count_kernel", "topk_scan_kernel", "topk_write_kernel",
+                               "from_fixed_kernel")]
     return names
 
 
@@ -219,13 +221,18 @@ def layout(c: int, n: int, block: int, k: int) -> Tuple[int, int, int]:
 
 
 def topk_scratch_layout(n: int) -> Dict[str, int]:
-    """gpu::topk_scratch_layout: byte offsets of v, hist, state, counts and the total."""
+    """gpu::topk_scratch_layout: byte offsets of v, hist, state, counts, cand and the total."""
     return _C.topk_scratch_layout(n)
 
 
 def grid_for(items: int, per_cta: int) -> int:
     g = ceil_div(items, per_cta)
     return 1 if g < 1 else min(g, K_MAX_GRID)
+
+
+def sparse_threads(block: int) -> int:
+    """gpu::sparse_threads: the CTA size of the chunked sparse kernels (whole warps, 16 values each)."""
+    return 32 * max(1, ceil_div(block, 32 * K_SPARSE_PER_THREAD))
 
 
 def al16(ptr: int) -> bool:

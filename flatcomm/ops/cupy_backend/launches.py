@@ -13,7 +13,7 @@ from .kernels import (
     CHUNKED, CODEC_IDS, DECODE_SUM_ARGS, DTYPES, ENCODE_PARAMS, EXACT_ARGS, F32, INT4, INT8, SIGN,
     K_CAST_TILE, K_REG_MAX_BLOCK, K_SCAN_THREADS, K_THREADS, K_TOPK_BINS, K_TOPK_CHUNK, K_TOPK_TILE, K_WARPS,
     MAX_BLOCK, MAX_SPARSE_CHUNK, MAX_TOPK_NUMEL, MIN_BLOCK, NON_TOPK, ORDERED_SUM_ARGS, STOCHASTIC, SUM_SOURCE, TOPK, X_SOURCE,
-    al16, ceil_div, grid_for, is_blockwise, k_encode, k_encode_sum, k_t, layout, pack, seed_key,
+    al16, ceil_div, grid_for, is_blockwise, sparse_threads, k_encode, k_encode_sum, k_t, layout, pack, seed_key,
     topk_scratch_layout,
 )
 
@@ -63,9 +63,8 @@ class Launches:
         stochastic = bool(e["stochastic"]) and c in STOCHASTIC
         vec = vec and al16(e["payload"]) and (e["residual"] == 0 or al16(e["residual"]))
         # encode_kernel's register paths (device.cuh encode_in_registers): one warp per block, no
-        # smem; int8/int4 from x or non-topk rows (Src::kChunked), sign from x only (Src::kScalar)
-        regs = e["block"] <= K_REG_MAX_BLOCK and ((c in (INT8, INT4) and rows != TOPK)
-                                                  or (c == SIGN and rows is None))
+        # smem; int8/int4 (Src::kChunked) and sign (Src::kScalar) from x or non-topk rows
+        regs = e["block"] <= K_REG_MAX_BLOCK and c in (INT8, INT4, SIGN) and rows != TOPK
         if is_blockwise(c):
             block, wpg = e["block"], 1 if regs else min(e["block"] // 32, K_WARPS)
         else:
@@ -88,8 +87,8 @@ class Launches:
             return
         if e["codec"] in CHUNKED:
             co = layout(e["codec"], e["n"], e["block"], e["k"])[1]
-            self.run(k_t("sparse_encode_kernel", e["x_dtype"]), grid_for(ceil_div(e["n"], e["block"]), K_THREADS),
-                     K_THREADS, 0, (np.uint64(e["x"]), np.uint64(e["residual"]), np.uint64(e["payload"]),
+            self.run(k_t("sparse_encode_kernel", e["x_dtype"]), grid_for(ceil_div(e["n"], e["block"]), 1),
+                     sparse_threads(e["block"]), 0, (np.uint64(e["x"]), np.uint64(e["residual"]), np.uint64(e["payload"]),
                                     np.int64(e["n"]), np.int32(e["codec"]), np.int64(e["block"]), np.int64(e["k"]),
                                     np.int64(co)))
             return
@@ -104,21 +103,24 @@ class Launches:
         self._check(e["scratch"] != 0 and al16(e["scratch"]), "encode (topk)")
         sl = topk_scratch_layout(n)
         base = e["scratch"]
-        v, hist, st, counts = base + sl["v"], base + sl["hist"], base + sl["state"], base + sl["counts"]
+        v, hist, st, counts, cand = (base + sl[part] for part in ("v", "hist", "state", "counts", "cand"))
         nchunks = ceil_div(n, K_TOPK_CHUNK)
         self.memset(hist, sl["counts"] - sl["hist"])
         vec = al16(e["x"]) and (e["residual"] == 0 or al16(e["residual"]))
         hist_grid = min(grid_for(n, 4 * K_THREADS), 1024)
         I64, U64, I32 = np.int64, np.uint64, np.int32
+        h = [U64(hist + p * K_TOPK_BINS * 8) for p in range(3)]
+        # kernels.cu encode_topk: pass 0 over v, then the candidates (values in the selected first
+        # digit) only, then the ordered compaction
         self.run(k_t("topk_fill_kernel", e["x_dtype"]), hist_grid, K_THREADS, 0,
-                 (U64(e["x"]), U64(e["residual"]), I64(n), U64(v), U64(hist), np.bool_(vec)))
-        for p in range(3):
-            if p > 0:
-                self.run(k_t("topk_hist_kernel"), hist_grid, K_THREADS, 0,
-                         (U64(v), I64(n), I32(p), U64(st), U64(hist + p * K_TOPK_BINS * 8)))
-            self.run(k_t("topk_select_kernel"), 1, K_THREADS, 0,
-                     (U64(hist + p * K_TOPK_BINS * 8), I32(p), I64(k), U64(st)))
-        self.run(k_t("topk_count_kernel"), grid_for(nchunks, 1), K_THREADS, 0, (U64(v), I64(n), U64(st), U64(counts)))
+                 (U64(e["x"]), U64(e["residual"]), I64(n), U64(v), h[0], np.bool_(vec)))
+        self.run(k_t("topk_select_kernel"), 1, K_THREADS, 0, (h[0], I32(0), I64(k), U64(st)))
+        self.run(k_t("topk_compact_kernel"), grid_for(nchunks, 1), K_THREADS, 0,
+                 (U64(v), I64(n), U64(st), U64(counts), U64(cand), h[1]))
+        self.run(k_t("topk_select_kernel"), 1, K_THREADS, 0, (h[1], I32(1), I64(k), U64(st)))
+        self.run(k_t("topk_cand_hist_kernel"), hist_grid, K_THREADS, 0, (U64(v), U64(st), U64(cand), h[2]))
+        self.run(k_t("topk_select_kernel"), 1, K_THREADS, 0, (h[2], I32(2), I64(k), U64(st)))
+        self.run(k_t("topk_cand_count_kernel"), hist_grid, K_THREADS, 0, (U64(v), U64(st), U64(cand), U64(counts)))
         self.run(k_t("topk_scan_kernel"), 1, K_SCAN_THREADS, 0, (U64(counts), I64(nchunks)))
         co = layout(TOPK, n, 0, k)[1]
         self.run(k_t("topk_write_kernel"), grid_for(nchunks, 1), K_THREADS, 0,
@@ -140,12 +142,12 @@ class Launches:
                      (U64(d["payload"]), I64(0), I64(1), I64(n), I64(d["k"]), I64(co), np.float32(1.0),
                       U64(d["out"])))
         elif c in CHUNKED:
-            self.run(k_t("sparse_decode_kernel", d["out_dtype"]), grid_for(ceil_div(n, d["block"]), K_THREADS),
-                     K_THREADS, 0, (U64(d["payload"]), I64(0), I64(1), I64(n), np.int32(c), I64(d["block"]),
+            self.run(k_t("sparse_decode_kernel", d["out_dtype"]), grid_for(ceil_div(n, d["block"]), 1),
+                     sparse_threads(d["block"]), 0, (U64(d["payload"]), I64(0), I64(1), I64(n), np.int32(c), I64(d["block"]),
                                     I64(d["k"]), I64(co), np.float32(1.0), U64(d["out"])))
         else:
             vec = al16(d["payload"]) and al16(d["out"])
-            self.run(k_t("decode_kernel", c, d["out_dtype"]), grid_for(n, 4 * K_THREADS), K_THREADS, 0,
+            self.run(k_t("decode_kernel", c, d["out_dtype"]), grid_for(n, 16 * K_THREADS), K_THREADS, 0,
                      (U64(d["payload"]), I64(co), I64(d["block"]), I64(n), U64(d["out"]), np.bool_(vec)))
 
     def decode_rows(self, d: dict) -> None:
@@ -184,12 +186,12 @@ class Launches:
                      (U64(a["payloads"]), I64(a["row_stride"]), I64(a["rows"]), I64(n), I64(a["k"]), I64(co),
                       np.float32(a["scale"]), U64(a["out"])))
         elif c in CHUNKED:
-            self.run(k_t("sparse_decode_kernel", F32), grid_for(ceil_div(n, a["block"]), K_THREADS), K_THREADS, 0,
+            self.run(k_t("sparse_decode_kernel", F32), grid_for(ceil_div(n, a["block"]), 1), sparse_threads(a["block"]), 0,
                      (U64(a["payloads"]), I64(a["row_stride"]), I64(a["rows"]), I64(n), np.int32(c), I64(a["block"]),
                       I64(a["k"]), I64(co), np.float32(a["scale"]), U64(a["out"])))
         else:
             vec = self._rows_aligned(a) and al16(a["out"])
-            self.run(k_t("decode_sum_kernel", c), grid_for(n, 4 * K_THREADS), K_THREADS, 0,
+            self.run(k_t("decode_sum_kernel", c), grid_for(n, 16 * K_THREADS), K_THREADS, 0,
                      (pack(DECODE_SUM_ARGS, **a), I64(co), np.bool_(vec)))
 
     def decode_sum_encode(self, a: dict, e: dict) -> None:
