@@ -157,11 +157,17 @@ def _names(s: str) -> List[str]:
     return [x for x in s.split(",") if x]
 
 
+def _rows(s: str) -> List[str]:
+    """Rows separated by ';' (needed when a diloco:... row has options) or else by ','."""
+    return [x for x in s.split(";" if ";" in s else ",") if x]
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The options of ``bench frontier``."""
     ap.add_argument("--sizes", type=_names, default=["100k"], help=f"model sizes, of {', '.join(SIZES)}")
-    ap.add_argument("--rows", type=_names, default=list(DEFAULT_ROWS),
-                    help="fp32, int8, int4, top<k>, top<k>s4 or diloco:... rows (default: %(default)s)")
+    ap.add_argument("--rows", type=_rows, default=list(DEFAULT_ROWS),
+                    help="fp32, int8, int4, top<k>, top<k>s4 or diloco:... rows, ';' between rows with "
+                         "options (default: %(default)s)")
     ap.add_argument("--seeds", type=int, default=2, help="seeds per point (default 2)")
     ap.add_argument("--seed0", type=int, default=0, help="first seed (default 0)")
     ap.add_argument("--syncs", type=_ints, default=[20, 40, 80, 160],
@@ -171,6 +177,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--points", default="docs/bench/frontier.jsonl", help="the JSON-lines file of points")
     ap.add_argument("--doc", default="docs/diloco.md", help="markdown file to render the table into")
     ap.add_argument("--plot", default="docs/bench/frontier.png", help="the picture (needs matplotlib)")
+    ap.add_argument("--section", default="frontier",
+                    help="render between <!-- SECTION:begin --> and <!-- SECTION:end --> (default frontier)")
     ap.add_argument("--render-only", action="store_true", help="run nothing: render the file's points")
     ap.add_argument("--timeout", type=float, default=7200.0, help="seconds one point may take (default 7200)")
 
@@ -205,7 +213,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{res['seconds']:.0f} s ({1e3 * res['step_s']:.0f} ms/step)", file=sys.stderr, flush=True)
     from .frontier_report import render
 
-    print(render(load_points(args.points), args.doc, args.plot))
+    print(render(load_points(args.points), args.doc, args.plot, args.section))
     return 0
 
 

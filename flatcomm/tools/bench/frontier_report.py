@@ -143,17 +143,20 @@ def plot(points: List[Dict[str, Any]], path: str, syncs: int = 160) -> bool:
     return True
 
 
-def render(points: List[Dict[str, Any]], doc: Optional[str], picture: Optional[str], command: str = "") -> str:
-    """The markdown of ``points``; written into ``doc`` between the markers (when both are there) and
-    the picture to ``picture``. Returns the markdown."""
+def render(points: List[Dict[str, Any]], doc: Optional[str], picture: Optional[str],
+           section: str = "frontier") -> str:
+    """The markdown of ``points``; written into ``doc`` between the markers ``<!-- section:begin -->``
+    and ``<!-- section:end -->`` (when both are there) and the picture to ``picture``. Returns the
+    markdown."""
     md = markdown(points) if points else "No points yet.\n"
     if picture and points:
         plot(points, picture)
+    begin, end = BEGIN.replace("frontier", section), END.replace("frontier", section)
     if doc and os.path.exists(doc):
         text = open(doc).read()
-        if BEGIN in text and END in text:
-            head, rest = text.split(BEGIN, 1)
-            tail = rest.split(END, 1)[1]
+        if begin in text and end in text:
+            head, rest = text.split(begin, 1)
+            tail = rest.split(end, 1)[1]
             with open(doc, "w") as f:
-                f.write(head + BEGIN + "\n" + md + END + tail)
+                f.write(head + begin + "\n" + md + end + tail)
     return md
