@@ -17,6 +17,8 @@ def test_row_names():
     assert s.startswith("diloco:codec=sparse,keep=128,H=15,") and "mode=exact" in s
     assert frontier.row_spec("top64s4", 10).startswith("diloco:codec=sparse4,keep=64,H=10,")
     assert frontier.row_spec("diloco:codec=int8,H=3,ef=false", 15) == "diloco:codec=int8,H=15,ef=False"
+    assert frontier._rows("fp32,diloco:codec=sparse,keep=128,top64") == ["fp32", "diloco:codec=sparse,keep=128", "top64"]
+    assert frontier._rows("diloco:codec=sparse,keep=160;int4") == ["diloco:codec=sparse,keep=160", "int4"]
     with pytest.raises(ValueError, match="not fp32"):
         frontier.row_spec("torch", 15)
 
@@ -31,7 +33,7 @@ def test_summary_pairs_seeds_and_names_the_cheapest_row_at_parity():
            _pt("top64", 0, (2.1, 1.9), 0.02), _pt("top64", 1, (2.3, 2.0), 0.02),        # +5%: not at parity
            _pt("top128", 0, (2.01, 1.81), 0.04), _pt("top128", 1, (2.2, 1.9), 0.04),    # +0.25%, +0.28%
            _pt("int4", 0, (2.0, 1.8), 0.5), _pt("top128", 0, (9.0, 9.0), 0.04)]         # a repeat counts once
-    rows = rep.summarize(pts)[("100k", 2, 15)]
+    rows = rep.summarize(pts)[("100k", 2, 15, 160)]
     assert rows["top128"][160]["rel"] == pytest.approx([1.81 / 1.8 - 1, 0.0])
     assert rows["top128"][160]["seeds"] == [0, 1] and rows["fp32"][80]["rel"] == []
     assert rep.lowest_at_parity(rows, [80, 160]) == "top128"

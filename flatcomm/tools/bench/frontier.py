@@ -158,8 +158,17 @@ def _names(s: str) -> List[str]:
 
 
 def _rows(s: str) -> List[str]:
-    """Rows separated by ';' (needed when a diloco:... row has options) or else by ','."""
-    return [x for x in s.split(";" if ";" in s else ",") if x]
+    """Rows separated by ';', or by ',' where a token without '=' starts a row (``fp32,diloco:codec=sparse,
+    keep=128,top64`` is three rows)."""
+    if ";" in s:
+        return [x for x in s.split(";") if x]
+    rows: List[str] = []
+    for tok in filter(None, s.split(",")):
+        if "=" in tok and rows and ":" not in tok:
+            rows[-1] += "," + tok
+        else:
+            rows.append(tok)
+    return rows
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

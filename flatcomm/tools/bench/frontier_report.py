@@ -22,27 +22,28 @@ def _order(row: str) -> Tuple[int, int, str]:
     return ({"fp32": -3, "int8": -2, "int4": -1}.get(row, 2), 0, row)
 
 
-def summarize(points: List[Dict[str, Any]]) -> Dict[Tuple[str, int, int], Dict[str, Dict[int, Dict[str, Any]]]]:
-    """{(size, replicas, H): {row: {syncs: {"val": [...], "rel": [...], "seeds": [...], "bpp": mean}}}}."""
+def summarize(points: List[Dict[str, Any]]) -> Dict[Tuple[str, int, int, int], Dict[str, Dict[int, Dict[str, Any]]]]:
+    """{(size, replicas, H, syncs of the run): {row: {syncs read: {"val": [...], "rel": [...], "seeds": [...],
+    "bpp": mean}}}}: runs of another length are another table (their learning-rate schedule differs)."""
     base: Dict[Tuple, float] = {}
     for p in points:
         if p["row"] == "fp32":
             for s, r in p["readings"].items():
-                base[(p["size"], p["replicas"], p["H"], p["seed"], int(s))] = r["val"]
-    out: Dict[Tuple[str, int, int], Dict[str, Dict[int, Dict[str, Any]]]] = {}
+                base[(p["size"], p["replicas"], p["H"], p["syncs"], p["seed"], int(s))] = r["val"]
+    out: Dict[Tuple[str, int, int, int], Dict[str, Dict[int, Dict[str, Any]]]] = {}
     seen = set()
     for p in points:
         k = (p["size"], p["replicas"], p["H"], p["row"], p["seed"], p["syncs"])
         if k in seen:  # a point run twice counts once
             continue
         seen.add(k)
-        rows = out.setdefault((p["size"], p["replicas"], p["H"]), {})
+        rows = out.setdefault((p["size"], p["replicas"], p["H"], p["syncs"]), {})
         for s, r in p["readings"].items():
             cell = rows.setdefault(p["row"], {}).setdefault(int(s), {"val": [], "rel": [], "seeds": [], "bpp": []})
             cell["val"].append(r["val"])
             cell["seeds"].append(p["seed"])
             cell["bpp"].append(r["bytes_per_param_per_sync"])
-            b = base.get((p["size"], p["replicas"], p["H"], p["seed"], int(s)))
+            b = base.get((p["size"], p["replicas"], p["H"], p["syncs"], p["seed"], int(s)))
             if b is not None and p["row"] != "fp32":
                 cell["rel"].append(r["val"] / b - 1.0)
     for rows in out.values():
@@ -79,11 +80,13 @@ def lowest_at_parity(rows: Dict[str, Dict[int, Dict[str, Any]]], at: List[int]) 
 def markdown(points: List[Dict[str, Any]]) -> str:
     summary = summarize(points)
     out: List[str] = []
-    for (size, replicas, h), rows in sorted(summary.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
+    for (size, replicas, h, length), rows in sorted(summary.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2],
+                                                                                  -kv[0][3])):
         params = next(p["params"] for p in points if p["size"] == size)
         syncs = sorted({s for cells in rows.values() for s in cells})
-        out.append(f"**{size}** ({params:,} parameters), {replicas} replicas, H = {h}: held-out loss vs fp32 "
-                   "DiLoCo at the same seed, mean [min, max] over seeds (fp32 row: the loss, mean (sd))")
+        out.append(f"**{size}** ({params:,} parameters), {replicas} replicas, H = {h}, runs of {length} syncs: "
+                   "held-out loss vs fp32 DiLoCo at the same seed, mean [min, max] over seeds (fp32 row: the "
+                   "loss, mean (sd))")
         out.append("")
         out.append("| row | B/param/sync | " + " | ".join(f"{s} syncs" for s in syncs) + " |")
         out.append("|---|---|" + "---|" * len(syncs))
@@ -92,7 +95,7 @@ def markdown(points: List[Dict[str, Any]]) -> str:
             bpp = cells[syncs[-1]]["bpp"] if syncs[-1] in cells else next(iter(cells.values()))["bpp"]
             out.append(f"| `{row}` | {bpp:.4f} | " + " | ".join(_cell(cells.get(s), row == "fp32") for s in syncs)
                        + " |")
-        at = [s for s in (80, 160) if s in syncs]
+        at = [s for s in (80, 160) if s in syncs] or syncs[-1:]
         if at:
             best = lowest_at_parity(rows, at)
             out.append("")
@@ -114,7 +117,8 @@ def plot(points: List[Dict[str, Any]], path: str, syncs: int = 160) -> bool:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for i, ((size, replicas, h), rows) in enumerate(sorted(summarize(points).items())):
+    runs = {k: v for k, v in summarize(points).items() if k[3] == syncs}  # the full-length runs
+    for i, ((size, replicas, h, _), rows) in enumerate(sorted(runs.items())):
         color = plt.cm.tab10(i % 10)
         for s, style in ((syncs, "-"), (syncs // 2, "--")):
             pts = sorted((c[s]["bpp"], 100 * statistics.fmean(c[s]["rel"]), 100 * min(c[s]["rel"]),
