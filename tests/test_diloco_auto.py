@@ -83,6 +83,11 @@ def _run(rank, world):
     b = _train(rank, world, 12, slow, resume=a["saved"])
     out["slow"] = (a["choice"]["codec"], a["choice"]["keep"], a["keep"])
     out["resumed equal"] = torch.equal(a["weights"], b["weights"]) and b["choice"] == a["choice"]
+    fast = Auto(bytes_per_s=1e12, latency_s=1e-6, step_s=1.0)  # fp32, no residual in use
+    c = _train(rank, world, 12, fast, save_at=6)
+    d = _train(rank, world, 12, fast, resume=c["saved"])
+    out["fast"] = c["choice"]["codec"]
+    out["fast resumed equal"] = torch.equal(c["weights"], d["weights"]) and d["choice"] == c["choice"]
     measured = _train(rank, world, 8, "auto")  # loopback, measured: the link is fast
     out["measured"] = (measured["choice"]["codec"], measured["choice"]["fits"])
     out["weights"] = a["weights"]
@@ -94,6 +99,7 @@ def test_replicas_agree_record_and_resume_the_choice():
     r0, r1 = spawn.run(2, _run, timeout_s=120)
     assert r0["slow"][0] == "sparse" and r0["slow"][1] == r0["slow"][2] and r0["slow"] == r1["slow"]
     assert r0["resumed equal"] and r1["resumed equal"]
+    assert r0["fast"] == "fp32" and r0["fast resumed equal"] and r1["fast resumed equal"]
     assert torch.equal(r0["weights"], r1["weights"])
     assert r0["choice"] == r1["choice"]  # the same measurements on every replica
     assert r0["measured"][0] in ("fp32", "int8") and r0["measured"][1]

@@ -138,8 +138,12 @@ def _prepare(outer, sd: Dict[str, Any], replica: Optional[int] = None) -> Dict[s
     finished = _int(sd, "finished_at") if "finished_at" in sd else 0  # (absent before finish() existed)
     if finished > step:
         raise ValueError(f"flatcomm.diloco: checkpoint's finish() at inner step {finished} is after its step {step}")
+    choice = _auto(outer, sd)
+    plan = outer.config.plan
+    feedback = plan.feedback if plan.auto is None else \
+        plan.error_feedback and not (choice.to_codec() if choice is not None else auto.PLACEHOLDER).lossless
     return {"step": step, "syncs": syncs, "fragments": frags, "finished_at": finished,
-            "in_flight": _in_flight(outer, sd, step, finished), "auto": _auto(outer, sd)}
+            "in_flight": _in_flight(outer, sd, step, finished, feedback), "auto": choice}
 
 
 def _auto(outer, sd: Dict[str, Any]) -> Optional[auto.Choice]:
@@ -152,7 +156,7 @@ def _auto(outer, sd: Dict[str, Any]) -> Optional[auto.Choice]:
     return auto.Choice.from_dict(saved)
 
 
-def _in_flight(outer, sd: Dict[str, Any], step: int, finished: int) -> Optional[sync.Pending]:
+def _in_flight(outer, sd: Dict[str, Any], step: int, finished: int, feedback: bool) -> Optional[sync.Pending]:
     """The saved sync in flight as a finished :class:`Pending`, checked against the schedule (a
     finish() at or after its start applied it early)."""
     if "in_flight" not in sd:
@@ -170,10 +174,10 @@ def _in_flight(outer, sd: Dict[str, Any], step: int, finished: int) -> Optional[
                          f"does not fit the schedule at inner step {step}")
     f = outer.fragments[i]
     delta = _tensor(s.get("delta"), f"in-flight fragment {i} delta", f.numel, torch.float32).to(f.device)
-    res = check.field(s, "residuals", list)
-    if len(res) != len(f.residuals):
+    res, want = check.field(s, "residuals", list), len(f.residuals) if feedback else 0
+    if len(res) != want:
         raise ValueError(f"flatcomm.diloco: checkpoint's sync in flight has {len(res)} residuals, this run needs "
-                         f"{len(f.residuals)}")
+                         f"{want}")
     work = [_tensor(r, f"in-flight fragment {i} residual {j}", mine.numel(), torch.float32).to(f.device)
             for j, (r, mine) in enumerate(zip(res, f.residuals))]
     return sync.Pending.done(i, started, delta.clone(), [w.clone() for w in work])

@@ -62,7 +62,7 @@ class Config:
         (``verify_every`` is a check, not state: it may change at a resume)."""
         p = self.plan
         local = p.topology.local_size if p.two_level else 0
-        desc = repr((self.schedule, p.auto if p.auto is not None else p.codec, p.mode, p.feedback, p.world, local, self.lr, self.momentum,
+        desc = repr((self.schedule, p.auto if p.auto is not None else p.codec, p.mode, _feedback(p), p.world, local, self.lr, self.momentum,
                      self.nesterov, self.alpha) + ((self.verify_every,) if with_verify else ()) +
                     ([(f.names, f.sizes, str(f.residual_dtype)) for f in self.fragments],))
         # Options added later enter only when set, so earlier checkpoints keep their fingerprint.
@@ -79,7 +79,7 @@ class Config:
         return {"sync_every": str(sch.sync_every), "fragments": str(sch.fragments),
                 "fragment_sync_delay": str(sch.delay), "codec": "auto" if p.auto is not None else str(p.codec),
                 "mode": p.mode,
-                "error_feedback": str(p.feedback), "replicas": str(p.world),
+                "error_feedback": str(_feedback(p)), "replicas": str(p.world),
                 "topology local_size": str(p.topology.local_size if p.two_level else 0), "outer_lr": repr(self.lr),
                 "outer_momentum": repr(self.momentum), "nesterov": str(self.nesterov),
                 "fragment_update_alpha": repr(self.alpha),
@@ -87,6 +87,11 @@ class Config:
                 "model layout": hashlib.blake2b(layout, digest_size=8).hexdigest(),
                 "codec keep": str(p.codec.keep) if p.codec.chunked and p.auto is None else "-",
                 "error_decay": repr(p.error_decay)}
+
+
+def _feedback(p: sync.Plan) -> bool:
+    """Error feedback as configured (with codec="auto", as asked: the choice does not change it)."""
+    return p.error_feedback if p.auto is not None else p.feedback
 
 
 def _configure(model: torch.nn.Module, o: Options) -> Config:
