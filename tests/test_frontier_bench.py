@@ -23,6 +23,13 @@ def test_row_names():
         frontier.row_spec("torch", 15)
 
 
+def test_short_names():
+    assert rep.short("int4") == "int4"
+    assert rep.short(frontier.row_spec("diloco:codec=sparse,keep=128,mode=exact,decay=0.95,outer_lr=3.0", 15)) == \
+        "top128 decay 0.95 lr 3.0"
+    assert rep.short("diloco:codec=sparse4,keep=64,mode=ordered,H=15") == "top64s4 ordered"
+
+
 def _pt(row, seed, vals, bpp, size="100k"):
     return {"size": size, "replicas": 2, "row": row, "seed": seed, "H": 15, "syncs": 160, "params": 1000,
             "readings": {str(s): {"val": v, "bytes_per_param_per_sync": bpp} for s, v in zip((80, 160), vals)}}

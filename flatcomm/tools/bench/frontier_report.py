@@ -22,6 +22,19 @@ def _order(row: str) -> Tuple[int, int, str]:
     return ({"fp32": -3, "int8": -2, "int4": -1}.get(row, 2), 0, row)
 
 
+def short(row: str) -> str:
+    """A table's name for a row: ``diloco:codec=sparse,keep=128,...,outer_lr=3.0`` -> ``top128 decay 0.95 lr 3.0``."""
+    if not row.startswith("diloco:"):
+        return row
+    opts = dict(kv.split("=", 1) for kv in row.split(":", 1)[1].split(",") if "=" in kv)
+    codec = opts.pop("codec", "int4")
+    name = f"top{opts.pop('keep', 64)}" + ("s4" if codec == "sparse4" else "") if codec.startswith("sparse") else codec
+    words = {"decay": "decay", "outer_lr": "lr", "momentum": "momentum", "mode": "", "H": None}
+    extra = [f"{words.get(k, k)} {v}".strip() for k, v in opts.items()
+             if words.get(k, k) is not None and not (k == "mode" and v == "exact")]
+    return " ".join([name] + extra)
+
+
 def summarize(points: List[Dict[str, Any]]) -> Dict[Tuple[str, int, int, int], Dict[str, Dict[int, Dict[str, Any]]]]:
     """{(size, replicas, H, syncs of the run): {row: {syncs read: {"val": [...], "rel": [...], "seeds": [...],
     "bpp": mean}}}}: runs of another length are another table (their learning-rate schedule differs)."""
@@ -93,7 +106,7 @@ def markdown(points: List[Dict[str, Any]]) -> str:
         for row in sorted(rows, key=_order):
             cells = rows[row]
             bpp = cells[syncs[-1]]["bpp"] if syncs[-1] in cells else next(iter(cells.values()))["bpp"]
-            out.append(f"| `{row}` | {bpp:.4f} | " + " | ".join(_cell(cells.get(s), row == "fp32") for s in syncs)
+            out.append(f"| `{short(row)}` | {bpp:.4f} | " + " | ".join(_cell(cells.get(s), row == "fp32") for s in syncs)
                        + " |")
         at = [s for s in (80, 160) if s in syncs] or syncs[-1:]
         if at:
@@ -101,7 +114,8 @@ def markdown(points: List[Dict[str, Any]]) -> str:
             out.append("")
             where = " and ".join(str(s) for s in at)
             out.append(f"Fewest bytes within +1% of fp32 DiLoCo (mean) at {where} syncs: "
-                       + (f"**`{best}`** ({rows[best][at[-1]]['bpp']:.4f} B/param/sync)." if best else "none measured."))
+                       + (f"**`{short(best)}`** ({rows[best][at[-1]]['bpp']:.4f} B/param/sync)." if best
+                          else "none measured."))
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 
