@@ -16,6 +16,7 @@ def test_row_names():
     s = frontier.row_spec("top128", 15)
     assert s.startswith("diloco:codec=sparse,keep=128,H=15,") and "mode=exact" in s
     assert frontier.row_spec("top64s4", 10).startswith("diloco:codec=sparse4,keep=64,H=10,")
+    assert frontier.row_spec("top192s1", 15).startswith("diloco:codec=sparse1,keep=192,H=15,")
     assert frontier.row_spec("diloco:codec=int8,H=3,ef=false", 15) == "diloco:codec=int8,H=15,ef=False"
     assert frontier._rows("fp32,diloco:codec=sparse,keep=128,top64") == ["fp32", "diloco:codec=sparse,keep=128", "top64"]
     assert frontier._rows("diloco:codec=sparse,keep=160;int4") == ["diloco:codec=sparse,keep=160", "int4"]

@@ -153,7 +153,7 @@ def _probe(group, device: torch.device, nbytes: int, world: int) -> float:
 
 
 def measure(group, device: torch.device, world: int, step_s: float, auto: Auto,
-            small: int = 4096, large: int = 1 << 18) -> Tuple[float, float, float]:
+            small: int = 1 << 12, large: int = 1 << 18) -> Tuple[float, float, float]:
     """(step_s, latency_s, bytes_per_s) agreed by every replica: the maximum of each time over the
     replicas (the slowest step, the slowest link)."""
     t_small = _probe(group, device, small, world) if auto.latency_s is None else 0.0

@@ -22,7 +22,8 @@ into ``--doc`` between the markers ``<!-- frontier:begin -->`` and ``<!-- fronti
 Rows: ``fp32``, ``int8``, ``int4`` (DiLoCo's recipe: outer lr 0.7, Nesterov 0.9, error feedback,
 the two-stage sum), ``top<k>`` (flatcomm's ``sparse`` codec keeping k of every 4,096 values with
 SparseLoCo's recipe as measured best here: error decay 0.95, no outer momentum, outer lr 2.0, the
-gathered sum), ``top<k>s4`` (the same with ``sparse4``'s 3-bit levels), or a full ``diloco:...`` row
+gathered sum), ``top<k>s4`` (the same with ``sparse4``'s 3-bit levels, ``top<k>s1`` with ``sparse1``'s
+sign and one level), or a full ``diloco:...`` row
 of the convergence benchmark (its ``H`` is set from ``--sync-every``).
 """
 from __future__ import annotations
@@ -51,13 +52,13 @@ def row_spec(row: str, h: int) -> str:
     """The convergence benchmark's row for a frontier row name (``top128``, ``int4``, ``diloco:...``)."""
     if row in ("fp32", "int8", "int4"):
         return f"diloco:codec={row},H={h}"
-    m = re.fullmatch(r"top(\d+)(s4)?", row)
+    m = re.fullmatch(r"top(\d+)(s4|s1)?", row)
     if m:
-        codec = "sparse4" if m.group(2) else "sparse"
+        codec = {"s4": "sparse4", "s1": "sparse1"}.get(m.group(2) or "", "sparse")
         return f"diloco:codec={codec},keep={int(m.group(1))},H={h},{SPARSE_RECIPE}"
     name, opts = parse_row(row)
     if name != "diloco":
-        raise ValueError(f"frontier: row {row!r} is not fp32, int8, int4, top<k>, top<k>s4 or diloco:...")
+        raise ValueError(f"frontier: row {row!r} is not fp32, int8, int4, top<k>, top<k>s4, top<k>s1 or diloco:...")
     opts["H"] = h
     return "diloco:" + ",".join(f"{k}={v}" for k, v in opts.items())
 
@@ -175,7 +176,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The options of ``bench frontier``."""
     ap.add_argument("--sizes", type=_names, default=["100k"], help=f"model sizes, of {', '.join(SIZES)}")
     ap.add_argument("--rows", type=_rows, default=list(DEFAULT_ROWS),
-                    help="fp32, int8, int4, top<k>, top<k>s4 or diloco:... rows, ';' between rows with "
+                    help="fp32, int8, int4, top<k>, top<k>s4, top<k>s1 or diloco:... rows, ';' between rows with "
                          "options (default: %(default)s)")
     ap.add_argument("--seeds", type=int, default=2, help="seeds per point (default 2)")
     ap.add_argument("--seed0", type=int, default=0, help="first seed (default 0)")

@@ -16,7 +16,7 @@ PARITY = 0.01  # "within +1% of fp32 DiLoCo"
 
 
 def _order(row: str) -> Tuple[int, int, str]:
-    m = re.fullmatch(r"top(\d+)(s4)?", row)
+    m = re.fullmatch(r"top(\d+)(s4|s1)?", row)
     if m:
         return (1, -int(m.group(1)), row)
     return ({"fp32": -3, "int8": -2, "int4": -1}.get(row, 2), 0, row)
@@ -28,7 +28,8 @@ def short(row: str) -> str:
         return row
     opts = dict(kv.split("=", 1) for kv in row.split(":", 1)[1].split(",") if "=" in kv)
     codec = opts.pop("codec", "int4")
-    name = f"top{opts.pop('keep', 64)}" + ("s4" if codec == "sparse4" else "") if codec.startswith("sparse") else codec
+    suffix = {"sparse4": "s4", "sparse1": "s1"}.get(codec, "")
+    name = f"top{opts.pop('keep', 64)}{suffix}" if codec.startswith("sparse") else codec
     words = {"decay": "decay", "outer_lr": "lr", "momentum": "momentum", "mode": "", "H": None}
     extra = [f"{words.get(k, k)} {v}".strip() for k, v in opts.items()
              if words.get(k, k) is not None and not (k == "mode" and v == "exact")]
