@@ -144,11 +144,17 @@ def plot(points: List[Dict[str, Any]], path: str, syncs: int = 160) -> bool:
             y = [p[1] for p in pts]
             err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
             ax.errorbar(x, y, yerr=err, fmt="o" + style, color=color, capsize=3, ms=4, lw=1.2,
-                        label=f"{size}, {replicas} replicas, H = {h}, {s} syncs")
+                        label=f"{size}, {replicas} replicas, H = {h}: at sync {s} of {syncs}")
             if style == "-":
                 for p in pts:
                     ax.annotate(p[4], (p[0], p[1]), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    lo, hi = ax.get_xlim()
+    ax.set_xticks([t for t in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 4) if lo <= t <= hi])
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.axhline(100 * PARITY, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("bytes per parameter per sync (payload, as counted by the sync)")
