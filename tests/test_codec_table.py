@@ -84,10 +84,10 @@ def test_the_table_is_the_cpp_list():
     rows = _C.constants()["codecs"]
     assert [r["name"] for r in rows] == list(CODECS) == list(TABLE) == list(_C.constants()["codec_names"])
     assert [TABLE[r["name"]].id for r in rows] == list(range(len(rows)))
-    assert [TABLE[c].bits for c in CODECS] == [32, 16, 16, 8, 4, 1, 64, 2, 4]
+    assert [TABLE[c].bits for c in CODECS] == [32, 16, 16, 8, 4, 1, 64, 2, 4, 1]
     assert [TABLE[c].kind for c in CODECS] == ["cast"] * 3 + ["scaled_int"] * 2 + ["scaled_sign", "sparse"] + \
-        ["chunk_sparse"] * 2
-    assert [TABLE[c].dtype for c in CODECS] == [torch.float32, torch.bfloat16, torch.float16] + [None] * 6
+        ["chunk_sparse"] * 3
+    assert [TABLE[c].dtype for c in CODECS] == [torch.float32, torch.bfloat16, torch.float16] + [None] * 7
     assert tuple(CODECS[i] for i in _C.constants()["blockwise_codecs"]) == BLOCKWISE
     assert tuple(CODECS[i] for i in _C.constants()["stochastic_codecs"]) == codecs.STOCHASTIC
     assert cupy_backend.CODEC_IDS == {c: TABLE[c].id for c in CODECS}
@@ -109,8 +109,8 @@ def test_the_independent_reference_agrees():
 def test_properties_follow_the_table():
     assert [c for c in CODECS if Codec(c).lossless] == ["fp32"]
     assert [c for c in CODECS if Codec(c).sparse] == ["topk"]
-    assert [c for c in CODECS if not Codec(c).reencodes_fused] == ["topk", "sparse", "sparse4"]
-    assert [c for c in CODECS if Codec(c).chunked] == ["sparse", "sparse4"]
+    assert [c for c in CODECS if not Codec(c).reencodes_fused] == ["topk", "sparse", "sparse4", "sparse1"]
+    assert [c for c in CODECS if Codec(c).chunked] == ["sparse", "sparse4", "sparse1"]
     assert [c for c in CODECS if Codec(c).stochastic] == ["bf16", "int8", "int4"]
     assert PRECISION == ("fp32", "bf16", "int8", "int4", "sign")  # most precise first
     assert [Codec(c).precision for c in PRECISION] == list(range(len(PRECISION)))

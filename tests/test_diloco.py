@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 from flatcomm import CODECS
+import flatcomm
 from flatcomm.diloco import DiLoCo, Schedule, split
+from flatcomm.diloco.auto import Auto
 from flatcomm.tools import spawn
 
 H, STEPS = 4, 12
@@ -228,7 +230,8 @@ def _errors(rank, world):
            "tau >= H/k": (dict(sync_every=8, fragments=4, fragment_sync_delay=2), "fragment_sync_delay"),
            "alpha > 1": (dict(sync_every=4, fragment_update_alpha=1.5), "fragment_update_alpha"),
            "unknown codec": (dict(sync_every=4, codec="int3"), "int3"),
-           "auto": (dict(sync_every=4, codec="auto"), "auto")}
+           "auto on two levels": (dict(sync_every=4, codec="auto", topology=flatcomm.Topology(local_size=1)), "auto"),
+           "auto headroom": (dict(sync_every=4, codec=Auto(headroom=0.0)), "headroom")}
     for name, (kw, word) in bad.items():
         net = _net()
         opt = torch.optim.SGD(net.parameters(), lr=0.1)

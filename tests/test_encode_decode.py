@@ -269,7 +269,7 @@ def test_nonfinite_poisons_only_its_block(gen, codec, bad, dtype):
     assert_bits_equal(d[~poisoned], d2[~poisoned], "unaffected blocks")
 
 
-@pytest.mark.parametrize("codec", ["sparse", "sparse4"])
+@pytest.mark.parametrize("codec", ["sparse", "sparse4", "sparse1"])
 def test_chunked_sparse_levels(gen, codec):
     """Direct check: each chunk's kept values (the `keep` largest |v|) decode to their sign times a
     level between the chunk's smallest and largest kept |v|; everything else decodes to zero."""

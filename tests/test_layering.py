@@ -42,7 +42,7 @@ FLOORS: List[Tuple[str, List[str]]] = [
                       "flatcomm.fsdp.fsdp1", "flatcomm.fsdp.fsdp2", "flatcomm.fsdp.hybrid",
                       "flatcomm.optim", "flatcomm.reproducible.determinism", "flatcomm.reproducible.layout",
                       "flatcomm.reproducible.accumulator", "flatcomm.stats",
-                      "flatcomm.diloco.schedule", "flatcomm.diloco.state", "flatcomm.diloco.sync",
+                      "flatcomm.diloco.schedule", "flatcomm.diloco.auto", "flatcomm.diloco.state", "flatcomm.diloco.sync",
                       "flatcomm.diloco.replicas", "flatcomm.diloco.options", "flatcomm.diloco.checkpoint", "flatcomm.diloco.outer",
                       "flatcomm.diloco.replica_state"]),
     ("elastic", ["flatcomm.elastic.group", "flatcomm.elastic.exchange", "flatcomm.elastic.heal",

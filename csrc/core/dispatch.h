@@ -80,7 +80,8 @@ enum class CodecKind : int32_t {
   X(kCodecSign, "sign", kScaledSign,   1,   false,      kNoDType) \
   X(kCodecTopK, "topk", kSparse,      64,   false,      kNoDType) \
   X(kCodecSparse,  "sparse",  kChunkSparse, 2, false,   kNoDType) \
-  X(kCodecSparse4, "sparse4", kChunkSparse, 4, false,   kNoDType)
+  X(kCodecSparse4, "sparse4", kChunkSparse, 4, false,   kNoDType) \
+  X(kCodecSparse1, "sparse1", kChunkSparse, 1, false,   kNoDType)
 
 #define FC_CODEC_ENUM(id, ...) id,
 enum Codec : int32_t { FLATCOMM_CODECS(FC_CODEC_ENUM) kNumCodecs };
@@ -115,7 +116,7 @@ FC_HD constexpr bool is_cast(int32_t c) { return codec_kind(c) == CodecKind::kCa
 FC_HD constexpr bool is_blockwise(int32_t c) {
   return codec_kind(c) == CodecKind::kScaledInt || codec_kind(c) == CodecKind::kScaledSign;
 }
-// Per chunk of `block` values the k largest |v| (core/sparse.h): "sparse" and "sparse4".
+// Per chunk of `block` values the k largest |v| (core/sparse.h): "sparse", "sparse4", "sparse1".
 FC_HD constexpr bool is_chunk_sparse(int32_t c) { return codec_kind(c) == CodecKind::kChunkSparse; }
 FC_HD constexpr bool has_stochastic(int32_t c) { return codec_info(c).stochastic; }
 FC_HD constexpr int32_t code_bits(int32_t c) { return codec_info(c).bits; }      // scaled codecs

@@ -1,4 +1,5 @@
-// The chunked sparse codecs ("sparse": 2-bit values, "sparse4": 4-bit): per chunk of `block`
+// The chunked sparse codecs ("sparse": 2-bit values, "sparse4": 4-bit, "sparse1": the sign and one
+// level, the kept values' mean magnitude): per chunk of `block`
 // values keep the `k` largest |v| (SparseLoCo's scheme), quantize them against a per-chunk table of
 // magnitude levels, code their positions with Elias-Fano, and leave everything not sent (the
 // unsent values and the quantization error) in the error-feedback residual. One chunk is one unit of

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .._training import checks as check
-from . import replicas, sync
+from . import auto, replicas, sync
 
 __all__ = ["STATE_DICT_VERSION", "check_state_dict", "load_state_dict", "state_dict"]
 
@@ -64,6 +64,7 @@ def state_dict(outer) -> Dict[str, Any]:
         "step": outer.step,
         "syncs": outer.syncs,
         "finished_at": outer.finished_at,
+        "auto": outer.auto_choice.as_dict() if outer.auto_choice is not None else None,  # codec="auto"'s choice
         "fragments": [{"names": list(f.names), "master": f.master.detach().cpu().clone(),
                        "momentum": f.momentum.detach().cpu().clone(),
                        "residuals": [r.detach().cpu().clone() for r in f.residuals]} for f in outer.fragments],
@@ -137,11 +138,25 @@ def _prepare(outer, sd: Dict[str, Any], replica: Optional[int] = None) -> Dict[s
     finished = _int(sd, "finished_at") if "finished_at" in sd else 0  # (absent before finish() existed)
     if finished > step:
         raise ValueError(f"flatcomm.diloco: checkpoint's finish() at inner step {finished} is after its step {step}")
+    choice = _auto(outer, sd)
+    plan = outer.config.plan
+    feedback = plan.feedback if plan.auto is None else \
+        plan.error_feedback and not (choice.to_codec() if choice is not None else auto.PLACEHOLDER).lossless
     return {"step": step, "syncs": syncs, "fragments": frags, "finished_at": finished,
-            "in_flight": _in_flight(outer, sd, step, finished)}
+            "in_flight": _in_flight(outer, sd, step, finished, feedback), "auto": choice}
 
 
-def _in_flight(outer, sd: Dict[str, Any], step: int, finished: int) -> Optional[sync.Pending]:
+def _auto(outer, sd: Dict[str, Any]) -> Optional[auto.Choice]:
+    """The saved choice of ``codec="auto"`` (None: not made yet, or not an auto run)."""
+    saved = sd.get("auto")  # (absent before codec="auto" existed)
+    if saved is None:
+        return None
+    if outer.config.plan.auto is None:
+        raise ValueError("flatcomm.diloco: the checkpoint records a codec='auto' choice; this run names its codec")
+    return auto.Choice.from_dict(saved)
+
+
+def _in_flight(outer, sd: Dict[str, Any], step: int, finished: int, feedback: bool) -> Optional[sync.Pending]:
     """The saved sync in flight as a finished :class:`Pending`, checked against the schedule (a
     finish() at or after its start applied it early)."""
     if "in_flight" not in sd:
@@ -159,10 +174,10 @@ def _in_flight(outer, sd: Dict[str, Any], step: int, finished: int) -> Optional[
                          f"does not fit the schedule at inner step {step}")
     f = outer.fragments[i]
     delta = _tensor(s.get("delta"), f"in-flight fragment {i} delta", f.numel, torch.float32).to(f.device)
-    res = check.field(s, "residuals", list)
-    if len(res) != len(f.residuals):
+    res, want = check.field(s, "residuals", list), len(f.residuals) if feedback else 0
+    if len(res) != want:
         raise ValueError(f"flatcomm.diloco: checkpoint's sync in flight has {len(res)} residuals, this run needs "
-                         f"{len(f.residuals)}")
+                         f"{want}")
     work = [_tensor(r, f"in-flight fragment {i} residual {j}", mine.numel(), torch.float32).to(f.device)
             for j, (r, mine) in enumerate(zip(res, f.residuals))]
     return sync.Pending.done(i, started, delta.clone(), [w.clone() for w in work])
@@ -170,7 +185,7 @@ def _in_flight(outer, sd: Dict[str, Any], step: int, finished: int) -> Optional[
 
 def _fingerprint(prepared: Dict[str, Any]) -> int:
     h = hashlib.blake2b(digest_size=8)
-    h.update(repr((prepared["step"], prepared["syncs"], prepared["finished_at"])).encode())
+    h.update(repr((prepared["step"], prepared["syncs"], prepared["finished_at"], prepared["auto"])).encode())
     h.update(replicas.master_hash([f["master"] for f in prepared["fragments"]]).to_bytes(8, "little"))
     return int.from_bytes(h.digest(), "little")
 
@@ -191,3 +206,7 @@ def load_state_dict(outer, sd: Dict[str, Any]) -> None:
         f.commit(s["master"], s["momentum"], s["residuals"])
     outer.step, outer.syncs, outer.pending = prepared["step"], prepared["syncs"], prepared["in_flight"]
     outer.finished_at = prepared["finished_at"]
+    plan = outer.config.plan
+    if plan.auto is not None:  # the codec the saved run chose (or none yet: chosen at the next sync)
+        outer.auto_choice = prepared["auto"]
+        plan.set_codec(prepared["auto"].to_codec() if prepared["auto"] is not None else auto.PLACEHOLDER)

@@ -22,7 +22,7 @@ from ..comm.header import MODES
 from ..comm.labels import label
 from ..comm.topology import Topology
 from ..ops.codecs import resolve
-from . import checkpoint, replicas, sync
+from . import auto, checkpoint, replicas, sync
 from .options import Options, check_no_ddp, number
 from .schedule import Schedule, split
 from .state import Fragment, Workspace, local_tensor, outer_step
@@ -62,11 +62,11 @@ class Config:
         (``verify_every`` is a check, not state: it may change at a resume)."""
         p = self.plan
         local = p.topology.local_size if p.two_level else 0
-        desc = repr((self.schedule, p.codec, p.mode, p.feedback, p.world, local, self.lr, self.momentum,
+        desc = repr((self.schedule, p.auto if p.auto is not None else p.codec, p.mode, _feedback(p), p.world, local, self.lr, self.momentum,
                      self.nesterov, self.alpha) + ((self.verify_every,) if with_verify else ()) +
                     ([(f.names, f.sizes, str(f.residual_dtype)) for f in self.fragments],))
         # Options added later enter only when set, so earlier checkpoints keep their fingerprint.
-        if p.codec.chunked:
+        if p.codec.chunked and p.auto is None:
             desc += f" keep={p.codec.keep}"
         if p.error_decay != 1.0:
             desc += f" error_decay={p.error_decay!r}"
@@ -77,14 +77,21 @@ class Config:
         p, sch = self.plan, self.schedule
         layout = repr([(f.names, f.sizes) for f in self.fragments]).encode()
         return {"sync_every": str(sch.sync_every), "fragments": str(sch.fragments),
-                "fragment_sync_delay": str(sch.delay), "codec": str(p.codec), "mode": p.mode,
-                "error_feedback": str(p.feedback), "replicas": str(p.world),
+                "fragment_sync_delay": str(sch.delay), "codec": "auto" if p.auto is not None else str(p.codec),
+                "mode": p.mode,
+                "error_feedback": str(_feedback(p)), "replicas": str(p.world),
                 "topology local_size": str(p.topology.local_size if p.two_level else 0), "outer_lr": repr(self.lr),
                 "outer_momentum": repr(self.momentum), "nesterov": str(self.nesterov),
                 "fragment_update_alpha": repr(self.alpha),
                 "residual_dtype": str(self.fragments[0].residual_dtype) if self.fragments else "",
                 "model layout": hashlib.blake2b(layout, digest_size=8).hexdigest(),
-                "codec keep": str(p.codec.keep) if p.codec.chunked else "-", "error_decay": repr(p.error_decay)}
+                "codec keep": str(p.codec.keep) if p.codec.chunked and p.auto is None else "-",
+                "error_decay": repr(p.error_decay)}
+
+
+def _feedback(p: sync.Plan) -> bool:
+    """Error feedback as configured (with codec="auto", as asked: the choice does not change it)."""
+    return p.error_feedback if p.auto is not None else p.feedback
 
 
 def _configure(model: torch.nn.Module, o: Options) -> Config:
@@ -97,10 +104,13 @@ def _configure(model: torch.nn.Module, o: Options) -> Config:
     check_no_ddp(model, topology.group if isinstance(topology, Topology) else group, allow_ddp)
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"flatcomm.diloco: mode must be one of {MODES}, got {mode!r}")
-    if isinstance(codec, str) and codec == "auto":
-        raise ValueError("flatcomm.diloco: codec='auto' is not supported for the outer sync; name a codec "
-                         "(int4 with error feedback is the default)")
-    c = resolve(codec)
+    knobs = auto.Auto() if isinstance(codec, str) and codec == "auto" else codec if isinstance(codec, auto.Auto) \
+        else None
+    if knobs is not None:
+        knobs.check()
+    if knobs is not None and topology is not None:
+        raise ValueError("flatcomm.diloco: codec='auto' runs a flat outer sync; drop topology= or name a codec")
+    c = auto.PLACEHOLDER if knobs is not None else resolve(codec)
     for what, v in (("nesterov", nesterov), ("error_feedback", error_feedback)):
         if not isinstance(v, bool):
             raise TypeError(f"flatcomm.diloco: {what} must be True or False, got {v!r}")
@@ -119,6 +129,7 @@ def _configure(model: torch.nn.Module, o: Options) -> Config:
     a = number(alpha, "fragment_update_alpha", 0.0, 1.0)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     plan = sync.Plan(c, mode, group, topology, error_feedback, number(o.error_decay, "error_decay", 0.0, 1.0))
+    plan.auto = knobs
     if plan.gathered and plan.two_level:
         raise ValueError("flatcomm.diloco: mode='exact' with a lossy codec runs flat (an all-gather of the "
                          "encoded payloads); drop topology= or use codec='fp32'")
@@ -148,7 +159,9 @@ class DiLoCo:
         model: the module the replicas train (its parameters that require a gradient are synced).
         inner_optimizer: the optimizer of the inner steps; DiLoCo hooks its ``step()``.
         sync_every: inner steps between two syncs of a fragment (H).
-        codec: the pseudo-gradient's codec on the wire (default ``"int4"``; not ``"auto"``).
+        codec: the pseudo-gradient's codec on the wire (default ``"int4"``); ``"auto"`` (or a
+            :class:`flatcomm.diloco.auto.Auto`) picks, at the first sync, the densest codec whose
+            sync fits the measured link and inner step (:mod:`flatcomm.diloco.auto`).
         mode: ``"ordered"`` (default) or ``"exact"`` (bits independent of the replica count).
         outer_lr: the outer SGD's learning rate (default 0.7).
         outer_momentum: its momentum in [0, 1) (default 0.9).
@@ -212,6 +225,9 @@ class DiLoCo:
         self.finished_at = 0
         self._work = Workspace()
         self.fragment_stats = [FragmentStats() for _ in self.fragments]
+        # codec="auto": its choice (None until the first sync) and the clock of the steps before it
+        self.auto_choice: Optional[auto.Choice] = None
+        self._clock = auto.StepClock()
         replicas.announce()  # where this replica runs: a failed sync names the replicas that exited
         self._hook = inner_optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_inner_step())
 
@@ -220,6 +236,7 @@ class DiLoCo:
     def after_inner_step(self) -> None:
         """Count one inner step; start and apply the fragments' syncs due now (the hook calls it)."""
         self.step += 1
+        self._clock.tick()
         sch = self.config.schedule
         if self.pending is not None and sch.applies(self.step) == self.pending.fragment:
             self._apply()
@@ -230,10 +247,24 @@ class DiLoCo:
                 self._apply()
 
     def _launch(self, i: int) -> None:
-        f, w = self.fragments[i], self._work
+        f, w, plan = self.fragments[i], self._work, self.config.plan
+        if plan.auto is not None and self.auto_choice is None:
+            self._choose_codec()
         with label("flatcomm.diloco.sync_start"):  # the pseudo-gradient and its all-reduce launched
             delta = f.pseudo_gradient(w.take("delta", f.numel, f.device))
-            self.pending = sync.launch(self.config.plan, i, self.step, delta, f.residual_copies(w))
+            self.pending = sync.launch(plan, i, self.step, delta, f.residual_copies(w) if plan.feedback else [])
+
+    def _choose_codec(self) -> None:
+        """``codec="auto"``: measure (the replicas agree on the numbers), choose, record."""
+        plan, sch = self.config.plan, self.config.schedule
+        with label("flatcomm.diloco.auto"):
+            step_s, latency_s, bytes_per_s = auto.measure(self.group, self.device, plan.world, self._clock.step_s(),
+                                                          plan.auto)
+        self.auto_choice = auto.choose(
+            numel=max(f.numel for f in self.fragments), fragments=len(self.fragments), world=plan.world,
+            gathered=plan.mode == "exact", sync_every=sch.sync_every, delay=sch.delay, step_s=step_s,
+            latency_s=latency_s, bytes_per_s=bytes_per_s, auto=plan.auto)
+        plan.set_codec(self.auto_choice.to_codec())
 
     def finish(self) -> None:
         """Bring every replica to the same weights now, for saving or evaluating the model (a
@@ -348,6 +379,7 @@ class DiLoCo:
         fs = self.fragment_stats
         wire, wait = sum(s.wire_bytes for s in fs), sum(s.wait_s for s in fs)
         detail = {"syncs": self.syncs, "inner_steps": self.step, "wire_bytes": wire, "wait_s": wait,
+                  "auto": self.auto_choice.as_dict() if self.auto_choice is not None else None,
                   "fragments": [dataclasses.asdict(s) | {"bytes_per_sync": s.bytes_per_sync, "numel": f.numel}
                                 for s, f in zip(fs, self.fragments)]}
         return Snapshot("diloco", calls=sum(s.syncs for s in fs), wire_bytes=wire, exchange_s=wait, detail=detail)

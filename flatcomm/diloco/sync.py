@@ -40,9 +40,17 @@ class Plan:
         self.error_decay = float(error_decay)
         self.group = topology.group if topology is not None else group
         self.two_level = topology is not None and not topology.flat
-        self.feedback = bool(error_feedback) and not codec.lossless
-        self.gathered = mode == "exact" and not codec.lossless  # all-gather + exact sum
+        self.error_feedback = bool(error_feedback)
         self.world = dist.get_world_size(self.group)
+        self.auto = None  # codec="auto": its knobs (flatcomm.diloco.auto.Auto); the codec is its choice
+        self.set_codec(codec)
+
+    def set_codec(self, codec: Codec) -> None:
+        """Sync with ``codec`` from the next launch on (``codec="auto"``'s choice: every candidate
+        keeps the residuals of a flat sync in the same shapes; fp32 keeps none in use)."""
+        self.codec = codec
+        self.feedback = self.error_feedback and not codec.lossless
+        self.gathered = self.mode == "exact" and not codec.lossless  # all-gather + exact sum
 
     def where(self) -> dict:
         return {"topology": self.topology} if self.topology is not None else {"group": self.group}

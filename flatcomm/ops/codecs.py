@@ -63,6 +63,7 @@ _POLICY: Dict[str, Dict[str, Any]] = {
     "topk": {"nominal_rel_error": None, "weights": False},
     "sparse": {"nominal_rel_error": None, "weights": False},
     "sparse4": {"nominal_rel_error": None, "weights": False},
+    "sparse1": {"nominal_rel_error": None, "weights": False},
 }
 
 

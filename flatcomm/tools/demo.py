@@ -5,10 +5,11 @@
 Every run starts from the same weights (``torch.manual_seed``) and sees the same batches (sampled
 per rank and step from a seeded generator); only DDP's gradient communication differs: torch's
 default all-reduce hook, flatcomm ``fp32`` (ordered, lossless), ``int8``, ``int4`` and ``sign``
-with error feedback. The text is Python's own documentation (``pydoc_data.topics``).
+with error feedback; then two DiLoCo runs (no DDP, an outer sync every held-out interval) with
+``int4`` + EF and the ``sparse`` codec. The text is Python's own documentation (``pydoc_data.topics``).
 Prints progress, then a table (final training and held-out loss, bytes put on the wire per step and
-rank, step time, first 12 hex digits of the sha256 of the final weights) and writes the loss curves
-to a PNG.
+rank, MB one rank sent in all, step time, first 12 hex digits of the sha256 of the final weights) and
+writes the loss curves to a PNG.
 """
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ RUNS = (
     ("flatcomm int8+EF", "int8"),
     ("flatcomm int4+EF", "int4"),
     ("flatcomm sign+EF", "sign"),
+    # DiLoCo: no DDP; every rank trains its replica alone and syncs every eval interval (25 steps
+    # at 300) with int4 + EF (DiLoCo's recipe), or sparse top-64 of 4,096 with SparseLoCo's recipe
+    # (error decay 0.95, no outer momentum, outer lr 2.0, the gathered sum; docs/diloco.md).
+    ("DiLoCo int4+EF", "diloco:int4"),
+    ("DiLoCo sparse", "diloco:sparse"),
 )
 CONTEXT = 64
 BATCH = 16  # per rank
@@ -104,20 +110,25 @@ def _train(rank: int, world: int, steps: int, log_every: int):
     loss_fn = torch.nn.functional.cross_entropy
     results = []
     t_all = time.perf_counter()
+    eval_every = max(1, steps // 12)
     for label, codec in RUNS:
         torch.manual_seed(0)
         model = CharTransformer(vocab)
         nparams = sum(p.numel() for p in model.parameters())
-        ddp = DDP(model)
-        if codec is None:
-            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-            state = None
+        state = outer = None
+        if codec is not None and codec.startswith("diloco:"):
+            ddp = model  # each replica alone between syncs
         else:
-            state = fddp.register(ddp, codec, track_norms=False, history=steps)  # every step's bytes
+            ddp = DDP(model)
+            if codec is None:
+                ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+            else:
+                state = fddp.register(ddp, codec, track_norms=False, history=steps)  # every step's bytes
         opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.0)
+        if ddp is model:
+            outer = _diloco(model, opt, codec, eval_every)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
         losses, times, wire, val_curve = [], [], [], []
-        eval_every = max(1, steps // 12)
         t_run = time.perf_counter()
         for step in range(steps):
             x, y = batch(train, step, rank)
@@ -136,6 +147,11 @@ def _train(rank: int, world: int, steps: int, log_every: int):
             if rank == 0 and (step % log_every == 0 or step == steps - 1):
                 print(f"  [{label:17s}] step {step:4d}/{steps}  loss {losses[-1]:.4f}  "
                       f"{time.perf_counter() - t_run:6.1f}s", file=sys.stderr, flush=True)
+        if outer is not None:  # the replicas' weights equal (a sync at the last step, if not due then)
+            outer.finish()
+            wire = _diloco_bytes(outer, steps)
+            val_curve[-1] = (steps, held_out_loss(model, val, rank, world, vocab))
+            outer.close()
         if state is not None:  # bytes per step (sign sends fp32 for its first steps), summed over buckets
             by_step: dict = {}
             for rec in state.stats["steps"]:
@@ -158,6 +174,23 @@ def _train(rank: int, world: int, steps: int, log_every: int):
             "params": nparams,
         })
     return {"results": results, "seconds": time.perf_counter() - t_all}
+
+
+def _diloco(model, opt, codec: str, sync_every: int):
+    from flatcomm.diloco import DiLoCo
+
+    name = codec.split(":", 1)[1]
+    if name == "sparse":  # SparseLoCo's recipe, the gathered sum
+        return DiLoCo(model, opt, sync_every=sync_every, codec=name, mode="exact", error_decay=0.95,
+                      outer_lr=2.0, outer_momentum=0.0)
+    return DiLoCo(model, opt, sync_every=sync_every, codec=name)
+
+
+def _diloco_bytes(outer, steps: int) -> list:
+    """Bytes one rank sent at each step (a sync's payload on the step it started)."""
+    per_sync = outer.stats["wire_bytes"] / max(1, outer.stats["syncs"])
+    every = outer.config.schedule.sync_every
+    return [per_sync if (s + 1) % every == 0 or s == steps - 1 and steps % every else 0.0 for s in range(steps)]
 
 
 def fp32_matches_torch(results) -> bool:
@@ -191,7 +224,8 @@ def figure(results, same_bits: bool):
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.2))
-    colors = dict(zip([r["label"] for r in results], ["0.45", "tab:blue", "tab:green", "tab:orange", "tab:red"]))
+    colors = dict(zip([r["label"] for r in results], ["0.45", "tab:blue", "tab:green", "tab:orange", "tab:red",
+                                                      "tab:purple", "tab:brown"]))
     for r in results:
         c, label, dashed = colors[r["label"]], r["label"], r["codec"] == "fp32"
         if dashed and same_bits:
@@ -254,14 +288,15 @@ def main(argv=None) -> int:
     base = results[0]
     print(f"flatcomm demo: {args.world} gloo ranks, {args.steps} steps per run")
     hdr = (f"{'run':18s} {'final loss':>10s} {'val loss':>9s} {'bytes/step':>11s} {'vs torch':>8s} "
-           f"{'step ms':>8s} {'sha256':>13s}")
+           f"{'MB sent':>8s} {'step ms':>8s} {'sha256':>13s}")
     print(hdr)
     print("-" * len(hdr))
     for r in results:
         b = r["bytes_per_step"]
         mark = "" if r["bytes_measured"] else "~"
         print(f"{r['label']:18s} {r['final_loss']:10.4f} {r['val_loss']:9.4f} {mark + format(int(b), ','):>11s} "
-              f"{b / base['bytes_per_step']:7.3f}x {r['step_ms']:8.1f} {r['sha256'][:12]:>13s}"
+              f"{b / base['bytes_per_step']:7.3f}x {r['bytes_sent'][-1] / 1e6:8.2f} {r['step_ms']:8.1f} "
+              f"{r['sha256'][:12]:>13s}"
               + ("" if r["same_on_all_ranks"] else "  (RANKS DIFFER)"))
     print(f"\n{results[0]['params']:,} parameters; final loss = mean of the last 20 steps; bytes/step = what "
           f"one rank puts on the wire (~: 2(W-1)/W x 4 B x params, the ring all-reduce's volume); step ms = "

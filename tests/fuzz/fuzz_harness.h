@@ -86,8 +86,8 @@ inline Args parse(const uint8_t* data, size_t size) {
   a.scale = r.get<float>();
   // re-encode: any codec but topk and the chunked sparse codecs (decode_sum_encode refuses them)
   static constexpr int32_t kReencodable[] = {kCodecF32, kCodecBF16, kCodecF16, kCodecInt8, kCodecInt4, kCodecSign};
-  static_assert(sizeof(kReencodable) / sizeof(kReencodable[0]) == kNumCodecs - 3, "a new codec: re-encodable?");
-  a.out_codec = kReencodable[r.get<uint8_t>() % (kNumCodecs - 3)];
+  static_assert(sizeof(kReencodable) / sizeof(kReencodable[0]) == kNumCodecs - 4, "a new codec: re-encodable?");
+  a.out_codec = kReencodable[r.get<uint8_t>() % (kNumCodecs - 4)];
   a.out_block = (r.get<uint16_t>() % 128 + 1) * 32;
   const uint8_t flags = r.get<uint8_t>();
   a.residual = flags & 1;
@@ -212,7 +212,7 @@ inline void ref_decode(const uint8_t* p, int32_t codec, int64_t n, int64_t block
     else if (codec == kCodecSign) out[i] = ((c[i / 8] >> (i & 7)) & 1) ? -s : s;
   }
 }
-static_assert(kNumCodecs == 9, "ref_decode: a new codec needs its branch above");
+static_assert(kNumCodecs == 10, "ref_decode: a new codec needs its branch above");
 
 // Same value, or both NaN (the one documented freedom: which NaN).
 inline bool same_float(float a, float b) {

@@ -17,8 +17,8 @@ __all__ = [
 ]
 
 
-CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk", "sparse", "sparse4")
-CHUNKED = ("sparse", "sparse4")  # chunked sparse: the k largest of each chunk (reference/sparse.py)
+CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "sign", "topk", "sparse", "sparse4", "sparse1")
+CHUNKED = ("sparse", "sparse4", "sparse1")  # chunked sparse: the k largest of each chunk (reference/sparse.py)
 CAST = ("fp32", "bf16", "fp16")
 BLOCKWISE = ("int8", "int4", "sign")
 CAST_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -1,4 +1,5 @@
-"""Reference of the chunked sparse codecs (``sparse``: 2-bit, ``sparse4``: 4-bit), written from the
+"""Reference of the chunked sparse codecs (``sparse``: 2-bit, ``sparse4``: 4-bit, ``sparse1``: the sign
+and one level), written from the
 format description in ``csrc/core/sparse.h`` with plain Python integers and torch fp32 tensors, one
 chunk at a time, independently of the kernels: the bytes and the residual bits they must reproduce.
 
@@ -16,7 +17,7 @@ import torch
 
 __all__ = ["CHUNKED_BITS", "geometry", "layout", "encode", "decode", "entries"]
 
-CHUNKED_BITS = {"sparse": 2, "sparse4": 4}
+CHUNKED_BITS = {"sparse": 2, "sparse4": 4, "sparse1": 1}
 _ALIGN = 16
 _QNAN = struct.unpack("<f", struct.pack("<I", 0x7FC00000))[0]
 

@@ -50,11 +50,12 @@ from typing import Any, Callable, Dict, List, Optional
 from flatcomm.ops.codecs import CODECS
 from flatcomm.tools._cli import add_version, codecs, format_size, names, parse_size, positive, say, sizes
 
-COMMANDS = ("kernels", "collectives", "ddp", "fsdp", "scale", "backend", "diloco", "convergence")
+COMMANDS = ("kernels", "collectives", "ddp", "fsdp", "scale", "backend", "diloco", "convergence", "frontier")
 # Commands with a CLI of their own (their modules' main); ``--help`` lists them through their add_arguments.
 OWN_CLI = {"backend": "the flatcomm backend vs gloo: collectives, a DDP and an FSDP2 step",
            "diloco": "DiLoCo over a shaped slow link: bytes per sync, inner-step time (needs root)",
-           "convergence": "training runs per codec: held-out loss against torch's"}
+           "convergence": "training runs per codec: held-out loss against torch's",
+           "frontier": "DiLoCo's loss-bytes frontier: loss over fp32 DiLoCo against bytes per sync"}
 FIXED = CODECS
 # The team's targets for these numbers are in docs/bench/targets.md, not in users' tables.
 

@@ -8,7 +8,8 @@ as torchft's quantized path). ``fragments=`` and ``delay=`` give Streaming DiLoC
 batches per seed as the DDP rows, so ``torch`` (DDP every step) sees the same tokens. A lossy
 DiLoCo row is compared with the fp32 DiLoCo row of the same ``H`` (paired per seed), the fp32 row
 with ``torch``. ``momentum=0.0``, ``decay=0.95`` (``error_decay``) and ``mode=exact`` pass DiLoCo's
-``outer_momentum``, ``error_decay`` and ``mode``: ``diloco:codec=sparse,H=20,decay=0.95,outer_lr=1.0,
+``outer_momentum``, ``error_decay`` and ``mode``, ``keep=128`` the sparse codecs' values kept per
+chunk: ``diloco:codec=sparse,H=20,decay=0.95,outer_lr=1.0,
 momentum=0.0`` is SparseLoCo's recipe on flatcomm's codec. ``sparseloco:H=20`` is SparseLoCo's own
 outer sync as Templar runs it (:mod:`flatcomm.tools.bench.sparseloco`: 2-bit, 12-bit indices,
 all-gather; ``chunking=flat`` cuts the flat model into 4,096-value runs as flatcomm's codec does,
@@ -25,7 +26,7 @@ import torch
 
 from .convergence_workloads import Workload, forward_backward, held_out_loss, parse_row, record_loss
 
-OPTIONS = ("codec", "H", "ef", "fragments", "delay", "outer_lr", "momentum", "decay", "mode")
+OPTIONS = ("codec", "H", "ef", "fragments", "delay", "outer_lr", "momentum", "decay", "mode", "keep")
 SPARSELOCO_OPTIONS = ("H", "decay", "outer_lr", "chunking", "topk")
 
 
@@ -77,7 +78,7 @@ def baseline_row(opts: Dict[str, Any]) -> str:
     return f"diloco:codec=fp32,H={opts['H']}"
 
 
-def _outer(name: str, opts: Dict[str, Any], model, opt):
+def build_outer(name: str, opts: Dict[str, Any], model, opt):
     """The row's outer sync: flatcomm's DiLoCo, or the SparseLoCo baseline."""
     if name == "sparseloco":
         from .sparseloco import SparseLoCo
@@ -87,7 +88,12 @@ def _outer(name: str, opts: Dict[str, Any], model, opt):
                           topk=opts.get("topk", 64))
     from flatcomm.diloco import DiLoCo
 
-    return DiLoCo(model, opt, sync_every=opts["H"], codec=opts.get("codec", "int4"),
+    codec = opts.get("codec", "int4")
+    if "keep" in opts:  # the chunked sparse codecs' values kept per 4,096
+        from flatcomm import Codec
+
+        codec = Codec(codec, keep=opts["keep"])
+    return DiLoCo(model, opt, sync_every=opts["H"], codec=codec,
                   error_feedback=bool(opts.get("ef", True)), fragments=opts.get("fragments", 1),
                   fragment_sync_delay=opts.get("delay", 0), outer_lr=opts.get("outer_lr", 0.7),
                   outer_momentum=opts.get("momentum", 0.9), error_decay=opts.get("decay", 1.0),
@@ -100,7 +106,7 @@ def train_diloco(w: Workload, row: str, rank: int, world: int, seed: int) -> dic
     torch.manual_seed(1000 + seed)  # the DDP rows' init
     model = w.model()
     opt, sched = w.make_optimizer(model.parameters())
-    outer = _outer(name, opts, model, opt)
+    outer = build_outer(name, opts, model, opt)
     curve: List[float] = []
     for step in range(w.steps):
         opt.zero_grad(set_to_none=True)
