@@ -61,7 +61,7 @@ def state_bytes(sd: Any) -> torch.Tensor:
         else:
             out.append(repr(v).encode())
     walk(sd)
-    return torch.frombuffer(bytearray(b"".join(out) or b"-"), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(b"".join(out) or b"-"), dtype=torch.uint8).clone()  # owns its bytes
 
 
 def state(master: torch.Tensor, momentum: torch.Tensor, step: int, syncs: int, fingerprint: int,
