@@ -95,7 +95,7 @@ class Island:
         model's flat master, on the device the island's group works on."""
         sizes = [sum(p.stop - p.start for p in s) for s in self._shares]
         width = max(sizes)
-        device = share.device
+        device = torch.device("cpu")  # gloo: from host buffers; NCCL: on the parameters' device
         if dist.get_backend(self.group) == "nccl":
             device = local_tensor(self._shares[0][0].param).device
         mine = torch.zeros(width, dtype=torch.float32, device=device)
