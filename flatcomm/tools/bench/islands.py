@@ -81,7 +81,9 @@ def island_rank(cfg: Dict[str, Any], k: int, r: int, inc: int, log_path: str) ->
             break
         if outer.step % cfg["H"] == cfg["H"] // 2:
             log("mid", island=k, rank=r, inc=inc, mstep=manager.current_step(), step=outer.step)
+        t = time.perf_counter()
         _inner_step(w, model, opt, sched, outer.step, k * W + r)
+        time.sleep(max(0.0, cfg["step_s"] - (time.perf_counter() - t)))  # a larger model's compute
     log("done", island=k, rank=r, inc=inc, step=outer.step, heldout=held_out_loss(w, model.module))
     log.f.close()
     manager.shutdown(wait=False)
@@ -128,6 +130,17 @@ class _Launcher:
                 self.restarts.append((k, time.time()))
                 self.start(k)
 
+    def stop_unhealed(self, ev: List[Dict[str, Any]]) -> None:
+        """Kill the islands whose current incarnation has not committed a sync with another island:
+        the others are done, so it would train the run again from the start, alone."""
+        for k in range(self.cfg["N"]):
+            if self.inc[k] > 1 and not any(e["event"] == "round" and e.get("island") == k and e["inc"] == self.inc[k]
+                                           and e["committed"] and e["quorum"] > 1 for e in ev):
+                for r in range(self.cfg["W"]):
+                    if self.procs[(k, r)].exitcode is None:
+                        self.procs[(k, r)].kill()
+                        self.procs[(k, r)].join(30)
+
     def alive(self) -> bool:
         return any(p.exitcode is None for p in self.procs.values())
 
@@ -143,11 +156,11 @@ def run_once(cfg: Dict[str, Any], fail_every: int, tmp: Path, timeout_s: float =
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torchft", "flatcomm.elastic", "flatcomm.tools.bench.convergence_workloads"])
     log = tmp / f"islands-{cfg['seed']}-{fail_every}.jsonl"
-    with _lighthouse({**cfg, "heartbeat": cfg["heartbeat"]}) as address:
+    with _lighthouse({**cfg, "min_replicas": 1}) as address:  # an island alone goes on
         run_cfg = {**cfg, "lighthouse": address, "tmp": str(tmp), "run": log.stem}
         launcher = _Launcher(run_cfg, log, ctx)
         fails: List[Dict[str, Any]] = []
-        t0, last_step = time.time(), _workload(cfg).steps - 2 * cfg["H"]
+        t0, last_step = time.time(), _workload(cfg).steps - 4 * cfg["H"]
         try:
             while launcher.alive():
                 if time.time() - t0 > timeout_s:
@@ -164,7 +177,10 @@ def run_once(cfg: Dict[str, Any], fail_every: int, tmp: Path, timeout_s: float =
                         ranks = [cfg["W"] - 1] if n % 2 == 0 else list(range(cfg["W"]))
                         fails.append({"t": launcher.kill(victim, ranks), "island": victim,
                                       "kind": "rank" if len(ranks) == 1 else "island"})
-                launcher.watch(finished=any(e["event"] == "done" for e in ev))
+                finished = any(e["event"] == "done" for e in ev)
+                launcher.watch(finished)
+                if finished:  # an incarnation that came up after the others finished has no donor
+                    launcher.stop_unhealed(ev)
                 time.sleep(0.05)
         finally:
             launcher.close()
@@ -199,7 +215,7 @@ def summarize(ev: List[Dict[str, Any]], fails: List[Dict[str, Any]], restarts, c
             "fail_to_commit_s": after, "heal_s": [e["heal_s"] for e in heals],
             "heal_bytes": [e["heal_bytes"] for e in heals], "part_bytes": [8 * e["part"] for e in heals],
             "restart_to_heal_s": to_heal, "parts_equal": all(len(h) == 1 for h in by_step.values()),
-            "heldout": [e for e in done if e["island"] == 0 and e["rank"] == 0][0]["heldout"],
+            "heldout": [e for e in done if e["rank"] == 0][0]["heldout"],
             "wall_s": t_end - t_start}
 
 
@@ -212,7 +228,7 @@ def run_bench(a) -> Dict[str, Any]:
     """``bench diloco --islands NxW``: ``--islands-seeds`` seeds, without and with failures."""
     n, w = (int(x) for x in a.islands.lower().split("x"))
     cfg: Dict[str, Any] = {"N": n, "W": w, "H": a.sync_every, "codec": a.churn_codec, "heartbeat": a.churn_heartbeat,
-                           "scale": a.islands_scale}
+                           "scale": a.islands_scale, "step_s": a.islands_step_s}
     runs: Dict[str, List[Dict[str, Any]]] = {"none": [], "failures": []}
     with contextlib.ExitStack() as stack:
         tmp = a.islands_logs or stack.enter_context(tempfile.TemporaryDirectory())
@@ -233,7 +249,8 @@ def run_bench(a) -> Dict[str, Any]:
     good = [c["committed_steps_per_s"] / b["committed_steps_per_s"] for c, b in zip(churned, base)]
     loss = [c["heldout"] / b["heldout"] - 1 for c, b in zip(churned, base)]
     where = f"{a.islands_link} between islands (namespaces)" if a.islands_link else "loopback"
-    print(f"\nIslands {a.islands} on {where}: lm_diloco (300 inner steps), DDP inside, H={a.sync_every}, "
+    print(f"\nIslands {a.islands} on {where}: lm_diloco (300 inner steps, each >= {a.islands_step_s} s), DDP inside, "
+          f"H={a.sync_every}, "
           f"{a.churn_codec}+EF ordered, one failure every {a.islands_fail_every} syncs (rank, island, ...), "
           f"heartbeat timeout {a.churn_heartbeat} s, {a.islands_seeds} seeds")
     print("| goodput | failure -> next commit (s) | heal transfer per rank (s) | heal bytes per rank "
@@ -262,5 +279,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--islands-fail-every", type=int, default=10, metavar="SYNCS",
                     help="one failure every this many committed syncs (default 10)")
     ap.add_argument("--islands-seeds", type=int, default=3, help="seeds of the islands bench (default 3)")
+    ap.add_argument("--islands-step-s", type=float, default=0.0, metavar="S",
+                    help="pad every inner step to at least S seconds (a larger model's compute; default 0)")
     ap.add_argument("--islands-logs", default="", metavar="DIR", help="keep the runs' event logs in DIR")
     ap.add_argument("--islands-scale", type=float, default=1.0, help="the workload's length (its 300 inner steps times this; default 1.0)")
