@@ -40,6 +40,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from . import islands_torchft
 from .churn import TIMEOUT_S, _events, _inner_step, _lighthouse, _Log, _place, _workload
 
 
@@ -104,7 +105,8 @@ class _Launcher:
     def start(self, k: int) -> None:
         self.inc[k] += 1
         for r in range(self.cfg["W"]):
-            p = self.ctx.Process(target=island_rank, args=(self.cfg, k, r, self.inc[k], str(self.log)), daemon=True)
+            target = island_rank if self.cfg["impl"] == "flatcomm" else islands_torchft.torchft_island_rank
+            p = self.ctx.Process(target=target, args=(self.cfg, k, r, self.inc[k], str(self.log)), daemon=True)
             p.start()
             self.procs[(k, r)] = p
 
@@ -154,8 +156,9 @@ class _Launcher:
 def run_once(cfg: Dict[str, Any], fail_every: int, tmp: Path, timeout_s: float = 1800) -> Dict[str, Any]:
     """One run; ``fail_every``: a failure every this many committed syncs (0: none)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torchft", "flatcomm.elastic", "flatcomm.tools.bench.convergence_workloads"])
-    log = tmp / f"islands-{cfg['seed']}-{fail_every}.jsonl"
+    ctx.set_forkserver_preload(["torch", "torchft", "torchft.local_sgd", "flatcomm.elastic",
+                                "flatcomm.tools.bench.convergence_workloads"])
+    log = tmp / f"islands-{cfg['impl']}-{cfg['seed']}-{fail_every}.jsonl"
     with _lighthouse({**cfg, "min_replicas": 1}) as address:  # an island alone goes on
         run_cfg = {**cfg, "lighthouse": address, "tmp": str(tmp), "run": log.stem}
         launcher = _Launcher(run_cfg, log, ctx)
@@ -225,11 +228,13 @@ def _span(xs: List[float], fmt: str = "{:.2f}") -> str:
 
 
 def run_bench(a) -> Dict[str, Any]:
-    """``bench diloco --islands NxW``: ``--islands-seeds`` seeds, without and with failures."""
+    """``bench diloco --islands NxW``: every implementation of ``--islands-impls``, ``--islands-seeds``
+    seeds, without and with failures; prints the table and returns every run."""
     n, w = (int(x) for x in a.islands.lower().split("x"))
+    impls = [i for i in a.islands_impls.split(",") if i]
     cfg: Dict[str, Any] = {"N": n, "W": w, "H": a.sync_every, "codec": a.churn_codec, "heartbeat": a.churn_heartbeat,
                            "scale": a.islands_scale, "step_s": a.islands_step_s}
-    runs: Dict[str, List[Dict[str, Any]]] = {"none": [], "failures": []}
+    runs: Dict[str, List[Dict[str, Any]]] = {f"{i}/{c}": [] for i in impls for c in ("none", "failures")}
     with contextlib.ExitStack() as stack:
         tmp = a.islands_logs or stack.enter_context(tempfile.TemporaryDirectory())
         os.makedirs(tmp, exist_ok=True)
@@ -239,35 +244,37 @@ def run_bench(a) -> Dict[str, Any]:
             link = stack.enter_context(Link(n, a.islands_link))
             cfg.update(netns=link.namespaces, addrs=link.addresses)
         for seed in range(a.islands_seeds):
-            for name, every in (("none", 0), ("failures", a.islands_fail_every)):
-                r = run_once({**cfg, "seed": seed}, every, Path(tmp))
-                runs[name].append(r)
-                print(f"[bench] islands {a.islands} seed {seed} {name}: {r['committed_steps_per_s']:.2f} committed "
-                      f"steps/s, held-out {r['heldout']:.4f}, failures {len(r['fails'])}, "
-                      f"parts equal {r['parts_equal']}", flush=True)
-    base, churned = runs["none"], runs["failures"]
-    good = [c["committed_steps_per_s"] / b["committed_steps_per_s"] for c, b in zip(churned, base)]
-    loss = [c["heldout"] / b["heldout"] - 1 for c, b in zip(churned, base)]
+            for impl in (impls if seed % 2 == 0 else impls[::-1]):
+                for name, every in (("none", 0), ("failures", a.islands_fail_every)):
+                    r = run_once({**cfg, "seed": seed, "impl": impl}, every, Path(tmp))
+                    runs[f"{impl}/{name}"].append(r)
+                    print(f"[bench] islands {a.islands} {impl} seed {seed} {name}: {r['committed_steps_per_s']:.2f} "
+                          f"committed steps/s, held-out {r['heldout']:.4f}, failures {len(r['fails'])}, "
+                          f"parts equal {r['parts_equal']}", flush=True)
     where = f"{a.islands_link} between islands (namespaces)" if a.islands_link else "loopback"
     print(f"\nIslands {a.islands} on {where}: lm_diloco (300 inner steps, each >= {a.islands_step_s} s), DDP inside, "
-          f"H={a.sync_every}, "
-          f"{a.churn_codec}+EF ordered, one failure every {a.islands_fail_every} syncs (rank, island, ...), "
-          f"heartbeat timeout {a.churn_heartbeat} s, {a.islands_seeds} seeds")
-    print("| goodput | failure -> next commit (s) | heal transfer per rank (s) | heal bytes per rank "
+          f"H={a.sync_every}, one failure every {a.islands_fail_every} syncs (a rank, then a whole island, ...), "
+          f"heartbeat timeout {a.churn_heartbeat} s, {a.islands_seeds} seeds; flatcomm {a.churn_codec}+EF ordered "
+          f"(each rank its 1/W share), torchft fp32 (every rank the whole model)")
+    print("| run | goodput | failure -> next commit (s) | heal transfer per rank (s) | heal bytes per rank "
           "| restart -> healed commit (s) | held-out vs no failures | parts equal |")
-    print("|---|---|---|---|---|---|---|")
-    heal_b = [x for r in churned for x in r["heal_bytes"]]
-    part_b = [x for r in churned for x in r["part_bytes"]]
-    print(f"| {statistics.fmean(good):.3f} [{min(good):.3f}, {max(good):.3f}] "
-          f"| {_span([x for r in churned for x in r['fail_to_commit_s']])} "
-          f"| {_span([x for r in churned for x in r['heal_s']], '{:.3f}')} "
-          f"| {_span(heal_b, '{:.0f}')} B (part x 8: {_span(part_b, '{:.0f}')}) "
-          f"| {_span([x for r in churned for x in r['restart_to_heal_s']])} "
-          f"| {100 * statistics.fmean(loss):+.2f}% [{100 * min(loss):+.2f}, {100 * max(loss):+.2f}] "
-          f"| {all(r['parts_equal'] for r in base + churned)} |")
+    print("|---|---|---|---|---|---|---|---|")
+    out: Dict[str, Any] = {}
+    for impl in impls:
+        base, churned = runs[f"{impl}/none"], runs[f"{impl}/failures"]
+        good = [c["committed_steps_per_s"] / b["committed_steps_per_s"] for c, b in zip(churned, base)]
+        loss = [c["heldout"] / b["heldout"] - 1 for c, b in zip(churned, base)]
+        out[impl] = {"goodput": good, "heldout_rel": loss}
+        print(f"| {impl} | {statistics.fmean(good):.3f} [{min(good):.3f}, {max(good):.3f}] "
+              f"| {_span([x for r in churned for x in r['fail_to_commit_s']])} "
+              f"| {_span([x for r in churned for x in r['heal_s']], '{:.3f}')} "
+              f"| {_span([x for r in churned for x in r['heal_bytes']], '{:.0f}')} B "
+              f"| {_span([x for r in churned for x in r['restart_to_heal_s']])} "
+              f"| {100 * statistics.fmean(loss):+.2f}% [{100 * min(loss):+.2f}, {100 * max(loss):+.2f}] "
+              f"| {all(r['parts_equal'] for r in base + churned)} |")
     return {"config": {**{k: v for k, v in cfg.items() if k not in ("netns", "addrs")},
                        "link": a.islands_link or "loopback", "fail_every": a.islands_fail_every,
-                       "seeds": a.islands_seeds}, "runs": runs, "goodput": good, "heldout_rel": loss}
+                       "seeds": a.islands_seeds, "impls": impls}, "runs": runs, "summary": out}
 
 
 def add_arguments(ap) -> None:
@@ -279,6 +286,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--islands-fail-every", type=int, default=10, metavar="SYNCS",
                     help="one failure every this many committed syncs (default 10)")
     ap.add_argument("--islands-seeds", type=int, default=3, help="seeds of the islands bench (default 3)")
+    ap.add_argument("--islands-impls", default="flatcomm", help="flatcomm, torchft or both (default flatcomm)")
     ap.add_argument("--islands-step-s", type=float, default=0.0, metavar="S",
                     help="pad every inner step to at least S seconds (a larger model's compute; default 0)")
     ap.add_argument("--islands-logs", default="", metavar="DIR", help="keep the runs' event logs in DIR")
