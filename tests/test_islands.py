@@ -151,3 +151,34 @@ def test_islands_2x2_ddp_churn(tmp_path):
 @pytest.mark.slow
 def test_islands_2x2_fsdp2_churn(tmp_path):
     _churn_2x2(tmp_path, "fsdp")
+
+
+@pytest.mark.slow
+def test_islands_3x2_donor_dies_while_another_island_heals(tmp_path):
+    """Island 2 is lost whole; when it comes back, the rank of the live island that serves it a
+    part dies mid-heal: that island goes down too, island 2 heals from the third island (or from
+    the restarted one once it healed), and all three end equal, no batch twice or skipped."""
+    c = Islands(tmp_path, 3, 2, heartbeat_ms=int(HEARTBEAT_S * 1000), kind="ddp", timeout=TIMEOUT_S, sync_every=H)
+    try:
+        t = _all_in_sync(c)
+        (tmp_path / "donor.armed").touch()  # the first rank asked for its part dies
+        killed = c.kill_island(2)
+        died = _dies_any(c, "serving", killed)
+        donor = died["island"]
+        assert donor in (0, 1)
+        survivor = 1 - donor
+        _survivors_in_time(c, survivor, died["t"])
+        heals = _healed(c, 2, killed) + _healed(c, donor, died["t"])
+        _all_in_sync(c, after=max(max(e["t"] for e in heals), t))
+        c.finish()
+        ev = c.events()
+        _check_heal_sizes(heals, 2)
+        _check_parts_equal(ev, 2)
+        _check_batches(ev, 3, 2)
+    finally:
+        c.close()
+
+
+def _dies_any(c: Islands, where: str, after: float) -> dict:
+    return c.wait_for(f"a death in {where}", lambda ev: [
+        e for e in c.events("dying") if e["where"] == where and e["t"] > after])[0]

@@ -57,7 +57,7 @@ class Islands:
                     "--store-port", str(store.port), "--lighthouse", self.lighthouse.address(),
                     "--log", str(self.log), "--stop-file", str(self.stop), "--incarnation", str(self.incarnations[k]),
                     "--die-file", str(self.tmp / f"i{k}r{r}.die"), "--die-in-sync", str(self.tmp / f"i{k}r{r}.sync"),
-                    "--die-healing", str(self.tmp / f"i{k}r{r}.heal")]
+                    "--die-healing", str(self.tmp / f"i{k}r{r}.heal"), "--die-serving", str(self.tmp / "donor")]
             flags = {**self.args, **{kk.replace("_", "-"): v for kk, v in extra.get(r, extra.get("all", {})).items()}}
             for kk, v in flags.items():
                 args += [f"--{kk}", str(v)]

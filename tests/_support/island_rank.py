@@ -9,7 +9,8 @@ healed, heal time and bytes, the master part's hash), ``mid`` in the middle of e
 ``done``. Stops after the round where torchft's step reaches the number in ``--stop-file``.
 ``--die-file F``: SIGKILL itself at its next mid-interval point once F exists. ``--die-in-sync F``:
 at the start of its next sum once F exists (a death during a sync's transfer). ``--die-healing F``:
-while it receives a heal once F exists (the healing island dies mid-heal).
+while it receives a heal once F exists (the healing island dies mid-heal). ``--die-serving M``: when
+it serves its part to a healing island once M.armed exists (a donor dies mid-heal; one donor of all).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def _args(argv):
     ap.add_argument("--die-file", default="")
     ap.add_argument("--die-in-sync", default="")
     ap.add_argument("--die-healing", default="")
+    ap.add_argument("--die-serving", default="")
     return ap.parse_args(argv)
 
 
@@ -71,6 +73,22 @@ def _die_healing(path: str, emit) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return real(self, *a, **kw)
     replica.HostTransport.recv_checkpoint = dying
+
+
+def _die_serving(marker: str, emit) -> None:
+    """SIGKILL this rank when a healing island asks it for its part, once the test armed it
+    (MARKER.armed exists): the first donor to rename it to MARKER dies, the others serve."""
+    from flatcomm.elastic import heal
+    real = heal.state
+
+    def dying(*a, **kw):
+        try:
+            os.rename(marker + ".armed", marker)
+        except FileNotFoundError:
+            return real(*a, **kw)
+        emit("dying", where="serving")
+        os.kill(os.getpid(), signal.SIGKILL)
+    heal.state = dying
 
 
 def _model(kind: str, group):
@@ -111,6 +129,8 @@ def main(argv=None) -> None:
         _die_in_sync(a.die_in_sync, emit)
     if a.die_healing:
         _die_healing(a.die_healing, emit)
+    if a.die_serving:
+        _die_serving(a.die_serving, emit)
     timeout = timedelta(seconds=a.timeout)
     group = None
     if a.size > 1:
