@@ -66,7 +66,7 @@ def island_rank(cfg: Dict[str, Any], k: int, r: int, inc: int, log_path: str) ->
     model = torch.nn.parallel.DistributedDataParallel(w.model())
     opt, sched = w.make_optimizer(model.parameters())
     log("phase", island=k, rank=r, inc=inc, phase="model")
-    manager = elastic.make_manager(f"island{k}", cfg["lighthouse"], timeout=timeout, min_replicas=1,
+    manager = elastic.make_manager(f"island{k}", cfg["lighthouse"], timeout=timeout, min_replicas=_majority(cfg["N"]),
                                    quorum_timeout=timedelta(seconds=120), hostname=host, island=dist.group.WORLD)
     log("phase", island=k, rank=r, inc=inc, phase="manager")
     outer = elastic.ElasticDiLoCo(model, opt, manager=manager, sync_every=cfg["H"], codec=cfg["codec"],
@@ -153,13 +153,22 @@ class _Launcher:
                 p.join(30)
 
 
+JOIN_TIMEOUT_MS = 3000
+
+
+def _majority(n: int) -> int:
+    return 1 if n <= 2 else n // 2 + 1
+
+
 def run_once(cfg: Dict[str, Any], fail_every: int, tmp: Path, timeout_s: float = 1800) -> Dict[str, Any]:
     """One run; ``fail_every``: a failure every this many committed syncs (0: none)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torchft", "torchft.local_sgd", "flatcomm.elastic",
                                 "flatcomm.tools.bench.convergence_workloads"])
     log = tmp / f"islands-{cfg['impl']}-{cfg['seed']}-{fail_every}.jsonl"
-    with _lighthouse({**cfg, "min_replicas": 1}) as address:  # an island alone goes on
+    # a majority of the islands commits (one island cut off never does), but of 2 one goes on alone;
+    # the join timeout above the islands' drift on this box (a straggler left out would heal: H lost)
+    with _lighthouse({**cfg, "min_replicas": _majority(cfg["N"]), "join_timeout_ms": JOIN_TIMEOUT_MS}) as address:
         run_cfg = {**cfg, "lighthouse": address, "tmp": str(tmp), "run": log.stem}
         launcher = _Launcher(run_cfg, log, ctx)
         fails: List[Dict[str, Any]] = []

@@ -56,7 +56,9 @@ def torchft_island_rank(cfg: Dict[str, Any], k: int, r: int, inc: int, log_path:
 
     _keep, shost, sport = island_store(dist.group.WORLD, host, timeout)
     transport = HostTransport(host, timeout)
-    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1, use_async_quorum=False,
+    majority = 1 if cfg["N"] <= 2 else cfg["N"] // 2 + 1  # as the lighthouse's min_replicas
+    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=majority,
+                      use_async_quorum=False,
                       init_sync=False, load_state_dict=load, state_dict=save, replica_id=f"island{k}",
                       store_addr=shost, store_port=sport, rank=r, world_size=W, lighthouse_addr=cfg["lighthouse"],
                       hostname=host, timeout=timeout, quorum_timeout=timedelta(seconds=120),
