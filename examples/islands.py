@@ -1,7 +1,7 @@
 """Cross-site DiLoCo over islands: each island is one torchrun job of W ranks (DDP or FSDP2 inside),
 the islands sync every ``--sync-every`` inner steps through flatcomm.elastic on torchft's quorum.
 
-    torchft_lighthouse --min_replicas 1 --bind [::]:29510 --heartbeat_timeout_ms 1000 --join_timeout_ms 1000
+    torchft_lighthouse --min_replicas 1 --bind [::]:29510 --heartbeat_timeout_ms 1000 --join_timeout_ms 3000
     torchrun --nproc-per-node 2 --max-restarts 3 --rdzv-endpoint localhost:29600 examples/islands.py \
         --island 0 --islands 2 --lighthouse localhost:29510
     torchrun --nproc-per-node 2 --max-restarts 3 --rdzv-endpoint localhost:29601 examples/islands.py \
@@ -39,6 +39,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--batch", type=int, default=32, help="samples per rank per inner step")
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds: every collective and heal")
+    ap.add_argument("--min-replicas", type=int, default=0,
+                    help="islands a sync needs (default: a majority of --islands, 1 of 2; as the lighthouse's)")
     ap.add_argument("--hostname", default=None,
                     help="the address other islands reach this island's rank 0 at (sites on several hosts)")
     return ap.parse_args(argv)
@@ -89,7 +91,8 @@ def main(argv=None) -> None:
     target = torch.linalg.qr(torch.randn(64, 64, generator=g))[0]  # learn a rotation
     stream = elastic.BatchStream(samples.shape[0], a.batch, a.islands, size, seed=2)
     lighthouse = a.lighthouse if "://" in a.lighthouse else f"http://{a.lighthouse}"
-    manager = elastic.make_manager(f"island{a.island}", lighthouse, timeout=timeout, min_replicas=1,
+    majority = a.min_replicas or (1 if a.islands <= 2 else a.islands // 2 + 1)
+    manager = elastic.make_manager(f"island{a.island}", lighthouse, timeout=timeout, min_replicas=majority,
                                    quorum_timeout=timedelta(seconds=300), hostname=a.hostname, island=group)
     outer = elastic.ElasticDiLoCo(net, opt, manager=manager, sync_every=a.sync_every, codec=a.codec, mode=a.mode,
                                   island=group, data=stream)
