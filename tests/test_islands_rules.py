@@ -113,3 +113,24 @@ def test_each_rank_of_a_replicated_island_syncs_its_share():
     assert [x.name for x in single.part(named)] == [n for n, _ in named] and not single.gathers
     with pytest.raises(TypeError):
         Island("group")
+
+
+def test_a_manager_made_for_another_island_layout_is_refused():
+    from datetime import timedelta
+
+    from flatcomm.elastic import ElasticDiLoCo, QuorumGroup
+
+    class Made:  # what ElasticDiLoCo reads of a torchft Manager before anything else
+        _use_async_quorum = False
+
+        def __init__(self, rank, size):
+            self._pg, self._group_rank, self._group_world_size = QuorumGroup(timedelta(seconds=5)), rank, size
+
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="rank 1 of an island of 2"):
+        ElasticDiLoCo(net, opt, manager=Made(1, 2), sync_every=2)  # no island group: an island of one
+    with pytest.raises(TypeError, match="data must have"):
+        ElasticDiLoCo(net, opt, manager=Made(0, 1), sync_every=2, data=object())
+    with pytest.raises(ValueError, match="state_device"):
+        ElasticDiLoCo(net, opt, manager=Made(0, 1), sync_every=2, state_device="gpu")
