@@ -14,6 +14,12 @@ A sync (every ``sync_every`` inner steps, from the inner optimizer's post-step h
    reported to torchft, so nothing is committed on this replica; the inner steps since the last
    committed sync stay in the weights and go into the next sync's pseudo-gradient.
 
+With an island of several ranks (``island=``) every step above runs per rank on its part
+(:mod:`flatcomm.elastic.island`) with the same rank of the other islands, a replicated island
+all-gathers its new master before step 3, and torchft's ``should_commit`` is the AND over the
+island's ranks: an island commits all or nothing. The data stream's state (``data=``) travels
+with the heal state and is hashed with the master (:mod:`flatcomm.elastic.data`).
+
 A disagreement that no retry can fix (configurations, or masters after a sync, that differ) raises
 on every member instead. docs/elastic.md has the set-up, the rules and the measurements.
 """
