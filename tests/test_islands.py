@@ -88,7 +88,7 @@ def _check_batches(ev, islands: int, size: int) -> None:
             steps = [e["step"] for e in mine]
             assert steps == sorted(set(steps)), f"island {k} rank {r} read a step twice: {steps}"
             assert all(e["crc"] == ref[e["step"]] for e in mine), f"island {k} rank {r} read other samples"
-            heal_steps = {e["inc"]: e["step"] for e in _rounds(ev, k, rank=r, committed=True, healed=True)}
+            heal_steps = {e["inc"]: e["healed_to"] for e in _rounds(ev, k, rank=r, committed=True, healed=True)}
             assert steps[0] == heal_steps.get(mine[0]["inc"], 0) + 1  # a late starter heals first
             for prev, nxt in zip(mine, mine[1:]):
                 if nxt["step"] != prev["step"] + 1:  # only across an outage, to the healed step + 1

@@ -50,7 +50,7 @@ __all__ = ["ElasticDiLoCo", "Round"]
 @dataclasses.dataclass
 class Round:
     """One sync round as this replica saw it."""
-    step: int  # the inner step it ran after (healed: the donor's, which the replica now is at)
+    step: int  # the inner step it ran after
     committed: bool
     quorum: int = 0  # replicas in the quorum
     contributors: int = 0  # replicas whose pseudo-gradient was summed
@@ -58,6 +58,7 @@ class Round:
     quorum_s: float = 0.0  # start_quorum(), healing included
     heal_s: float = 0.0  # the heal's transfer (this rank's part, from the same rank of a donor island)
     heal_bytes: int = 0  # what that transfer carried (tensor bytes)
+    healed_to: int = -1  # healed: the donor's inner step, where this replica's schedule resumes
     exchange_s: float = 0.0
     wire_bytes: int = 0
     error: Optional[str] = None  # why this replica did not commit
@@ -217,10 +218,11 @@ class ElasticDiLoCo:
         r = Round(self.step, committed=False)
         self._healed = False
         t0 = time.perf_counter()
+        before = self.manager.state_dict()  # torchft's step, put back if this round heals and fails
         self.manager.start_quorum(allow_heal=True)
         r.quorum_s, r.healed = time.perf_counter() - t0, self._healed
         if r.healed:
-            r.step = self.step  # the donor's: the sync this round is
+            r.healed_to = self.step  # the donor's: the sync this round is
             transport = getattr(self.manager, "_checkpoint_transport", None)  # torchft 0.2: no getter
             r.heal_s, r.heal_bytes = getattr(transport, "last_recv", (0.0, 0))
         result, t1 = None, time.perf_counter()
@@ -238,9 +240,18 @@ class ElasticDiLoCo:
         r.committed = bool(self.manager.should_commit())
         if r.committed and result is not None:
             self._commit(*result)
-        elif self.manager.errored() is not None:
+            return self._done(r)
+        if r.healed:
+            # A heal that did not commit (another rank of the island, or its donor, failed): this
+            # rank goes back to its step before the heal, so that the whole island is behind at
+            # its next round and every rank heals again: never some ranks healed and some not.
+            self.manager.load_state_dict(before)
+        if self.manager.errored() is not None:
             why = self.manager.errored().original_exception
             r.error = f"{type(why).__name__}: {(str(why).splitlines() or [''])[0][:300]}"
+        return self._done(r)
+
+    def _done(self, r: Round) -> Round:
         self.rounds.append(r)
         return r
 
@@ -259,7 +270,8 @@ class ElasticDiLoCo:
         if r.contributors:
             total = self._host_delta(contributes)
             exchange.fold(self.plan, residuals, self._layout, layout)
-            exchange.sum_over(self.plan, group, total, residuals, stats).div_(r.contributors)
+            # a new tensor in exact mode with a lossy codec (the exact sum of the gathered payloads)
+            total = exchange.sum_over(self.plan, group, total, residuals, stats).div_(r.contributors)
             total = total.to(f.state_device, non_blocking=True)
             master, momentum = outer_step(f.master, f.momentum, total, self.lr, self.momentum_factor, self.nesterov,
                                           self._work.take("master", f.numel, f.state_device),

@@ -153,7 +153,8 @@ def main(argv=None) -> None:
             r = outer.rounds[seen]
             seen += 1
             emit("round", mstep=manager.current_step(), step=r.step, committed=r.committed, quorum=r.quorum,
-                 contributors=r.contributors, healed=r.healed, heal_s=r.heal_s, heal_bytes=r.heal_bytes,
+                 contributors=r.contributors, healed=r.healed, healed_to=r.healed_to, heal_s=r.heal_s,
+                 heal_bytes=r.heal_bytes,
                  hash=outer.master_hash(), part=outer.fragment.numel, quorum_s=r.quorum_s,
                  exchange_s=r.exchange_s, error=r.error)
         if outer.step % a.sync_every == 0 and manager.current_step() >= _stop_at(a.stop_file):

@@ -76,6 +76,7 @@ def island_rank(cfg: Dict[str, Any], k: int, r: int, inc: int, log_path: str) ->
         for rd in list(outer.rounds)[seen:]:
             log("round", island=k, rank=r, inc=inc, mstep=manager.current_step(), step=rd.step,
                 committed=rd.committed, quorum=rd.quorum, contributors=rd.contributors, healed=rd.healed,
+                healed_to=rd.healed_to,
                 heal_s=rd.heal_s, heal_bytes=rd.heal_bytes, part=outer.fragment.numel, hash=outer.master_hash())
         seen = len(outer.rounds)
         if outer.step >= w.steps:
