@@ -154,6 +154,13 @@ def test_islands_2x2_fsdp2_churn(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind,codec,mode", [("fsdp", "int8", "exact"), ("ddp", "sparse", "ordered"),
+                                             ("ddp", "int4", "exact")])
+def test_islands_2x2_other_codecs_and_modes(tmp_path, kind, codec, mode):
+    _churn_2x2(tmp_path, kind, codec, mode)
+
+
+@pytest.mark.slow
 def test_islands_3x2_donor_dies_while_another_island_heals(tmp_path):
     """Island 2 is lost whole; when it comes back, the rank of the live island that serves it a
     part dies mid-heal: that island goes down too, island 2 heals from the third island (or from
