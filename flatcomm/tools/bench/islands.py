@@ -1,7 +1,8 @@
 """Goodput of elastic DiLoCo over islands under injected failures (a tool).
 
-    python -m flatcomm.bench diloco --islands 2x2 [--islands-link 100mbit] [--islands-fail-every 10]
-        [--sync-every 10] [--islands-seeds 3] [--churn-codec int4] [--churn-heartbeat 1.0] [--json PATH]
+    python -m flatcomm.bench diloco --islands 2x2 [--islands-impls flatcomm,torchft] [--islands-link 100mbit]
+        [--islands-fail-every 10] [--sync-every 10] [--islands-seeds 3] [--islands-step-s 0]
+        [--churn-codec int4] [--churn-heartbeat 1.0] [--islands-logs DIR] [--json PATH]
 
 ``--islands NxW``: N islands of W ranks each, every island in its own network namespace of a
 :class:`~flatcomm.tools.netlink.Link` (``--islands-link``, 100 Mbit/s by default; needs root; "" for
@@ -9,7 +10,9 @@ loopback): the islands' ranks talk over the namespace's loopback (fast), the isl
 link. Inside an island the ranks train one replica of ``lm_diloco`` (the char LM of the convergence
 bench, AdamW, warm-up + cosine over 300 inner steps) with DDP, each rank on its own batches; the
 islands sync every H inner steps through :class:`flatcomm.elastic.ElasticDiLoCo` (each rank its
-1/W share, int4 + error feedback, ordered), torchft's lighthouse in the first namespace.
+1/W share, int4 + error feedback, ordered), torchft's lighthouse in the first namespace (a
+majority of the islands commits: 1 of 2, 2 of 3; join timeout 3 s). ``--islands-impls torchft``
+runs torchft's own DiLoCo on the same islands (:mod:`flatcomm.tools.bench.islands_torchft`).
 
 Per seed two runs: without failures, and with one failure every ``--islands-fail-every`` committed
 syncs, alternating a rank SIGKILLed mid-interval and a whole island SIGKILLed (the last island, then
