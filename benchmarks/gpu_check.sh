@@ -14,6 +14,9 @@
 #      compiled kernels, bitwise; int8 encode+EF time of both) -> cupy_check.txt, cupy_check.json
 #   5. collectives over NCCL, world size 1 (<= 60 s): gpu_check.py --collectives (CUDA tensors vs CPU
 #      over gloo, bitwise; streams, CUDA-aware futures, a DDP step, a DiLoCo run) -> collectives.txt, collectives.json
+#   5b. flatcomm.elastic with CUDA parameters (<= 90 s, needs torchft): two islands of one rank on the
+#      same GPU, master/momentum in pinned host memory and then on the device, the exchange on gloo
+#      from host buffers (benchmarks/gpu_check_islands.py) -> islands.txt, islands.json
 #   6. compute-sanitizer memcheck on gpu_check.py --sanitize (tiny sizes, every op); racecheck and
 #      initcheck too when time is left -> sanitizer_<tool>.txt
 #   7. summary (also in summary.txt): each step, then each fix of the first GPU run (docs/gpu.md)
@@ -200,6 +203,33 @@ else
     esac
 fi
 
+# ---- 5b. islands: flatcomm.elastic with CUDA parameters -------------------------------------------
+# Two islands of one rank on device 0 under a torchft lighthouse in the script's process: masters
+# equal across the islands after every sync, master/momentum pinned on the host (default) or on the
+# device (state_device="device"), residuals pinned on the host, the parameters = the master after
+# the last sync. Skipped (not failed) without torchft.
+section "5b. islands on one GPU (gpu_check_islands.py: two islands of one rank)"
+if [ "${STATUS[build]}" != ok ]; then
+    status islands "skipped (no build)"
+elif ! timeout 60 "$PY" -c 'import torchft' 2>/dev/null; then
+    echo "torchft does not import: skipped"; status islands "skipped (no torchft)"
+elif [ "$(left)" -lt 120 ]; then
+    status islands "skipped (time budget)"
+else
+    T_ISL=$(min 90 $(( $(left) - 60 )))
+    set +e
+    timeout -k 10 "$T_ISL" "$PY" -u benchmarks/gpu_check_islands.py --device cuda:0 --json "$RESULTS/islands.json" 2>&1 \
+        | grep -v "torchft::" | tee "$RESULTS/islands.txt"
+    rc=${PIPESTATUS[0]}
+    set -e
+    case $rc in
+        0) if grep -q "^islands: skipped" "$RESULTS/islands.txt"; then status islands "skipped (no CUDA)"
+           else status islands ok; fi ;;
+        124|137) status islands "TIMED OUT after ${T_ISL}s" ;;
+        *) status islands "FAILED rc=$rc" ;;
+    esac
+fi
+
 # ---- 6. compute-sanitizer ----------------------------------------------------------------------
 SAN=$(command -v compute-sanitizer || true)
 for d in /usr/local/cuda/bin /usr/local/cuda-13.0/bin "${CUDA_HOME:-/nonexistent}/bin" "$(dirname "$(command -v nvcc || echo /x/x)")"; do
@@ -281,6 +311,9 @@ FIXES=(
     fi
     if [ -f "$RESULTS/collectives.txt" ]; then
         grep -E "collectives, .* passed|FAIL " "$RESULTS/collectives.txt" | head -12 | sed 's/^ */  /' || true
+    fi
+    if [ -f "$RESULTS/islands.txt" ]; then
+        grep -E "^islands" "$RESULTS/islands.txt" | sed 's/^ */  /' || true
     fi
     echo "  total time: $((SECONDS - T0))s; results in $RESULTS"
 } | tee "$RESULTS/summary.txt"

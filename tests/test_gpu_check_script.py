@@ -29,3 +29,14 @@ def test_gpu_check_shell_script_parses():
     r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stderr
+
+
+# slow: two spawned island processes that import torch and torchft (~80 s on the shared box); what
+# they check on CPU parameters is covered by tests/test_islands.py, the CUDA placement only on a GPU.
+@pytest.mark.slow
+def test_gpu_check_islands_harness_passes_on_cpu():
+    pytest.importorskip("torchft")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check_islands.py"), "--device", "cpu"],
+                       capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "islands: 2 passed, 0 failed" in r.stdout

@@ -56,7 +56,8 @@ class Fragment:
     """The values of one fragment (pieces of this rank's local tensors) and their outer state."""
 
     def __init__(self, index: int, pieces: Sequence[Piece], residual_shapes: Sequence[int],
-                 residual_dtype: torch.dtype) -> None:
+                 residual_dtype: torch.dtype, state_device: Optional[torch.device] = None,
+                 residual_device: Optional[torch.device] = None) -> None:
         self.index = index
         self.names = [p.label for p in pieces]
         self.tensors = [local_tensor(p.param) for p in pieces]
@@ -66,15 +67,23 @@ class Fragment:
             raise ValueError(f"flatcomm.diloco: fragment {index} has parameters on {sorted(map(str, devices))}; "
                              f"one device per fragment")
         self.device = devices.pop()
-        self.state_device = torch.device("cpu") if self.device.type == "cuda" else self.device
+        # master and momentum: on the host for GPU parameters unless ``state_device`` says otherwise;
+        # residuals: beside the parameters unless ``residual_device`` says otherwise (where the
+        # collective that reads them runs: flatcomm.elastic's gloo exchange runs from the host)
+        if state_device is None:
+            state_device = torch.device("cpu") if self.device.type == "cuda" else self.device
+        self.state_device = torch.device(state_device)
         self.sizes = [b - a for a, b in self.ranges]
         self.numel = sum(self.sizes)
         pin = self.state_device.type == "cpu" and self.device.type == "cuda"
         self.master = torch.empty(self.numel, dtype=torch.float32, device=self.state_device, pin_memory=pin)
         self.momentum = torch.zeros(self.numel, dtype=torch.float32, device=self.state_device, pin_memory=pin)
         self.residual_dtype = residual_dtype
+        res_device = torch.device(residual_device) if residual_device is not None else self.device
         self.residuals: List[torch.Tensor] = [
-            torch.zeros(n, dtype=residual_dtype, device=self.device) for n in residual_shapes]
+            torch.zeros(n, dtype=residual_dtype, device=res_device,
+                        pin_memory=res_device.type == "cpu" and self.device.type == "cuda")
+            for n in residual_shapes]
         self.save_master()
 
     # ---- weights <-> flat buffers -------------------------------------------------------------------

@@ -14,6 +14,12 @@ A sync (every ``sync_every`` inner steps, from the inner optimizer's post-step h
    reported to torchft, so nothing is committed on this replica; the inner steps since the last
    committed sync stay in the weights and go into the next sync's pseudo-gradient.
 
+With an island of several ranks (``island=``) every step above runs per rank on its part
+(:mod:`flatcomm.elastic.island`) with the same rank of the other islands, a replicated island
+all-gathers its new master before step 3, and torchft's ``should_commit`` is the AND over the
+island's ranks: an island commits all or nothing. The data stream's state (``data=``) travels
+with the heal state and is hashed with the master (:mod:`flatcomm.elastic.data`).
+
 A disagreement that no retry can fix (configurations, or masters after a sync, that differ) raises
 on every member instead. docs/elastic.md has the set-up, the rules and the measurements.
 """
@@ -32,11 +38,11 @@ import torch
 from .. import collectives as C
 from ..comm.header import MODES
 from ..diloco import replicas
-from ..diloco.schedule import split
 from ..diloco.state import Fragment, Workspace, outer_step
 from ..ops.codecs import resolve
 from . import exchange, heal
 from .group import QuorumGroup
+from .island import Island
 
 __all__ = ["ElasticDiLoCo", "Round"]
 
@@ -50,6 +56,9 @@ class Round:
     contributors: int = 0  # replicas whose pseudo-gradient was summed
     healed: bool = False  # this replica healed in this round's quorum
     quorum_s: float = 0.0  # start_quorum(), healing included
+    heal_s: float = 0.0  # the heal's transfer (this rank's part, from the same rank of a donor island)
+    heal_bytes: int = 0  # what that transfer carried (tensor bytes)
+    healed_to: int = -1  # healed: the donor's inner step, where this replica's schedule resumes
     exchange_s: float = 0.0
     wire_bytes: int = 0
     error: Optional[str] = None  # why this replica did not commit
@@ -58,8 +67,7 @@ class Round:
 JOIN_ATTEMPTS = 10  # join rounds before construction gives up
 
 
-class _Mismatch(RuntimeError):
-    """A disagreement between replicas that no retry fixes: raised, never reported to torchft."""
+_Mismatch = exchange.Mismatch
 
 
 def _positive(v: Any, what: str, integer: bool = False) -> Any:
@@ -70,7 +78,7 @@ def _positive(v: Any, what: str, integer: bool = False) -> Any:
     return int(v) if integer else float(v)
 
 
-def _check_manager(manager) -> QuorumGroup:
+def _check_manager(manager, island: Island) -> QuorumGroup:
     pg = getattr(manager, "_pg", None)  # torchft 0.2 has no public getter for it
     if not isinstance(pg, QuorumGroup):
         raise TypeError(f"flatcomm.elastic: the manager's process group must be a flatcomm.elastic.QuorumGroup "
@@ -79,7 +87,13 @@ def _check_manager(manager) -> QuorumGroup:
     if getattr(manager, "_use_async_quorum", True):
         raise ValueError("flatcomm.elastic: the manager must be made with use_async_quorum=False: a replica "
                          "heals before its sync's exchange, not during it")
+    made = (getattr(manager, "_group_rank", 0), getattr(manager, "_group_world_size", 1))
+    if made != (island.rank, island.size):
+        raise ValueError(f"flatcomm.elastic: the manager was made for rank {made[0]} of an island of {made[1]}, "
+                         f"but this rank is {island.rank} of {island.size} in the island's group "
+                         f"(make_manager(..., island=group))")
     return pg
+
 
 
 class ElasticDiLoCo:
@@ -101,14 +115,32 @@ class ElasticDiLoCo:
         error_feedback: keep what the codec did not send for the next sync.
         verify_every: compare the masters' hashes every this many rounds before committing (0: never).
         resume: a :meth:`state_dict` of this replica to start from (checked; torchft's step too).
+        island: the island's process group (its ranks train one replica with DDP, FSDP2 or a
+            module replicated on them; None: an island of one process); this rank syncs its part
+            (:mod:`flatcomm.elastic.island`) with the same rank of the other islands.
+        data: the data stream's state keeper (:class:`~flatcomm.elastic.BatchStream`, or any object
+            with ``state_dict``/``load_state_dict``, the same on every island at a sync): saved with
+            every committed sync and loaded by a healing island (:mod:`flatcomm.elastic.data`).
+        state_device: where master and momentum live for CUDA parameters: ``"host"`` (default,
+            pinned) or ``"device"``; the residuals and the exchange are on the host (gloo) either way.
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, manager, sync_every: int,
                  codec: Any = "int4", mode: str = "ordered", outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, error_feedback: bool = True, verify_every: int = 1,
-                 resume: Optional[Dict[str, Any]] = None) -> None:
-        self._pg = _check_manager(manager)
+                 resume: Optional[Dict[str, Any]] = None, island=None, data: Any = None,
+                 state_device: str = "host") -> None:
+        self.island = island if isinstance(island, Island) else Island(island)
+        self._pg = _check_manager(manager, self.island)
         self.manager = manager
+        if data is not None and not (callable(getattr(data, "state_dict", None))
+                                     and callable(getattr(data, "load_state_dict", None))):
+            raise TypeError(f"flatcomm.elastic: data must have state_dict() and load_state_dict(), "
+                            f"got {type(data).__name__}")
+        self.data = data
+        if state_device not in ("host", "device"):
+            raise ValueError(f"flatcomm.elastic: state_device must be 'host' or 'device', got {state_device!r}")
+        self._state_device = state_device
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"flatcomm.elastic: inner_optimizer must be a torch.optim.Optimizer, "
                             f"got {type(inner_optimizer).__name__}")
@@ -144,19 +176,23 @@ class ElasticDiLoCo:
             raise ValueError(f"flatcomm.elastic: name a codec (not 'auto') and pass error_feedback as a bool, "
                              f"got {codec!r}, {error_feedback!r}")
         plan = exchange.Plan(resolve(codec), mode, error_feedback)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        pieces = split(named, 1)[0]
-        frag = Fragment(0, pieces, plan.residual_shapes(sum(x.stop - x.start for x in pieces)), torch.float32)
-        if frag.device.type != "cpu":
-            raise ValueError(f"flatcomm.elastic: the parameters must be on the CPU (gloo quorum groups), "
-                             f"got {frag.device}")
+        pieces = self.island.part([(n, p) for n, p in model.named_parameters() if p.requires_grad])
+        numel = sum(x.stop - x.start for x in pieces)
+        cpu = torch.device("cpu")  # the quorum's groups are gloo: the exchange runs from host buffers
+        probe = pieces[0].param
+        on_gpu = probe.device.type != "cpu"
+        state = (probe.device if self._state_device == "device" else cpu) if on_gpu else None
+        frag = Fragment(0, pieces, plan.residual_shapes(numel), torch.float32, state_device=state, residual_device=cpu)
+        if frag.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"flatcomm.elastic: the parameters must be on the CPU or a CUDA device, got {frag.device}")
         return plan, frag
 
     def _fingerprint(self) -> int:
         # verify_every too: whether a round compares hashes is a collective every member must agree on
         f, p = self.fragment, self.plan
         desc = repr((self.sync_every, str(p.codec), p.codec.keep if p.codec.chunked else 0, p.mode, p.feedback,
-                     self.lr, self.momentum_factor, self.nesterov, f.names, f.sizes, self.verify_every))
+                     self.lr, self.momentum_factor, self.nesterov, f.names, f.sizes, self.verify_every,
+                     self.island.size, self.island.kind, self.data is not None))
         return int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=6).digest(), "little")
 
     # ---- the rounds ---------------------------------------------------------------------------------
@@ -182,8 +218,13 @@ class ElasticDiLoCo:
         r = Round(self.step, committed=False)
         self._healed = False
         t0 = time.perf_counter()
+        before = self.manager.state_dict()  # torchft's step, put back if this round heals and fails
         self.manager.start_quorum(allow_heal=True)
         r.quorum_s, r.healed = time.perf_counter() - t0, self._healed
+        if r.healed:
+            r.healed_to = self.step  # the donor's: the sync this round is
+            transport = getattr(self.manager, "_checkpoint_transport", None)  # torchft 0.2: no getter
+            r.heal_s, r.heal_bytes = getattr(transport, "last_recv", (0.0, 0))
         result, t1 = None, time.perf_counter()
         # A replica whose heal failed still takes part (saying so): the others then skip this round
         # at once instead of waiting out the timeout for it.
@@ -192,89 +233,123 @@ class ElasticDiLoCo:
         except _Mismatch:
             raise
         except Exception as e:  # noqa: BLE001 - a peer died or timed out: torchft skips the commit
-            if self.manager.errored() is None:
-                self.manager.report_error(e)
+            self._report(e)
+        if self.island.gathers:  # every rank of the island, whatever its exchange did: none waits
+            result = self._gather(result)
         r.exchange_s = time.perf_counter() - t1
         r.committed = bool(self.manager.should_commit())
         if r.committed and result is not None:
             self._commit(*result)
-        elif self.manager.errored() is not None:
+            return self._done(r)
+        if r.healed:
+            # A heal that did not commit (another rank of the island, or its donor, failed): this
+            # rank goes back to its step before the heal, so that the whole island is behind at
+            # its next round and every rank heals again: never some ranks healed and some not.
+            self.manager.load_state_dict(before)
+        if self.manager.errored() is not None:
             why = self.manager.errored().original_exception
             r.error = f"{type(why).__name__}: {(str(why).splitlines() or [''])[0][:300]}"
+        return self._done(r)
+
+    def _done(self, r: Round) -> Round:
         self.rounds.append(r)
         return r
 
     def _exchange(self, r: Round, ok: bool):
-        """(new master, new momentum, residuals, layout, applied) of this round; changes nothing.
-        ``ok``: this replica joined the round well (False: its heal or group set-up failed)."""
+        """(new master, new momentum, residuals, layout, applied, the island's whole master or None)
+        of this round; changes nothing. ``ok``: this replica joined the round well (False: its heal
+        or group set-up failed)."""
         group = self._pg.current()
         layout = (group.rank(), group.size())
         contributes = self._trained and not self._healed
         r.quorum = group.size()
-        r.contributors = self._agree(group, contributes, ok)
+        r.contributors = exchange.agree(group, contributes, ok, self.fingerprint, self.step)
         f, stats = self.fragment, C.CommStats()
         residuals = f.residual_copies(self._work)
         master, momentum = f.master, f.momentum
         if r.contributors:
-            delta = f.pseudo_gradient(self._work.take("delta", f.numel, f.device))
-            if not contributes:
-                delta.zero_()
+            total = self._host_delta(contributes)
             exchange.fold(self.plan, residuals, self._layout, layout)
-            total = exchange.sum_over(self.plan, group, delta, residuals, stats).div_(r.contributors)
+            # a new tensor in exact mode with a lossy codec (the exact sum of the gathered payloads)
+            total = exchange.sum_over(self.plan, group, total, residuals, stats).div_(r.contributors)
+            total = total.to(f.state_device, non_blocking=True)
             master, momentum = outer_step(f.master, f.momentum, total, self.lr, self.momentum_factor, self.nesterov,
-                                          self._work.take("master", f.numel, f.device),
-                                          self._work.take("momentum", f.numel, f.device))
+                                          self._work.take("master", f.numel, f.state_device),
+                                          self._work.take("momentum", f.numel, f.state_device))
             if not bool(torch.isfinite(master.sum())):
                 raise _Mismatch(f"flatcomm.elastic: the outer step after inner step {self.step} is not finite "
                                 f"(a replica's weights diverged); nothing was committed")
         r.wire_bytes = stats.wire_bytes
         # torchft's step is the same on every member now (a replica behind has healed to it).
         if self.verify_every and (self.manager.current_step() + 1) % self.verify_every == 0:
-            self._verify(group, master)
-        return master, momentum, residuals, layout, r.contributors > 0
+            exchange.verify(group, [master.cpu(), self._data_tensor()], self.step)
+        return master, momentum, residuals, layout, r.contributors > 0, None
 
-    def _agree(self, group, contributes: bool, ok: bool) -> int:
-        """The number of contributors; raises on every member if a member could not join this
-        round (a transient failure) or if the configurations differ (:class:`_Mismatch`)."""
-        parts = [float(contributes), float(ok)] + [float((self.fingerprint >> (16 * i)) & 0xFFFF) for i in range(3)]
-        rows = torch.empty(group.size() * 5, dtype=torch.float32)
-        C.all_gather(rows, torch.tensor(parts), codec="fp32", group=group)
-        table = rows.view(-1, 5).to(torch.int64).tolist()
+    def _report(self, e: Exception) -> None:
+        if self.manager.errored() is None:
+            self.manager.report_error(e)
+
+    def _gather(self, result):
+        """The round's result with the island's whole new master in it (None: this rank's or the
+        island's gather failed, reported: torchft's should_commit is then False on every rank of
+        the island). A rank whose exchange failed gathers its old master: the others are not kept
+        waiting for it, and the island commits nothing anyway."""
         try:
-            replicas.differing([sum(v << (16 * i) for i, v in enumerate(row[2:])) for row in table],
-                               "the elastic DiLoCo configuration")
-        except RuntimeError as e:
-            raise _Mismatch(str(e)) from None
-        failed = [i for i, row in enumerate(table) if not row[1]]
-        if failed:
-            raise RuntimeError(f"flatcomm.elastic: replica(s) {failed} of the quorum could not join the sync after "
-                               f"inner step {self.step} (healing or the group's set-up failed): nothing is committed")
-        return sum(row[0] for row in table)
+            whole = self.island.gather(self.fragment.master if result is None else result[0], self._pg.op_timeout)
+        except Exception as e:  # noqa: BLE001 - a rank of the island died: the launcher takes the island out
+            self._report(e)
+            return None
+        return None if result is None else (*result[:5], whole)
 
-    def _verify(self, group, master: torch.Tensor) -> None:
-        try:
-            replicas.verify(group, torch.device("cpu"), [master], f"the fp32 master after inner step {self.step}")
-        except RuntimeError as e:
-            if "disagree" in str(e):
-                raise _Mismatch(str(e)) from None
-            raise
+    def _host_delta(self, contributes: bool) -> torch.Tensor:
+        """This part's pseudo-gradient (zeros unless ``contributes``) in a host buffer: the quorum's
+        gloo group sums it there (for CUDA parameters, computed on the device, then copied)."""
+        f = self.fragment
+        host = self._work.take("delta", f.numel, torch.device("cpu"), pin=f.device.type == "cuda")
+        if not contributes:
+            return host.zero_()
+        if f.device.type == "cpu":
+            return f.pseudo_gradient(host)
+        return host.copy_(f.pseudo_gradient(self._work.take("delta_device", f.numel, f.device)))
 
-    def _commit(self, master, momentum, residuals: List[torch.Tensor], layout, applied: bool) -> None:
+    def _commit(self, master, momentum, residuals: List[torch.Tensor], layout, applied: bool,
+                whole: Optional[torch.Tensor]) -> None:
         f = self.fragment
         f.commit(master, momentum, residuals if self.plan.feedback else None)
-        f.set_weights(f.master, 0.0)
+        if whole is not None:
+            self.island.write_all(whole)
+        else:
+            f.set_weights(f.master, 0.0)
         self._layout = layout
         self._trained = False
         self.syncs += int(applied)
 
+    # ---- the data position --------------------------------------------------------------------------
+
+    def _data_snapshot(self) -> Optional[Dict[str, Any]]:
+        return None if self.data is None else heal.copy_state(self.data.state_dict())
+
+    def _data_tensor(self) -> torch.Tensor:
+        """The data position as bytes (hashed with the master in the round's check: every island is
+        at the same inner step, so at the same place of the global stream)."""
+        return heal.state_bytes(self._data_snapshot())
+
     # ---- healing ------------------------------------------------------------------------------------
 
     def _heal_state(self) -> Dict[str, Any]:
-        return heal.state(self.fragment.master, self.fragment.momentum, self.step, self.syncs, self.fingerprint)
+        f = self.fragment
+        # the data position goes with the step: both are where this replica's current sync is
+        return heal.state(f.master, f.momentum, self.step, self.syncs, self.fingerprint, self._data_snapshot(),
+                          self.island.describe()[:2])
 
     def _load_heal(self, sd: Dict[str, Any]) -> None:
+        """This rank's part of the donor island's committed state (the other ranks of the island
+        load theirs at the same time); the weights of the other parts arrive with the round's
+        island gather. The inner optimizer's state stays this island's own."""
         f = self.fragment
-        heal.check(sd, self.fingerprint, f.numel)
+        heal.check(sd, self.fingerprint, f.numel, self.island.describe()[:2])
+        if self.data is not None and sd.get("data") is not None:
+            self.data.load_state_dict(heal.copy_state(sd["data"]))  # checked by the stream: first
         f.master.copy_(sd["master"])
         f.momentum.copy_(sd["momentum"])
         for res in f.residuals:
@@ -292,7 +367,10 @@ class ElasticDiLoCo:
 
     def _resume(self, sd: Dict[str, Any]) -> None:
         f = self.fragment
-        heal.check_checkpoint(sd, self.fingerprint, f.numel, [r.numel() for r in f.residuals])
+        heal.check_checkpoint(sd, self.fingerprint, f.numel, [r.numel() for r in f.residuals],
+                              self.island.describe()[:2])
+        if self.data is not None and sd.get("data") is not None:
+            self.data.load_state_dict(heal.copy_state(sd["data"]))
         self.manager.load_state_dict(sd["torchft"])
         f.commit(sd["master"], sd["momentum"], sd["residuals"])
         f.set_weights(f.master, 0.0)

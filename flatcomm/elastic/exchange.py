@@ -22,12 +22,17 @@ from typing import List, Optional, Tuple
 import torch
 
 from .. import collectives as C
+from ..diloco import replicas
 from ..ops.codecs import Codec
 from ..ops.sums import exact_sum
 
-__all__ = ["Layout", "Plan", "contributors", "fold", "sum_over"]
+__all__ = ["Layout", "Mismatch", "Plan", "agree", "contributors", "fold", "sum_over", "verify"]
 
 Layout = Tuple[int, int]  # (rank, size) in the quorum of a sync: which shard the server residual covers
+
+
+class Mismatch(RuntimeError):
+    """A disagreement between replicas that no retry fixes: raised, never reported to torchft."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,3 +88,33 @@ def sum_over(plan: Plan, group, delta: torch.Tensor, residuals: List[torch.Tenso
     fb = C.ErrorFeedback(residuals[0], residuals[1]) if residuals else None
     C.all_reduce(delta, codec=plan.codec, op="sum", mode=plan.mode, residual=fb, group=group, stats=stats)
     return delta
+
+
+def agree(group, contributes: bool, ok: bool, fingerprint: int, step: int) -> int:
+    """The number of contributors of this round; raises on every member if a member could not join
+    it (a transient failure) or if the configurations' fingerprints differ (:class:`Mismatch`)."""
+    parts = [float(contributes), float(ok)] + [float((fingerprint >> (16 * i)) & 0xFFFF) for i in range(3)]
+    rows = torch.empty(group.size() * 5, dtype=torch.float32)
+    C.all_gather(rows, torch.tensor(parts), codec="fp32", group=group)
+    table = rows.view(-1, 5).to(torch.int64).tolist()
+    try:
+        replicas.differing([sum(v << (16 * i) for i, v in enumerate(row[2:])) for row in table],
+                           "the elastic DiLoCo configuration")
+    except RuntimeError as e:
+        raise Mismatch(str(e)) from None
+    failed = [i for i, row in enumerate(table) if not row[1]]
+    if failed:
+        raise RuntimeError(f"flatcomm.elastic: replica(s) {failed} of the quorum could not join the sync after "
+                           f"inner step {step} (healing or the group's set-up failed): nothing is committed")
+    return sum(row[0] for row in table)
+
+
+def verify(group, tensors: List[torch.Tensor], step: int) -> None:
+    """Raise :class:`Mismatch` on every member unless ``tensors`` (the new master part, the data
+    position) hash equal across ``group``."""
+    try:
+        replicas.verify(group, torch.device("cpu"), tensors, f"the fp32 master after inner step {step}")
+    except RuntimeError as e:
+        if "disagree" in str(e):
+            raise Mismatch(str(e)) from None
+        raise

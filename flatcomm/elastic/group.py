@@ -40,6 +40,7 @@ class QuorumGroup(ProcessGroupGloo):
         standalone.check_timeout("timeout", timeout)  # refused here, not at the first quorum
         standalone.check_timeout("rendezvous_timeout", rendezvous_timeout)
         super().__init__(timeout=timeout)
+        self.op_timeout = timeout
         self.rendezvous_timeout = min(rendezvous_timeout, timeout)
 
     def _create_pg(self, store, rank: int, world_size: int):

@@ -218,7 +218,8 @@ _ports = itertools.count(29510)  # a fresh lighthouse port per run on a link (no
 def _lighthouse(cfg: Dict[str, Any]) -> Iterator[str]:
     """torchft's lighthouse: in this process on loopback, or torchft_lighthouse in the first
     replica's namespace on a link; yields its address."""
-    flags = {"min_replicas": 2, "join_timeout_ms": JOIN_TIMEOUT_MS, "heartbeat_timeout_ms": int(cfg["heartbeat"] * 1000)}
+    flags = {"min_replicas": cfg.get("min_replicas", 2), "join_timeout_ms": cfg.get("join_timeout_ms", JOIN_TIMEOUT_MS),
+             "heartbeat_timeout_ms": int(cfg["heartbeat"] * 1000)}
     if not cfg.get("netns"):
         from torchft._torchft import LighthouseServer
 

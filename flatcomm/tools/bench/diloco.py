@@ -34,6 +34,9 @@ this machine's kernel has no netem, so no delay): each replica is a node of one 
 * **churn** (``--churn N``, instead of the rest; loopback, no root): 3 replicas on torchft's
   lighthouse, one killed and restarted every N syncs, flatcomm.elastic beside torchft's DiLoCo
   (:mod:`flatcomm.tools.bench.churn`).
+* **islands** (``--islands NxW``, instead of the rest): N islands of W ranks (DDP inside), 100 Mbit/s
+  between islands, a rank or a whole island killed and restarted on a schedule: goodput, failure to
+  next commit, heal time and bytes per rank, held-out loss (:mod:`flatcomm.tools.bench.islands`).
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from . import churn
+from . import churn, islands
 from .ddp import mlp
 
 
@@ -359,6 +362,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: bytes, time, torchft")
     ap.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
     churn.add_arguments(ap)
+    islands.add_arguments(ap)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -369,8 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    if a.churn:
-        runs = churn.run_bench(a)
+    if a.churn or a.islands:
+        runs = churn.run_bench(a) if a.churn else islands.run_bench(a)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(runs, f, indent=1)
