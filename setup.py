@@ -37,7 +37,7 @@ def want_cuda() -> bool:
 
 def extension():
     cxx = ["-O3", "-std=c++20", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-Wall"]
-    sources = ["csrc/registration.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    sources = ["csrc/registration.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp")) + sorted(glob.glob("csrc/comm/*.cpp"))
     include = [os.path.join(HERE, "csrc")]
     if not want_cuda():
         return cpp_extension.CppExtension(

@@ -8,8 +8,8 @@
 
 #include "core/rng.h"
 #include "cpu/kernels.h"
-#include "cpu/lane.h"
-#include "cpu/native_work.h"
+#include "comm/lane.h"
+#include "comm/native_work.h"
 #include "cuda/kernels.cuh"  // plain C++: the launch shapes and the topk scratch layout
 #include "ops_common.h"
 
@@ -42,27 +42,27 @@ TORCH_LIBRARY(flatcomm, m) {
   m.def("to_exact(Tensor x, Tensor exponents, int block_size, int headroom) -> Tensor");
   m.def("from_exact(Tensor acc, Tensor exponents, int block_size, int headroom) -> Tensor");
   m.def("exact_sum(Tensor x, int block_size, int headroom) -> Tensor");
-  // The lossless fp32 all-reduce of a CPU group's point-to-point path (cpu/p2p_all_reduce.cpp):
+  // The lossless fp32 all-reduce of a CPU group's point-to-point path (comm/p2p_all_reduce.cpp):
   // the registered process group `group`, chunk j of rank d's shard at
   // flat[pieces[d * (chunks + 1) + j], pieces[d * (chunks + 1) + j + 1]), the peers' pieces of
   // this rank's shard received into scratch; its transfers tagged tag_base + 1, + 2, ... CPU only.
   m.def("p2p_sum_all_reduce_(Tensor(a!) flat, Tensor(b!) scratch, str group, int[] pieces, int chunks, "
         "float scale, int tag_base=0) -> ()");
-  // An early call's header (cpu/header_watch.cpp): once `work` completes, when the first `width`
+  // An early call's header (comm/header_watch.cpp): once `work` completes, when the first `width`
   // values of a row of `table` differ from `mine`, flatcomm.comm.header.on_disagreement(token).
   m.def("watch_header(__torch__.torch.classes.c10d.Work work, Tensor table, Tensor mine, int width, int token) -> ()");
-  // A call header's exchange (cpu/header_watch.cpp): this rank's row `mine` gathered from every rank
+  // A call header's exchange (comm/header_watch.cpp): this rank's row `mine` gathered from every rank
   // of `group` into `table` (one row per rank), on the group's CPU backend, through tensors made in C++.
   m.def("gather_header(__torch__.torch.classes.c10d.ProcessGroup group, Tensor(a!) table, Tensor mine) -> "
         "__torch__.torch.classes.c10d.Work");
-  // An agreed early all-reduce on the group's native lane `lane` (cpu/lane.cpp): p2p_sum_all_reduce_'s
+  // An agreed early all-reduce on the group's native lane `lane` (comm/lane.cpp): p2p_sum_all_reduce_'s
   // arguments (the scratch is the lane's), then the call header: this rank's row `mine`, gathered
   // into `table` (posted here) and watched as watch_header's. The Work completes with [out] once the
   // op ran and the rows agreed.
   m.def("lane_all_reduce(Tensor(a!) flat, Tensor out, str group, int[] pieces, int chunks, float scale, "
         "int tag_base, Tensor(b!) table, Tensor mine, int width, int token, int lane) -> "
         "__torch__.torch.classes.c10d.Work");
-  // A small ordered fp32 all-reduce in one exchange (cpu/slot_all_reduce.cpp): flat's values copied
+  // A small ordered fp32 all-reduce in one exchange (comm/slot_all_reduce.cpp): flat's values copied
   // into this rank's row `mine` at byte slot_offset, every rank's row gathered into `table`; once the
   // rows agree (their first `width` values), the payloads summed in rank order, times scale, into
   // flat. The Work completes with [out].
@@ -249,12 +249,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "set_simd", [](const std::string& isa) { return flatcomm::cpu::select_kernels(isa.c_str()); },
       "Select the CPU kernel build ('baseline', 'avx2', 'avx512'); False if unsupported here.");
   m.def("lane_drain", &flatcomm::ops::lane_drain, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "Wait until every call posted to a group's native lane has finished (cpu/lane.h).");
+        "Wait until every call posted to a group's native lane has finished (comm/lane.h).");
   m.def("native_finished", &flatcomm::ops::native_finished,
-        "The tokens of the native calls completed since the last call (cpu/native_work.h).");
+        "The tokens of the native calls completed since the last call (comm/native_work.h).");
   m.def("lane_completed", &flatcomm::ops::lane_completed, "How many calls of a native lane have finished.");
   m.def("lane_in_flight", &flatcomm::ops::lane_in_flight,
-        "How many native calls of a group were posted and have not finished (cpu/lane.h).");
+        "How many native calls of a group were posted and have not finished (comm/lane.h).");
   m.def("lane_close", &flatcomm::ops::lane_close, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "End a native lane (its group was destroyed).");
   m.def("max_block_size", [] { return flatcomm::core::kMaxBlock; });

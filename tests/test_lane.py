@@ -1,4 +1,4 @@
-"""The native lane (flatcomm/comm/lane.py, csrc/cpu/lane.cpp): the flatcomm backend's agreed
+"""The native lane (flatcomm/comm/lane.py, csrc/comm/lane.cpp): the flatcomm backend's agreed
 all-reduces run in C++ and return a C++ ``dist.Work``. What must hold:
 
 * an agreed all-reduce does run there (from its second call on), with the fixed-order sum's bits;

@@ -1,4 +1,4 @@
-"""The native point-to-point all-reduce (csrc/cpu/p2p_all_reduce.cpp, ``flatcomm::p2p_sum_all_reduce_``):
+"""The native point-to-point all-reduce (csrc/comm/p2p_all_reduce.cpp, ``flatcomm::p2p_sum_all_reduce_``):
 the lossless fp32 all-reduce of a CPU group in one op, run by flatcomm.comm.flat where the Python
 point-to-point path ran. It must give that path's bits (NaN payloads that differ between ranks,
 infinities, signed zeros, subnormals; sum and avg; one chunk and several; 2 and 3 ranks), meet a peer

@@ -1,5 +1,5 @@
 """The small path's ordered fp32 all-reduce in C++ (flatcomm/comm/small_native.py,
-csrc/cpu/slot_all_reduce.cpp), what the flatcomm backend's small float sums take. What must hold:
+csrc/comm/slot_all_reduce.cpp), what the flatcomm backend's small float sums take. What must hold:
 
 * it is taken (a C++ ``dist.Work``), with the Python small path's bits (flatcomm.all_reduce on the
   same group: decode_sum's order), for odd sizes, zeros, huge values, inf/NaN, sum and avg, 2 and

@@ -94,7 +94,7 @@ def tag_base(plan: int) -> int:
 
 def _exchanges(numel: int, chunks: int, world: int, q: int, me: int) -> List[Tuple[int, int, int]]:
     """(tag offset, values rank q sends this rank, values q receives from it) of each exchange of
-    q's native all-reduce of ``numel`` fp32 values (csrc/cpu/p2p_all_reduce.cpp, in its order)."""
+    q's native all-reduce of ``numel`` fp32 values (csrc/comm/p2p_all_reduce.cpp, in its order)."""
     bounds = shard_bounds(numel, world, _ALIGN)
     cuts = [shard_bounds(bounds[d + 1] - bounds[d], chunks, _ALIGN) for d in range(world)]
     n = [[cuts[d][j + 1] - cuts[d][j] for j in range(chunks)] for d in range(world)]

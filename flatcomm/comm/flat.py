@@ -277,7 +277,7 @@ def _raw_all_reduce_p2p(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, s
     each destination's piece of ``flat`` is sent as it is, the sum lands in this rank's own
     piece (its values were copied into the receive rows when the exchange was posted) and the
     peers' pieces gather in place. fp32 on a group in torch's registry: the same transfers and
-    sum in one native op, without the GIL (csrc/cpu/p2p_all_reduce.cpp); on an agreed plan it
+    sum in one native op, without the GIL (csrc/comm/p2p_all_reduce.cpp); on an agreed plan it
     runs before the call's check (``pipe.early``: :mod:`flatcomm.comm.agreed`)."""
     me, world = p.rank, p.world
     name = _native_name(pipe.group, flat)

@@ -164,7 +164,7 @@ def _exchange_table(group, mine: torch.Tensor, device: torch.device, async_op: b
         # Straight to the group's CPU backend: torch.distributed's Python wrappers (and, on a
         # flatcomm group, its Python method) cost more than a small exchange itself. Through an op
         # that hands gloo views made in C++: a tensor whose Python object died while gloo still held
-        # it would take the GIL on gloo's thread when dropped (csrc/cpu/header_watch.cpp).
+        # it would take the GIL on gloo's thread when dropped (csrc/comm/header_watch.cpp).
         world = group.size()
         table = torch.empty(world, mine.numel(), dtype=torch.int64)
         return dist.Work.unbox(ops.gather_header(group.boxed(), table, mine)), table
@@ -222,7 +222,7 @@ _tokens = itertools.count(1)
 
 
 def on_disagreement(token: int) -> None:
-    """Called from C++ (gloo's thread, csrc/cpu/header_watch.cpp) when a watched header's rows
+    """Called from C++ (gloo's thread, csrc/comm/header_watch.cpp) when a watched header's rows
     disagree: settle it now (its fills go out), unless its call already did."""
     h = _WATCHED.get(token)
     if h is not None:
@@ -294,7 +294,7 @@ class CallHeader:
         """Settle the table as soon as it is in, if it disagrees: for an early call, whose own
         transfers may be waiting for those the table tells this rank to make
         (:func:`flatcomm.comm.agreed.fill`). The rows are compared in C++ on gloo's thread
-        (csrc/cpu/header_watch.cpp); only a disagreement calls back into Python
+        (csrc/comm/header_watch.cpp); only a disagreement calls back into Python
         (:func:`on_disagreement`)."""
         self._token = next(_tokens)
         _WATCHED[self._token] = self

@@ -2,7 +2,7 @@
 
 A prepared all-reduce (:mod:`flatcomm.comm.prepared`) on an agreed plan that runs natively
 (:mod:`flatcomm.comm.agreed`) is posted here from the caller's thread, with its call header's row:
-one op (csrc/cpu/lane.cpp) posts the header exchange, watches it as an early call's, and queues the
+one op (csrc/comm/lane.cpp) posts the header exchange, watches it as an early call's, and queues the
 call on the group's lane thread, which runs the native all-reduce, checks the rows and completes a
 ``dist.Work`` that DDP's reducer reads in C++. A call costs Python only while it is posted: no
 worker thread to wake, no Python between one bucket's op and the next, no Python callbacks.

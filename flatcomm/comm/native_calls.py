@@ -1,4 +1,4 @@
-"""The way back into Python of flatcomm's native calls (csrc/cpu/native_work.h): the lane's agreed
+"""The way back into Python of flatcomm's native calls (csrc/comm/native_work.h): the lane's agreed
 all-reduces (:mod:`flatcomm.comm.lane`) and the small ones in one exchange
 (:mod:`flatcomm.comm.small_native`).
 

@@ -1,5 +1,5 @@
 """The small path's commonest call in C++: an ordered fp32 all-reduce whose values fit the call
-header's payload slot (:mod:`flatcomm.comm.small`), posted as one op (csrc/cpu/slot_all_reduce.cpp).
+header's payload slot (:mod:`flatcomm.comm.small`), posted as one op (csrc/comm/slot_all_reduce.cpp).
 
 The op copies the values into this rank's row, posts the rows' all-gather, and when it completes
 compares the rows and sums the payloads in ascending rank order into the tensor, on gloo's thread,
