@@ -273,10 +273,13 @@ elif [ -z "$SAN" ]; then
     status sanitizer "skipped (compute-sanitizer not found)"
 else
     echo "compute-sanitizer: $SAN"
-    if [ "$(left)" -ge 60 ]; then run_sanitizer memcheck "$(min 200 $(( $(left) - 25 )))"
+    if [ "$(left)" -ge 60 ]; then run_sanitizer memcheck "$(min 120 $(( $(left) - 25 )))"
     else status "sanitizer memcheck" "skipped (time budget)"; fi
+    # racecheck checks the first run's topk decode race and the shared-memory kernels written
+    # since (it took 44 s on the H200): it runs with a minute left; initcheck (8 s) after it.
     for tool in racecheck initcheck; do
-        if [ "$(left)" -ge 130 ]; then run_sanitizer "$tool" "$(min 150 $(( $(left) - 25 )))"
+        need=$([ "$tool" = racecheck ] && echo 75 || echo 50)
+        if [ "$(left)" -ge "$need" ]; then run_sanitizer "$tool" "$(min 150 $(( $(left) - 15 )))"
         else status "sanitizer $tool" "skipped (time budget)"; fi
     done
 fi

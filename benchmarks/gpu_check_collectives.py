@@ -270,9 +270,8 @@ def collectives_section(device: torch.device, seed: int, max_seconds: float, sel
                                            or any(r.device != dev for r in f.residuals)):
                     raise RuntimeError(f"DiLoCo on {dev}: master / momentum at {where}, residuals on "
                                        f"{sorted({str(r.device) for r in f.residuals})}")
-            # TODO(elastic islands): elastic DiLoCo islands with CUDA parameters are being written in
-            # another branch and are not in this tree yet; when they land, run this case through an
-            # island too (its master and residuals checked the same way).
+            # Elastic DiLoCo islands with CUDA parameters (master on the host or the device) have a
+            # step of their own in gpu_check.sh (gpu_check_islands.py, from the islands branch).
             state = outer.state_dict()  # drains the sync in flight
             outer.close()
             return ([p.detach().cpu().clone() for p in model.parameters()] + [f.master.clone() for f in outer.fragments]
