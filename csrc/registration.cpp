@@ -255,6 +255,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lane_completed", &flatcomm::ops::lane_completed, "How many calls of a native lane have finished.");
   m.def("lane_in_flight", &flatcomm::ops::lane_in_flight,
         "How many native calls of a group were posted and have not finished (comm/lane.h).");
+  m.def("set_callback", &flatcomm::ops::set_callback,
+        "Install the Python function a native call's failure calls back (comm/native_work.h).");
   m.def("lane_close", &flatcomm::ops::lane_close, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "End a native lane (its group was destroyed).");
   m.def("max_block_size", [] { return flatcomm::core::kMaxBlock; });

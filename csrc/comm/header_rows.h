@@ -39,10 +39,10 @@ void check_rows(const at::Tensor& table, const at::Tensor& mine, int64_t width, 
 c10::intrusive_ptr<c10d::Work> gather_rows(const c10::intrusive_ptr<c10d::Backend>& backend, const at::Tensor& table,
                                            const at::Tensor& mine, const char* op);
 
-// Once `work` (the rows' exchange) completes, when the rows disagree: module.on_disagreement(token),
-// with the GIL (module: a static string).
+// Once `work` (the rows' exchange) completes, when the rows disagree: the callback installed under
+// `on_disagreement` (native_work.h, a static string) called with `token`, with the GIL.
 void watch_rows(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& table, const at::Tensor& mine,
-                int64_t width, int64_t token, const char* module);
+                int64_t width, int64_t token, const char* on_disagreement);
 
 }  // namespace ops
 }  // namespace flatcomm

@@ -46,15 +46,15 @@ c10::intrusive_ptr<c10d::Work> gather_rows(const c10::intrusive_ptr<c10d::Backen
 }
 
 void watch_rows(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& table, const at::Tensor& mine,
-                int64_t width, int64_t token, const char* module) {
+                int64_t width, int64_t token, const char* on_disagreement) {
   // (aliases: the callback is dropped on gloo's thread once it ran)
   work->getFuture()->addCallback([table = alias_of(table), mine = alias_of(mine), width, token,
-                                  module](c10::ivalue::Future& done) {
+                                  on_disagreement](c10::ivalue::Future& done) {
     if (done.hasError() || rows_agree(table, mine, width)) return;  // the common case: no Python
     if (!python_alive()) return;  // (exiting: nobody is left to wait for the fills)
     pybind11::gil_scoped_acquire gil;
     try {
-      pybind11::module_::import(module).attr("on_disagreement")(token);
+      callback(on_disagreement)(token);
     } catch (pybind11::error_already_set& e) {
       e.discard_as_unraisable("flatcomm: settling a call header that disagreed");
     }
@@ -74,7 +74,7 @@ c10::intrusive_ptr<c10d::Work> gather_header(const c10::intrusive_ptr<c10d::Proc
 void watch_header(const c10::intrusive_ptr<c10d::Work>& work, const at::Tensor& table, const at::Tensor& mine,
                   int64_t width, int64_t token) {
   check_rows(table, mine, width, "watch_header");
-  watch_rows(work, table, mine, width, token, "flatcomm.comm.header");
+  watch_rows(work, table, mine, width, token, kHeaderDisagreement);
 }
 
 }  // namespace

@@ -238,7 +238,7 @@ c10::intrusive_ptr<c10d::Work> lane_all_reduce(const at::Tensor& flat, const at:
   // waiting for the ones its disagreement calls for.
   call.seq = lane_admit(*target, [&] {
     call.header = gather_rows(call.backend, call.table, call.mine, "lane_all_reduce");
-    watch_rows(call.header, call.table, call.mine, width, token, kNativeCalls);
+    watch_rows(call.header, call.table, call.mine, width, token, kNativeDisagreement);
   });
   c10::intrusive_ptr<c10d::Work> work = call.work;
   target->enqueue(std::move(call));

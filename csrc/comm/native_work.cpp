@@ -5,12 +5,16 @@
 #include <pybind11/pybind11.h>
 
 #include <mutex>
+#include <unordered_map>
 #include <utility>
 
 namespace flatcomm {
 namespace ops {
 
 namespace {
+
+// Never destroyed: Python objects must not be dropped after the interpreter is gone.
+auto* callbacks = new std::unordered_map<std::string, pybind11::object>();  // (guarded by the GIL)
 
 std::mutex finished_mutex;
 std::vector<int64_t> finished;  // (guarded by finished_mutex)
@@ -68,6 +72,18 @@ std::vector<int64_t> native_finished() {
   return std::exchange(finished, {});  // (`drop` goes after the lock, on this Python thread)
 }
 
+void set_callback(const std::string& key, pybind11::object fn) { (*callbacks)[key] = std::move(fn); }
+
+pybind11::object callback(const char* key) {
+  auto it = callbacks->find(key);
+  if (it == callbacks->end()) {  // (raised as the callers' handlers expect a Python error)
+    const std::string what = std::string("flatcomm: no callback installed for ") + key;
+    PyErr_SetString(PyExc_RuntimeError, what.c_str());
+    throw pybind11::error_already_set();
+  }
+  return it->second;
+}
+
 std::exception_ptr error_named(const std::string& kind, const std::string& message) {
   try {
     if (kind == "ValueError") TORCH_CHECK_VALUE(false, message);
@@ -113,7 +129,7 @@ std::exception_ptr verdict(int64_t token, const std::exception_ptr& failed, cons
   pybind11::gil_scoped_acquire gil;
   try {
     pybind11::object said =
-        pybind11::module_::import(kNativeCalls).attr("verdict")(token, text_or_none(failed), text_or_none(exchange));
+        callback(kVerdict)(token, text_or_none(failed), text_or_none(exchange));
     if (failed) return failed;
     if (said.is_none()) return nullptr;
     auto kind_message = said.cast<std::pair<std::string, std::string>>();

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <pybind11/pybind11.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
@@ -14,9 +15,16 @@
 namespace flatcomm {
 namespace ops {
 
-// The Python module a native call's failure goes to (flatcomm/comm/native_calls.py: on_disagreement,
-// verdict).
-constexpr const char* kNativeCalls = "flatcomm.comm.native_calls";
+// The Python functions C++ calls back, only when a call failed, installed by Python at import
+// (set_callback, from flatcomm/comm/native_calls.py and flatcomm/comm/header.py): C++ imports no
+// module by name. Keys: kVerdict(token, failed, exchange), kNativeDisagreement(token) and
+// kHeaderDisagreement(token).
+constexpr const char* kVerdict = "native_calls.verdict";
+constexpr const char* kNativeDisagreement = "native_calls.on_disagreement";
+constexpr const char* kHeaderDisagreement = "header.on_disagreement";
+void set_callback(const std::string& key, pybind11::object fn);
+// The callback installed under `key` (the GIL held); raises if none was.
+pybind11::object callback(const char* key);
 
 // The Work of a native all-reduce, completed by whoever runs it; its future holds [out], as gloo's
 // allreduce's does (DDP's reducer reads it in C++). `token`: the call's, in native_finished() once

@@ -41,7 +41,7 @@ from . import agreed, context, groups, standalone, worker
 from .header_table import (FAILED_TYPE, FAILED_VALUE, MAGIC, OK, REASON_BYTES, _FIXED, _MORE, _float_of, _reason,
                            _reason_bytes, _reason_of, call_numbers, check, error_of, float_bits, length, row, set_early)
 from ..ops.codecs import CODECS
-from ..ops.native import ops
+from ..ops.native import extension, ops
 
 __all__ = ["ALL_DTYPES", "AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "KIND_IDS", "MAGIC", "MODES", "REASON_BYTES",
            "SLOT_MAX_BYTES", "call_numbers", "check", "check_consistent", "error_of", "fail_in_step", "on_disagreement",
@@ -398,3 +398,7 @@ def fail_in_step(group, kind: int, err: BaseException) -> Optional["concurrent.f
         raise verdict if verdict is not None else err  # never None: this rank's row says failed
 
     return worker.in_order(worker.key_of(group), body)
+
+
+# What C++ calls back when a watched header's rows disagree (csrc/comm/header_watch.cpp).
+extension.set_callback("header.on_disagreement", on_disagreement)

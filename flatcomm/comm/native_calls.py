@@ -136,3 +136,8 @@ def verdict(token: int, failed: Optional[str], exchange: Optional[str]) -> Optio
     except Exception as e:  # noqa: BLE001 - the header's error, raised by the call's Work
         return (type(e).__name__, str(e))
     return None
+
+
+# What C++ calls back on a failure (csrc/comm/native_work.h): installed here, not imported by name.
+extension.set_callback("native_calls.verdict", verdict)
+extension.set_callback("native_calls.on_disagreement", on_disagreement)
