@@ -75,12 +75,15 @@ def _outside(rank: int, world: int) -> list:
     if rank >= 2:
         try:
             flatcomm.all_reduce(torch.ones(4), group=sub, op="sum")
-            return ["no error"]
+            out = ["no error"]
         except Exception as e:  # noqa: BLE001 - reported
-            return [f"{type(e).__name__}: {e}"]
-    t = torch.ones(4)
-    flatcomm.all_reduce(t, group=sub, op="sum")
-    return [t.tolist()]
+            out = [f"{type(e).__name__}: {e}"]
+    else:
+        t = torch.ones(4)
+        flatcomm.all_reduce(t, group=sub, op="sum")
+        out = [t.tolist()]
+    dist.barrier()  # (no rank leaves while the others still connect their groups)
+    return out
 
 
 def test_a_rank_outside_the_group_gets_a_clear_error():

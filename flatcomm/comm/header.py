@@ -161,10 +161,7 @@ def has_cpu_backend(group) -> bool:
 
 def _exchange_table(group, mine: torch.Tensor, device: torch.device, async_op: bool):
     if async_op and group is not None and device.type == "cpu":
-        # Straight to the group's CPU backend: torch.distributed's Python wrappers (and, on a
-        # flatcomm group, its Python method) cost more than a small exchange itself. Through an op
-        # that hands gloo views made in C++: a tensor whose Python object died while gloo still held
-        # it would take the GIL on gloo's thread when dropped (csrc/comm/header_watch.cpp).
+        # Straight to the CPU backend, through aliases made in C++ (header_rows.h alias_of).
         world = group.size()
         table = torch.empty(world, mine.numel(), dtype=torch.int64)
         return dist.Work.unbox(ops.gather_header(group.boxed(), table, mine)), table
@@ -400,5 +397,4 @@ def fail_in_step(group, kind: int, err: BaseException) -> Optional["concurrent.f
     return worker.in_order(worker.key_of(group), body)
 
 
-# What C++ calls back when a watched header's rows disagree (csrc/comm/header_watch.cpp).
-extension.set_callback("header.on_disagreement", on_disagreement)
+extension.set_callback("header.on_disagreement", on_disagreement)  # (csrc/comm/header_watch.cpp)
