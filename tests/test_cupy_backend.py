@@ -422,8 +422,8 @@ def test_layout_helpers_reject_what_no_launch_accepts():
     for n in (-1, 1 << 32):
         with pytest.raises(ValueError, match="topk scratch"):
             cb.topk_scratch_layout(n)
-    with pytest.raises(RuntimeError, match="unknown codec id 9"):
-        cb.wire_bytes(9, 10, 0, 0)
+    with pytest.raises(RuntimeError, match=f"unknown codec id {len(cb.CODEC_IDS)}"):
+        cb.wire_bytes(len(cb.CODEC_IDS), 10, 0, 0)
     for bad in ((cb.INT8, 10, 48, 0, "int8"), (cb.TOPK, 10, 0, 0, "topk"), (cb.F32, -1, 0, 0, "fp32")):
         with pytest.raises(RuntimeError) as by_id:
             cb.wire_bytes(*bad[:4])

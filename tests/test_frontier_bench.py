@@ -47,7 +47,7 @@ def test_summary_pairs_seeds_and_names_the_cheapest_row_at_parity():
     assert rep.lowest_at_parity(rows, [80, 160]) == "top128"
     assert rep.lowest_at_parity({k: v for k, v in rows.items() if k != "top128"}, [80, 160]) == "int4"
     md = rep.markdown(pts)
-    assert "Fewest bytes within +1% of fp32 DiLoCo (mean) at 80 and 160 syncs: **`top128`**" in md
+    assert "Fewest bytes within +1% of fp32 DiLoCo (mean) at 80 and 160 syncs: **`top128`** (0.0400 B/param/sync, 2 seeds)" in md
     assert md.index("`fp32`") < md.index("`int4`") < md.index("`top128`") < md.index("`top64`")
 
 

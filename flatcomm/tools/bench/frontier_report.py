@@ -115,7 +115,8 @@ def markdown(points: List[Dict[str, Any]]) -> str:
             out.append("")
             where = " and ".join(str(s) for s in at)
             out.append(f"Fewest bytes within +1% of fp32 DiLoCo (mean) at {where} syncs: "
-                       + (f"**`{short(best)}`** ({rows[best][at[-1]]['bpp']:.4f} B/param/sync)." if best
+                       + (f"**`{short(best)}`** ({rows[best][at[-1]]['bpp']:.4f} B/param/sync, "
+                          f"{len(rows[best][at[-1]]['rel'])} seeds)." if best
                           else "none measured."))
         out.append("")
     return "\n".join(out).rstrip() + "\n"
