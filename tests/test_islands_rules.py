@@ -134,3 +134,70 @@ def test_a_manager_made_for_another_island_layout_is_refused():
         ElasticDiLoCo(net, opt, manager=Made(0, 1), sync_every=2, data=object())
     with pytest.raises(ValueError, match="state_device"):
         ElasticDiLoCo(net, opt, manager=Made(0, 1), sync_every=2, state_device="gpu")
+
+
+def test_a_heal_round_that_does_not_commit_puts_torchfts_step_back():
+    """A rank that loaded its part in a round that did not commit (another rank of its island, or
+    the donor, failed) goes back to torchft's step before the heal: the island heals whole at its
+    next round. One process: a quorum of one, the heal and the failure scripted."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from flatcomm.comm import standalone
+    from flatcomm.elastic import ElasticDiLoCo, QuorumGroup
+
+    class Scripted:  # torchft's Manager as ElasticDiLoCo uses it; round n heals from `donor` if asked
+        _use_async_quorum, _group_rank, _group_world_size = False, 0, 1
+
+        def __init__(self):
+            self._pg, self.step, self.err, self.rounds = QuorumGroup(timedelta(seconds=10)), 0, None, 0
+            self.heal_at, self.fail_at, self.donor = set(), set(), None
+
+        def register_state_dict_fn(self, key, load, save):
+            self.load = load
+
+        def start_quorum(self, allow_heal=True):
+            self.err = None
+            if self.rounds in self.heal_at:  # torchft: the step jumps to the donor's, then the state loads
+                self.step = 8
+                self.load(self.donor)
+            store = dist.PrefixStore(f"q{self.rounds}", dist.HashStore())
+            self._pg._pg = standalone.gloo_group(store, 0, 1, timedelta(seconds=10))
+
+        def errored(self):
+            return self.err
+
+        def report_error(self, e):
+            self.err = type("Failure", (), {"original_exception": e})()
+
+        def should_commit(self, timeout=None):
+            fail = self.rounds in self.fail_at
+            self.rounds += 1
+            ok = self.err is None and not fail
+            self.step += ok
+            return ok
+
+        def current_step(self):
+            return self.step
+
+        def state_dict(self):
+            return {"step": self.step, "batches_committed": 0}
+
+        def load_state_dict(self, sd):
+            self.step = sd["step"]
+
+    m = Scripted()
+    net = _net()
+    outer = ElasticDiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), manager=m, sync_every=2)
+    assert m.step == 1 and outer.rounds[-1].committed  # the join round
+    donor = outer._heal_state()
+    donor["master"] = donor["master"] + 1.0
+    donor["step"] = 16
+    m.donor, m.heal_at, m.fail_at = donor, {1, 2}, {1}
+    r = outer.sync()  # heals, then the island's commit fails
+    assert r.healed and not r.committed and r.healed_to == 16
+    assert m.step == 1  # back to before the heal: the island is behind again
+    r = outer.sync()  # heals again, and commits
+    assert r.healed and r.committed and m.step == 9
+    assert torch.equal(outer.fragment.master, donor["master"])
