@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 import math
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, cast
 
 import torch
 
@@ -257,13 +257,14 @@ class DiLoCo:
     def _choose_codec(self) -> None:
         """``codec="auto"``: measure (the replicas agree on the numbers), choose, record."""
         plan, sch = self.config.plan, self.config.schedule
+        knobs = cast(auto.Auto, plan.auto)  # (called only for codec="auto")
         with label("flatcomm.diloco.auto"):
             step_s, latency_s, bytes_per_s = auto.measure(self.group, self.device, plan.world, self._clock.step_s(),
-                                                          plan.auto)
+                                                          knobs)
         self.auto_choice = auto.choose(
             numel=max(f.numel for f in self.fragments), fragments=len(self.fragments), world=plan.world,
             gathered=plan.mode == "exact", sync_every=sch.sync_every, delay=sch.delay, step_s=step_s,
-            latency_s=latency_s, bytes_per_s=bytes_per_s, auto=plan.auto)
+            latency_s=latency_s, bytes_per_s=bytes_per_s, auto=knobs)
         plan.set_codec(self.auto_choice.to_codec())
 
     def finish(self) -> None:

@@ -16,7 +16,7 @@ a :class:`Pending`; nothing of the fragment's state changes until the caller com
 from __future__ import annotations
 
 import time
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ class Plan:
         self.two_level = topology is not None and not topology.flat
         self.error_feedback = bool(error_feedback)
         self.world = dist.get_world_size(self.group)
-        self.auto = None  # codec="auto": its knobs (flatcomm.diloco.auto.Auto); the codec is its choice
+        self.auto: Optional[Any] = None  # codec="auto": its knobs (flatcomm.diloco.auto.Auto); the codec is its choice
         self.set_codec(codec)
 
     def set_codec(self, codec: Codec) -> None:
