@@ -146,6 +146,23 @@ def flatcomm_replica(cfg: Dict[str, Any], rid: str, lighthouse: str, log_path: s
     os._exit(0)
 
 
+def _torchft_replica(model, opt):
+    """torchft's DiLoCo side of a replica: its outer optimizer, the step state, and the state_dict
+    callbacks its Manager heals with (a heal marks the state healed)."""
+    outer_opt = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    state = {"step": 0, "healed": False}
+
+    def load(sd):
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["opt"])
+        state.update(step=sd["step"], healed=True)
+
+    def save():
+        return {"model": model.state_dict(), "opt": opt.state_dict(), "step": state["step"]}
+
+    return outer_opt, state, load, save
+
+
 def torchft_replica(cfg: Dict[str, Any], rid: str, lighthouse: str, log_path: str) -> None:
     import logging
 
@@ -161,16 +178,7 @@ def torchft_replica(cfg: Dict[str, Any], rid: str, lighthouse: str, log_path: st
     torch.manual_seed(1000 + cfg["seed"])
     model = w.model()
     opt, sched = w.make_optimizer(model.parameters())
-    outer_opt = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    state = {"step": 0, "healed": False}
-
-    def load(sd):
-        model.load_state_dict(sd["model"])
-        opt.load_state_dict(sd["opt"])
-        state.update(step=sd["step"], healed=True)
-
-    def save():
-        return {"model": model.state_dict(), "opt": opt.state_dict(), "step": state["step"]}
+    outer_opt, state, load, save = _torchft_replica(model, opt)
 
     store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     timeout = timedelta(seconds=TIMEOUT_S)

@@ -19,7 +19,7 @@ from typing import Any, Dict
 
 import torch
 
-from .churn import TIMEOUT_S, _inner_step, _Log, _place, _weights_hash, _workload
+from .churn import TIMEOUT_S, _inner_step, _Log, _place, _torchft_replica, _weights_hash, _workload
 
 
 def torchft_island_rank(cfg: Dict[str, Any], k: int, r: int, inc: int, log_path: str) -> None:
@@ -43,16 +43,7 @@ def torchft_island_rank(cfg: Dict[str, Any], k: int, r: int, inc: int, log_path:
     torch.manual_seed(1000 + cfg["seed"])
     model = torch.nn.parallel.DistributedDataParallel(w.model())
     opt, sched = w.make_optimizer(model.parameters())
-    outer_opt = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    state = {"step": 0, "healed": False}
-
-    def load(sd):
-        model.load_state_dict(sd["model"])
-        opt.load_state_dict(sd["opt"])
-        state.update(step=sd["step"], healed=True)
-
-    def save():
-        return {"model": model.state_dict(), "opt": opt.state_dict(), "step": state["step"]}
+    outer_opt, state, load, save = _torchft_replica(model, opt)
 
     _keep, shost, sport = island_store(dist.group.WORLD, host, timeout)
     transport = HostTransport(host, timeout)
