@@ -58,7 +58,7 @@ def island(k: int, device: str, state: str, lighthouse: str, steps: int, sync_ev
               "params": str(f.device)}
     out.put({"island": k, "hashes": hashes, "placed": placed,
              "weights_are_master": bool(torch.equal(flat, f.master.detach().cpu()))})
-    manager.shutdown(wait=False)
+    outer.shutdown()  # waits for the island: rank 0 serves its should_commit
 
 
 def run(device: str, state: str, steps: int, sync_every: int) -> list:

@@ -63,7 +63,7 @@ def replica(a, rid: str, lighthouse: str, log: str, stop: str) -> None:
         loss = float((net(x) - x.roll(1, dims=1)).pow(2).mean())
     out.write(json.dumps({"id": rid, "t": time.time(), "mid": False, "done": True, "heldout": loss}) + "\n")
     out.close()
-    manager.shutdown(wait=False)
+    outer.shutdown()  # waits for the island: rank 0 serves its should_commit
     os._exit(0)
 
 

@@ -113,7 +113,7 @@ def main(argv=None) -> None:
         loss = float((net(x) - x @ target).pow(2).mean())  # every rank: FSDP2 gathers in forward
     print(json.dumps({"island": a.island, "rank": rank, "done": True, "stats": outer.stats, "heldout": loss}),
           flush=True)
-    manager.shutdown(wait=False)
+    outer.shutdown()  # waits for the island: rank 0 serves its should_commit
     sys.stdout.flush()
     os._exit(0)  # torchft's threads: exit without waiting for them
 

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ._bytes import tensor_bytes
+from .comm.header import all_gather_single
 from .diloco.replicas import save_key
 
 __all__ = ["FORMAT", "KINDS", "VERSION", "check_gathered", "gathered_state_dict", "kind_of", "load_gathered_state_dict"]
@@ -52,8 +53,6 @@ KINDS = ("ddp", "fsdp", "diloco")
 VERSION = 1
 _OK, _FAILED = 0, 1
 _MAX_BYTES = 1 << 40  # a length beyond this from a peer is garbage, not a state
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def kind_of(state: Any) -> str:
@@ -170,7 +169,7 @@ def _exchange(status: int, payload: bytes, group, world: int, rank: int, dst: Op
     head = torch.tensor([status, len(payload)], dtype=torch.int64, device=dev)
     heads = torch.empty(world * 2, dtype=torch.int64, device=dev)
     # Every rank needs the lengths (to pad), so the small header is all-gathered even with dst.
-    _all_gather_single(heads, head, group=group)
+    all_gather_single(heads, head, group=group)
     heads = heads.cpu().view(world, 2)
     lengths = heads[:, 1].tolist()
     if any(n < 0 or n > _MAX_BYTES for n in lengths):
@@ -182,7 +181,7 @@ def _exchange(status: int, payload: bytes, group, world: int, rank: int, dst: Op
     failed = [r for r in range(world) if int(heads[r, 0]) != _OK]
     if dst is None or failed:  # (every rank sees the same heads: a failure's reason goes to all)
         every = torch.empty(world * width, dtype=torch.uint8, device=dev)
-        _all_gather_single(every, mine, group=group)
+        all_gather_single(every, mine, group=group)
     else:
         every_list = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(world)] if rank == dst else None
         dist.gather(mine, every_list, group_dst=dst, group=group)

@@ -155,12 +155,7 @@ def test_islands_2x2_fsdp2_churn(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,codec,mode", [
-    ("fsdp", "int8", "exact"), ("ddp", "sparse", "ordered"),
-    # Known flake, open: in 1 of 2 quiet runs of `make test-slow` on the merged tree, a rank of this
-    # churn exited on a torchft "transport error" mid-heal (alone, it passed 2 of 2). Not strict:
-    # reported as XPASS/XFAIL until its cause is found.
-    pytest.param("ddp", "int4", "exact", marks=pytest.mark.xfail(
-        strict=False, reason="a rank's torchft transport error mid-heal, 1 of 2 runs (open)"))])
+    ("fsdp", "int8", "exact"), ("ddp", "sparse", "ordered"), ("ddp", "int4", "exact")])
 def test_islands_2x2_other_codecs_and_modes(tmp_path, kind, codec, mode):
     _churn_2x2(tmp_path, kind, codec, mode)
 

@@ -46,7 +46,7 @@ FLOORS: List[Tuple[str, List[str]]] = [
                       "flatcomm.diloco.replicas", "flatcomm.diloco.options", "flatcomm.diloco.checkpoint", "flatcomm.diloco.outer",
                       "flatcomm.diloco.replica_state"]),
     ("elastic", ["flatcomm.elastic.group", "flatcomm.elastic.exchange", "flatcomm.elastic.heal",
-                 "flatcomm.elastic.data", "flatcomm.elastic.island", "flatcomm.elastic.diloco",
+                 "flatcomm.elastic.data", "flatcomm.elastic.island", "flatcomm.elastic.checks", "flatcomm.elastic.diloco",
                  "flatcomm.elastic.replica"]),
     ("checkpoints", ["flatcomm.rank_states"]),
     ("adapters", ["flatcomm.integrations._common", "flatcomm.integrations.lightning",

@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..comm.header import all_gather_single
 from ..ops.codecs import Codec
 
 __all__ = ["Auto", "CANDIDATES", "Choice", "choose", "sync_bytes"]
@@ -147,7 +148,7 @@ def _probe(group, device: torch.device, nbytes: int, world: int) -> float:
     for _ in range(3):
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        dist.all_gather_into_tensor(dst, src, group=group)
+        all_gather_single(dst, src, group=group)
         best = min(best, time.perf_counter() - t0)
     return best
 

@@ -28,8 +28,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import math
-import numbers
 import time
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
@@ -41,7 +39,7 @@ from ..diloco import replicas
 from ..diloco.state import Fragment, Workspace, outer_step
 from ..ops.codecs import resolve
 from . import exchange, heal
-from .group import QuorumGroup
+from .checks import check_manager as _check_manager, positive as _positive
 from .island import Island
 
 __all__ = ["ElasticDiLoCo", "Round"]
@@ -68,32 +66,6 @@ JOIN_ATTEMPTS = 10  # join rounds before construction gives up
 
 
 _Mismatch = exchange.Mismatch
-
-
-def _positive(v: Any, what: str, integer: bool = False) -> Any:
-    ok = not isinstance(v, bool) and isinstance(v, numbers.Integral if integer else numbers.Real)
-    if not ok or not math.isfinite(float(v)) or v < (1 if integer else 0):
-        raise ValueError(f"flatcomm.elastic: {what} must be {'an int >= 1' if integer else 'a finite number >= 0'}, "
-                         f"got {v!r}")
-    return int(v) if integer else float(v)
-
-
-def _check_manager(manager, island: Island) -> QuorumGroup:
-    pg = getattr(manager, "_pg", None)  # torchft 0.2 has no public getter for it
-    if not isinstance(pg, QuorumGroup):
-        raise TypeError(f"flatcomm.elastic: the manager's process group must be a flatcomm.elastic.QuorumGroup "
-                        f"(torchft.Manager(pg=QuorumGroup(timeout=...), ...), or flatcomm.elastic.make_manager), "
-                        f"got {type(pg).__name__}")
-    if getattr(manager, "_use_async_quorum", True):
-        raise ValueError("flatcomm.elastic: the manager must be made with use_async_quorum=False: a replica "
-                         "heals before its sync's exchange, not during it")
-    made = (getattr(manager, "_group_rank", 0), getattr(manager, "_group_world_size", 1))
-    if made != (island.rank, island.size):
-        raise ValueError(f"flatcomm.elastic: the manager was made for rank {made[0]} of an island of {made[1]}, "
-                         f"but this rank is {island.rank} of {island.size} in the island's group "
-                         f"(make_manager(..., island=group))")
-    return pg
-
 
 
 class ElasticDiLoCo:
@@ -131,7 +103,7 @@ class ElasticDiLoCo:
                  resume: Optional[Dict[str, Any]] = None, island=None, data: Any = None,
                  state_device: str = "host") -> None:
         self.island = island if isinstance(island, Island) else Island(island)
-        self._pg = _check_manager(manager, self.island)
+        self._quorum = _check_manager(manager, self.island)
         self.manager = manager
         if data is not None and not (callable(getattr(data, "state_dict", None))
                                      and callable(getattr(data, "load_state_dict", None))):
@@ -259,7 +231,7 @@ class ElasticDiLoCo:
         """(new master, new momentum, residuals, layout, applied, the island's whole master or None)
         of this round; changes nothing. ``ok``: this replica joined the round well (False: its heal
         or group set-up failed)."""
-        group = self._pg.current()
+        group = self._quorum.current()
         layout = (group.rank(), group.size())
         contributes = self._trained and not self._healed
         r.quorum = group.size()
@@ -295,7 +267,7 @@ class ElasticDiLoCo:
         the island). A rank whose exchange failed gathers its old master: the others are not kept
         waiting for it, and the island commits nothing anyway."""
         try:
-            whole = self.island.gather(self.fragment.master if result is None else result[0], self._pg.op_timeout)
+            whole = self.island.gather(self.fragment.master if result is None else result[0], self._quorum.op_timeout)
         except Exception as e:  # noqa: BLE001 - a rank of the island died: the launcher takes the island out
             self._report(e)
             return None
@@ -394,3 +366,13 @@ class ElasticDiLoCo:
     def close(self) -> None:
         """Remove the hook from the inner optimizer."""
         self._hook.remove()
+
+    def shutdown(self) -> bool:
+        """Leave: :meth:`close`, wait (the manager's timeout at most) until every rank of the island
+        is here, then shut the manager down. Island rank 0's manager answers the island's
+        ``should_commit``: a rank 0 that left first could cut another rank's last answer. Returns
+        whether the whole island got here."""
+        self.close()
+        together = self.island.barrier(self._quorum.op_timeout)
+        self.manager.shutdown(wait=False)
+        return together

@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..comm.header import all_gather_single
 from ..diloco.schedule import Piece, local_tensor, split
 
 __all__ = ["Island"]
@@ -101,10 +102,21 @@ class Island:
         mine = torch.zeros(width, dtype=torch.float32, device=device)
         mine[:share.numel()].copy_(share)
         rows = torch.empty(self.size * width, dtype=torch.float32, device=device)
-        work = dist.all_gather_into_tensor(rows, mine, group=self.group, async_op=True)
+        work = all_gather_single(rows, mine, group=self.group, async_op=True)
         if not work.wait(timeout):
             raise TimeoutError(f"flatcomm.elastic: the island's all-gather of the new master took over {timeout}")
         return torch.cat([rows[r * width:r * width + n] for r, n in enumerate(sizes)])
+
+    def barrier(self, timeout: timedelta) -> bool:
+        """Whether every rank of the island reached this call within ``timeout`` (False on an error)."""
+        if self.group is None:
+            return True
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" \
+            else torch.device("cpu")
+        try:
+            return bool(dist.all_reduce(torch.ones(1, device=device), group=self.group, async_op=True).wait(timeout))
+        except Exception:  # noqa: BLE001 - a rank of the island is gone: the caller is leaving anyway
+            return False
 
     def write_all(self, full: torch.Tensor) -> None:
         """Set every parameter of the model from the island's whole flat master ``full``."""

@@ -174,7 +174,7 @@ def main(argv=None) -> None:
         opt.step()
     emit("done", stats=outer.stats)
     log.close()
-    manager.shutdown(wait=False)
+    outer.shutdown()  # waits for the island: rank 0 serves its should_commit
     os._exit(0)
 
 

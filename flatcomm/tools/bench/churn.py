@@ -142,7 +142,7 @@ def flatcomm_replica(cfg: Dict[str, Any], rid: str, lighthouse: str, log_path: s
             log("mid", mstep=manager.current_step(), step=outer.step)
         _inner_step(w, model, opt, sched, outer.step, rank)
     _finish(log, w, model, outer.step)
-    manager.shutdown(wait=False)
+    outer.shutdown()
     os._exit(0)
 
 

@@ -91,7 +91,7 @@ def island_rank(cfg: Dict[str, Any], k: int, r: int, inc: int, log_path: str) ->
         time.sleep(max(0.0, cfg["step_s"] - (time.perf_counter() - t)))  # a larger model's compute
     log("done", island=k, rank=r, inc=inc, step=outer.step, heldout=held_out_loss(w, model.module))
     log.f.close()
-    manager.shutdown(wait=False)
+    outer.shutdown()  # waits for the island: rank 0 serves its should_commit
     os._exit(0)
 
 

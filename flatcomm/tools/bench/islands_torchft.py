@@ -74,5 +74,6 @@ def torchft_island_rank(cfg: Dict[str, Any], k: int, r: int, inc: int, log_path:
                     part=numel, hash=_weights_hash(model.module))
     log("done", island=k, rank=r, inc=inc, step=state["step"], heldout=held_out_loss(w, model.module))
     log.f.close()
+    dist.barrier()  # the island's rank 0 serves its should_commit: none leaves before the others' answer
     manager.shutdown(wait=False)
     os._exit(0)
