@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import context, standalone
+from . import context, standalone, wire
 
 __all__ = ["EXCHANGE_ALONE", "exchanges", "forget", "has_private", "group_timeout", "is_private", "private_group",
            "settle_at_exit", "SMALL_SLOT"]
@@ -154,6 +154,11 @@ def private_group(group=None, *, timeout: Optional[timedelta] = None):
         # Members only synchronise when the parent is a subgroup: non-members never get here.
         pg = dist.new_group(ranks, timeout=t, use_local_synchronization=len(ranks) != dist.get_world_size(),
                             group_desc="flatcomm")
+        try:
+            wire.handshake(pg, len(ranks))  # before any call header travels on it
+        except Exception:
+            dist.destroy_process_group(pg)
+            raise
         ctx.set(_PRIVATE, pg)
         # The flatcomm backend's groups carry small reductions in their call headers (a payload slot
         # in every row, flatcomm.comm.header); elsewhere those bytes would go with every large call.

@@ -24,6 +24,8 @@ from typing import List, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from . import wire
+
 __all__ = ["adopt", "check_timeout", "gloo_group", "is_standalone", "private_of", "rank", "ranks", "store_of"]
 
 PRIVATE_PREFIX = "flatcomm/private"  # the private copy's store prefix, under the group's own store
@@ -126,5 +128,6 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta,
         raise ValueError(f"flatcomm: rank must be in [0, {size}), got {rank}")
     group = _gloo(store, rank, size, connect, timeout)
     private = _gloo(dist.PrefixStore(PRIVATE_PREFIX, store), rank, size, connect, timeout)
+    wire.handshake(private, size)  # before any call header travels on it
     adopt(group, private, store)
     return group
