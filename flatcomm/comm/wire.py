@@ -44,7 +44,7 @@ def handshake(pg, size: int, mine: torch.Tensor = None) -> None:
     timeout) and raise on every member unless all are equal. ``mine``: this member's row (tests)."""
     mine = (row() if mine is None else mine).to(_device(pg))
     table = torch.empty(size * WORDS, dtype=torch.int64, device=mine.device)
-    pg._allgather_base(table, mine).wait()
+    pg.all_gather_single(table, mine).wait()
     rows: List[List[int]] = table.view(size, WORDS).tolist()
     if all(r == rows[0] for r in rows):
         return
