@@ -232,4 +232,5 @@ def test_exiting_with_calls_in_flight_neither_aborts_nor_hangs(world, tmp_path):
     took = time.monotonic() - t0
     for p, out in zip(procs, outs):
         assert p.returncode == 0 and "posted" in out, out[-2000:]
+        assert "Traceback" not in out, out[-2000:]  # (draining at exit once failed on a shut executor)
     assert took < 60, took

@@ -13,7 +13,7 @@ from flatcomm.tools import spawn
 
 # The row layout that WIRE_VERSION names. A change to the header's fields, reason bytes or slot
 # changes this: bump wire.WIRE_VERSION and write the new pair here.
-LAYOUTS = {2: "faa92f3b2f59"}
+LAYOUTS = {3: "faa92f3b2f59"}
 
 
 def _layout() -> str:

@@ -22,6 +22,16 @@ std::vector<int64_t> finished;  // (guarded by finished_mutex)
 // left at exit is dropped with the process, not after the interpreter is gone.
 auto* unheld = new std::vector<c10::intrusive_ptr<NativeWork>>();
 
+// Run by the interpreter's main thread, with the GIL, soon after release_work asked for it: the
+// Works kept hold the caller's tensor (the future's value), which must not wait for the next
+// native call to be let go (a 1 GB gradient kept alive by a call that finished long ago).
+int drop_unheld(void*) {
+  std::vector<c10::intrusive_ptr<NativeWork>> drop;
+  std::lock_guard<std::mutex> lock(finished_mutex);
+  drop.swap(*unheld);
+  return 0;  // (`drop` goes after the lock)
+}
+
 }  // namespace
 
 NativeWork::NativeWork(at::Tensor out, int64_t token)
@@ -58,11 +68,15 @@ bool NativeWork::wait(std::chrono::milliseconds timeout) {
 }
 
 void release_work(c10::intrusive_ptr<NativeWork>& work) {
+  bool first = false;
   if (work && work.use_count() == 1) {  // (a waiter dropping its own at this moment: the GIL taken here, rarely)
     std::lock_guard<std::mutex> lock(finished_mutex);
+    first = unheld->empty();
     unheld->push_back(std::move(work));
   }
   work.reset();
+  // Py_AddPendingCall needs no GIL. A full queue (-1) leaves them to the next native_finished().
+  if (first && python_alive()) Py_AddPendingCall(&drop_unheld, nullptr);
 }
 
 std::vector<int64_t> native_finished() {

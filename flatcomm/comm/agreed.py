@@ -11,10 +11,12 @@ How it stays safe:
 * **Plans.** A lossless fp32 all-reduce (:func:`capable`) whose header every rank's table agreed
   on becomes a plan of its group, numbered 1, 2, ... in the order the group agreed them. Every rank
   updates its plans from the same table at the same call (:meth:`CallHeader.error
-  <flatcomm.comm.header.CallHeader.error>`), so the ranks' plans stay equal; a failed check drops
-  them all on every rank. A row carries its rank's count of plans (the ``agreed plans`` field): a
-  rank that missed an update (its header exchange failed) raises a named error at the next such
-  call, and every rank starts over. So two ranks' plan p is always the same signature.
+  <flatcomm.comm.header.CallHeader.error>`), so the ranks' plans stay equal, also through a failed
+  check (every rank read the same table). A row carries its rank's count of plans (the ``agreed
+  plans`` field): a rank that missed an update (its header exchange failed) raises a named error
+  at the next such call, and every rank starts over (:func:`drifted`). So two ranks' plan p is
+  always the same signature. (Dropping the plans at every failed check made the next correct call
+  fail too when one rank had posted it on a plan before it settled the failure and its peer after.)
 * **Tags.** The point-to-point transfers of a call on plan p carry tags ``p << 16`` + 1, + 2, ...
   (:func:`tag_base`; 0 for a call on no plan). Ranks making calls of different signatures
   therefore never match each other's transfers: no receive meets a send of another size.
@@ -41,13 +43,14 @@ from .header_table import _FIXED, MAGIC, early_of
 from .shards import shard_bounds
 from ..ops.codecs import CODECS, resolve
 
-__all__ = ["MAX_PLANS", "TAG_SHIFT", "agree", "capable", "count", "fill", "forget", "plan_id", "tag_base"]
+__all__ = ["MAX_PLANS", "TAG_SHIFT", "agree", "capable", "count", "count_field", "drifted", "failed", "fill", "forget", "plan_id", "tag_base"]
 
 TAG_SHIFT = 16  # a call's own tags count up below this bit (MAX_CHUNKS keeps them there)
 MAX_PLANS = (1 << (31 - TAG_SHIFT)) - 1  # tags stay non-negative int32s
 MAX_CHUNKS = (1 << (TAG_SHIFT - 1)) - 1  # a call takes two tags per chunk
 FILL_LIMIT = 1 << 26  # values of a call a rank answers (fill) on a peer's word alone: 256 MB of fp32
 _PLANS = "agreed plans"  # context slot: {signature: plan number}
+_COUNT = "agreed plans"  # the header field: a row's count of plans
 
 # The header's ids (flatcomm.comm.header: KIND_IDS, DTYPES, MODES, DEVICE_TYPES) of what a plan is.
 _ALL_REDUCE, _FP32_CODEC, _FP32, _ORDERED, _CPU = 3, CODECS.index("fp32"), 0, 0, 0
@@ -75,6 +78,12 @@ def count(group) -> int:
     return len(_plans(group))
 
 
+def count_field(group) -> Tuple[str, int]:
+    """The header field of a row that may agree a plan: 1 + this rank's count of plans (0 is a row
+    that carries no count)."""
+    return _COUNT, 1 + count(group)
+
+
 def agree(group, fields: Sequence[Tuple[str, int]]) -> None:
     """Every rank's row agreed on ``fields`` (a :func:`capable` call): a plan of its own, if new."""
     plans = _plans(group)
@@ -84,8 +93,24 @@ def agree(group, fields: Sequence[Tuple[str, int]]) -> None:
 
 
 def forget(group) -> None:
-    """A check failed: the plans start over (on every rank, which all saw the failing table)."""
+    """The ranks' plans drifted apart: they start over (on every rank, which all saw the table)."""
     _plans(group).clear()
+
+
+def drifted(table: torch.Tensor, names: Sequence[str]) -> bool:
+    """Whether a failed check's ``table`` says the ranks' plans differ: the rows that could agree a
+    plan carry different counts of plans (a rank missed a table that agreed one), or a row is not
+    a header. Any other failure leaves the plans alone: every rank read the same table and agreed
+    nothing new from it, so their plans are still equal, and a call posted before this rank
+    settled the failure (on a plan) pairs with a peer's posted after it (on the same plan)."""
+    counts = set()
+    for r in range(table.shape[0]):
+        f = dict(zip(names, table[r, _FIXED:_FIXED + len(names)].tolist()))
+        if int(table[r, 0]) != MAGIC:
+            return True
+        if f.get(_COUNT, 0) > 0:  # (a row that could agree a plan)
+            counts.add(f[_COUNT])
+    return len(counts) > 1
 
 
 def tag_base(plan: int) -> int:
@@ -139,3 +164,12 @@ def fill(group, table: torch.Tensor, names: Sequence[str], mine: int) -> List[di
             if outgoing:
                 works.append(dist.isend(zeros[:outgoing], group=group, group_dst=q, tag=tag_base(plan) + offset))
     return [w for w in works if w is not None]
+
+
+def failed(group, table: torch.Tensor, names: Sequence[str], mine: int) -> List[dist.Work]:
+    """A check of ``table`` failed: :func:`fill` the early peers' transfers (returned, to wait
+    for), and :func:`forget` the plans where they :func:`drifted`."""
+    works = fill(group, table, names, mine)
+    if drifted(table, names):
+        forget(group)
+    return works

@@ -143,6 +143,8 @@ def _shown(name: str, v: int):
             return "a flatcomm sum" if v == 0 else dist.ReduceOp.RedOpType(v - 1).name
         if name == "device":
             return DEVICE_TYPES[v]
+        if name == "agreed plans":  # (agreed.count_field)
+            return v - 1 if v > 0 else "none"
     except Exception:  # noqa: BLE001 - a peer's row is untrusted: a value no name fits is shown as it is
         return v
     if name in ("topk ratio", "intra topk ratio", "op scale"):
@@ -165,11 +167,9 @@ def _exchange_table(group, mine: torch.Tensor, device: torch.device, async_op: b
         world = group.size()
         table = torch.empty(world, mine.numel(), dtype=torch.int64)
         return dist.Work.unbox(ops.gather_header(group.boxed(), table, mine)), table
-    else:
-        world = dist.get_world_size(group)
-        allv = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-        work = all_gather_single(allv, mine.to(device), group=group, async_op=async_op)
-    return work, allv.view(world, -1)
+    world = dist.get_world_size(group)
+    allv = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+    return all_gather_single(allv, mine.to(device), group=group, async_op=async_op), allv.view(world, -1)
 
 
 def _ranks_of(group) -> List[int]:
@@ -237,7 +237,7 @@ class CallHeader:
                  agree: bool = False, early: int = 0):
         self.agree: Optional[List[Tuple[str, int]]] = list(fields) if agree else None
         if agree:
-            fields = list(fields) + [("agreed plans", agreed.count(group))]
+            fields = list(fields) + [agreed.count_field(group)]
         self._start(group, fields, early, next_call(group))
         if reason is not None:
             _publish(group, self.call, reason)
@@ -337,8 +337,7 @@ class CallHeader:
         if self._group is not None and group is None:
             return
         if self._error is not None:
-            self._fills = agreed.fill(group, self.table.cpu(), FIELDS, self.early)
-            agreed.forget(group)
+            self._fills = agreed.failed(group, self.table.cpu(), FIELDS, self.early)
         elif self.agree is not None:
             agreed.agree(group, self.agree)
 

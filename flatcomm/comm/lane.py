@@ -55,7 +55,7 @@ def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> Opt
     if plan == 0 or a.plan is None or not groups.exchanges(group):
         return None
     lane = lane_of(group)
-    fields = list(a.fields) + [("agreed plans", agreed.count(group))]
+    fields = list(a.fields) + [agreed.count_field(group)]
     token, mine, table = native_calls.record(group, a.fields, fields, plan, a.world)
     p = a.plan
     pieces = [p.bounds[d] + x for d in range(p.world) for x in p.chunk_bounds[d]]

@@ -22,7 +22,7 @@ from .._version import __version__
 __all__ = ["WIRE_VERSION", "WORDS", "handshake", "row"]
 
 MAGIC = 0x66637769  # "fcwi"
-WIRE_VERSION = 2
+WIRE_VERSION = 3  # 3: a header's count of agreed plans is 1 + the count (0: none)
 WORDS = 4  # never changes: a row of another length is the abort this handshake exists to prevent
 
 

@@ -202,12 +202,19 @@ def drain(key) -> bool:
     if is_on(key):
         return False  # (closing from the worker itself: its own call is one of them)
     lane = _lane(key)
-    done = _enqueue(key, lambda: None)  # runs once everything before it finished
+    try:
+        done = _enqueue(key, lambda: None)  # runs once everything before it finished
+    except RuntimeError:  # the interpreter is exiting: the worker's executor ran what it had
+        done = None
     seen, last = None, time.monotonic()
     while True:
         try:
-            done.result(timeout=0.05)
-            return True
+            if done is not None:
+                done.result(timeout=0.05)
+                return True
+            if not (_native_in_flight(key) or lane.posted_pending()):
+                return True
+            time.sleep(0.05)
         except concurrent.futures.TimeoutError:
             pass
         except Exception:  # noqa: BLE001 - e.g. the lane's drain timed out
