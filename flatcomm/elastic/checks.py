@@ -8,6 +8,8 @@ from typing import Any
 from .group import QuorumGroup
 from .island import Island
 
+__all__ = ["check_manager", "positive"]
+
 
 def positive(v: Any, what: str, integer: bool = False) -> Any:
     ok = not isinstance(v, bool) and isinstance(v, numbers.Integral if integer else numbers.Real)
