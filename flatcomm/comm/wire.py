@@ -13,7 +13,7 @@ Bump :data:`WIRE_VERSION` with any change to a header's row or a payload's forma
 from __future__ import annotations
 
 import zlib
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -39,7 +39,7 @@ def _device(pg) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
 
 
-def handshake(pg, size: int, mine: torch.Tensor = None) -> None:
+def handshake(pg, size: int, mine: Optional[torch.Tensor] = None) -> None:
     """All-gather the members' rows on ``pg`` (``size`` members; blocking, bounded by ``pg``'s own
     timeout) and raise on every member unless all are equal. ``mine``: this member's row (tests)."""
     mine = (row() if mine is None else mine).to(_device(pg))
