@@ -43,7 +43,8 @@ from .header_table import _FIXED, MAGIC, early_of
 from .shards import shard_bounds
 from ..ops.codecs import CODECS, resolve
 
-__all__ = ["MAX_PLANS", "TAG_SHIFT", "agree", "capable", "count", "count_field", "drifted", "failed", "fill", "forget", "plan_id", "tag_base"]
+__all__ = ["MAX_PLANS", "TAG_SHIFT", "agree", "capable", "count", "count_field", "drifted", "failed", "fill", "forget",
+           "plan_id", "tag_base"]
 
 TAG_SHIFT = 16  # a call's own tags count up below this bit (MAX_CHUNKS keeps them there)
 MAX_PLANS = (1 << (31 - TAG_SHIFT)) - 1  # tags stay non-negative int32s
@@ -105,9 +106,9 @@ def drifted(table: torch.Tensor, names: Sequence[str]) -> bool:
     settled the failure (on a plan) pairs with a peer's posted after it (on the same plan)."""
     counts = set()
     for r in range(table.shape[0]):
-        f = dict(zip(names, table[r, _FIXED:_FIXED + len(names)].tolist()))
         if int(table[r, 0]) != MAGIC:
             return True
+        f = dict(zip(names, table[r, _FIXED:_FIXED + len(names)].tolist()))
         if f.get(_COUNT, 0) > 0:  # (a row that could agree a plan)
             counts.add(f[_COUNT])
     return len(counts) > 1
