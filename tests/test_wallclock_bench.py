@@ -32,6 +32,12 @@ def _pt(row, seed, evals, **kw):
             "step_s": 0.1, "syncs": 20, "tx_bytes_per_param_per_sync": 0.5, "params": 1000, "H": 15, **kw}
 
 
+def test_a_run_reaches_its_own_loss_at_the_budget():
+    curve = [[0.0, 4.9], [135.1, 1.2], [150.31, 1.1433]]
+    for budget in (150.0, 149.7, 143.3):
+        assert rep.time_to(curve, rep.loss_at(curve, budget), until=budget) == pytest.approx(budget)
+
+
 def test_summary_pairs_targets_by_seed_and_keeps_skipped_rows():
     pts = [_pt("int4", 0, [[0, 4.0], [30, 2.0]]), _pt("int4", 1, [[0, 4.0], [30, 3.0]]),
            _pt("ddp", 0, [[0, 4.0], [30, 3.0]]), _pt("ddp", 1, [[0, 4.0], [30, 3.5]]),
@@ -42,6 +48,7 @@ def test_summary_pairs_targets_by_seed_and_keeps_skipped_rows():
     assert s["best"] == "auto"
     r = s["rows"]
     assert r["int4"]["loss"]["mean"] == pytest.approx(2.5) and r["int4"]["to_target"]["mean"] == pytest.approx(30)
+    assert r["int4"]["reached"] == 2  # its own loss at the budget, at the budget
     assert r["ddp"]["reached"] == 0 and r["ddp"]["paired"] == 2 and r["ddp"]["to_target"]["n"] == 0
     auto = r["auto"]
     assert auto["loss"]["min"] == pytest.approx(1.6 + 0.4 * 2 / 12) and auto["loss"]["max"] == pytest.approx(2.0)

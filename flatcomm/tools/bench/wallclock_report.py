@@ -45,7 +45,7 @@ def time_to(curve: Sequence[Sequence[float]], target: float, until: Optional[flo
     for (t0, v0), (t1, v1) in zip(pts, pts[1:]):
         if v1 <= target:
             t = t0 + (t1 - t0) * (v0 - target) / (v0 - v1)
-            return t if until is None or t <= until else None
+            return t if until is None or t <= until * (1 + 1e-9) else None  # (the budget's own loss: rounding)
     return None
 
 
@@ -99,7 +99,7 @@ def markdown(summary: Dict[str, Any]) -> str:
         out += [f"**{link}**, {s['seconds']:g} s of wall-clock per run, 2 replicas, "
                 f"{s['params'] or 0:,} parameters, H = {s['H']}: mean [min, max] over seeds (n)", "",
                 "| row | held-out loss at the budget | time to int4's loss, s (reached) | s per inner step "
-                "| syncs | B/param/sync off a node | note |", "|---|---|---|---|---|---|---|"]
+                "| syncs (DDP: steps) | B/param/sync (DDP: step) off a node | note |", "|---|---|---|---|---|---|---|"]
         for row, r in s["rows"].items():
             loss = _cell(r["loss"], ".4f") + f" ({r['loss']['n']})"
             if row == s["best"]:
