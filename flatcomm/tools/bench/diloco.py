@@ -37,6 +37,8 @@ this machine's kernel has no netem, so no delay): each replica is a node of one 
 * **islands** (``--islands NxW``, instead of the rest): N islands of W ranks (DDP inside), 100 Mbit/s
   between islands, a rank or a whole island killed and restarted on a schedule: goodput, failure to
   next commit, heal time and bytes per rank, held-out loss (:mod:`flatcomm.tools.bench.islands`).
+* **wallclock** (``--wallclock 10mbit,100mbit``, instead of the rest): held-out loss at a fixed
+  wall-clock budget, DDP and every DiLoCo row, per link (:mod:`flatcomm.tools.bench.wallclock`).
 """
 from __future__ import annotations
 
@@ -363,6 +365,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
     churn.add_arguments(ap)
     islands.add_arguments(ap)
+    from . import wallclock  # (it imports this module's helpers)
+
+    wallclock.add_arguments(ap)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -373,8 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    if a.churn or a.islands:
-        runs = churn.run_bench(a) if a.churn else islands.run_bench(a)
+    if a.churn or a.islands or a.wallclock:
+        from . import wallclock
+
+        runs = churn.run_bench(a) if a.churn else islands.run_bench(a) if a.islands else wallclock.run_bench(a)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(runs, f, indent=1)
