@@ -1,13 +1,14 @@
 """DiLoCo(codec="auto"): the choice (densest candidate whose sync fits; the sparsest when none does),
 and on 2 gloo ranks: every replica takes the same codec from agreed measurements, records it in the
-stats and the checkpoint, and a resume keeps it (bit for bit with the uninterrupted run)."""
+stats and the checkpoint, and a resume keeps it (bit for bit with the uninterrupted run); a sparse
+choice runs the sparse recipe, bit for bit as the same codec and recipe named by hand."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from flatcomm.diloco import DiLoCo
-from flatcomm.diloco.auto import Auto, Choice, choose, sync_bytes
+from flatcomm.diloco.auto import SPARSE_RECIPE, Auto, Choice, Recipe, choose, sync_bytes
 from flatcomm.ops.codecs import Codec
 from flatcomm.tools import spawn
 
@@ -48,12 +49,25 @@ def test_a_choice_from_a_checkpoint_is_checked():
             Choice.from_dict(bad)
 
 
-def _train(rank, world, steps, knobs, save_at=None, resume=None):
+def test_auto_knobs_are_checked_and_the_default_recipe_keeps_the_repr():
+    # the repr enters a checkpoint's fingerprint: the default recipe leaves it as earlier releases wrote it
+    assert repr(Auto()) == "Auto(headroom=0.8, overhead=0.25, step_s=None, latency_s=None, bytes_per_s=None)"
+    assert "sparse_recipe=None" in repr(Auto(sparse_recipe=None))
+    assert (SPARSE_RECIPE.outer_lr, SPARSE_RECIPE.outer_momentum, SPARSE_RECIPE.error_decay) == (2.0, 0.0, 0.95)
+    for bad in (Recipe(outer_lr=-1.0), Recipe(outer_momentum=1.0), Recipe(error_decay=1.5),
+                Recipe(outer_lr=float("nan")), Recipe(outer_lr=float("inf")), Recipe(error_decay=True)):
+        with pytest.raises(ValueError, match="Recipe"):
+            Auto(sparse_recipe=bad).check()
+    with pytest.raises(TypeError, match="sparse_recipe"):
+        Auto(sparse_recipe=(2.0, 0.0, 0.95)).check()
+
+
+def _train(rank, world, steps, knobs, save_at=None, resume=None, **recipe):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 64))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     outer = DiLoCo(model, opt, sync_every=4, codec=knobs, fragments=2, fragment_sync_delay=1, verify_every=1,
-                   mode="exact")
+                   mode="exact", **recipe)
     start = 0
     if resume is not None:
         model.load_state_dict(resume["model"])
@@ -96,6 +110,13 @@ def _run(rank, world):
     out["measured"] = (measured["choice"]["codec"], measured["choice"]["fits"])
     out["weights"] = a["weights"]
     out["choice"] = measured["choice"]
+    # the sparse choice ran SparseLoCo's recipe: the same bits as the codec and recipe named by hand
+    chosen = Codec("sparse", keep=a["keep"])
+    by_hand = _train(rank, world, 12, chosen, outer_lr=2.0, outer_momentum=0.0, error_decay=0.95)
+    out["sparse recipe"] = torch.equal(a["weights"], by_hand["weights"])
+    kept = _train(rank, world, 12, Auto(bytes_per_s=2e4, latency_s=1e-3, step_s=0.01, sparse_recipe=None))
+    out["configured recipe"] = torch.equal(kept["weights"], _train(rank, world, 12, chosen)["weights"])
+    out["recipes differ"] = not torch.equal(kept["weights"], a["weights"])
     return out
 
 
@@ -107,6 +128,8 @@ def test_replicas_agree_record_and_resume_the_choice():
     assert torch.equal(r0["weights"], r1["weights"])
     assert r0["choice"] == r1["choice"]  # the same measurements on every replica
     assert r0["measured"][0] == "int4" and r0["measured"][1]
+    for r in (r0, r1):
+        assert r["sparse recipe"] and r["configured recipe"] and r["recipes differ"]
 
 
 def _with_topology(rank, world):

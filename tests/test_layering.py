@@ -43,7 +43,7 @@ FLOORS: List[Tuple[str, List[str]]] = [
                       "flatcomm.optim", "flatcomm.reproducible.determinism", "flatcomm.reproducible.layout",
                       "flatcomm.reproducible.accumulator", "flatcomm.stats",
                       "flatcomm.diloco.schedule", "flatcomm.diloco.auto", "flatcomm.diloco.state", "flatcomm.diloco.sync",
-                      "flatcomm.diloco.replicas", "flatcomm.diloco.options", "flatcomm.diloco.checkpoint", "flatcomm.diloco.outer",
+                      "flatcomm.diloco.replicas", "flatcomm.diloco.options", "flatcomm.diloco.config", "flatcomm.diloco.checkpoint", "flatcomm.diloco.outer",
                       "flatcomm.diloco.replica_state"]),
     ("elastic", ["flatcomm.elastic.group", "flatcomm.elastic.exchange", "flatcomm.elastic.heal",
                  "flatcomm.elastic.data", "flatcomm.elastic.island", "flatcomm.elastic.checks", "flatcomm.elastic.diloco",

@@ -206,7 +206,5 @@ def load_state_dict(outer, sd: Dict[str, Any]) -> None:
         f.commit(s["master"], s["momentum"], s["residuals"])
     outer.step, outer.syncs, outer.pending = prepared["step"], prepared["syncs"], prepared["in_flight"]
     outer.finished_at = prepared["finished_at"]
-    plan = outer.config.plan
-    if plan.auto is not None:  # the codec the saved run chose (or none yet: chosen at the next sync)
-        outer.auto_choice = prepared["auto"]
-        plan.set_codec(prepared["auto"].to_codec() if prepared["auto"] is not None else auto.PLACEHOLDER)
+    if outer.config.plan.auto is not None:  # the codec the saved run chose (or none yet: chosen at the next sync)
+        outer.take_choice(prepared["auto"])

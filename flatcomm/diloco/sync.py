@@ -45,10 +45,12 @@ class Plan:
         self.auto: Optional[Any] = None  # codec="auto": its knobs (flatcomm.diloco.auto.Auto); the codec is its choice
         self.set_codec(codec)
 
-    def set_codec(self, codec: Codec) -> None:
+    def set_codec(self, codec: Codec, error_decay: Optional[float] = None) -> None:
         """Sync with ``codec`` from the next launch on (``codec="auto"``'s choice: every candidate
-        keeps the residuals of a flat sync in the same shapes; fp32 keeps none in use)."""
+        keeps the residuals of a flat sync in the same shapes; fp32 keeps none in use), decaying the
+        residual by ``error_decay`` (None: the configured decay; auto's sparse recipe has its own)."""
         self.codec = codec
+        self.decay = self.error_decay if error_decay is None else float(error_decay)
         self.feedback = self.error_feedback and not codec.lossless
         self.gathered = self.mode == "exact" and not codec.lossless  # all-gather + exact sum
 
@@ -113,8 +115,8 @@ class Pending:
 def launch(plan: Plan, fragment: int, started: int, delta: torch.Tensor, residuals: List[torch.Tensor]) -> Pending:
     """Start the all-reduce of ``delta`` (consumed) with the fp32 working ``residuals``."""
     stats = C.CommStats()
-    if residuals and plan.error_decay != 1.0:
-        residuals[0].mul_(plan.error_decay)  # a working copy: committed only if the sync succeeds
+    if residuals and plan.decay != 1.0:
+        residuals[0].mul_(plan.decay)  # a working copy: committed only if the sync succeeds
     fb = plan.feedback_of(residuals)
     if plan.gathered:
         rows = torch.empty(plan.world * delta.numel(), dtype=torch.float32, device=delta.device)
