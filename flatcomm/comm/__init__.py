@@ -10,7 +10,8 @@ from __future__ import annotations
 from .args import ErrorFeedback, OpLike
 from .groups import group_timeout, private_group
 from .header import MODES
-from .pipeline import CommStats, shard_bounds
+from .layout import CommStats
+from .shards import shard_bounds
 from .spec import CallSpec
 from .topology import Topology
 from .two_level import TieredFeedback, TierStats

@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from . import groups, header, signature, standalone, worker
 from .header import DTYPES, MODES
-from .pipeline import CommStats, Plan, default_chunks, plan, shard_bounds
+from .layout import CommStats, Plan, default_chunks, plan
+from .shards import shard_bounds
 from .spec import CallSpec
 from ..ops.codecs import MAX_BLOCK, Codec, CodecLike, resolve
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from . import p2p
-from .pipeline import Pipeline, Plan
+from .layout import Plan
+from .pipeline import Pipeline
 from ..ops.sums import exact_sum
 
 __all__ = ["all_reduce", "reduce_scatter"]

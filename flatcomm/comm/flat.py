@@ -41,7 +41,8 @@ from . import args, exact, groups, p2p, small, worker
 from .args import ErrorFeedback
 from . import pipeline
 from .header import KIND_IDS
-from .pipeline import Pipeline, Plan, zero_copy
+from .layout import Plan
+from .pipeline import Pipeline, zero_copy
 from .small import rounding_into
 from .spec import CallSpec
 from ..ops.codecs import Codec, decode, encode, reencode_sum

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from . import agreed, context, groups, header, native_calls, worker
 from .args import Call
-from .pipeline import CommStats
+from .layout import CommStats
 from .spec import CallSpec
 from ..ops.native import extension, ops
 

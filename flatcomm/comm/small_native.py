@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import groups, header, lane, native_calls, p2p
 from .args import Call
-from .pipeline import CommStats
+from .layout import CommStats
 from .spec import CallSpec
 from ..ops.native import ops
 

@@ -18,7 +18,7 @@ from ..ops.sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM
 
 if TYPE_CHECKING:  # (the layers that check a spec import this module)
     from .args import ErrorFeedback, OpLike
-    from .pipeline import CommStats
+    from .layout import CommStats
     from .two_level_args import TieredFeedback, TierStats
 
 __all__ = ["CallSpec"]

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import args, groups, header, signature, worker
 from .args import ErrorFeedback
-from .pipeline import CommStats
+from .layout import CommStats
 from .spec import CallSpec
 from .topology import Topology
 from ..ops.codecs import Codec, CodecLike, resolve
