@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from .autotune import Decision, tuner_for
 from .comm import flat, two_level
-from .comm.args import ErrorFeedback, OpLike, in_step
+from .comm.args import ErrorFeedback, OpLike
+from .comm.rejected import in_step
 from .comm.groups import group_timeout, private_group
 from .comm.header import KIND_IDS, MODES
 from .comm.layout import CommStats

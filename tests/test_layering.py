@@ -23,7 +23,7 @@ FLOORS: List[Tuple[str, List[str]]] = [
              "flatcomm.ops.reference.sparse", "flatcomm.ops.reference.bits", "flatcomm.ops.reference.codecs", "flatcomm.ops.reference.sums",
              "flatcomm.ops.reference", "flatcomm.ops.cupy_backend.kernels", "flatcomm.ops.cupy_backend.launches",
              "flatcomm.ops.cupy_backend.ops", "flatcomm.ops.cupy_backend.nvrtc_cache", "flatcomm.ops.cupy_backend"]),
-    ("comm", ["flatcomm.comm.wire", "flatcomm.comm.context", "flatcomm.comm.standalone", "flatcomm.comm.labels", "flatcomm.comm.groups", "flatcomm.comm.streams", "flatcomm.comm.worker", "flatcomm.comm.header_table", "flatcomm.comm.shards", "flatcomm.comm.layout", "flatcomm.comm.agreed", "flatcomm.comm.header", "flatcomm.comm.signature", "flatcomm.comm.p2p",
+    ("comm", ["flatcomm.comm.wire", "flatcomm.comm.context", "flatcomm.comm.standalone", "flatcomm.comm.labels", "flatcomm.comm.groups", "flatcomm.comm.streams", "flatcomm.comm.worker", "flatcomm.comm.header_table", "flatcomm.comm.shards", "flatcomm.comm.layout", "flatcomm.comm.agreed", "flatcomm.comm.header", "flatcomm.comm.signature", "flatcomm.comm.p2p", "flatcomm.comm.rejected",
               "flatcomm.comm.pipeline", "flatcomm.comm.spec", "flatcomm.comm.args", "flatcomm.comm.exact", "flatcomm.comm.small", "flatcomm.comm.flat", "flatcomm.comm.native_calls", "flatcomm.comm.lane", "flatcomm.comm.small_native", "flatcomm.comm.route", "flatcomm.comm.prepared",
               "flatcomm.comm.topology", "flatcomm.comm.node", "flatcomm.comm.two_level_args", "flatcomm.comm.two_level_ordered",
               "flatcomm.comm.two_level"]),

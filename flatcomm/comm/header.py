@@ -11,7 +11,7 @@ with a ValueError or a TypeError), the signature fields (every one that decides 
 or layout, exactly: floats as their float64 bits), and for a failed call the reason (UTF-8). Every
 rank checks the same table, so every rank raises the same error, naming global ranks, at the same
 call, and the group stays in step: a rank whose arguments were rejected still sends its row
-(:func:`fail_in_step`) and every rank, that one included, raises "rank r failed: <reason>" (a
+(:func:`flatcomm.comm.rejected.fail_in_step`) and every rank, that one included, raises "rank r failed: <reason>" (a
 TypeError if rank r's was one; ranks with the same reason named once: "rank 1 and rank 3 failed").
 
 A reason longer than the row's :data:`REASON_BYTES` travels whole through the process group's
@@ -28,7 +28,6 @@ groups' rows carry none: its bytes would go with every large call on a slow link
 """
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import threading
 import weakref
@@ -37,14 +36,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import agreed, context, groups, standalone, worker
+from . import agreed, context, groups, standalone
 from .header_table import (FAILED_TYPE, FAILED_VALUE, MAGIC, OK, REASON_BYTES, _FIXED, _MORE, _float_of, _reason,
                            _reason_bytes, _reason_of, call_numbers, check, error_of, float_bits, length, row, set_early)
 from ..ops.codecs import CODECS
 from ..ops.native import extension, ops
 
 __all__ = ["ALL_DTYPES", "AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "KIND_IDS", "MAGIC", "MODES", "REASON_BYTES",
-           "SLOT_MAX_BYTES", "call_numbers", "check", "check_consistent", "error_of", "fail_in_step", "on_disagreement",
+           "SLOT_MAX_BYTES", "call_numbers", "check", "check_consistent", "error_of", "on_disagreement",
            "float_bits", "header_device", "length", "next_call", "row", "slot_of", "SLOT_OFFSET", "WIDTH"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
@@ -366,34 +365,6 @@ def header_device(group, device: torch.device, validate: bool) -> Optional[torch
     if device.type == "cpu" or has_cpu_backend(group):
         return torch.device("cpu")
     return device if validate else None
-
-
-def fail_in_step(group, kind: int, err: BaseException) -> Optional["concurrent.futures.Future"]:
-    """A rank whose arguments were rejected still takes part in the call's header exchange (status
-    failed, the reason), so that every rank of the call raises the same error ("rank r failed:
-    ...") and every rank's next call pairs with the peers' next call. Returns a future that fails
-    with that agreed error once every rank's row is in (or with ``err`` itself if the exchange
-    failed: the peers could not be told), or None when there is nobody to tell (one rank, no
-    usable group)."""
-    try:
-        if not groups.exchanges(group):
-            return None
-        device = torch.device("cpu") if has_cpu_backend(group) else torch.device("cuda", torch.cuda.current_device())
-    except Exception:  # noqa: BLE001 - no usable group: nothing to keep in step
-        return None
-    reason = f"{type(err).__name__}: {str(err).removeprefix('flatcomm: ')}"
-    status = FAILED_TYPE if isinstance(err, TypeError) else FAILED_VALUE
-
-    def body():
-        h = CallHeader(group, [("collective", kind)], device, reason, status)
-        try:
-            h.work.wait()
-        except Exception as x:  # noqa: BLE001 - the peers never answered: report our own error
-            raise err from x
-        verdict = h.error()
-        raise verdict if verdict is not None else err  # never None: this rank's row says failed
-
-    return worker.in_order(worker.key_of(group), body)
 
 
 extension.set_callback("header.on_disagreement", on_disagreement)  # (csrc/comm/header_watch.cpp)
