@@ -23,7 +23,7 @@ FLOORS: List[Tuple[str, List[str]]] = [
              "flatcomm.ops.reference.sparse", "flatcomm.ops.reference.bits", "flatcomm.ops.reference.codecs", "flatcomm.ops.reference.sums",
              "flatcomm.ops.reference", "flatcomm.ops.cupy_backend.kernels", "flatcomm.ops.cupy_backend.launches",
              "flatcomm.ops.cupy_backend.ops", "flatcomm.ops.cupy_backend.nvrtc_cache", "flatcomm.ops.cupy_backend"]),
-    ("comm", ["flatcomm.comm.wire", "flatcomm.comm.context", "flatcomm.comm.standalone", "flatcomm.comm.labels", "flatcomm.comm.groups", "flatcomm.comm.streams", "flatcomm.comm.worker", "flatcomm.comm.header_table", "flatcomm.comm.shards", "flatcomm.comm.layout", "flatcomm.comm.agreed", "flatcomm.comm.header", "flatcomm.comm.signature", "flatcomm.comm.p2p", "flatcomm.comm.rejected",
+    ("comm", ["flatcomm.comm.wire", "flatcomm.comm.context", "flatcomm.comm.standalone", "flatcomm.comm.labels", "flatcomm.comm.groups", "flatcomm.comm.streams", "flatcomm.comm.worker", "flatcomm.comm.fields", "flatcomm.comm.header_table", "flatcomm.comm.shards", "flatcomm.comm.layout", "flatcomm.comm.agreed", "flatcomm.comm.header", "flatcomm.comm.signature", "flatcomm.comm.p2p", "flatcomm.comm.rejected",
               "flatcomm.comm.pipeline", "flatcomm.comm.spec", "flatcomm.comm.args", "flatcomm.comm.exact", "flatcomm.comm.small", "flatcomm.comm.flat", "flatcomm.comm.native_calls", "flatcomm.comm.lane", "flatcomm.comm.small_native", "flatcomm.comm.route", "flatcomm.comm.prepared",
               "flatcomm.comm.topology", "flatcomm.comm.node", "flatcomm.comm.two_level_args", "flatcomm.comm.two_level_ordered",
               "flatcomm.comm.two_level"]),
@@ -409,14 +409,15 @@ def test_no_function_in_the_collective_path_takes_more_than_8_parameters():
     assert max(n for name, _, n in _parameter_counts(facade) if name == "all_reduce") > MAX_PARAMETERS
 
 
-def test_collective_kind_ids_come_from_the_header():
-    """A call's kind id is read from comm.header's KINDS (KIND_IDS), never written as a number."""
-    from flatcomm.comm import header
+def test_collective_kind_ids_come_from_the_header_fields():
+    """A call's kind id is read from comm.fields' KINDS (KIND_IDS, which comm.header re-exports),
+    never written as a number."""
+    from flatcomm.comm import fields, header
 
-    assert header.KIND_IDS == {name: kind for kind, name in header.KINDS.items()}
+    assert fields.KIND_IDS == {name: kind for kind, name in fields.KINDS.items()} and header.KIND_IDS is fields.KIND_IDS
     bad = []
     for module, path in MODULES.items():
-        if not module.startswith(COLLECTIVE_PATH) or module == "flatcomm.comm.header":
+        if not module.startswith(COLLECTIVE_PATH) or module == "flatcomm.comm.fields":
             continue
         text = path.read_text()
         for pattern in ("signature(1", "signature(2", "signature(3", "= 1, 2, 3", "= 4, 5, 6", '"all_reduce": 3'):

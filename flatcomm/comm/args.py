@@ -17,8 +17,8 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import groups, header, signature, standalone
-from .header import DTYPES, MODES
+from . import groups, signature, standalone
+from .fields import DTYPES, KIND_IDS, MODES
 from .layout import CommStats, Plan, default_chunks, plan
 from .shards import shard_bounds
 from .spec import CallSpec
@@ -316,7 +316,7 @@ def all_reduce_call(group, tensor, spec: CallSpec) -> Call:
     bounds = shard_bounds(n, world, align)
     longest = max(bounds[d + 1] - bounds[d] for d in range(world))
     nchunks = capped_chunks(k or default_chunks(max(1, n // world), c, world, mode, flat.dtype), longest, align)
-    fields = signature.signature(header.KIND_IDS["all_reduce"], n, c, mode, scale, flat.dtype, nchunks,
+    fields = signature.signature(KIND_IDS["all_reduce"], n, c, mode, scale, flat.dtype, nchunks,
                               signature.exact_fields(mode, block, room) + [signature.device_field(flat.device)])
     return Call(c, world, rank, scale, flat, flat, fields, plan(bounds, nchunks, align, rank), nchunks,
                 feedback=residual, exact_block=block, headroom=room)
@@ -336,7 +336,7 @@ def reduce_scatter_call(group, output, input, spec: CallSpec) -> Call:
     align = align_of(c, mode, block)
     nchunks = capped_chunks(k or default_chunks(out.numel(), c, world, mode, src.dtype, "reduce_scatter"),
                             out.numel(), align)
-    fields = signature.signature(header.KIND_IDS["reduce_scatter"], src.numel(), c, mode, scale, src.dtype, nchunks,
+    fields = signature.signature(KIND_IDS["reduce_scatter"], src.numel(), c, mode, scale, src.dtype, nchunks,
                               signature.exact_fields(mode, block, room) + [signature.device_field(src.device)])
     p = plan([d * out.numel() for d in range(world + 1)], nchunks, align, rank)
     return Call(c, world, rank, scale, src, out, fields, p, nchunks, residual=r, exact_block=block, headroom=room)
@@ -352,6 +352,6 @@ def all_gather_call(group, output, input, spec: CallSpec) -> Call:
     n = src.numel()
     gather_shapes(src, out, world)
     check_residual(r, n, src, "residual")
-    fields = signature.signature(header.KIND_IDS["all_gather"], n, c, "ordered", 1.0, src.dtype, 1,
+    fields = signature.signature(KIND_IDS["all_gather"], n, c, "ordered", 1.0, src.dtype, 1,
                               [signature.device_field(src.device)])
     return Call(c, world, standalone.rank(group), 1.0, src, out, fields, residual=r)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from . import args, exact, groups, p2p, rejected, small, worker
 from .args import ErrorFeedback
 from . import pipeline
-from .header import KIND_IDS
+from .fields import KIND_IDS
 from .layout import Plan
 from .pipeline import Pipeline, zero_copy
 from .small import rounding_into

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from . import agreed, context, groups, standalone
+from .fields import ALL_DTYPES, AUTO_CODEC, DEVICE_TYPES, DTYPES, FIELDS, KINDS, KIND_IDS, MODES
 from .header_table import (FAILED_TYPE, FAILED_VALUE, MAGIC, OK, REASON_BYTES, _FIXED, _MORE, _float_of, _reason,
                            _reason_bytes, _reason_of, call_numbers, check, error_of, float_bits, length, row, set_early)
 from ..ops.codecs import CODECS
@@ -48,15 +49,8 @@ __all__ = ["ALL_DTYPES", "AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS"
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-MODES = ("ordered", "exact")
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "privateuseone")
 
 SLOT_MAX_BYTES, SLOT_TABLE_BYTES = 16 << 10, 64 << 10  # a row's slot; every rank's (docs/backend.md)
-KINDS = {1: "reduce_scatter", 2: "all_gather", 3: "all_reduce",
-         4: "two-level reduce_scatter", 5: "two-level all_gather", 6: "two-level all_reduce"}
-KIND_IDS = {name: kind for kind, name in KINDS.items()}  # the one place a collective's id comes from
-AUTO_CODEC = len(CODECS)  # the codec field of a two-level call whose inter codec is "auto"
 
 
 def slot_of(group) -> int:
@@ -113,15 +107,7 @@ def _whole_reasons(group, table: torch.Tensor, nfields: int, ranks: Sequence[int
 
 # ---- the call header of a collective --------------------------------------------------------------
 
-# The fields of every call, in this order (a failed call sends only the first and zeros). The float
-# fields travel as their float64 bits (:func:`float_bits`); the intra fields are the two-level path's.
-FIELDS = ("collective", "numel", "codec", "block_size", "topk ratio", "mode", "op scale", "dtype",
-          "chunks", "exact_block", "headroom", "device", "intra codec", "intra block_size", "intra topk ratio",
-          "reduce op", "agreed plans")
-# Every dtype a call header can name: flatcomm's own first (their index is the signature's dtype), then
-# those of the reductions the flatcomm backend passes through (each checked by a header too).
-ALL_DTYPES = DTYPES + (torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-                       torch.complex64, torch.complex128)
+# The fields of every call, in this order: comm.fields' HeaderFields.
 WIDTH = _FIXED + len(FIELDS)  # values at the head of a row that every rank's must equal
 SLOT_OFFSET = WIDTH * 8 + REASON_BYTES  # the byte a row's payload slot starts at
 _CALLS = "header calls"  # context slot: number of the next call on that group (advanced on its worker, in order)
