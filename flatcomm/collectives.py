@@ -16,10 +16,12 @@ import torch.distributed as dist
 
 from .autotune import Decision, tuner_for
 from .comm import flat, two_level
-from .comm.args import ErrorFeedback, OpLike, in_step
+from .comm.args import ErrorFeedback, OpLike
+from .comm.rejected import in_step
 from .comm.groups import group_timeout, private_group
 from .comm.header import KIND_IDS, MODES
-from .comm.pipeline import CommStats, shard_bounds
+from .comm.layout import CommStats
+from .comm.shards import shard_bounds
 from .comm.spec import CallSpec
 from .comm.worker import Handle
 from .ops.codecs import Codec, CodecLike, resolve

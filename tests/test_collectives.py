@@ -26,7 +26,7 @@ import torch.distributed as dist
 import flatcomm
 from flatcomm.tools import spawn
 from flatcomm import collectives as C
-from flatcomm.comm import groups, pipeline
+from flatcomm.comm import groups, layout, pipeline
 from flatcomm.ops import reference as R
 from flatcomm.ops.codecs import CODECS, Codec, decode, decode_sum, encode
 
@@ -248,7 +248,7 @@ def _chunks(log: _Log, rank: int, world: int) -> None:
     ra, rb = C.ErrorFeedback.zeros(big.numel()), C.ErrorFeedback.zeros(big.numel())
     C.all_reduce(a, codec="int8", chunks=1, residual=ra)
     C.all_reduce(b, codec="int8", residual=rb)
-    auto = pipeline._auto_chunks(max(1, big.numel() // world), Codec("int8"), "ordered")
+    auto = layout._auto_chunks(max(1, big.numel() // world), Codec("int8"), "ordered")
     log.add("chunks", f"all_reduce int8 4M values: auto ({auto} chunks) == chunks=1",
             auto > 1 and same_bits(a, b) and same_bits(ra.client, rb.client) and same_bits(ra.server, rb.server))
     # more chunks than values, and empty tensors

@@ -14,6 +14,33 @@ from typing import Dict, List, Set, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "flatcomm"
 
+# comm's own floors, bottom first (flatcomm/comm/__init__.py says what each is): a comm module imports
+# modules of lower comm floors, or earlier modules of its own; comm's longest import chain is at most
+# MAX_COMM_DEPTH modules (test_comm_is_at_most_8_modules_deep).
+COMM_FLOORS: List[Tuple[str, List[str]]] = [
+    # process groups, their private copies and worker threads, point-to-point transfers
+    ("runtime", ["flatcomm.comm.context", "flatcomm.comm.wire", "flatcomm.comm.standalone", "flatcomm.comm.labels",
+                 "flatcomm.comm.groups", "flatcomm.comm.streams", "flatcomm.comm.worker", "flatcomm.comm.topology",
+                 "flatcomm.comm.p2p"]),
+    # what a call is, with no process group: its header's fields and rows, its signature, its layout
+    ("fields", ["flatcomm.comm.fields", "flatcomm.comm.header_table", "flatcomm.comm.signature",
+                "flatcomm.comm.shards", "flatcomm.comm.layout", "flatcomm.comm.spec"]),
+    # the call header's exchange and check, and the plans the ranks agreed through it
+    ("header", ["flatcomm.comm.agreed", "flatcomm.comm.header"]),
+    # the argument checks, and a rejected call kept in step
+    ("checks", ["flatcomm.comm.args", "flatcomm.comm.rejected"]),
+    # the one-hop collectives in Python: the chunk pipeline, exact mode, the small path
+    ("algorithms", ["flatcomm.comm.pipeline", "flatcomm.comm.exact", "flatcomm.comm.small", "flatcomm.comm.flat"]),
+    # the calls C++ runs: the native lane and the small all-reduce in one op
+    ("native", ["flatcomm.comm.native_calls", "flatcomm.comm.lane", "flatcomm.comm.small_native"]),
+    # which route an all-reduce takes, and a call prepared once on it
+    ("route", ["flatcomm.comm.route", "flatcomm.comm.prepared"]),
+    # the two-level (node, then across nodes) collectives, on top of the one-hop ones
+    ("two-level", ["flatcomm.comm.node", "flatcomm.comm.two_level_args", "flatcomm.comm.two_level_ordered",
+                   "flatcomm.comm.two_level"]),
+]
+MAX_COMM_DEPTH = 8
+
 # Floors, bottom first. A module may import any module on a lower floor. Inside a subpackage the
 # modules are listed bottom first too: a module may import those listed before it in its own
 # subpackage (a subpackage's __init__ is its face: it may import all of its modules, none imports it).
@@ -23,10 +50,7 @@ FLOORS: List[Tuple[str, List[str]]] = [
              "flatcomm.ops.reference.sparse", "flatcomm.ops.reference.bits", "flatcomm.ops.reference.codecs", "flatcomm.ops.reference.sums",
              "flatcomm.ops.reference", "flatcomm.ops.cupy_backend.kernels", "flatcomm.ops.cupy_backend.launches",
              "flatcomm.ops.cupy_backend.ops", "flatcomm.ops.cupy_backend.nvrtc_cache", "flatcomm.ops.cupy_backend"]),
-    ("comm", ["flatcomm.comm.wire", "flatcomm.comm.context", "flatcomm.comm.standalone", "flatcomm.comm.labels", "flatcomm.comm.groups", "flatcomm.comm.streams", "flatcomm.comm.worker", "flatcomm.comm.header_table", "flatcomm.comm.shards", "flatcomm.comm.agreed", "flatcomm.comm.header", "flatcomm.comm.signature", "flatcomm.comm.p2p",
-              "flatcomm.comm.pipeline", "flatcomm.comm.spec", "flatcomm.comm.args", "flatcomm.comm.exact", "flatcomm.comm.small", "flatcomm.comm.flat", "flatcomm.comm.native_calls", "flatcomm.comm.lane", "flatcomm.comm.small_native", "flatcomm.comm.route", "flatcomm.comm.prepared",
-              "flatcomm.comm.topology", "flatcomm.comm.node", "flatcomm.comm.two_level_args", "flatcomm.comm.two_level_ordered",
-              "flatcomm.comm.two_level"]),
+    ("comm", [m for _, members in COMM_FLOORS for m in members]),
     ("autotune", ["flatcomm.autotune.costmodel", "flatcomm.autotune.tiers", "flatcomm.autotune.costs",
                   "flatcomm.autotune.profiles", "flatcomm.autotune.race", "flatcomm.autotune.decide",
                   "flatcomm.autotune.measure", "flatcomm.autotune.tuner"]),
@@ -173,6 +197,32 @@ def test_imports_only_look_down():
             elif their == floor and not same_unit and (_unit(module) in SIBLINGS or _unit(name) in SIBLINGS):
                 bad.append(f"{module} imports its sibling {name}")
     assert not bad, "\n".join(sorted(bad))
+
+
+def _longest_chain(graph: Dict[str, Set[str]]) -> List[str]:
+    """The longest import chain of ``graph`` (module -> the modules it imports; no circle), from
+    its top module down."""
+    best: Dict[str, List[str]] = {}
+
+    def chain(m: str) -> List[str]:
+        if m not in best:
+            below = [chain(n) for n in sorted(graph.get(m, ()))]
+            best[m] = [m] + max(below, key=len, default=[])
+        return best[m]
+
+    return max((chain(m) for m in sorted(graph)), key=len, default=[])
+
+
+def test_comm_is_at_most_8_modules_deep() -> None:
+    """No import chain inside flatcomm.comm (lazy imports included) is longer than MAX_COMM_DEPTH
+    modules, and every comm module is on one of COMM_FLOORS."""
+    comm = {m: p for m, p in MODULES.items() if m.startswith("flatcomm.comm.")}
+    assert sorted(comm) == sorted(m for _, members in COMM_FLOORS for m in members)
+    graph = {m: {i for i in _imports(p, m) if i in comm and i != m} for m, p in comm.items()}
+    assert _longest_chain({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == ["a", "b", "c"]  # the check counts
+    assert _cycle(graph) == []
+    chain = _longest_chain(graph)
+    assert len(chain) <= MAX_COMM_DEPTH, f"comm is {len(chain)} modules deep: " + " -> ".join(chain)
 
 
 def test_no_module_sets_attributes_on_another():
@@ -409,14 +459,15 @@ def test_no_function_in_the_collective_path_takes_more_than_8_parameters():
     assert max(n for name, _, n in _parameter_counts(facade) if name == "all_reduce") > MAX_PARAMETERS
 
 
-def test_collective_kind_ids_come_from_the_header():
-    """A call's kind id is read from comm.header's KINDS (KIND_IDS), never written as a number."""
-    from flatcomm.comm import header
+def test_collective_kind_ids_come_from_the_header_fields():
+    """A call's kind id is read from comm.fields' KINDS (KIND_IDS, which comm.header re-exports),
+    never written as a number."""
+    from flatcomm.comm import fields, header
 
-    assert header.KIND_IDS == {name: kind for kind, name in header.KINDS.items()}
+    assert fields.KIND_IDS == {name: kind for kind, name in fields.KINDS.items()} and header.KIND_IDS is fields.KIND_IDS
     bad = []
     for module, path in MODULES.items():
-        if not module.startswith(COLLECTIVE_PATH) or module == "flatcomm.comm.header":
+        if not module.startswith(COLLECTIVE_PATH) or module == "flatcomm.comm.fields":
             continue
         text = path.read_text()
         for pattern in ("signature(1", "signature(2", "signature(3", "= 1, 2, 3", "= 4, 5, 6", '"all_reduce": 3'):
@@ -571,8 +622,8 @@ def test_callspec_fields_are_typed() -> None:
     """mypy checks the collective path through CallSpec only where its fields have types."""
     import typing
 
-    from flatcomm.comm import args, pipeline, spec, two_level_args  # noqa: F401 - the forward references' modules
+    from flatcomm.comm import args, layout, spec, two_level_args  # noqa: F401 - the forward references' modules
 
-    ns = {**vars(args), **vars(pipeline), **vars(two_level_args), **vars(spec)}
+    ns = {**vars(args), **vars(layout), **vars(two_level_args), **vars(spec)}
     hints = typing.get_type_hints(spec.CallSpec, globalns=ns)
     assert hints and all(h is not typing.Any for h in hints.values()), hints

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flatcomm import collectives as C
 from flatcomm.comm import header
-from flatcomm.comm.args import in_step
+from flatcomm.comm.rejected import in_step
 from flatcomm.diloco import DiLoCo
 from flatcomm.tools import spawn
 

@@ -37,7 +37,7 @@ from typing import Dict, Mapping, Optional
 
 import torch
 
-from ..comm import pipeline, two_level
+from ..comm import layout, two_level
 from ..ops.codecs import Codec
 
 __all__ = ["Cluster", "Tier", "flat", "hierarchical", "predict", "ring", "PATHS"]
@@ -110,7 +110,7 @@ def ring(cl: Cluster, numel: int) -> float:
 
 def _chunks(numel: int, codec: str, world: int) -> int:
     """The pipeline chunks flatcomm.collectives picks by itself for this all-reduce."""
-    return pipeline.default_chunks(max(1, numel // world), Codec(codec), world, "ordered", torch.float32, "all_reduce")
+    return layout.default_chunks(max(1, numel // world), Codec(codec), world, "ordered", torch.float32, "all_reduce")
 
 
 def flat(cl: Cluster, numel: int, codec: str, chunks: Optional[int] = None) -> float:

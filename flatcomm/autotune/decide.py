@@ -32,7 +32,7 @@ import torch
 
 from . import tiers as T
 from .costs import CostModel, Decision
-from ..comm import pipeline
+from ..comm import layout
 from ..ops.codecs import PRECISION, Codec
 
 __all__ = ["BACKEND", "KINDS", "NEAR_TIE", "allowed", "check_kind", "chunks_for", "decide", "predict"]
@@ -55,7 +55,7 @@ def check_kind(kind: str) -> None:
 
 def chunks_for(codec: str, numel: int, world: int, kind: str = "all_reduce") -> int:
     """The chunk count the collective picks by itself for this codec and size (fp32 data)."""
-    return pipeline.default_chunks(max(1, numel // world), Codec(codec), world, "ordered", torch.float32, kind)
+    return layout.default_chunks(max(1, numel // world), Codec(codec), world, "ordered", torch.float32, kind)
 
 
 def predict(costs: CostModel, codec: str, numel: int, world: int, kind: str = "all_reduce") -> float:

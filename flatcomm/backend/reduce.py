@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..comm import groups, header, prepared, worker
+from ..comm import groups, header, prepared, rejected, worker
 from ..comm.args import premultiplied, reduce_op
 from ..comm.route import Route
 from ..comm.spec import CallSpec
@@ -94,12 +94,12 @@ def guard(pg, kind: str, tensors: Sequence[torch.Tensor], op) -> None:
 
 def _refuse(pg, kind: str, t: torch.Tensor) -> None:
     """Raise, on every rank of the call, that this rank's tensor is on a device flatcomm's backend
-    has no transport for: its call header goes out marked failed (header.fail_in_step)."""
+    has no transport for: its call header goes out marked failed (rejected.fail_in_step)."""
     err = ValueError(f"flatcomm backend: {kind} of a tensor on the {t.device.type} device: the backend's "
                      "transports take CPU and CUDA tensors")
     if pg is not dist.group.WORLD and not groups.has_private(pg):
         raise err
-    fut = header.fail_in_step(groups.private_group(pg), header.KIND_IDS[kind], err)
+    fut = rejected.fail_in_step(groups.private_group(pg), header.KIND_IDS[kind], err)
     if fut is None:
         raise err
     try:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import context, standalone
+from .fields import DEVICE_TYPES, DTYPES, KIND_IDS, MODES, HeaderFields, name
 from .header_table import _FIXED, MAGIC, early_of
 from .shards import shard_bounds
 from ..ops.codecs import CODECS, resolve
@@ -51,19 +52,20 @@ MAX_PLANS = (1 << (31 - TAG_SHIFT)) - 1  # tags stay non-negative int32s
 MAX_CHUNKS = (1 << (TAG_SHIFT - 1)) - 1  # a call takes two tags per chunk
 FILL_LIMIT = 1 << 26  # values of a call a rank answers (fill) on a peer's word alone: 256 MB of fp32
 _PLANS = "agreed plans"  # context slot: {signature: plan number}
-_COUNT = "agreed plans"  # the header field: a row's count of plans
+_COUNT = name("agreed_plans")  # the header field: a row's count of plans
 
-# The header's ids (flatcomm.comm.header: KIND_IDS, DTYPES, MODES, DEVICE_TYPES) of what a plan is.
-_ALL_REDUCE, _FP32_CODEC, _FP32, _ORDERED, _CPU = 3, CODECS.index("fp32"), 0, 0, 0
+# The header's ids of what a plan is.
+_ALL_REDUCE, _FP32_CODEC = KIND_IDS["all_reduce"], CODECS.index("fp32")
+_FP32, _ORDERED, _CPU = DTYPES.index(torch.float32), MODES.index("ordered"), DEVICE_TYPES.index("cpu")
 _ALIGN = resolve("fp32").align
 
 
 def capable(fields: Sequence[Tuple[str, int]]) -> bool:
     """Whether a call with these header fields may become a plan: a lossless fp32 all-reduce,
     ordered, on CPU tensors (what the native point-to-point path runs)."""
-    f = dict(fields)
-    return (f.get("collective") == _ALL_REDUCE and f.get("codec") == _FP32_CODEC and f.get("dtype") == _FP32
-            and f.get("mode") == _ORDERED and f.get("device", _CPU) == _CPU and 1 <= f.get("chunks", 0) <= MAX_CHUNKS)
+    f = HeaderFields.of(fields)  # (a field not given is 0: a capable call's signature gives them all)
+    return (f.collective == _ALL_REDUCE and f.codec == _FP32_CODEC and f.dtype == _FP32
+            and f.mode == _ORDERED and f.device == _CPU and 1 <= f.chunks <= MAX_CHUNKS)
 
 
 def _plans(group) -> Dict[tuple, int]:
@@ -108,9 +110,9 @@ def drifted(table: torch.Tensor, names: Sequence[str]) -> bool:
     for r in range(table.shape[0]):
         if int(table[r, 0]) != MAGIC:
             return True
-        f = dict(zip(names, table[r, _FIXED:_FIXED + len(names)].tolist()))
-        if f.get(_COUNT, 0) > 0:  # (a row that could agree a plan)
-            counts.add(f[_COUNT])
+        f = HeaderFields.of(zip(names, table[r, _FIXED:_FIXED + len(names)].tolist()))
+        if f.agreed_plans > 0:  # (a row that could agree a plan)
+            counts.add(f.agreed_plans)
     return len(counts) > 1
 
 
@@ -143,17 +145,18 @@ def fill(group, table: torch.Tensor, names: Sequence[str], mine: int) -> List[di
     me, world = standalone.rank(group), table.shape[0]
     nfields = len(names)
     works: List[Optional[dist.Work]] = []
-    known = {p: dict(key) for key, p in _plans(group).items()}
-    largest = max([f.get("numel", 0) for f in known.values()] + [FILL_LIMIT])
+    known = {p: HeaderFields.of(key) for key, p in _plans(group).items()}
+    largest = max([f.numel for f in known.values()] + [FILL_LIMIT])
     for q in range(world):
         plan = early_of(table, q, nfields)
         if q == me or plan == mine or not 0 < plan <= MAX_PLANS:
             continue
-        f = {n: int(v) for n, v in zip(names, table[q, _FIXED:_FIXED + nfields].tolist())}
-        if int(table[q, 0]) != MAGIC or not capable(list(f.items())) or not 0 <= f["numel"] <= largest:
+        row = list(zip(names, table[q, _FIXED:_FIXED + nfields].tolist()))
+        f = HeaderFields.of(row)
+        if int(table[q, 0]) != MAGIC or not capable(row) or not 0 <= f.numel <= largest:
             continue  # (early_of: status OK)
         f = known.get(plan, f)
-        exchanges = _exchanges(f["numel"], f["chunks"], world, q, me)
+        exchanges = _exchanges(f.numel, f.chunks, world, q, me)
         try:  # one buffer each way, for every exchange (what comes in is dropped)
             sink = torch.empty(max(n for _, n, _ in exchanges))
             zeros = torch.zeros(max(n for _, _, n in exchanges))

@@ -1,12 +1,6 @@
 """The argument layer of the collectives: every argument checked by type and range before anything
-is sent, and a rejected call that keeps the group in step.
-
-Each collective runs its checks through :func:`in_step`. If any of them raises (a ``ValueError`` or
-``TypeError`` naming the argument, or an error nobody foresaw), the rank still posts the call's
-header, marked failed with the reason (:func:`flatcomm.comm.header.fail_in_step`), and raises the
-error the header exchange agreed on: every rank of the call raises the same exception with the same
-message ("rank 3 failed: TypeError: tensor must be ..."), and the next call pairs with the peers'
-next call. With ``async_op=True`` the failed call returns a Handle whose ``wait()`` raises it.
+is sent (no process group is touched here: a rejected call is kept in step by
+:func:`flatcomm.comm.rejected.in_step`, which runs these checks).
 
 The checks of the one-hop collectives are here (:func:`all_reduce_call`, :func:`reduce_scatter_call`,
 :func:`all_gather_call`); the two-level ones (:mod:`flatcomm.comm.two_level`) build on the same
@@ -18,25 +12,25 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Callable, List, Optional, Tuple, TypeVar, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from . import groups, header, signature, standalone, worker
-from .header import DTYPES, MODES
-from .pipeline import CommStats, Plan, default_chunks, plan, shard_bounds
+from . import groups, signature, standalone
+from .fields import DTYPES, KIND_IDS, MODES
+from .layout import CommStats, Plan, default_chunks, plan
+from .shards import shard_bounds
 from .spec import CallSpec
 from ..ops.codecs import MAX_BLOCK, Codec, CodecLike, resolve
 
 __all__ = ["Call", "ErrorFeedback", "MAX_EXACT_BLOCK", "MAX_HEADROOM", "OpLike", "align_of", "all_gather_call",
            "all_reduce_call", "alone", "as_flat", "bool_arg", "capped_chunks", "check_residual", "chunks_arg", "common_args",
-           "exact_args", "gather_shapes", "in_step", "int_arg", "one_stage_residual", "premultiplied", "reduce_op",
+           "exact_args", "gather_shapes", "int_arg", "one_stage_residual", "premultiplied", "reduce_op",
            "reduce_scale",
            "reduce_scatter_call", "scatter_shapes", "setup", "stats_arg", "tensor_arg", "two_stage_residual"]
 
 OpLike = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
-T = TypeVar("T")
 
 MAX_EXACT_BLOCK = MAX_BLOCK  # csrc/ops_common.h: exact-mode block sizes in [1, kMaxBlock]
 MAX_HEADROOM = 38  # csrc/ops_common.h: headroom bits in [1, 38]
@@ -57,29 +51,6 @@ class ErrorFeedback:
     @classmethod
     def zeros(cls, numel: int, device: Optional[torch.device] = None) -> "ErrorFeedback":
         return cls(torch.zeros(numel, device=device), torch.zeros(numel, device=device))
-
-
-# ---- the layer ------------------------------------------------------------------------------------
-
-
-def in_step(group, kind: int, async_op: Any, checks: Callable[[], T]) -> Union[T, worker.Handle]:
-    """``checks()``'s result, or, when it raises anything, the agreed error of the call (see the
-    module docstring): raised here, or with ``async_op=True`` a Handle that raises it on ``wait()``."""
-    try:
-        return checks()
-    except Exception as err:  # noqa: BLE001 - every failure of a check is reported to every rank
-        fut = header.fail_in_step(group, kind, err)
-        if fut is None:  # nobody to tell (one rank)
-            raise
-        if async_op is True:
-            return worker.Handle(fut, torch.empty(0), None, f"{header.KINDS[kind]} (rejected arguments)", group)
-        try:
-            fut.result()
-        except Exception as agreed:  # noqa: BLE001 - always: the future holds the agreed error
-            if agreed is err:
-                raise
-            raise agreed from err
-        raise
 
 
 # ---- single arguments -------------------------------------------------------------------------------
@@ -345,7 +316,7 @@ def all_reduce_call(group, tensor, spec: CallSpec) -> Call:
     bounds = shard_bounds(n, world, align)
     longest = max(bounds[d + 1] - bounds[d] for d in range(world))
     nchunks = capped_chunks(k or default_chunks(max(1, n // world), c, world, mode, flat.dtype), longest, align)
-    fields = signature.signature(header.KIND_IDS["all_reduce"], n, c, mode, scale, flat.dtype, nchunks,
+    fields = signature.signature(KIND_IDS["all_reduce"], n, c, mode, scale, flat.dtype, nchunks,
                               signature.exact_fields(mode, block, room) + [signature.device_field(flat.device)])
     return Call(c, world, rank, scale, flat, flat, fields, plan(bounds, nchunks, align, rank), nchunks,
                 feedback=residual, exact_block=block, headroom=room)
@@ -365,7 +336,7 @@ def reduce_scatter_call(group, output, input, spec: CallSpec) -> Call:
     align = align_of(c, mode, block)
     nchunks = capped_chunks(k or default_chunks(out.numel(), c, world, mode, src.dtype, "reduce_scatter"),
                             out.numel(), align)
-    fields = signature.signature(header.KIND_IDS["reduce_scatter"], src.numel(), c, mode, scale, src.dtype, nchunks,
+    fields = signature.signature(KIND_IDS["reduce_scatter"], src.numel(), c, mode, scale, src.dtype, nchunks,
                               signature.exact_fields(mode, block, room) + [signature.device_field(src.device)])
     p = plan([d * out.numel() for d in range(world + 1)], nchunks, align, rank)
     return Call(c, world, rank, scale, src, out, fields, p, nchunks, residual=r, exact_block=block, headroom=room)
@@ -381,6 +352,6 @@ def all_gather_call(group, output, input, spec: CallSpec) -> Call:
     n = src.numel()
     gather_shapes(src, out, world)
     check_residual(r, n, src, "residual")
-    fields = signature.signature(header.KIND_IDS["all_gather"], n, c, "ordered", 1.0, src.dtype, 1,
+    fields = signature.signature(KIND_IDS["all_gather"], n, c, "ordered", 1.0, src.dtype, 1,
                               [signature.device_field(src.device)])
     return Call(c, world, standalone.rank(group), 1.0, src, out, fields, residual=r)

@@ -9,11 +9,16 @@ received rows, is the one every rank would agree on with a MAX all-reduce of its
 in one fused pass (:func:`flatcomm.ops.sums.exact_sum`) and without that extra exchange."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from . import p2p
-from .pipeline import Pipeline, Plan
+from .layout import Plan
 from ..ops.sums import exact_sum
+
+if TYPE_CHECKING:  # (the one-hop collectives hand their pipeline in: this module runs on it, below it)
+    from .pipeline import Pipeline
 
 __all__ = ["all_reduce", "reduce_scatter"]
 

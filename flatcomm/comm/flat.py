@@ -37,11 +37,12 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import args, exact, groups, p2p, small, worker
+from . import args, exact, groups, p2p, rejected, small, worker
 from .args import ErrorFeedback
 from . import pipeline
-from .header import KIND_IDS
-from .pipeline import Pipeline, Plan, zero_copy
+from .fields import KIND_IDS
+from .layout import Plan
+from .pipeline import Pipeline, zero_copy
 from .small import rounding_into
 from .spec import CallSpec
 from ..ops.codecs import Codec, decode, encode, reencode_sum
@@ -53,7 +54,7 @@ __all__ = ["all_gather", "all_reduce", "checked_all_reduce", "reduce_scatter", "
 def all_reduce(tensor: torch.Tensor, spec: CallSpec = CallSpec(), group=None) -> Optional[worker.Handle]:
     """All-reduce ``tensor`` in place (see :func:`flatcomm.collectives.all_reduce`)."""
     group = groups.private_group(group)
-    a = args.in_step(group, KIND_IDS["all_reduce"], spec.async_op, lambda: args.all_reduce_call(group, tensor, spec))
+    a = rejected.in_step(group, KIND_IDS["all_reduce"], spec.async_op, lambda: args.all_reduce_call(group, tensor, spec))
     if isinstance(a, worker.Handle):
         return a
     return checked_all_reduce(group, a, spec, tensor)
@@ -84,7 +85,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, spec: CallSpec = C
                    group=None) -> Optional[worker.Handle]:
     """Reduce ``input`` across ranks; rank r gets shard r (see :func:`flatcomm.collectives.reduce_scatter`)."""
     group = groups.private_group(group)
-    a = args.in_step(group, KIND_IDS["reduce_scatter"], spec.async_op,
+    a = rejected.in_step(group, KIND_IDS["reduce_scatter"], spec.async_op,
                      lambda: args.reduce_scatter_call(group, output, input, spec))
     if isinstance(a, worker.Handle):
         return a
@@ -109,7 +110,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, spec: CallSpec = CallS
                group=None) -> Optional[worker.Handle]:
     """Gather every rank's ``input`` into ``output`` (see :func:`flatcomm.collectives.all_gather`)."""
     group = groups.private_group(group)
-    a = args.in_step(group, KIND_IDS["all_gather"], spec.async_op,
+    a = rejected.in_step(group, KIND_IDS["all_gather"], spec.async_op,
                      lambda: args.all_gather_call(group, output, input, spec))
     if isinstance(a, worker.Handle):
         return a

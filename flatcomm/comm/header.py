@@ -11,7 +11,7 @@ with a ValueError or a TypeError), the signature fields (every one that decides 
 or layout, exactly: floats as their float64 bits), and for a failed call the reason (UTF-8). Every
 rank checks the same table, so every rank raises the same error, naming global ranks, at the same
 call, and the group stays in step: a rank whose arguments were rejected still sends its row
-(:func:`fail_in_step`) and every rank, that one included, raises "rank r failed: <reason>" (a
+(:func:`flatcomm.comm.rejected.fail_in_step`) and every rank, that one included, raises "rank r failed: <reason>" (a
 TypeError if rank r's was one; ranks with the same reason named once: "rank 1 and rank 3 failed").
 
 A reason longer than the row's :data:`REASON_BYTES` travels whole through the process group's
@@ -28,7 +28,6 @@ groups' rows carry none: its bytes would go with every large call on a slow link
 """
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import threading
 import weakref
@@ -37,27 +36,21 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import agreed, context, groups, standalone, worker
+from . import agreed, context, groups, standalone
+from .fields import ALL_DTYPES, AUTO_CODEC, DEVICE_TYPES, DTYPES, FIELDS, KINDS, KIND_IDS, MODES
 from .header_table import (FAILED_TYPE, FAILED_VALUE, MAGIC, OK, REASON_BYTES, _FIXED, _MORE, _float_of, _reason,
                            _reason_bytes, _reason_of, call_numbers, check, error_of, float_bits, length, row, set_early)
 from ..ops.codecs import CODECS
 from ..ops.native import extension, ops
 
 __all__ = ["ALL_DTYPES", "AUTO_CODEC", "CallHeader", "DTYPES", "FIELDS", "KINDS", "KIND_IDS", "MAGIC", "MODES", "REASON_BYTES",
-           "SLOT_MAX_BYTES", "call_numbers", "check", "check_consistent", "error_of", "fail_in_step", "on_disagreement",
+           "SLOT_MAX_BYTES", "call_numbers", "check", "check_consistent", "error_of", "on_disagreement",
            "float_bits", "header_device", "length", "next_call", "row", "slot_of", "SLOT_OFFSET", "WIDTH"]
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-MODES = ("ordered", "exact")
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "privateuseone")
 
 SLOT_MAX_BYTES, SLOT_TABLE_BYTES = 16 << 10, 64 << 10  # a row's slot; every rank's (docs/backend.md)
-KINDS = {1: "reduce_scatter", 2: "all_gather", 3: "all_reduce",
-         4: "two-level reduce_scatter", 5: "two-level all_gather", 6: "two-level all_reduce"}
-KIND_IDS = {name: kind for kind, name in KINDS.items()}  # the one place a collective's id comes from
-AUTO_CODEC = len(CODECS)  # the codec field of a two-level call whose inter codec is "auto"
 
 
 def slot_of(group) -> int:
@@ -114,15 +107,7 @@ def _whole_reasons(group, table: torch.Tensor, nfields: int, ranks: Sequence[int
 
 # ---- the call header of a collective --------------------------------------------------------------
 
-# The fields of every call, in this order (a failed call sends only the first and zeros). The float
-# fields travel as their float64 bits (:func:`float_bits`); the intra fields are the two-level path's.
-FIELDS = ("collective", "numel", "codec", "block_size", "topk ratio", "mode", "op scale", "dtype",
-          "chunks", "exact_block", "headroom", "device", "intra codec", "intra block_size", "intra topk ratio",
-          "reduce op", "agreed plans")
-# Every dtype a call header can name: flatcomm's own first (their index is the signature's dtype), then
-# those of the reductions the flatcomm backend passes through (each checked by a header too).
-ALL_DTYPES = DTYPES + (torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-                       torch.complex64, torch.complex128)
+# The fields of every call, in this order: comm.fields' HeaderFields.
 WIDTH = _FIXED + len(FIELDS)  # values at the head of a row that every rank's must equal
 SLOT_OFFSET = WIDTH * 8 + REASON_BYTES  # the byte a row's payload slot starts at
 _CALLS = "header calls"  # context slot: number of the next call on that group (advanced on its worker, in order)
@@ -366,34 +351,6 @@ def header_device(group, device: torch.device, validate: bool) -> Optional[torch
     if device.type == "cpu" or has_cpu_backend(group):
         return torch.device("cpu")
     return device if validate else None
-
-
-def fail_in_step(group, kind: int, err: BaseException) -> Optional["concurrent.futures.Future"]:
-    """A rank whose arguments were rejected still takes part in the call's header exchange (status
-    failed, the reason), so that every rank of the call raises the same error ("rank r failed:
-    ...") and every rank's next call pairs with the peers' next call. Returns a future that fails
-    with that agreed error once every rank's row is in (or with ``err`` itself if the exchange
-    failed: the peers could not be told), or None when there is nobody to tell (one rank, no
-    usable group)."""
-    try:
-        if not groups.exchanges(group):
-            return None
-        device = torch.device("cpu") if has_cpu_backend(group) else torch.device("cuda", torch.cuda.current_device())
-    except Exception:  # noqa: BLE001 - no usable group: nothing to keep in step
-        return None
-    reason = f"{type(err).__name__}: {str(err).removeprefix('flatcomm: ')}"
-    status = FAILED_TYPE if isinstance(err, TypeError) else FAILED_VALUE
-
-    def body():
-        h = CallHeader(group, [("collective", kind)], device, reason, status)
-        try:
-            h.work.wait()
-        except Exception as x:  # noqa: BLE001 - the peers never answered: report our own error
-            raise err from x
-        verdict = h.error()
-        raise verdict if verdict is not None else err  # never None: this rank's row says failed
-
-    return worker.in_order(worker.key_of(group), body)
 
 
 extension.set_callback("header.on_disagreement", on_disagreement)  # (csrc/comm/header_watch.cpp)

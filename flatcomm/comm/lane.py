@@ -26,24 +26,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import agreed, context, groups, header, native_calls, worker
+from . import agreed, groups, header, native_calls
 from .args import Call
-from .pipeline import CommStats
+from .layout import CommStats
 from .spec import CallSpec
-from ..ops.native import extension, ops
+from ..ops.native import ops
 
-__all__ = ["lane_of", "post"]
-
-def lane_of(group) -> int:
-    """The id of the group's lane: its worker key. The first time, the group's timeout is kept for
-    the worker's drains (which marks the group as having a lane) and the lane closes with it."""
-    ctx = context.of(group)
-    if ctx.get(worker.LANE_TIMEOUT) is None:
-        timeout = groups.group_timeout(group) or dist.distributed_c10d.default_pg_timeout
-        ctx.set(worker.LANE_TIMEOUT, timeout.total_seconds())
-        key = ctx.token
-        ctx.on_close(lambda: extension.lane_close(key))
-    return ctx.token
+__all__ = ["post"]
 
 
 def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> Optional[dist.Work]:
@@ -54,7 +43,7 @@ def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> Opt
     plan = agreed.plan_id(group, a.fields)
     if plan == 0 or a.plan is None or not groups.exchanges(group):
         return None
-    lane = lane_of(group)
+    lane = native_calls.lane_of(group)
     fields = list(a.fields) + [agreed.count_field(group)]
     token, mine, table = native_calls.record(group, a.fields, fields, plan, a.world)
     p = a.plan

@@ -1,6 +1,6 @@
 """The way back into Python of flatcomm's native calls (csrc/comm/native_work.h): the lane's agreed
 all-reduces (:mod:`flatcomm.comm.lane`) and the small ones in one exchange
-(:mod:`flatcomm.comm.small_native`).
+(:mod:`flatcomm.comm.small_native`), and the id of the group's lane both post to (:func:`lane_of`).
 
 A native call posts its call header from C++ and checks it there; Python keeps only what its
 :class:`~flatcomm.comm.header.CallHeader` would be built from (:func:`record`, then
@@ -22,11 +22,11 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import context, header
+from . import context, groups, header, worker
 from .header_table import OK, row, set_early
 from ..ops.native import extension
 
-__all__ = ["KEEP", "launched", "on_disagreement", "record", "verdict"]
+__all__ = ["KEEP", "lane_of", "launched", "on_disagreement", "record", "verdict"]
 
 KEEP = 8  # finished calls whose records stay (see the module's docstring)
 _TRACKED = "native calls"  # context slot: True once the group's records go when it is destroyed
@@ -34,6 +34,18 @@ _tokens = itertools.count(1)
 _lock = threading.Lock()  # _CALLS and _HEADERS: the callers', gloo's and the lanes' threads
 _CALLS: Dict[int, tuple] = {}  # token -> what the call's header is built from
 _HEADERS: Dict[int, header.CallHeader] = {}  # token -> its header, once built
+
+
+def lane_of(group) -> int:
+    """The id of the group's lane: its worker key. The first time, the group's timeout is kept for
+    the worker's drains (which marks the group as having a lane) and the lane closes with it."""
+    ctx = context.of(group)
+    if ctx.get(worker.LANE_TIMEOUT) is None:
+        timeout = groups.group_timeout(group) or dist.distributed_c10d.default_pg_timeout
+        ctx.set(worker.LANE_TIMEOUT, timeout.total_seconds())
+        key = ctx.token
+        ctx.on_close(lambda: extension.lane_close(key))
+    return ctx.token
 
 
 def record(group, agree: Optional[Sequence[Tuple[str, int]]], fields: Sequence[Tuple[str, int]], early: int,

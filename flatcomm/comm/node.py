@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from . import header, worker
 from .labels import label
-from .pipeline import CommStats, drain
+from .layout import CommStats
+from .p2p import drain
 from .topology import Topology
 
 __all__ = ["Job", "after", "gather", "mark", "queued", "reduce", "timed"]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from . import context, standalone
 
-__all__ = ["Exchange", "all_gather", "all_to_all", "native_name", "used_for"]
+__all__ = ["Exchange", "all_gather", "all_to_all", "drain", "native_name", "used_for"]
 
 
 def used_for(t: torch.Tensor) -> bool:
@@ -45,7 +45,7 @@ def native_name(group) -> Optional[str]:
 
 class Exchange:
     """The transfers of one exchange, waited for together (what :meth:`Pipeline.wait` and
-    :func:`flatcomm.comm.pipeline.drain` expect of a Work)."""
+    :func:`drain` expect of a Work)."""
 
     def __init__(self, works: List[dist.Work]):
         self.works = works
@@ -78,3 +78,17 @@ def all_gather(group, send: torch.Tensor, outs: Sequence[Optional[torch.Tensor]]
     me, world = standalone.rank(group), dist.get_world_size(group)
     others = [r for r in range(world) if r != me]
     return _post(group, tag, [(d, send) for d in others], [(r, outs[r]) for r in others])
+
+
+def drain(pending) -> None:
+    """Wait for every exchange in ``pending`` (Works, or tuples holding them), ignoring their
+    errors: a call that fails mid-way leaves none in flight, so a group torn down afterwards has
+    no transfer pending (gloo then ends the process with ``terminate called``). Each wait is
+    bounded by the group's timeout; a dead peer fails them at once."""
+    for item in pending:
+        for w in (item if isinstance(item, (tuple, list)) else (item,)):
+            if w is not None and hasattr(w, "wait") and not isinstance(w, torch.Tensor):
+                try:
+                    w.wait()
+                except Exception:  # noqa: BLE001 - the call's own error is the one to raise
+                    pass

@@ -6,7 +6,8 @@ from typing import List, Sequence, Tuple, Union
 
 import torch
 
-from .header import AUTO_CODEC, DEVICE_TYPES, DTYPES, MODES, float_bits
+from .fields import AUTO_CODEC, DEVICE_TYPES, DTYPES, MODES
+from .header_table import float_bits
 from ..ops.codecs import CODECS, Codec
 
 __all__ = ["codec_fields", "device_field", "exact_fields", "signature"]

@@ -42,10 +42,10 @@ from typing import Callable, List, Optional, Sequence, Union, cast
 
 import torch
 
-from . import groups, header, p2p, pipeline, worker
+from . import groups, header, p2p, worker
 from .args import Call
 from .labels import label
-from .pipeline import CommStats
+from .layout import CommStats
 from .spec import CallSpec
 from ..ops.codecs import decode_sum, encode
 from ..ops.sums import exact_sum
@@ -230,7 +230,7 @@ def _gathered(group, a: Call, payload: Callable[[], torch.Tensor], result: Calla
     try:
         h.finish()
     except BaseException:
-        pipeline.drain([h.work])
+        p2p.drain([h.work])
         raise
     data = payload()  # after the check: a residual it takes is never lost to a failed call
     rows = torch.empty(a.world, data.numel(), dtype=torch.uint8)

@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import groups, header, lane, native_calls, p2p
+from . import groups, header, native_calls, p2p
 from .args import Call
-from .pipeline import CommStats
+from .layout import CommStats
 from .spec import CallSpec
 from ..ops.native import ops
 
@@ -39,7 +39,7 @@ def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> dis
     :func:`flatcomm.comm.worker.post_if_idle` (nothing of the group in flight): it reads the values
     now and writes the sum when the rows are in, in call order. Counted on the group's lane, which
     the worker and later lane calls wait for."""
-    lane_id = lane.lane_of(group)
+    lane_id = native_calls.lane_of(group)
     token, mine, table = native_calls.record(group, None, a.fields, 0, a.world)
     work = native_calls.launched(group, token, lambda: ops.slot_all_reduce(
         tensor, tensor, name, table, mine, header.WIDTH, header.SLOT_OFFSET, a.scale, token, lane_id))

@@ -2,7 +2,7 @@
 :class:`CallSpec`, built once at the facade (:mod:`flatcomm.collectives`) from the public
 keywords and handed down unchanged through the layers (:mod:`flatcomm.comm.flat`,
 :mod:`flatcomm.comm.two_level`), which check it once, in the argument layer
-(:mod:`flatcomm.comm.args`: inside :func:`~flatcomm.comm.args.in_step`, so that a rejected
+(:mod:`flatcomm.comm.args`: inside :func:`~flatcomm.comm.rejected.in_step`, so that a rejected
 field is every rank's error). A layer that settles a field (``codec="auto"`` resolved by the
 tuner, a tier's own codec) passes ``dataclasses.replace(spec, ...)`` on: nobody mutates a spec.
 """
@@ -18,7 +18,7 @@ from ..ops.sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM
 
 if TYPE_CHECKING:  # (the layers that check a spec import this module)
     from .args import ErrorFeedback, OpLike
-    from .pipeline import CommStats
+    from .layout import CommStats
     from .two_level_args import TieredFeedback, TierStats
 
 __all__ = ["CallSpec"]

@@ -46,7 +46,9 @@ import torch.distributed as dist
 
 from . import context, flat as one_hop, node as _node, two_level_args as _args, two_level_ordered as _ordered, worker
 from .two_level_args import TierStats, TieredFeedback, padded_shard, shard_numel, shard_range
-from .pipeline import BufferPool, CommStats, shard_bounds
+from .layout import CommStats
+from .pipeline import BufferPool
+from .shards import shard_bounds
 from .spec import CallSpec
 from .topology import Topology
 from ..ops.codecs import Codec, CodecLike, resolve

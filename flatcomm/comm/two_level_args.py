@@ -3,7 +3,7 @@ collectives).
 
 **One argument layer for all W ranks.** A two-level call runs on three groups: the node's, the
 local rank's across nodes, and the parent group of all W ranks. Its arguments are checked here,
-every one by type and range, through :func:`flatcomm.comm.args.in_step` on the *parent* group: a
+every one by type and range, through :func:`flatcomm.comm.rejected.in_step` on the *parent* group: a
 rank whose arguments are rejected posts its header there, marked failed. Ranks whose arguments
 pass post theirs (:func:`agreement`: every field that decides a payload's size or layout in either
 tier, exactly) on the same group's worker, in order with the flat calls on it, and every tier waits
@@ -24,9 +24,9 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import args, groups, header, signature, worker
+from . import args, groups, header, rejected, signature, worker
 from .args import ErrorFeedback
-from .pipeline import CommStats
+from .layout import CommStats
 from .spec import CallSpec
 from .topology import Topology
 from ..ops.codecs import Codec, CodecLike, resolve
@@ -158,12 +158,12 @@ def _parent(topo: Topology):
 
 
 def in_step(topo: Topology, kind: int, async_op, checks: Callable[[], Call]):
-    """The two-level argument layer: :func:`flatcomm.comm.args.in_step` on the private group of
+    """The two-level argument layer: :func:`flatcomm.comm.rejected.in_step` on the private group of
     all W ranks, so that a rejected argument on any rank of any node is every rank's error."""
     parent = _parent(topo)
     if parent is _UNKNOWN:
         return checks()
-    return args.in_step(groups.private_group(parent), kind, async_op, checks)
+    return rejected.in_step(groups.private_group(parent), kind, async_op, checks)
 
 
 def agreement(topo: Topology, a: Call, validate: bool):

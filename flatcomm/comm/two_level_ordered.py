@@ -30,8 +30,11 @@ import torch
 
 from . import flat as one_hop, header, node as _node, signature
 from .args import ErrorFeedback
-from . import pipeline
-from .pipeline import CommStats, Pipeline, Plan, drain, shard_bounds
+from . import layout
+from .layout import CommStats, Plan
+from .p2p import drain
+from .pipeline import Pipeline
+from .shards import shard_bounds
 from .spec import CallSpec
 from .two_level_args import Call
 from .topology import Topology
@@ -50,7 +53,7 @@ def forwards_payloads(codec, intra: Codec, dtype: torch.dtype) -> bool:
 
 
 def _plan(numel: int, topo: Topology, align: int) -> Plan:
-    return pipeline.plan(shard_bounds(numel, topo.nodes, align), 1, align, topo.node)
+    return layout.plan(shard_bounds(numel, topo.nodes, align), 1, align, topo.node)
 
 
 def _padded_src(flat: torch.Tensor, g: int, m: int, empty: Callable) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 :func:`agree` runs local checks on every replica, then one small flatcomm all-gather of a
 fingerprint: a replica whose checks raised posts the all-gather's header marked failed
-(:func:`flatcomm.comm.args.in_step`), so every replica raises the same error naming it, before
+(:func:`flatcomm.comm.rejected.in_step`), so every replica raises the same error naming it, before
 anything changed anywhere; and replicas whose fingerprints differ (another configuration, another
 model) all raise naming them. :func:`master_hash` is the 64-bit hash ``verify_every`` gathers.
 """
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .. import collectives as C
 from .._bytes import tensor_bytes
-from ..comm.args import in_step
+from ..comm.rejected import in_step
 from ..comm.header import KIND_IDS
 
 __all__ = ["agree", "announce", "ddp_across_replicas", "differing", "exited", "master_hash", "save_key",

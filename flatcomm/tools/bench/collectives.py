@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from flatcomm import collectives as C
-from flatcomm.comm import pipeline
+from flatcomm.comm import layout
 from flatcomm.ops.codecs import CODECS, Codec
 from flatcomm.tools import spawn
 
@@ -100,8 +100,8 @@ def _rank_main(rank: int, world: int, cfg: dict) -> Optional[list]:
             if codec == "auto":  # the tuner picks (error budget sign: any codec the other rows try)
                 _auto_rows(cfg, x, work, shard, copy_in, add, world)
                 continue
-            auto_rs = pipeline.default_chunks(m, Codec(codec), world, mode, x.dtype, "reduce_scatter")
-            auto_ar = pipeline.default_chunks(max(1, n // world), Codec(codec), world, mode, x.dtype)
+            auto_rs = layout.default_chunks(m, Codec(codec), world, mode, x.dtype, "reduce_scatter")
+            auto_ar = layout.default_chunks(max(1, n // world), Codec(codec), world, mode, x.dtype)
             chunk_opts = [None]
             if (cfg["chunk_compare"] and codec in cfg["chunk_codecs"] and mode == "ordered"
                     and max(auto_rs, auto_ar) > 1):
