@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .autotune import Decision, tuner_for
-from .comm import flat, two_level
+from .comm import flat, route, two_level
 from .comm.args import ErrorFeedback, OpLike
 from .comm.rejected import in_step
 from .comm.groups import group_timeout, private_group
@@ -106,7 +106,7 @@ def all_reduce(
         if isinstance(resolved, Handle):  # the tuner failed somewhere: every rank's wait() raises why
             return resolved
         spec = resolved
-    return _with_decision(flat.all_reduce(tensor, spec, group), decision)
+    return _with_decision(route.all_reduce(tensor, spec, group), decision)
 
 
 def reduce_scatter(

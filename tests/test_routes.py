@@ -3,6 +3,7 @@ backend, has the route ``flatcomm.backend.route`` names (decided by flatcomm.com
 the right sum, and is counted under that route in ``flatcomm.backend.stats()["routes"]``."""
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 
@@ -50,3 +51,32 @@ def test_the_docs_route_table_is_the_codes():
             assert named == documented, f"{expr}: the docs say {documented}, the code routes it {named}"
             assert counted == 1, (expr, counted)
             assert right, expr
+
+
+# What decides an all-reduce's route; only flatcomm.comm.route may ask (a reduce-scatter's own
+# slot test aside: it has no routes).
+_ROUTE_PREDICATES = ("fits_all_reduce", "in_slot", "name_if_native", "runs_natively")
+_ALLOWED = {("comm/small.py", "reduce_scatter", "in_slot")}
+
+
+def _calls(tree):
+    """(enclosing function, called name) of every call in a module."""
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call):
+                    f = node.func
+                    yield fn.name, f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+
+
+def test_only_the_route_module_decides_an_all_reduces_route():
+    root = pathlib.Path(__file__).resolve().parents[1] / "flatcomm"
+    asking = set()
+    for path in root.rglob("*.py"):
+        where = str(path.relative_to(root))
+        if where == "comm/route.py":
+            continue
+        for fn, name in _calls(ast.parse(path.read_text())):
+            if name in _ROUTE_PREDICATES and (where, fn, name) not in _ALLOWED:
+                asking.add(f"{where}:{fn} calls {name}")
+    assert not asking, f"an all-reduce's route decided outside flatcomm/comm/route.py: {sorted(asking)}"

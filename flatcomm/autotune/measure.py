@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .costs import CostModel
 from .decide import KINDS, predict
-from ..comm import flat, pipeline, worker
+from ..comm import flat, pipeline, route, worker
 from ..comm.args import ErrorFeedback
 from ..comm.groups import private_group
 from ..comm.spec import CallSpec
@@ -71,7 +71,7 @@ def _time_codecs(codecs, numel: int, world: int, group, device: torch.device, re
             lossy = not Codec(c).lossless
             if kind == "all_reduce":
                 ef = ErrorFeedback.zeros(numel, device) if lossy else None
-                fn = lambda: flat.all_reduce(x, CallSpec(codec=c, residual=ef, validate=False), group)  # noqa: E731
+                fn = lambda: route.all_reduce(x, CallSpec(codec=c, residual=ef, validate=False), group)  # noqa: E731
             else:
                 r = torch.zeros(src.numel(), device=device) if lossy else None
                 fn = lambda: flat.reduce_scatter(shard, src, CallSpec(codec=c, residual=r, validate=False),  # noqa: E731

@@ -21,7 +21,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import flat
+from ..comm import flat, route
 from ..comm.args import ErrorFeedback
 from ..comm.spec import CallSpec
 from ..ops.codecs import Codec
@@ -66,7 +66,7 @@ def _runner(codec: str, kind: str, numel: int, world: int, group, device: torch.
     lossy = not Codec(codec).lossless
     if kind == "all_reduce":
         ef = ErrorFeedback.zeros(numel, device) if lossy else None
-        return lambda: flat.all_reduce(x, CallSpec(codec=codec, residual=ef, validate=False), group)
+        return lambda: route.all_reduce(x, CallSpec(codec=codec, residual=ef, validate=False), group)
     shard = torch.empty(numel // world, device=device)
     src = x[:shard.numel() * world]
     r = torch.zeros(src.numel(), device=device) if lossy else None

@@ -48,27 +48,18 @@ from .spec import CallSpec
 from ..ops.codecs import Codec, decode, encode, reencode_sum
 from ..ops.native import ops
 
-__all__ = ["all_gather", "all_reduce", "checked_all_reduce", "reduce_scatter", "rounding_into", "runs_natively"]
+__all__ = ["all_gather", "checked_all_reduce", "reduce_scatter", "rounding_into", "runs_natively"]
 
 
-def all_reduce(tensor: torch.Tensor, spec: CallSpec = CallSpec(), group=None) -> Optional[worker.Handle]:
-    """All-reduce ``tensor`` in place (see :func:`flatcomm.collectives.all_reduce`)."""
-    group = groups.private_group(group)
-    a = rejected.in_step(group, KIND_IDS["all_reduce"], spec.async_op, lambda: args.all_reduce_call(group, tensor, spec))
-    if isinstance(a, worker.Handle):
-        return a
-    return checked_all_reduce(group, a, spec, tensor)
-
-
-def checked_all_reduce(group, a: args.Call, spec: CallSpec, tensor: torch.Tensor) -> Optional[worker.Handle]:
-    """The all-reduce of ``tensor`` with its checked arguments ``a`` (``group``: a private group)."""
-    if small.fits_all_reduce(group, a, spec.mode):  # route.all_reduce: small, small-native or gathered
-        return small.all_reduce(group, a, spec, tensor)
+def checked_all_reduce(group, a: args.Call, spec: CallSpec, tensor: torch.Tensor, native: bool) -> Optional[worker.Handle]:
+    """The all-reduce of ``tensor`` with its checked arguments ``a`` (``group``: a private group) on
+    the pipelined, exact or (``native``: :func:`runs_natively`) native route, on the group's worker
+    (:func:`flatcomm.comm.route.run` chose it)."""
     flat, c, n = a.src, a.codec, a.src.numel()
     mode, residual, stats, validate = spec.mode, a.feedback, spec.stats, spec.validate
 
     def body():
-        with Pipeline(group, stats, a.fields, flat.device, validate, early=runs_natively(group, a, mode)) as pipe:
+        with Pipeline(group, stats, a.fields, flat.device, validate, early=native) as pipe:
             pipe.stats.calls += 1
             if mode == "exact":
                 exact.all_reduce(pipe, flat, a.plan, a.chunks, a.scale, a.exact_block, a.headroom)

@@ -5,7 +5,7 @@ bucket), and everything the argument layers check (codec, mode, op, sizes, the s
 header's fields) depends on the shape, not on the values: ~100 us of Python per call, on the
 caller's thread (for DDP, the autograd thread, with the backward pass waiting). A :class:`Prepared`
 call keeps the first call's checked :class:`flatcomm.comm.args.Call` and runs each later call from
-it, on the same paths, rows, checks and kernels as :func:`flatcomm.comm.flat.all_reduce`, so with
+it, on the same paths, rows, checks and kernels as :func:`flatcomm.comm.route.all_reduce`, so with
 the same bits and errors:
 
 * on its route (:mod:`flatcomm.comm.route`, decided once for the shape): the native lane once its
@@ -21,7 +21,7 @@ from typing import Optional, Union, cast
 import torch
 import torch.distributed as dist
 
-from . import args, flat, lane, p2p, route, small, small_native, worker
+from . import args, lane, p2p, route, small_native, worker
 from .route import Route
 from .spec import CallSpec
 
@@ -30,11 +30,11 @@ __all__ = ["Prepared", "prepare_all_reduce"]
 
 class Prepared:
     """The checked all-reduce ``a`` on ``group`` (a private group), posted again by :meth:`post`
-    on its :attr:`route` (:func:`flatcomm.comm.route.all_reduce`, decided once)."""
+    on its :attr:`route` (:func:`flatcomm.comm.route.of`, decided once)."""
 
     def __init__(self, group, a: args.Call, spec: CallSpec):
         self.group, self.spec = group, spec
-        self.route = route.all_reduce(group, a, spec.mode)
+        self.route = route.of(group, a, spec.mode)
         self.what = f"all_reduce of {a.src.numel()} values ({a.codec.name})"
         self.name = p2p.native_name(group)  # what the native ops resolve the group by
         none = a.src.new_empty(0)  # each post gives its tensor: the first one is not kept alive here
@@ -44,8 +44,7 @@ class Prepared:
         """Start the all-reduce of ``tensor`` (contiguous, the prepared numel and dtype). The native
         routes return a C++ ``dist.Work``, posted from this thread where the group's calls in flight
         allow it (:mod:`flatcomm.comm.worker`: call order); else, and on the other routes, the
-        call goes through :func:`flatcomm.comm.small.run` or
-        :func:`flatcomm.comm.flat.checked_all_reduce`, with the same exchanges and bits."""
+        call goes through :func:`flatcomm.comm.route.run`, with the same exchanges and bits."""
         key, flat_ = worker.key_of(self.group), tensor.view(-1)
         work = None
         if self.route is Route.SMALL_NATIVE:  # reads the values now: only with nothing in flight
@@ -56,12 +55,7 @@ class Prepared:
                                                                       cast(str, self.name)))
         if work is not None:
             return work
-        if self.route in (Route.SMALL_NATIVE, Route.SMALL):
-            handle = small.run(self.group, self.a, True, small.all_reduce_parts(self.a, self.spec.mode, flat_),
-                               self.spec, (flat_,), self.what, tensor)
-        else:
-            handle = flat.checked_all_reduce(self.group, dataclasses.replace(self.a, src=flat_, out=flat_),
-                                             self.spec, tensor)
+        handle = route.run(self.route, self.group, dataclasses.replace(self.a, src=flat_, out=flat_), self.spec, tensor)
         assert handle is not None  # (an asynchronous spec)
         return handle
 

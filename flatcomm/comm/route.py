@@ -2,7 +2,9 @@
 
 An all-reduce's route depends only on its shape (numel, dtype, device, codec, mode, error feedback,
 the group's size and header slot), never on timing, so it is decided once per shape
-(:func:`all_reduce`) and kept with a prepared call (:mod:`flatcomm.comm.prepared`). When a call is
+(:func:`of`), kept with a prepared call (:mod:`flatcomm.comm.prepared`), and every all-reduce runs
+on the route :func:`of` gave (:func:`run`: the collectives facade's calls through :func:`all_reduce`,
+a prepared call's queued posts); no path below decides again. When a call is
 *posted* is a separate matter of call order (:mod:`flatcomm.comm.worker`): a route that may be
 posted from the caller's thread is queued on the group's worker while earlier calls are in flight,
 with the same exchanges and bits.
@@ -33,10 +35,16 @@ from __future__ import annotations
 
 import enum
 
-from . import flat, small, small_native
-from .args import Call
+from typing import Optional
 
-__all__ = ["Route", "all_reduce"]
+import torch
+
+from . import args, flat, groups, rejected, small, small_native, worker
+from .args import Call
+from .fields import KIND_IDS
+from .spec import CallSpec
+
+__all__ = ["Route", "all_reduce", "of", "run"]
 
 
 class Route(str, enum.Enum):
@@ -53,7 +61,7 @@ class Route(str, enum.Enum):
         return self.value
 
 
-def all_reduce(group, a: Call, mode: str) -> Route:
+def of(group, a: Call, mode: str) -> Route:
     """The route of an all-reduce with the checked arguments ``a`` on ``group`` (a private group)."""
     if small.fits_all_reduce(group, a, mode):
         if not small.in_slot(group, a, mode):
@@ -63,3 +71,25 @@ def all_reduce(group, a: Call, mode: str) -> Route:
     if mode == "exact":
         return Route.EXACT
     return Route.NATIVE if flat.runs_natively(group, a, mode) else Route.PIPELINED
+
+
+_IN_ONE_EXCHANGE = (Route.SMALL_NATIVE, Route.SMALL, Route.GATHERED)
+
+
+def run(r: Route, group, a: Call, spec: CallSpec, tensor: torch.Tensor) -> Optional[worker.Handle]:
+    """Run the checked all-reduce ``a`` (of ``tensor``, the caller's) on route ``r`` (:func:`of`'s),
+    on the group's worker or, for the small routes, posted where call order allows. The native
+    routes' C++ posts are :mod:`flatcomm.comm.prepared`'s; here they run as their Python-posted
+    equivalents (the small call in Python, the native op on the worker), with the same bits."""
+    if r in _IN_ONE_EXCHANGE:
+        return small.all_reduce(group, a, spec, tensor, slot=r is not Route.GATHERED)
+    return flat.checked_all_reduce(group, a, spec, tensor, native=r is Route.NATIVE)
+
+
+def all_reduce(tensor: torch.Tensor, spec: CallSpec = CallSpec(), group=None) -> Optional[worker.Handle]:
+    """All-reduce ``tensor`` in place on its route (see :func:`flatcomm.collectives.all_reduce`)."""
+    group = groups.private_group(group)
+    a = rejected.in_step(group, KIND_IDS["all_reduce"], spec.async_op, lambda: args.all_reduce_call(group, tensor, spec))
+    if isinstance(a, worker.Handle):
+        return a
+    return run(of(group, a, spec.mode), group, a, spec, tensor)

@@ -314,11 +314,12 @@ def all_reduce_parts(a: Call, mode: str, flat: torch.Tensor) -> tuple:
     return payload, result, undo
 
 
-def all_reduce(group, a: Call, spec: CallSpec, value: torch.Tensor) -> Optional[worker.Handle]:
-    """An all-reduce that :func:`fits_all_reduce` (``value``: the caller's tensor)."""
+def all_reduce(group, a: Call, spec: CallSpec, value: torch.Tensor, slot: bool) -> Optional[worker.Handle]:
+    """An all-reduce that :func:`fits_all_reduce` (``value``: the caller's tensor), in the header's
+    slot or (not ``slot``: the gathered route) in an all-gather after it."""
     flat, fb = a.src, a.feedback
     keep = (flat,) if fb is None else (flat, fb.client, fb.server)
-    return run(group, a, in_slot(group, a, spec.mode), all_reduce_parts(a, spec.mode, flat), spec, keep,
+    return run(group, a, slot, all_reduce_parts(a, spec.mode, flat), spec, keep,
                f"all_reduce of {flat.numel()} values ({a.codec.name})", value)
 
 

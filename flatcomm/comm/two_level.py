@@ -44,7 +44,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import context, flat as one_hop, node as _node, two_level_args as _args, two_level_ordered as _ordered, worker
+from . import context, flat as one_hop, node as _node, route, two_level_args as _args, two_level_ordered as _ordered, worker
 from .two_level_args import TierStats, TieredFeedback, padded_shard, shard_numel, shard_range
 from .layout import CommStats
 from .pipeline import BufferPool
@@ -178,7 +178,8 @@ def _ordered_all_reduce(topo: Topology, a: _args.Call, validate: bool, tiers: Ti
         _ordered.all_reduce(topo, a, seg, validate, tiers, empty)
     else:  # every segment past one costs the staged path two copies of the tensor
         seg = segments_of(m, align, a.chunks or 1, nodes=topo.nodes)
-        _ordered.staged(topo, a, seg, inter_codec(a.inter, choose), validate, tiers, empty)
+        _ordered.staged(topo, a, seg, _ordered.InterHop(inter_codec(a.inter, choose), route.all_reduce), validate, tiers,
+                        empty)
     for t in taken:  # not after a failure: a collective still in flight may write to them
         pool.give(t)
 

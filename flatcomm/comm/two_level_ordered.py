@@ -24,7 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import time
-from typing import Any, Callable, List, cast
+from typing import Any, Callable, List, NamedTuple, cast
 
 import torch
 
@@ -40,7 +40,7 @@ from .two_level_args import Call
 from .topology import Topology
 from ..ops.codecs import Codec, decode_sum, reencode_sum
 
-__all__ = ["all_reduce", "forwards_payloads", "staged"]
+__all__ = ["InterHop", "all_reduce", "forwards_payloads", "staged"]
 
 
 _NO_EXACT = signature.exact_fields("ordered", 0, 0)
@@ -221,12 +221,20 @@ def _timed_into(st: CommStats, field: str, fn: Callable[[], None]) -> None:
     setattr(st, field, getattr(st, field) + time.perf_counter() - t0)
 
 
-def staged(topo: Topology, call: Call, seg: List[int], codec: Callable, validate: bool, tiers,
+class InterHop(NamedTuple):
+    """The hop across nodes of a staged call: ``codec``, the chooser of
+    :func:`flatcomm.comm.two_level.inter_codec` (asked per segment), and ``all_reduce``, the one-hop
+    all-reduce on its route (:func:`flatcomm.comm.route.all_reduce`, given by the caller: the route
+    floor lies above what this module may import)."""
+    codec: Callable
+    all_reduce: Callable
+
+
+def staged(topo: Topology, call: Call, seg: List[int], inter: InterHop, validate: bool, tiers,
            empty: Callable) -> None:
     """The two-level all-reduce with codec collectives in the node and the one-hop all-reduce
-    across nodes (any intra codec, dtype, and ``codec="auto"``): ``codec`` is the chooser of
-    :func:`flatcomm.comm.two_level.inter_codec`, asked per segment."""
-    _Staged(topo, call, seg, codec, validate, tiers, empty).run()
+    across nodes (any intra codec, dtype, and ``codec="auto"``)."""
+    _Staged(topo, call, seg, inter, validate, tiers, empty).run()
 
 
 class _Staged:
@@ -234,9 +242,9 @@ class _Staged:
     (:meth:`scatter`), the one-hop all-reduce across nodes (:meth:`across`), the node's all-gather
     (:meth:`gather`) and the copy back into the caller's tensor (:meth:`write_back`)."""
 
-    def __init__(self, topo: Topology, call: Call, seg: List[int], codec: Callable, validate: bool, tiers,
+    def __init__(self, topo: Topology, call: Call, seg: List[int], inter: InterHop, validate: bool, tiers,
                  empty: Callable) -> None:
-        self.topo, self.call, self.seg, self.choose, self.validate, self.tiers = topo, call, seg, codec, validate, tiers
+        self.topo, self.call, self.seg, self.inter, self.validate, self.tiers = topo, call, seg, inter, validate, tiers
         self.empty = empty
         flat, m = call.src, call.m
         self.g, self.n = topo.local_size, flat.numel()
@@ -280,8 +288,8 @@ class _Staged:
                 self.ar.append(None)
                 continue
             fb = ErrorFeedback(inter_fb.client[a:b], inter_fb.server[a:b]) if inter_fb is not None else None
-            c = self.choose(b - a, self.topo.inter_group, self.shard.device, "all_reduce")
-            self.ar.append(one_hop.all_reduce(self.shard[a:b], CallSpec(
+            c = self.inter.codec(b - a, self.topo.inter_group, self.shard.device, "all_reduce")
+            self.ar.append(self.inter.all_reduce(self.shard[a:b], CallSpec(
                 codec=c, op="sum", residual=fb, validate=self.validate, stats=self.tiers.inter, async_op=True),
                 self.topo.inter_group))
 
