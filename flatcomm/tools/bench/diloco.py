@@ -81,10 +81,18 @@ def _step(model, opt, rank, step, batch):
     opt.step()
 
 
+def _codec(name: str):
+    """``sparse1@184``: the codec keeping 184 values of every chunk; else the name itself."""
+    from flatcomm.ops.codecs import Codec
+
+    base, _, keep = name.partition("@")
+    return Codec(base, keep=int(keep)) if keep else Codec(base)
+
+
 def _outer(spec: str, model, opt):
-    """The outer sync of a bytes row: ``int4`` (any codec), ``sparse:exact`` (DiLoCo's gathered
-    exact sum), ``sparseloco`` / ``sparseloco:flat`` (the SparseLoCo baseline, Templar's tiles or
-    flat 4,096-value runs)."""
+    """The outer sync of a bytes row: ``int4`` (any codec; ``sparse1@184`` names the kept values),
+    ``sparse:exact`` (DiLoCo's gathered exact sum), ``sparseloco`` / ``sparseloco:flat`` (the
+    SparseLoCo baseline, Templar's tiles or flat 4,096-value runs)."""
     codec, _, variant = spec.partition(":")
     if codec == "sparseloco":
         from .sparseloco import SparseLoCo
@@ -92,13 +100,13 @@ def _outer(spec: str, model, opt):
         return SparseLoCo(model, opt, sync_every=1, chunking=variant or "tiles")
     from flatcomm.diloco import DiLoCo
 
-    return DiLoCo(model, opt, sync_every=1, codec=codec, mode="exact" if variant == "exact" else "ordered",
+    return DiLoCo(model, opt, sync_every=1, codec=_codec(codec), mode="exact" if variant == "exact" else "ordered",
                   verify_every=0)
 
 
 def formula(spec: str, model, world: int) -> Tuple[float, str]:
     """Bytes a node should send per parameter per sync, from the format, and how."""
-    from flatcomm.ops.codecs import Codec, wire_bytes
+    from flatcomm.ops.codecs import wire_bytes
 
     codec, _, variant = spec.partition(":")
     n = sum(p.numel() for p in model.parameters())
@@ -107,7 +115,7 @@ def formula(spec: str, model, world: int) -> Tuple[float, str]:
 
         return (nominal_bytes_per_param(model, world, chunking=variant or "tiles"),
                 "(R-1) x payload (all-gather); payload = chunks x 64 x 14 bits + 24 B per tensor")
-    payload = wire_bytes(Codec(codec), n) / n
+    payload = wire_bytes(_codec(codec), n) / n
     if variant == "exact":
         return (world - 1) * payload, f"(R-1) x payload (all-gather), payload {payload:.4f} B/param"
     return 2 * (world - 1) / world * payload, f"2 (R-1)/R x payload (two-stage), payload {payload:.4f} B/param"
@@ -356,7 +364,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--syncs", type=int, default=2, help="outer syncs per codec in the bytes runs (default 2)")
     ap.add_argument("--replicas", default="2,4", help="replica counts of the bytes runs, comma separated (default 2,4)")
     ap.add_argument("--codecs", default="fp32,int8,int4,sign",
-                    help="codecs of the bytes runs, comma separated (default fp32,int8,int4,sign); sparse:exact "
+                    help="codecs of the bytes runs, comma separated (default fp32,int8,int4,sign); sparse1@184 "
+                         "keeps 184 values per chunk; sparse:exact "
                          "is the gathered exact sum; sparseloco, sparseloco:flat the SparseLoCo baseline "
                          "(flatcomm.tools.bench.sparseloco)")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2,
