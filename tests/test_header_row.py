@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from flatcomm.comm import header, header_table
@@ -39,3 +40,18 @@ def test_the_template_cache_is_bounded():
     for i in range(header_table._TEMPLATES_MAX + 10):
         header.row(i, header.OK, [("numel", i)], header.FIELDS)
     assert len(header_table._TEMPLATES) <= header_table._TEMPLATES_MAX
+
+
+def test_every_field_is_named_by_the_record():
+    """A call's (name, value) pairs are built through comm.fields' record: a name it lacks raises,
+    and every builder's names are FIELDS' (so the row layout is written once)."""
+    from flatcomm.comm import fields, signature
+    from flatcomm.ops.codecs import Codec
+
+    with pytest.raises(KeyError, match="no call header field"):
+        fields.pairs(topk=1)
+    built = signature.signature(3, 7, Codec("int8"), "exact", 0.5, torch.float16, 2,
+                                signature.exact_fields("exact", 256, 2) + [signature.device_field(torch.device("cpu"))]
+                                + signature.codec_fields(Codec("sparse", keep=64), intra=True))
+    assert [n for n, _ in built if n not in fields.FIELDS] == []
+    assert fields.HeaderFields.of(built).intra_block_size == 4096 and fields.HeaderFields.of(built).chunks == 2

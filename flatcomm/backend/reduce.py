@@ -22,6 +22,7 @@ import torch.distributed as dist
 from .. import collectives
 from ..comm import groups, header, prepared, rejected, worker
 from ..comm.args import premultiplied, reduce_op
+from ..comm.fields import pairs
 from ..comm.route import Route
 from ..comm.spec import CallSpec
 from .settings import settings_for, topology_for
@@ -80,9 +81,9 @@ def guard(pg, kind: str, tensors: Sequence[torch.Tensor], op) -> None:
         # which may differ between members (see docs/backend.md): such calls pass unchecked.
         return
     dtype = t.dtype
-    fields = [("collective", header.KIND_IDS[kind]), ("numel", sum(x.numel() for x in tensors)),
-              ("dtype", header.ALL_DTYPES.index(dtype) if dtype in header.ALL_DTYPES else len(header.ALL_DTYPES)),
-              ("reduce op", int(getattr(op, "op", op)) + 1), ("device", header.DEVICE_TYPES.index("cpu"))]
+    fields = pairs(collective=header.KIND_IDS[kind], numel=sum(x.numel() for x in tensors),
+                   dtype=header.ALL_DTYPES.index(dtype) if dtype in header.ALL_DTYPES else len(header.ALL_DTYPES),
+                   reduce_op=int(getattr(op, "op", op)) + 1, device=header.DEVICE_TYPES.index("cpu"))
     priv = groups.private_group(pg)
     key, cpu = worker.key_of(priv), torch.device("cpu")
     posted = worker.post_if_idle(key, lambda: header.CallHeader(priv, fields, cpu))

@@ -6,14 +6,14 @@ the header's check and its messages, and the agreed plans (:mod:`flatcomm.comm.a
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, NamedTuple, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Tuple
 
 import torch
 
 from ..ops.codecs import CODECS
 
 __all__ = ["ALL_DTYPES", "AUTO_CODEC", "DEVICE_TYPES", "DTYPES", "FIELDS", "HeaderFields", "KINDS", "KIND_IDS", "MODES",
-           "name"]
+           "name", "pairs"]
 
 MODES = ("ordered", "exact")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -71,3 +71,12 @@ _ATTRIBUTES: Dict[str, str] = dict(zip(FIELDS, HeaderFields._fields))
 def name(attribute: str) -> str:
     """The name (as :data:`FIELDS` spells it) of the :class:`HeaderFields` field ``attribute``."""
     return FIELDS[HeaderFields._fields.index(attribute)]
+
+
+def pairs(**values: int) -> List[Tuple[str, int]]:
+    """The ``(name, value)`` pairs a call's fields are built of, given by :class:`HeaderFields`
+    attribute in the caller's order (a name the record lacks raises: no field is spelled twice)."""
+    unknown = sorted(set(values) - set(HeaderFields._fields))
+    if unknown:
+        raise KeyError(f"flatcomm: no call header field {unknown}")
+    return [(name(a), int(v)) for a, v in values.items()]

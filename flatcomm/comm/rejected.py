@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, TypeVar, Union
 import torch
 
 from . import groups, header, worker
+from .fields import pairs
 from .header import FAILED_TYPE, FAILED_VALUE, CallHeader, has_cpu_backend
 
 __all__ = ["fail_in_step", "in_step"]
@@ -40,7 +41,7 @@ def fail_in_step(group, kind: int, err: BaseException) -> Optional["concurrent.f
     status = FAILED_TYPE if isinstance(err, TypeError) else FAILED_VALUE
 
     def body():
-        h = CallHeader(group, [("collective", kind)], device, reason, status)
+        h = CallHeader(group, pairs(collective=kind), device, reason, status)
         try:
             h.work.wait()
         except Exception as x:  # noqa: BLE001 - the peers never answered: report our own error

@@ -216,7 +216,7 @@ class _Reduction:
 
     def fields(self, kind: int, n: int, t: torch.Tensor, chunks: Optional[int]) -> List[Tuple[str, int]]:
         extra = (signature.exact_fields(self.mode, self.block, self.room) + [signature.device_field(t.device)]
-                 + signature.codec_fields(self.intra, "intra "))
+                 + signature.codec_fields(self.intra, intra=True))
         return signature.signature(kind, n, self.inter, self.mode, self.scale, t.dtype, chunks or 0, extra)
 
 
