@@ -186,7 +186,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--replicas", type=int, default=2, help="replicas, one gloo rank each (default 2)")
     ap.add_argument("--points", default="docs/bench/frontier.jsonl", help="the JSON-lines file of points")
     ap.add_argument("--doc", default="docs/diloco.md", help="markdown file to render the table into")
-    ap.add_argument("--plot", default="docs/bench/frontier.png", help="the picture (needs matplotlib)")
+    ap.add_argument("--plot", default=None,
+                    help="the picture (needs matplotlib; default docs/bench/frontier.png for the frontier "
+                         "section, none for another: a recipe search's points make no legible picture)")
     ap.add_argument("--section", default="frontier",
                     help="render between <!-- SECTION:begin --> and <!-- SECTION:end --> (default frontier)")
     ap.add_argument("--render-only", action="store_true", help="run nothing: render the file's points")
@@ -223,7 +225,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{res['seconds']:.0f} s ({1e3 * res['step_s']:.0f} ms/step)", file=sys.stderr, flush=True)
     from .frontier_report import render
 
-    print(render(load_points(args.points), args.doc, args.plot, args.section))
+    plot = args.plot if args.plot is not None else ("docs/bench/frontier.png" if args.section == "frontier" else "")
+    print(render(load_points(args.points), args.doc, plot, args.section))
     return 0
 
 
