@@ -34,7 +34,6 @@ collectives facade routes each time: CUDA tensors, several tensors, ``codec="aut
 from __future__ import annotations
 
 import enum
-
 from typing import Optional
 
 import torch
