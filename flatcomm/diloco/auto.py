@@ -32,6 +32,7 @@ from the recorded choice, so a resume runs it too.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -40,6 +41,7 @@ import torch.distributed as dist
 
 from ..comm.header import all_gather_single
 from ..ops.codecs import Codec
+from .schedule import number
 
 __all__ = ["Auto", "CANDIDATES", "Choice", "Recipe", "SPARSE_RECIPE", "choose", "recipe_of", "sync_bytes"]
 
@@ -61,12 +63,9 @@ class Recipe:
 
     def check(self) -> None:
         """Raise ValueError for a value out of range (the ranges of DiLoCo's own options)."""
-        for name, ok, text in (("outer_lr", lambda v: 0 <= v < float("inf"), ">= 0"),
-                               ("outer_momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
-                               ("error_decay", lambda v: 0 <= v <= 1, "in [0, 1]")):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
-                raise ValueError(f"flatcomm.diloco: Recipe {name} must be a number {text}, got {v!r}")
+        number(self.outer_lr, "Recipe outer_lr", 0.0, math.inf)
+        number(self.outer_momentum, "Recipe outer_momentum", 0.0, 1.0, hi_open=True)
+        number(self.error_decay, "Recipe error_decay", 0.0, 1.0)
 
 
 # SparseLoCo's recipe (decayed error feedback in place of outer momentum) at the outer lr that ended

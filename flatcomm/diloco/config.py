@@ -13,8 +13,8 @@ from ..comm.header import MODES
 from ..comm.topology import Topology
 from ..ops.codecs import resolve
 from . import auto, sync
-from .options import Options, check_no_ddp, number
-from .schedule import Schedule, split
+from .options import Options, check_no_ddp
+from .schedule import Schedule, number, split
 from .state import Fragment, local_tensor
 
 __all__ = ["Config", "configure"]

@@ -3,8 +3,6 @@ of single options that need no configuration around them."""
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from typing import Any, Optional
 
 import torch
@@ -12,7 +10,7 @@ import torch
 from ..comm.topology import Topology
 from . import replicas
 
-__all__ = ["Options", "check_no_ddp", "number"]
+__all__ = ["Options", "check_no_ddp"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,14 +34,6 @@ class Options:
     topology: Optional[Topology] = None
     allow_ddp: bool = False
     error_decay: float = 1.0
-
-
-def number(v: Any, what: str, lo: float, hi: float, hi_open: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or float(v) < lo \
-            or float(v) > hi or (hi_open and float(v) == hi):
-        raise ValueError(f"flatcomm.diloco: {what} must be a finite number in [{lo}, {hi}{')' if hi_open else ']'}, "
-                         f"got {v!r}")
-    return float(v)
 
 
 def check_no_ddp(model: torch.nn.Module, group, allow_ddp: bool) -> None:

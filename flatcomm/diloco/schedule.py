@@ -11,12 +11,13 @@ Nothing here communicates.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Piece", "Schedule", "local_tensor", "split"]
+__all__ = ["Piece", "Schedule", "local_tensor", "number", "split"]
 
 Named = List[Tuple[str, torch.nn.Parameter]]
 
@@ -25,6 +26,14 @@ def _int(v: Any, what: str, lo: int) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or int(v) < lo:
         raise ValueError(f"flatcomm.diloco: {what} must be an int >= {lo}, got {v!r}")
     return int(v)
+
+
+def number(v: Any, what: str, lo: float, hi: float, hi_open: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or float(v) < lo \
+            or float(v) > hi or (hi_open and float(v) == hi):
+        raise ValueError(f"flatcomm.diloco: {what} must be a finite number in [{lo}, {hi}{')' if hi_open else ']'}, "
+                         f"got {v!r}")
+    return float(v)
 
 
 @dataclasses.dataclass(frozen=True)
