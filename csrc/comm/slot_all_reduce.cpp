@@ -1,7 +1,9 @@
-// A small ordered fp32 all-reduce in one exchange, natively: the values ride in this rank's call
-// header row (its payload slot, flatcomm/comm/small.py), every rank's row is gathered, and when the
-// exchange completes the rows are compared and the payloads summed in ascending rank order into
-// the tensor (decode_sum's arithmetic, p2p_all_reduce.h ordered_sum), in C++ on gloo's thread.
+// A small all-reduce in one exchange, natively: the values ride in this rank's call header row (its
+// payload slot, flatcomm/comm/small.py), every rank's row is gathered, and when the exchange
+// completes the rows are compared and the payloads summed into the tensor, in C++ on gloo's thread:
+// ordered fp32 in ascending rank order (decode_sum's arithmetic, p2p_all_reduce.h ordered_sum), or
+// exact mode (fp32, bf16, fp16) with the exact_sum op, times scale, copied into the tensor (the
+// Python small path's ATen ops, so its bits).
 // Python's part of a call is only its post; a disagreement or a failed exchange goes to
 // flatcomm.comm.native_calls.verdict for the header's error, the same on every rank.
 #include <ATen/ATen.h>
@@ -12,6 +14,8 @@
 #include "native_work.h"
 #include "p2p_all_reduce.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <cstring>
 #include <string>
 #include <vector>
@@ -20,15 +24,35 @@ namespace flatcomm {
 namespace ops {
 namespace {
 
+// The exact sum of the payloads (one row each, `nbytes` apart from `base`, `n` values of `dtype`),
+// times scale, into `into`: what flatcomm/comm/small.py _exact does, op for op.
+void exact_into(const char* base, int64_t stride, int64_t world, int64_t n, at::ScalarType dtype, double scale,
+                int64_t block, int64_t headroom, at::Tensor& into) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("flatcomm::exact_sum", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
+  at::Tensor rows = at::empty({world, n}, into.options().dtype(dtype));
+  const int64_t nbytes = n * rows.element_size();
+  for (int64_t r = 0; r < world; ++r)
+    std::memcpy(static_cast<char*>(rows.data_ptr()) + r * nbytes, base + r * stride, nbytes);
+  at::Tensor val = op.call(rows, block, headroom);
+  if (scale != 1.0) val = val.mul(scale);
+  into.copy_(val);
+}
+
 c10::intrusive_ptr<c10d::Work> slot_all_reduce(const at::Tensor& flat, const at::Tensor& out, c10::string_view group,
                                                const at::Tensor& table, const at::Tensor& mine, int64_t width,
-                                               int64_t slot_offset, double scale, int64_t token, int64_t lane) {
+                                               int64_t slot_offset, double scale, int64_t token, int64_t lane,
+                                               int64_t exact_block, int64_t headroom) {
   check_rows(table, mine, width, "slot_all_reduce");
-  TORCH_CHECK(flat.device().is_cpu() && flat.scalar_type() == at::kFloat && flat.is_contiguous(),
-              "flatcomm: slot_all_reduce takes a contiguous CPU fp32 tensor, got ", flat.toString(), " ",
-              flat.sizes());
-  const int64_t n = flat.numel(), row_bytes = mine.numel() * 8;
-  TORCH_CHECK(slot_offset >= width * 8 && slot_offset % 8 == 0 && slot_offset + 4 * n <= row_bytes,
+  const auto dtype = flat.scalar_type();
+  const bool exact = exact_block > 0;
+  TORCH_CHECK(flat.device().is_cpu() && flat.is_contiguous() &&
+                  (dtype == at::kFloat || (exact && (dtype == at::kBFloat16 || dtype == at::kHalf))),
+              "flatcomm: slot_all_reduce takes a contiguous CPU fp32 tensor (or bf16/fp16 in exact mode), got ",
+              flat.toString(), " ", flat.sizes());
+  const int64_t n = flat.numel(), row_bytes = mine.numel() * 8, nbytes = n * flat.element_size();
+  TORCH_CHECK(slot_offset >= width * 8 && slot_offset % 8 == 0 && slot_offset + nbytes <= row_bytes,
               "flatcomm: slot_all_reduce: ", n, " values at byte ", slot_offset, " do not fit the slot of a ", row_bytes,
               "-byte row");
   auto target = lane_for_post(lane);
@@ -41,23 +65,33 @@ c10::intrusive_ptr<c10d::Work> slot_all_reduce(const at::Tensor& flat, const at:
   // Python posts this call only while no call of the group is in flight (flatcomm/comm/worker.py):
   // it reads its values now and writes them when every row is in, in call order.
   lane_admit(*target, [&] {
-    std::memcpy(reinterpret_cast<char*>(mine.data_ptr<int64_t>()) + slot_offset, flat.data_ptr<float>(), 4 * n);
+    std::memcpy(reinterpret_cast<char*>(mine.data_ptr<int64_t>()) + slot_offset, flat.data_ptr(), nbytes);
     exchange = gather_rows(backend, rows, row, "slot_all_reduce");
   });
   exchange->getFuture()->addCallback(
-      [work, into, table = rows, mine = row, width, slot_offset, fscale, token, target](c10::ivalue::Future& done) mutable {
+      [work, into, table = rows, mine = row, width, slot_offset, fscale, scale, exact_block, headroom, dtype, token,
+       target](c10::ivalue::Future& done) mutable {
         const std::exception_ptr failed = done.hasError() ? done.exception_ptr() : nullptr;
         if (failed || !rows_agree(table, mine, width)) {
           work->settle(verdict(token, nullptr, failed), [&] { lane_finished(*target); });
           release_work(work);
           return;
         }
-        const char* base = reinterpret_cast<const char*>(table.data_ptr<int64_t>());
-        std::vector<const float*> payloads;
-        for (int64_t r = 0; r < table.size(0); ++r)
-          payloads.push_back(reinterpret_cast<const float*>(base + r * table.size(1) * 8 + slot_offset));
-        ordered_sum(payloads, fscale, into.numel(), into.data_ptr<float>());
-        work->settle(nullptr, [&] { lane_finished(*target); });
+        const char* base = reinterpret_cast<const char*>(table.data_ptr<int64_t>()) + slot_offset;
+        const int64_t world = table.size(0), stride = table.size(1) * 8;
+        std::exception_ptr error;
+        try {
+          if (exact_block > 0) {
+            exact_into(base, stride, world, into.numel(), dtype, scale, exact_block, headroom, into);
+          } else {
+            std::vector<const float*> payloads;
+            for (int64_t r = 0; r < world; ++r) payloads.push_back(reinterpret_cast<const float*>(base + r * stride));
+            ordered_sum(payloads, fscale, into.numel(), into.data_ptr<float>());
+          }
+        } catch (...) {  // (checked in Python before the post: a failure here is a bug, raised at wait)
+          error = std::current_exception();
+        }
+        work->settle(error, [&] { lane_finished(*target); });
         release_work(work);
       });
   return work;

@@ -13,9 +13,10 @@ The routes, cheapest first (docs/backend.md has the table a user reads, and a te
 equal):
 
 ========================  ========================================================================
-``small-native``          ordered fp32 in the header's payload slot: one exchange, summed in C++
-                          on gloo's thread (:mod:`flatcomm.comm.small_native`)
-``small``                 the other calls whose data fits the slot (bf16/fp16, exact mode, error
+``small-native``          ordered fp32, or exact mode (fp32, bf16, fp16), in the header's payload
+                          slot: one exchange, summed in C++ on gloo's thread
+                          (:mod:`flatcomm.comm.small_native`)
+``small``                 the other calls whose data fits the slot (ordered bf16/fp16, error
                           feedback): one exchange, summed in Python (:mod:`flatcomm.comm.small`)
 ``gathered``              up to :data:`flatcomm.comm.small.GATHER_TABLE_BYTES` in all: the header,
                           then one all-gather of the payloads, on the worker

@@ -51,7 +51,7 @@ from ..ops.codecs import decode_sum, encode
 from ..ops.sums import exact_sum
 
 __all__ = ["Posted", "PostedHandle", "all_reduce", "all_reduce_parts", "fits_all_reduce", "fits_reduce_scatter",
-           "in_slot", "reduce_scatter", "rounding_into", "run"]
+           "in_slot", "payload_bytes", "reduce_scatter", "rounding_into", "run"]
 
 
 def rounding_into(total: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> None:
@@ -61,7 +61,7 @@ def rounding_into(total: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) ->
     out.masked_fill_(~torch.isfinite(out), 0.0)
 
 
-def _nbytes(a: Call, mode: str, numel: int) -> int:
+def payload_bytes(a: Call, mode: str, numel: int) -> int:
     """Bytes of the slot payload: the values themselves in exact mode, else the codec's payload."""
     return numel * a.src.element_size() if mode == "exact" else a.codec.wire_bytes(numel)
 
@@ -71,12 +71,12 @@ def _fits(group, a: Call, mode: str) -> bool:
         return False
     if mode != "exact" and not a.codec.cast:
         return False
-    return a.world * _nbytes(a, mode, a.src.numel()) <= GATHER_TABLE_BYTES
+    return a.world * payload_bytes(a, mode, a.src.numel()) <= GATHER_TABLE_BYTES
 
 
 def in_slot(group, a: Call, mode: str) -> bool:
     """The payload fits the header row's slot: one exchange (else two: the header, then the payload)."""
-    return _nbytes(a, mode, a.src.numel()) <= header.slot_of(group)
+    return payload_bytes(a, mode, a.src.numel()) <= header.slot_of(group)
 
 
 def fits_all_reduce(group, a: Call, mode: str) -> bool:

@@ -1,10 +1,11 @@
-"""The small path's commonest call in C++: an ordered fp32 all-reduce whose values fit the call
-header's payload slot (:mod:`flatcomm.comm.small`), posted as one op (csrc/comm/slot_all_reduce.cpp).
+"""The small path's commonest calls in C++: an all-reduce whose values fit the call header's payload
+slot (:mod:`flatcomm.comm.small`), ordered fp32 or exact mode (fp32, bf16, fp16), posted as one op
+(csrc/comm/slot_all_reduce.cpp).
 
 The op copies the values into this rank's row, posts the rows' all-gather, and when it completes
-compares the rows and sums the payloads in ascending rank order into the tensor, on gloo's thread,
-then completes a C++ ``dist.Work``: the same exchange, checks and bits as the Python small path
-(decode_sum's arithmetic), without the Python that took ~150 us of a 4 KB call on the caller's
+compares the rows and sums the payloads into the tensor, on gloo's thread (ordered: in ascending
+rank order; exact: the ``exact_sum`` op and the Python path's ATen ops after it), then completes a
+C++ ``dist.Work``: the same exchange, checks and bits as the Python small path, without the Python that took ~150 us of a 4 KB call on the caller's
 thread and ~80 us more to complete it. A disagreement goes to
 :mod:`flatcomm.comm.native_calls` for the header's error, the same on every rank.
 """
@@ -18,32 +19,40 @@ import torch.distributed as dist
 from . import groups, header, native_calls, p2p
 from .args import Call
 from .layout import CommStats
+from .small import payload_bytes
 from .spec import CallSpec
 from ..ops.native import ops
 
 __all__ = ["name_if_native", "post"]
 
+_EXACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def name_if_native(group, a: Call, mode: str, in_slot: bool) -> Optional[str]:
     """The group's name in torch's registry (what the op resolves it by) when an all-reduce with
-    these checked arguments runs natively here: in the slot, ordered, the fp32 codec on fp32 CPU
-    values, no error feedback, a group that exchanges; else None."""
-    if not (in_slot and mode == "ordered" and a.codec.name == "fp32" and a.src.dtype == torch.float32
-            and a.src.device.type == "cpu" and a.feedback is None and groups.exchanges(group)):
+    these checked arguments runs natively here: in the slot on CPU values, no error feedback, a group
+    that exchanges, and either ordered with the fp32 codec on fp32 values or exact mode on fp32, bf16
+    or fp16 values; else None."""
+    ordered = mode == "ordered" and a.codec.name == "fp32" and a.src.dtype == torch.float32
+    exact = mode == "exact" and a.src.dtype in _EXACT_DTYPES
+    if not (in_slot and (ordered or exact) and a.src.device.type == "cpu" and a.feedback is None
+            and groups.exchanges(group)):
         return None
     return p2p.native_name(group)
 
 
-def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> dist.Work:
+def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str, mode: str) -> dist.Work:
     """Post the all-reduce of ``tensor`` (contiguous, the numel of ``a``). Called under
     :func:`flatcomm.comm.worker.post_if_idle` (nothing of the group in flight): it reads the values
     now and writes the sum when the rows are in, in call order. Counted on the group's lane, which
     the worker and later lane calls wait for."""
     lane_id = native_calls.lane_of(group)
     token, mine, table = native_calls.record(group, None, a.fields, 0, a.world)
+    block = a.exact_block if mode == "exact" else 0
     work = native_calls.launched(group, token, lambda: ops.slot_all_reduce(
-        tensor, tensor, name, table, mine, header.WIDTH, header.SLOT_OFFSET, a.scale, token, lane_id))
+        tensor, tensor, name, table, mine, header.WIDTH, header.SLOT_OFFSET, a.scale, token, lane_id, block,
+        a.headroom))
     if isinstance(spec.stats, CommStats):  # (the exchange is not timed: that would take Python)
         spec.stats.calls += 1
-        spec.stats.wire_bytes += a.codec.wire_bytes(tensor.numel()) * (a.world - 1)
+        spec.stats.wire_bytes += payload_bytes(a, mode, tensor.numel()) * (a.world - 1)
     return work
