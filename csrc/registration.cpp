@@ -46,8 +46,9 @@ TORCH_LIBRARY(flatcomm, m) {
   // the registered process group `group`, chunk j of rank d's shard at
   // flat[pieces[d * (chunks + 1) + j], pieces[d * (chunks + 1) + j + 1]), the peers' pieces of
   // this rank's shard received into scratch; its transfers tagged tag_base + 1, + 2, ... CPU only.
+  // Each piece summed in rank order, or (exact_block > 0: exact mode) with exact_sum.
   m.def("p2p_sum_all_reduce_(Tensor(a!) flat, Tensor(b!) scratch, str group, int[] pieces, int chunks, "
-        "float scale, int tag_base=0) -> ()");
+        "float scale, int tag_base=0, int exact_block=0, int headroom=0) -> ()");
   // An early call's header (comm/header_watch.cpp): once `work` completes, when the first `width`
   // values of a row of `table` differ from `mine`, flatcomm.comm.header.on_disagreement(token).
   m.def("watch_header(__torch__.torch.classes.c10d.Work work, Tensor table, Tensor mine, int width, int token) -> ()");
@@ -60,8 +61,8 @@ TORCH_LIBRARY(flatcomm, m) {
   // into `table` (posted here) and watched as watch_header's. The Work completes with [out] once the
   // op ran and the rows agreed.
   m.def("lane_all_reduce(Tensor(a!) flat, Tensor out, str group, int[] pieces, int chunks, float scale, "
-        "int tag_base, Tensor(b!) table, Tensor mine, int width, int token, int lane) -> "
-        "__torch__.torch.classes.c10d.Work");
+        "int tag_base, Tensor(b!) table, Tensor mine, int width, int token, int lane, int exact_block=0, "
+        "int headroom=0) -> __torch__.torch.classes.c10d.Work");
   // A small all-reduce in one exchange (comm/slot_all_reduce.cpp): flat's values copied into this
   // rank's row `mine` at byte slot_offset, every rank's row gathered into `table`; once the rows agree
   // (their first `width` values), the payloads summed into flat, times scale: in rank order (fp32), or

@@ -152,7 +152,7 @@ def test_a_plans_header_ids_are_the_headers_own():
     from flatcomm.comm import header as H
 
     assert A._ALL_REDUCE == H.KIND_IDS["all_reduce"] and A._FP32 == H.DTYPES.index(torch.float32)
-    assert A._ORDERED == H.MODES.index("ordered") and A._CPU == H.DEVICE_TYPES.index("cpu")
+    assert A._MODES == (H.MODES.index("ordered"), H.MODES.index("exact")) and A._CPU == H.DEVICE_TYPES.index("cpu")
     assert A._FP32_CODEC == H.CODECS.index("fp32")
 
 

@@ -173,3 +173,48 @@ def test_a_failed_lane_call_inside_ddps_backward_raises_and_ddp_goes_on():
         for g in r["grads"]:
             torch.testing.assert_close(g, r["ref"])
     assert all(torch.equal(a, b) for a, b in zip(res[0]["grads"], res[1]["grads"]))
+
+
+def _exact_reference(world: int, n: int, seed: int, scale: float) -> torch.Tensor:
+    from flatcomm.ops.sums import DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM, exact_sum
+
+    rows = torch.stack([_special(_values(r, n, seed), r) for r in range(world)])
+    val = exact_sum(rows, DEFAULT_EXACT_BLOCK, DEFAULT_HEADROOM)  # order-free: one call or per piece, the same
+    return val * scale if scale != 1.0 else val
+
+
+def _special(x: torch.Tensor, rank: int) -> torch.Tensor:
+    x[:4096] *= 1e30  # (huge blocks: their small neighbours' bits go)
+    x[5000] = float("inf") if rank == 0 else 1.0  # a non-finite block
+    x[9000] = float("nan")
+    x[20000:20512] = 0.0
+    return x
+
+
+def _exact_calls(rank: int, world: int) -> list:
+    import torch.distributed as dist
+
+    import flatcomm.backend as fb
+
+    fb.configure(mode="exact")
+    out = []
+    for op, scale in ((dist.ReduceOp.SUM, 1.0), (dist.ReduceOp.AVG, 1.0 / world)):
+        for n in (N1, N2, 777_777):  # (the odd size's pieces are not 16-byte multiples: the exact route)
+            for seed in (0, 1, 2):  # the first on the worker, the next on the lane
+                t = _special(_values(rank, n, seed), rank)
+                before = _lane_done()
+                dist.all_reduce(t, op=op, async_op=True).wait()
+                ref = _exact_reference(world, n, seed, scale)
+                out.append((n, seed, str(op), torch.equal(t.view(torch.int32), ref.view(torch.int32)),
+                            _lane_done() == before + 1, fb.route(t, op)))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_exact_mode_all_reduces_run_natively_with_the_exact_sums_bits(world):
+    for res in spawn.run(world, _exact_calls, backend="flatcomm", timeout_s=TIMEOUT_S):
+        for n, seed, op, same_bits, on_lane, route in res:
+            assert same_bits, (n, seed, op)
+            assert route == ("exact" if n == 777_777 else "native"), (n, route)
+            if n != 777_777 and seed > 0:
+                assert on_lane, (n, seed, op)

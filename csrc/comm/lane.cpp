@@ -49,6 +49,7 @@ struct Call {
   int64_t chunks = 0;
   double scale = 1.0;
   int64_t tag_base = 0;
+  int64_t exact_block = 0, headroom = 0;  // exact mode's grid (0: ordered)
   int64_t seq = 0;  // native calls of the group posted before this one
   c10::intrusive_ptr<c10d::Work> header;
   at::Tensor table, mine;
@@ -160,7 +161,7 @@ class Lane : public std::enable_shared_from_this<Lane> {
     std::exception_ptr failed, exchange;
     try {
       p2p_sum_all_reduce_(call.flat, scratch(scratch_numel(call)), call.backend, call.pieces, call.chunks,
-                          call.scale, call.tag_base);
+                          call.scale, call.tag_base, call.exact_block, call.headroom);
     } catch (...) {
       failed = std::current_exception();
     }
@@ -216,7 +217,7 @@ std::shared_ptr<Lane> existing_lane(int64_t id) {
 c10::intrusive_ptr<c10d::Work> lane_all_reduce(const at::Tensor& flat, const at::Tensor& out, c10::string_view group,
                                                at::IntArrayRef pieces, int64_t chunks, double scale, int64_t tag_base,
                                                const at::Tensor& table, const at::Tensor& mine, int64_t width,
-                                               int64_t token, int64_t lane) {
+                                               int64_t token, int64_t lane, int64_t exact_block, int64_t headroom) {
   check_rows(table, mine, width, "lane_all_reduce");
   TORCH_CHECK(chunks >= 0 && static_cast<int64_t>(pieces.size()) == table.size(0) * (chunks + 1),
               "flatcomm: lane_all_reduce: pieces must hold world * (chunks + 1) = ", table.size(0) * (chunks + 1),
@@ -229,6 +230,8 @@ c10::intrusive_ptr<c10d::Work> lane_all_reduce(const at::Tensor& flat, const at:
   call.chunks = chunks;
   call.scale = scale;
   call.tag_base = tag_base;
+  call.exact_block = exact_block;
+  call.headroom = headroom;
   call.table = alias_of(table);
   call.mine = alias_of(mine);
   call.width = width;

@@ -1,4 +1,5 @@
-// The lossless fp32 all-reduce of a CPU group in one op, without the GIL: the point-to-point
+// The lossless fp32 all-reduce of a CPU group in one op, without the GIL (ordered, or exact mode's
+// sum of each piece: flatcomm/comm/exact.py's transfers are the same pieces): the point-to-point
 // transfers of flatcomm/comm/flat.py `_raw_all_reduce_p2p`, with the same tags in the same order
 // and the same fixed-order sum, minus the Python between transfers (the worker thread holding the
 // GIL while DDP's autograd thread waits for it) and minus the copy of this rank's own piece: the
@@ -16,6 +17,7 @@
 // agreed plan, flatcomm/comm/agreed.py: calls of different signatures never meet.)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "../core/common.h"
@@ -23,6 +25,7 @@
 #include "p2p_all_reduce.h"
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -54,6 +57,21 @@ void ordered_sum(const std::vector<const float*>& rows, float scale, int64_t n, 
   });
 }
 
+void exact_sum_into(const std::vector<const void*>& rows, int64_t n, double scale, int64_t block, int64_t headroom,
+                    at::Tensor& into) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("flatcomm::exact_sum", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
+  const int64_t world = static_cast<int64_t>(rows.size());
+  at::Tensor stacked = at::empty({world, n}, into.options());
+  const int64_t nbytes = n * stacked.element_size();
+  for (int64_t r = 0; r < world; ++r)
+    std::memcpy(static_cast<char*>(stacked.data_ptr()) + r * nbytes, rows[r], nbytes);
+  at::Tensor val = op.call(stacked, block, headroom);
+  if (scale != 1.0) val = val.mul(scale);
+  into.copy_(val);
+}
+
 namespace {
 
 // Waits for every work, the first error rethrown after all have settled: a failed call leaves no
@@ -74,9 +92,11 @@ void wait_all(Works& works) {
 class P2pAllReduce {
  public:
   P2pAllReduce(const at::Tensor& flat, const at::Tensor& scratch, c10::intrusive_ptr<c10d::Backend> pg,
-               at::IntArrayRef pieces, int64_t chunks, float scale, int tag_base)
+               at::IntArrayRef pieces, int64_t chunks, double scale, int tag_base, int64_t exact_block,
+               int64_t headroom)
       : flat_(flat), scratch_(scratch), pg_(std::move(pg)), pieces_(pieces), chunks_(chunks), scale_(scale),
-        me_(pg_->getRank()), world_(pg_->getSize()), tag_(tag_base), sent_(chunks), gathered_(chunks) {}
+        exact_block_(exact_block), headroom_(headroom), me_(pg_->getRank()), world_(pg_->getSize()),
+        tag_(tag_base), sent_(chunks), gathered_(chunks) {}
 
   void run() {
     try {
@@ -138,10 +158,16 @@ class P2pAllReduce {
   void reduce(int64_t j) {
     wait_all(sent_[j]);
     at::Tensor mine = piece(me_, j);
-    std::vector<const float*> rows;
-    for (int64_t d = 0; d < world_; ++d)
-      rows.push_back(d == me_ ? mine.data_ptr<float>() : row(d, j).data_ptr<float>());
-    ordered_sum(rows, scale_, mine.numel(), mine.data_ptr<float>());
+    if (exact_block_ > 0) {
+      std::vector<const void*> rows;
+      for (int64_t d = 0; d < world_; ++d) rows.push_back(d == me_ ? mine.data_ptr() : row(d, j).data_ptr());
+      exact_sum_into(rows, mine.numel(), scale_, exact_block_, headroom_, mine);
+    } else {
+      std::vector<const float*> rows;
+      for (int64_t d = 0; d < world_; ++d)
+        rows.push_back(d == me_ ? mine.data_ptr<float>() : row(d, j).data_ptr<float>());
+      ordered_sum(rows, static_cast<float>(scale_), mine.numel(), mine.data_ptr<float>());
+    }
     std::vector<std::pair<int64_t, at::Tensor>> sends, recvs;
     for (int64_t d = 0; d < world_; ++d)
       if (d != me_) {
@@ -155,7 +181,8 @@ class P2pAllReduce {
   c10::intrusive_ptr<c10d::Backend> pg_;  // the group's CPU backend: no Python between transfers
   at::IntArrayRef pieces_;
   int64_t chunks_;
-  float scale_;
+  double scale_;  // (ordered_sum takes it as fp32, exact_sum_into as torch's mul does)
+  int64_t exact_block_, headroom_;
   int64_t me_, world_;
   int tag_;
   std::vector<Works> sent_, gathered_;
@@ -165,7 +192,7 @@ class P2pAllReduce {
 
 void p2p_sum_all_reduce_(const at::Tensor& flat, const at::Tensor& scratch,
                          const c10::intrusive_ptr<c10d::Backend>& pg, at::IntArrayRef pieces, int64_t chunks,
-                         double scale, int64_t tag_base) {
+                         double scale, int64_t tag_base, int64_t exact_block, int64_t headroom) {
   TORCH_CHECK(flat.device().is_cpu() && flat.scalar_type() == at::kFloat && flat.is_contiguous() && flat.dim() == 1,
               "flatcomm: p2p_sum_all_reduce_ takes a contiguous 1-d CPU fp32 tensor, got ", flat.toString(), " ",
               flat.sizes());
@@ -187,14 +214,17 @@ void p2p_sum_all_reduce_(const at::Tensor& flat, const at::Tensor& scratch,
               (world - 1) * shard, " values, got ", scratch.toString(), " ", scratch.sizes());
   TORCH_CHECK(0 <= tag_base && tag_base + 2 * chunks < (int64_t{1} << 31),
               "flatcomm: p2p_sum_all_reduce_: tag_base ", tag_base, " leaves no room for ", 2 * chunks, " tags");
-  P2pAllReduce(flat, scratch, pg, pieces, chunks, static_cast<float>(scale), static_cast<int>(tag_base)).run();
+  TORCH_CHECK(exact_block >= 0 && headroom >= 0, "flatcomm: p2p_sum_all_reduce_: exact_block and headroom must be ",
+              ">= 0, got ", exact_block, " and ", headroom);
+  P2pAllReduce(flat, scratch, pg, pieces, chunks, scale, static_cast<int>(tag_base), exact_block, headroom).run();
 }
 
 namespace {
 
 void p2p_sum_all_reduce_op(const at::Tensor& flat, const at::Tensor& scratch, c10::string_view group,
-                           at::IntArrayRef pieces, int64_t chunks, double scale, int64_t tag_base) {
-  p2p_sum_all_reduce_(flat, scratch, cpu_backend(group), pieces, chunks, scale, tag_base);
+                           at::IntArrayRef pieces, int64_t chunks, double scale, int64_t tag_base,
+                           int64_t exact_block, int64_t headroom) {
+  p2p_sum_all_reduce_(flat, scratch, cpu_backend(group), pieces, chunks, scale, tag_base, exact_block, headroom);
 }
 
 }  // namespace

@@ -15,10 +15,18 @@ namespace ops {
 // that every value is read before it is overwritten.
 void ordered_sum(const std::vector<const float*>& rows, float scale, int64_t n, float* out);
 
-// The op's arguments checked, its transfers posted on the group's CPU backend `backend`.
+// Exact mode's sum of `rows` (n values of into's dtype each, any of them may be in `into`): the
+// flatcomm::exact_sum op over them in rank order (block `block`, headroom `headroom`), times scale
+// where it is not 1, copied into `into`: what flatcomm/comm/exact.py and small.py do, op for op, so
+// their bits.
+void exact_sum_into(const std::vector<const void*>& rows, int64_t n, double scale, int64_t block, int64_t headroom,
+                    at::Tensor& into);
+
+// The op's arguments checked, its transfers posted on the group's CPU backend `backend`. The sum
+// of each piece: ordered_sum, or exact_sum_into where exact_block > 0 (exact mode).
 void p2p_sum_all_reduce_(const at::Tensor& flat, const at::Tensor& scratch,
                          const c10::intrusive_ptr<c10d::Backend>& backend, at::IntArrayRef pieces, int64_t chunks,
-                         double scale, int64_t tag_base);
+                         double scale, int64_t tag_base, int64_t exact_block = 0, int64_t headroom = 0);
 
 }  // namespace ops
 }  // namespace flatcomm

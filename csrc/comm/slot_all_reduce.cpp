@@ -14,8 +14,6 @@
 #include "native_work.h"
 #include "p2p_all_reduce.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
-
 #include <cstring>
 #include <string>
 #include <vector>
@@ -23,22 +21,6 @@
 namespace flatcomm {
 namespace ops {
 namespace {
-
-// The exact sum of the payloads (one row each, `nbytes` apart from `base`, `n` values of `dtype`),
-// times scale, into `into`: what flatcomm/comm/small.py _exact does, op for op.
-void exact_into(const char* base, int64_t stride, int64_t world, int64_t n, at::ScalarType dtype, double scale,
-                int64_t block, int64_t headroom, at::Tensor& into) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("flatcomm::exact_sum", "")
-                       .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
-  at::Tensor rows = at::empty({world, n}, into.options().dtype(dtype));
-  const int64_t nbytes = n * rows.element_size();
-  for (int64_t r = 0; r < world; ++r)
-    std::memcpy(static_cast<char*>(rows.data_ptr()) + r * nbytes, base + r * stride, nbytes);
-  at::Tensor val = op.call(rows, block, headroom);
-  if (scale != 1.0) val = val.mul(scale);
-  into.copy_(val);
-}
 
 c10::intrusive_ptr<c10d::Work> slot_all_reduce(const at::Tensor& flat, const at::Tensor& out, c10::string_view group,
                                                const at::Tensor& table, const at::Tensor& mine, int64_t width,
@@ -69,7 +51,7 @@ c10::intrusive_ptr<c10d::Work> slot_all_reduce(const at::Tensor& flat, const at:
     exchange = gather_rows(backend, rows, row, "slot_all_reduce");
   });
   exchange->getFuture()->addCallback(
-      [work, into, table = rows, mine = row, width, slot_offset, fscale, scale, exact_block, headroom, dtype, token,
+      [work, into, table = rows, mine = row, width, slot_offset, fscale, scale, exact_block, headroom, token,
        target](c10::ivalue::Future& done) mutable {
         const std::exception_ptr failed = done.hasError() ? done.exception_ptr() : nullptr;
         if (failed || !rows_agree(table, mine, width)) {
@@ -82,7 +64,9 @@ c10::intrusive_ptr<c10d::Work> slot_all_reduce(const at::Tensor& flat, const at:
         std::exception_ptr error;
         try {
           if (exact_block > 0) {
-            exact_into(base, stride, world, into.numel(), dtype, scale, exact_block, headroom, into);
+            std::vector<const void*> payloads;
+            for (int64_t r = 0; r < world; ++r) payloads.push_back(base + r * stride);
+            exact_sum_into(payloads, into.numel(), scale, exact_block, headroom, into);
           } else {
             std::vector<const float*> payloads;
             for (int64_t r = 0; r < world; ++r) payloads.push_back(reinterpret_cast<const float*>(base + r * stride));

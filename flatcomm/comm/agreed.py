@@ -56,16 +56,17 @@ _COUNT = name("agreed_plans")  # the header field: a row's count of plans
 
 # The header's ids of what a plan is.
 _ALL_REDUCE, _FP32_CODEC = KIND_IDS["all_reduce"], CODECS.index("fp32")
-_FP32, _ORDERED, _CPU = DTYPES.index(torch.float32), MODES.index("ordered"), DEVICE_TYPES.index("cpu")
+_FP32, _CPU = DTYPES.index(torch.float32), DEVICE_TYPES.index("cpu")
+_MODES = (MODES.index("ordered"), MODES.index("exact"))
 _ALIGN = resolve("fp32").align
 
 
 def capable(fields: Sequence[Tuple[str, int]]) -> bool:
     """Whether a call with these header fields may become a plan: a lossless fp32 all-reduce,
-    ordered, on CPU tensors (what the native point-to-point path runs)."""
+    ordered or exact, on CPU tensors (what the native point-to-point path runs)."""
     f = HeaderFields.of(fields)  # (a field not given is 0: a capable call's signature gives them all)
     return (f.collective == _ALL_REDUCE and f.codec == _FP32_CODEC and f.dtype == _FP32
-            and f.mode == _ORDERED and f.device == _CPU and 1 <= f.chunks <= MAX_CHUNKS)
+            and f.mode in _MODES and f.device == _CPU and 1 <= f.chunks <= MAX_CHUNKS)
 
 
 def _plans(group) -> Dict[tuple, int]:

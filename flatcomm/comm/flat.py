@@ -61,7 +61,10 @@ def checked_all_reduce(group, a: args.Call, spec: CallSpec, tensor: torch.Tensor
     def body():
         with Pipeline(group, stats, a.fields, flat.device, validate, early=native) as pipe:
             pipe.stats.calls += 1
-            if mode == "exact":
+            if native:  # (ordered or exact: the same transfers, exact_sum per piece in exact mode)
+                grid = (a.exact_block, a.headroom) if mode == "exact" else (0, 0)
+                _raw_all_reduce_p2p(pipe, flat, a.plan, c, a.scale, a.chunks, grid)
+            elif mode == "exact":
                 exact.all_reduce(pipe, flat, a.plan, a.chunks, a.scale, a.exact_block, a.headroom)
             else:
                 _ordered_all_reduce(pipe, flat, a.plan, a.chunks, c, a.scale, residual)
@@ -253,9 +256,10 @@ class _Ordered:
 
 def runs_natively(group, a: args.Call, mode: str) -> bool:
     """Whether an all-reduce takes the native op of :func:`_raw_all_reduce_p2p` (which may run
-    before the call's check: :mod:`flatcomm.comm.agreed`)."""
+    before the call's check: :mod:`flatcomm.comm.agreed`): ordered, or exact mode (whose pieces
+    :mod:`flatcomm.comm.exact` sends on the same transfers)."""
     flat = a.src  # (the tests of _ordered_all_reduce's zero-copy branch, then of _native_name)
-    return (mode == "ordered" and a.feedback is None and p2p.used_for(flat) and a.plan is not None
+    return (mode in ("ordered", "exact") and a.feedback is None and p2p.used_for(flat) and a.plan is not None
             and zero_copy(a.codec, flat.dtype, a.plan, a.chunks, None, gathers=True, on_cpu=True)
             and _native_name(group, flat) is not None)
 
@@ -264,13 +268,15 @@ def _native_name(group, flat: torch.Tensor):
     return p2p.native_name(group) if flat.dtype == torch.float32 else None
 
 
-def _raw_all_reduce_p2p(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale: float, chunks: int) -> None:
+def _raw_all_reduce_p2p(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, scale: float, chunks: int,
+                        grid: Tuple[int, int] = (0, 0)) -> None:
     """Lossless all-reduce on point-to-point transfers (CPU), chunk by chunk, without staging:
     each destination's piece of ``flat`` is sent as it is, the sum lands in this rank's own
     piece (its values were copied into the receive rows when the exchange was posted) and the
     peers' pieces gather in place. fp32 on a group in torch's registry: the same transfers and
     sum in one native op, without the GIL (csrc/comm/p2p_all_reduce.cpp); on an agreed plan it
-    runs before the call's check (``pipe.early``: :mod:`flatcomm.comm.agreed`)."""
+    runs before the call's check (``pipe.early``: :mod:`flatcomm.comm.agreed`). ``grid``: exact
+    mode's (block, headroom), whose sum only the native op makes here; (0, 0): ordered."""
     me, world = p.rank, p.world
     name = _native_name(pipe.group, flat)
     if name is not None:
@@ -280,11 +286,12 @@ def _raw_all_reduce_p2p(pipe: Pipeline, flat: torch.Tensor, p: Plan, c: Codec, s
         pipe.stats.wire_bytes += (flat.numel() - shard + shard * (world - 1)) * flat.element_size()
         if not pipe.early:  # (an early call's header is checked when the pipeline is released)
             pipe.checked()
-        pipe.timed("exchange_s", lambda: ops.p2p_sum_all_reduce_(flat, scratch, name, pieces, chunks, scale, pipe.tags),
-                   "flatcomm.comm.p2p_all_reduce")
+        pipe.timed("exchange_s", lambda: ops.p2p_sum_all_reduce_(flat, scratch, name, pieces, chunks, scale, pipe.tags,
+                                                                 *grid), "flatcomm.comm.p2p_all_reduce")
         return
 
     assert not pipe.early, "an early call runs natively (its row told the peers so)"
+    assert grid == (0, 0), "exact mode's native route needs the native op"
 
     def send(j):
         a, b = p.piece(me, j)

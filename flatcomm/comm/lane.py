@@ -49,8 +49,10 @@ def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> Opt
     p = a.plan
     pieces = [p.bounds[d] + x for d in range(p.world) for x in p.chunk_bounds[d]]
     # (the tensor itself: the op makes its flat view, which the lane thread then drops without the GIL)
+    grid = (a.exact_block, a.headroom) if spec.mode == "exact" else (0, 0)
     work = native_calls.launched(group, token, lambda: ops.lane_all_reduce(
-        tensor, tensor, name, pieces, a.chunks, a.scale, agreed.tag_base(plan), table, mine, header.WIDTH, token, lane))
+        tensor, tensor, name, pieces, a.chunks, a.scale, agreed.tag_base(plan), table, mine, header.WIDTH, token, lane,
+        *grid))
     if isinstance(spec.stats, CommStats):  # (exchange_s is not timed on the lane: that would take Python)
         shard = p.bounds[p.rank + 1] - p.bounds[p.rank]
         spec.stats.calls += 1

@@ -20,12 +20,13 @@ equal):
                           feedback): one exchange, summed in Python (:mod:`flatcomm.comm.small`)
 ``gathered``              up to :data:`flatcomm.comm.small.GATHER_TABLE_BYTES` in all: the header,
                           then one all-gather of the payloads, on the worker
-``native``                lossless fp32, ordered, on CPU point-to-point transfers: one C++ op on
-                          the native lane once the ranks agreed its plan (its second call on),
-                          before that on the worker after its header (:mod:`flatcomm.comm.lane`)
+``native``                lossless fp32, ordered or exact, on CPU point-to-point transfers: one C++
+                          op on the native lane once the ranks agreed its plan (its second call
+                          on), before that on the worker after its header (:mod:`flatcomm.comm.lane`)
 ``pipelined``             everything else ordered: encode, exchange and decode-sum chunk by chunk
                           on the worker (:mod:`flatcomm.comm.flat`)
-``exact``                 exact mode over the gather table (:mod:`flatcomm.comm.exact`)
+``exact``                 exact mode over the gather table that does not run natively (CUDA, bf16,
+                          fp16: :mod:`flatcomm.comm.exact`)
 ========================  ========================================================================
 
 The backend adds two of its own (:mod:`flatcomm.backend.reduce`): ``passed-through`` (a reduction
@@ -68,9 +69,9 @@ def of(group, a: Call, mode: str) -> Route:
             return Route.GATHERED
         native = small_native.name_if_native(group, a, mode, True) is not None
         return Route.SMALL_NATIVE if native else Route.SMALL
-    if mode == "exact":
-        return Route.EXACT
-    return Route.NATIVE if flat.runs_natively(group, a, mode) else Route.PIPELINED
+    if flat.runs_natively(group, a, mode):
+        return Route.NATIVE
+    return Route.EXACT if mode == "exact" else Route.PIPELINED
 
 
 _IN_ONE_EXCHANGE = (Route.SMALL_NATIVE, Route.SMALL, Route.GATHERED)

@@ -166,6 +166,6 @@ def _exact_sum_fake(x, block_size, headroom):
 
 
 @torch.library.register_fake("flatcomm::p2p_sum_all_reduce_")
-def _p2p_sum_all_reduce_fake(flat, scratch, group, pieces, chunks, scale, tag_base=0):
+def _p2p_sum_all_reduce_fake(flat, scratch, group, pieces, chunks, scale, tag_base=0, *grid):
     _same_device(flat, ("scratch", scratch))
     return None
