@@ -80,3 +80,60 @@ def test_only_the_route_module_decides_an_all_reduces_route():
             if name in _ROUTE_PREDICATES and (where, fn, name) not in _ALLOWED:
                 asking.add(f"{where}:{fn} calls {name}")
     assert not asking, f"an all-reduce's route decided outside flatcomm/comm/route.py: {sorted(asking)}"
+
+
+# (values, mode, routes turned off, the route then taken)
+_OFF_CASES = [
+    ("torch.randn(64)", "ordered", "small-native", "small"),
+    ("torch.randn(64)", "ordered", "small-native,small", "gathered"),
+    ("torch.randn(64)", "ordered", "small-native,small,gathered", "native"),
+    ("torch.randn(64)", "ordered", "small-native,small,gathered,native", "pipelined"),
+    ("torch.randn(64)", "exact", "small-native", "small"),
+    ("torch.randn(1_200_096)", "ordered", "native", "pipelined"),
+    ("torch.randn(1_200_096)", "exact", "native", "exact"),
+]
+
+
+def _off(rank: int, world: int) -> list:
+    import os
+
+    import torch.distributed as dist
+
+    import flatcomm.backend as fb
+    from flatcomm.comm.route import ROUTES_OFF_ENV
+
+    out = []
+    for k, (expr, mode, off, _) in enumerate(_OFF_CASES):
+        fb.configure(None, mode=mode)
+        torch.manual_seed(100 * k + rank)
+        t = eval(expr, {"torch": torch})  # noqa: S307 - the cases above
+        want = t.clone()
+        plain = dist.new_group(backend="flatcomm")
+        dist.all_reduce(want, group=plain)
+        os.environ[ROUTES_OFF_ENV] = off
+        try:
+            g = dist.new_group(backend="flatcomm")  # (a new group: routes are decided once per shape)
+            named = fb.route(t, group=g)
+            dist.all_reduce(t, group=g)
+            dist.all_reduce(t.clone(), group=g)  # (a prepared call's second post)
+        finally:
+            del os.environ[ROUTES_OFF_ENV]
+        out.append((named, torch.equal(t, want), fb.stats(g)["routes"]))
+    os.environ[ROUTES_OFF_ENV] = "pipelined"
+    try:
+        fb.route(torch.ones(3))
+    except ValueError as e:
+        out.append(str(e))
+    finally:
+        del os.environ[ROUTES_OFF_ENV]
+    return out
+
+
+def test_routes_turned_off_give_way_to_the_next_with_the_same_sums():
+    for res in spawn.run(2, _off, timeout_s=120, backend="flatcomm"):
+        *cases, error = res
+        for (expr, mode, off, taken), (named, same, counted) in zip(_OFF_CASES, cases):
+            assert named == taken, (expr, mode, off, named)
+            assert same, (expr, mode, off)
+            assert counted.get(taken) == 2 and sum(counted.values()) == 2, (expr, mode, off, counted)
+        assert "pipelined cannot be turned off" in error, error

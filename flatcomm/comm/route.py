@@ -29,6 +29,12 @@ equal):
                           fp16: :mod:`flatcomm.comm.exact`)
 ========================  ========================================================================
 
+``FLATCOMM_ROUTES_OFF`` (comma-separated route names, the same on every rank) turns routes off for
+an A/B in the bench: a call whose route is off takes the next one of this table that runs it
+(``small-native``, ``small``, ``gathered``, ``native``, then ``pipelined``, or ``exact`` in exact
+mode), with the same sums; ``pipelined`` and ``exact`` cannot be turned off. It is read when a
+call's route is decided (once per shape of a prepared call).
+
 The backend adds two of its own (:mod:`flatcomm.backend.reduce`): ``passed-through`` (a reduction
 flatcomm does not change, run by the inner backend after its header check) and ``full`` (a call the
 collectives facade routes each time: CUDA tensors, several tensors, ``codec="auto"``, two levels).
@@ -36,7 +42,8 @@ collectives facade routes each time: CUDA tensors, several tensors, ``codec="aut
 from __future__ import annotations
 
 import enum
-from typing import Optional
+import os
+from typing import FrozenSet, Optional
 
 import torch
 
@@ -45,7 +52,9 @@ from .args import Call
 from .fields import KIND_IDS
 from .spec import CallSpec
 
-__all__ = ["Route", "all_reduce", "of", "run"]
+__all__ = ["ROUTES_OFF_ENV", "Route", "all_reduce", "of", "parse_routes_off", "routes_off", "run"]
+
+ROUTES_OFF_ENV = "FLATCOMM_ROUTES_OFF"
 
 
 class Route(str, enum.Enum):
@@ -63,15 +72,43 @@ class Route(str, enum.Enum):
 
 
 def of(group, a: Call, mode: str) -> Route:
-    """The route of an all-reduce with the checked arguments ``a`` on ``group`` (a private group)."""
+    """The route of an all-reduce with the checked arguments ``a`` on ``group`` (a private group):
+    the cheapest that runs it and is not turned off (:func:`routes_off`)."""
+    off = routes_off()
+    last = Route.EXACT if mode == "exact" else Route.PIPELINED
     if small.fits_all_reduce(group, a, mode):
-        if not small.in_slot(group, a, mode):
+        if small.in_slot(group, a, mode):
+            if Route.SMALL_NATIVE not in off and small_native.name_if_native(group, a, mode, True) is not None:
+                return Route.SMALL_NATIVE
+            if Route.SMALL not in off:
+                return Route.SMALL
+        if Route.GATHERED not in off:
             return Route.GATHERED
-        native = small_native.name_if_native(group, a, mode, True) is not None
-        return Route.SMALL_NATIVE if native else Route.SMALL
-    if flat.runs_natively(group, a, mode):
+    if Route.NATIVE not in off and flat.runs_natively(group, a, mode):
         return Route.NATIVE
-    return Route.EXACT if mode == "exact" else Route.PIPELINED
+    return last
+
+
+_CANNOT_BE_OFF = (Route.PIPELINED, Route.EXACT, Route.PASSED_THROUGH, Route.FULL)
+
+
+def routes_off() -> FrozenSet[Route]:
+    """The routes :data:`ROUTES_OFF_ENV` turns off (none by default): :func:`parse_routes_off`."""
+    return parse_routes_off(os.environ.get(ROUTES_OFF_ENV, ""))
+
+
+def parse_routes_off(raw: str) -> FrozenSet[Route]:
+    """The routes named in ``raw`` (comma-separated); a name that is not a route that can be
+    turned off raises ValueError naming it."""
+    if not raw.strip():
+        return frozenset()
+    names = {n.strip() for n in raw.split(",") if n.strip()}
+    known = {r.value: r for r in Route if r not in _CANNOT_BE_OFF}
+    bad = sorted(names - set(known))
+    if bad:
+        raise ValueError(f"flatcomm: {ROUTES_OFF_ENV}={raw!r}: {', '.join(bad)} cannot be turned off; "
+                         f"routes that can: {', '.join(sorted(known))}")
+    return frozenset(known[n] for n in names)
 
 
 _IN_ONE_EXCHANGE = (Route.SMALL_NATIVE, Route.SMALL, Route.GATHERED)

@@ -1,7 +1,7 @@
 """``python -m flatcomm.bench backend``: the flatcomm backend against its inner gloo, in one run.
 
     python -m flatcomm.bench backend [--ranks 4] [--sizes 4K,1M,100M] [--reps 5] [--ops all_reduce]
-                                     [--steps 0] [--json PATH]
+                                     [--steps 0] [--json PATH] [--routes-off small-native,native]
 
 One spawn of ``--ranks`` ranks on ``init_process_group("flatcomm")``. Per message size (bytes of
 fp32) and op (all_reduce, reduce_scatter, all_gather) it times gloo's own call (on a gloo group
@@ -12,6 +12,9 @@ are rank 0's, each rep after a barrier; the table gives the median, the ratio to
 the spread of the per-rep ratios (min..max). all_gather is passed through (its ratio is the cost of
 the Python dispatch). ``--ops`` narrows the ops, ``--steps 0`` leaves out the training steps: e.g. the
 small-message latency alone, ``--ranks 2 --sizes 4K,64K,1M --ops all_reduce --reps 200 --steps 0``.
+``--routes-off`` runs the backend with those routes turned off (``FLATCOMM_ROUTES_OFF``,
+:mod:`flatcomm.comm.route`): a run with and one without are a route's A/B, each against gloo in its
+own run.
 """
 from __future__ import annotations
 
@@ -117,11 +120,16 @@ def _steps(groups: dict, rank: int, steps: int) -> List[dict]:
     return rows
 
 
-def _rank_main(rank: int, world: int, sizes: List[int], reps: int, steps: int, ops=OPS) -> List[dict]:
+def _rank_main(rank: int, world: int, sizes: List[int], reps: int, steps: int, ops=OPS,
+               routes_off: str = "") -> List[dict]:
+    import os
+
     import torch.distributed as dist
 
     import flatcomm.backend as fb
+    from flatcomm.comm.route import ROUTES_OFF_ENV
 
+    os.environ[ROUTES_OFF_ENV] = routes_off  # (before any call decides a route)
     groups = {"gloo": dist.new_group(backend="gloo"), "ordered": dist.new_group(), "exact": dist.new_group()}
     fb.configure(groups["ordered"], mode="ordered")
     fb.configure(groups["exact"], mode="exact")
@@ -171,6 +179,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="timed DDP / FSDP2 steps per backend (default 10: 3 gave medians 0.1x apart; 0: none)")
     ap.add_argument("--ops", default=",".join(OPS), help=f"ops to time, comma separated (default {','.join(OPS)})")
     ap.add_argument("--json", metavar="PATH", help="write the summaries and every rep's times here")
+    ap.add_argument("--routes-off", default="", metavar="ROUTES",
+                    help="routes to turn off, comma separated (an A/B against a run without; default none)")
     ap.add_argument("--timeout", type=positive(float), default=900.0,
                     help="the process group's timeout, s (the whole run may take 60 s more; default 900)")
 
@@ -182,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: List[str]) -> int:
+    from flatcomm.comm.route import parse_routes_off
     from flatcomm.tools import spawn
 
     a = build_parser().parse_args(argv)
@@ -189,13 +200,18 @@ def main(argv: List[str]) -> int:
     ops = tuple(o for o in a.ops.split(",") if o)
     if a.steps < 0 or not ops or any(o not in OPS for o in ops):
         raise SystemExit(f"bench backend: --steps must be >= 0 and --ops some of {','.join(OPS)}")
+    try:
+        parse_routes_off(a.routes_off)
+    except ValueError as e:
+        raise SystemExit(f"bench backend: --routes-off: {e}") from None
     t0 = time.perf_counter()
     say("bench", f"backend: {a.ranks} ranks, {len(sizes)} sizes x {len(ops)} ops x {len(VARIANTS)} variants"
                  f"{', then DDP and FSDP2 steps' if a.steps else ''} (progress from rank 0)")
-    rows = spawn.run(a.ranks, _rank_main, sizes, a.reps, a.steps, ops, backend="flatcomm", timeout_s=a.timeout,
-                     run_s=a.timeout + 60)[0]
+    rows = spawn.run(a.ranks, _rank_main, sizes, a.reps, a.steps, ops, a.routes_off, backend="flatcomm",
+                     timeout_s=a.timeout, run_s=a.timeout + 60)[0]
     summaries = [_summary(r) for r in rows]
-    print(f"flatcomm.bench backend: {a.ranks} ranks over loopback; median time, ratio to gloo's median "
+    off = f", routes off: {a.routes_off}" if a.routes_off else ""
+    print(f"flatcomm.bench backend: {a.ranks} ranks over loopback{off}; median time, ratio to gloo's median "
           f"[quartiles of the per-rep ratios]")
     print(table(summaries), flush=True)
     say("bench", f"{time.perf_counter() - t0:.0f} s")
