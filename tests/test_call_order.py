@@ -1,6 +1,7 @@
 """The backend's calls take effect in call order, whatever route each takes (the native lane, the
 small call in C++, the Python small path, the group's worker, a reduction passed through with its
-header), and the native routes need no GIL on success. What must hold, at 2 and 3 ranks:
+header), and the native routes need no GIL on success. What must hold, at 2 and 3 ranks, ordered
+and in exact mode:
 
 * random mixes of calls on overlapping views of the same buffers, posted from one thread without
   waiting, give the bits of the same calls run one by one (reductions passed through to gloo each
@@ -58,12 +59,14 @@ def _issue(kind: str, bufs, k: int):
     return dist.all_reduce(ints[400 * k:400 * (k + 1)], async_op=True)
 
 
-def _mixes(rank: int, world: int, seeds: list) -> list:
+def _mixes(rank: int, world: int, seeds: list, mode: str) -> list:
     import torch.distributed as dist
 
+    import flatcomm.backend as fb
     from flatcomm.ops.native import extension
     from flatcomm.comm import groups, worker
 
+    fb.configure(mode=mode)  # (exact: the same routes, the native ones summing with exact_sum)
     key = worker.key_of(groups.private_group(dist.group.WORLD))
     warm = _fill(rank, 0)
     for kind in KINDS:  # plans agreed, calls prepared
@@ -86,10 +89,10 @@ def _mixes(rank: int, world: int, seeds: list) -> list:
     return [out, extension.lane_completed(key) - lane_before]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_random_mixes_complete_in_call_order(world):
+@pytest.mark.parametrize("world,mode", [(2, "ordered"), (3, "ordered"), (2, "exact"), (3, "exact")])
+def test_random_mixes_complete_in_call_order(world, mode):
     seeds = list(range(1, 7))
-    results = spawn.run(world, _mixes, seeds, timeout_s=60, backend="flatcomm")
+    results = spawn.run(world, _mixes, seeds, mode, timeout_s=60, backend="flatcomm")
     for mix_results, lane_calls in results:
         assert lane_calls > 0  # the lane did run some of them
         for mix, same in mix_results:
@@ -118,13 +121,16 @@ def test_native_work_future_is_done_once_wait_returns(world):
         assert early == 0
 
 
-def _gil_held(rank: int, world: int) -> list:
+def _gil_held(rank: int, world: int, mode: str) -> list:
     import ctypes
     import ctypes.util
     import sys
 
     import torch.distributed as dist
 
+    import flatcomm.backend as fb
+
+    fb.configure(mode=mode)  # (exact: the lane sums with the exact_sum op, through the dispatcher)
     bufs = [torch.full((N_LANE,), float(rank + 1)) for _ in range(4)]
     for _ in range(2):
         dist.all_reduce(bufs[0], async_op=True).wait()  # agreed: the lane from now on
@@ -145,9 +151,9 @@ def _gil_held(rank: int, world: int) -> list:
     return [done, all(bool((b == total).all()) for b in bufs)]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_lane_calls_complete_while_the_caller_holds_the_gil(world):
-    for done, right in spawn.run(world, _gil_held, timeout_s=60, backend="flatcomm"):
+@pytest.mark.parametrize("world,mode", [(2, "ordered"), (3, "ordered"), (2, "exact"), (3, "exact")])
+def test_lane_calls_complete_while_the_caller_holds_the_gil(world, mode):
+    for done, right in spawn.run(world, _gil_held, mode, timeout_s=60, backend="flatcomm"):
         assert right
         assert all(done), f"lane calls completed with the GIL held: {done}"
 
