@@ -14,6 +14,7 @@ import io
 import os
 import queue as queue_mod
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -38,7 +39,25 @@ def _forkserver():
     return _context
 
 
-def _entry(rank, world, init_file, timeout_s, threads, fn, args, queue, backend="gloo", env=None):
+def _exit_with(launcher: int) -> None:
+    """End this rank when the process that launched it is gone (killed: its ``finally`` never ran),
+    rather than computing on for the rest of its run."""
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(launcher, 0)
+            except ProcessLookupError:
+                os._exit(3)
+            except PermissionError:  # (alive, another user's: not ours to judge)
+                pass
+
+    threading.Thread(target=watch, name="flatcomm-spawn-watch", daemon=True).start()
+
+
+def _entry(rank, world, init_file, timeout_s, threads, fn, args, queue, backend="gloo", env=None, launcher=None):
+    if launcher is not None:
+        _exit_with(launcher)
     try:
         if env is not None:  # the caller's environment now, not the forkserver's at its start
             os.environ.clear()
@@ -72,7 +91,8 @@ def run(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0
     env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_entry, args=(r, world, init_file, timeout_s, threads, fn, args, queue, backend, env))
+        procs = [ctx.Process(target=_entry, args=(r, world, init_file, timeout_s, threads, fn, args, queue, backend, env,
+                                                  os.getpid()))
                  for r in range(world)]
         for p in procs:
             p.start()
