@@ -49,7 +49,7 @@ class Prepared:
         work = None
         if self.route is Route.SMALL_NATIVE:  # reads the values now: only with nothing in flight
             work = worker.post_if_idle(key, lambda: small_native.post(self.group, self.a, self.spec, tensor,
-                                                                      cast(str, self.name), self.spec.mode))
+                                                                      cast(str, self.name)))
         elif self.route is Route.NATIVE:  # declines until the ranks agreed the plan
             work = worker.post_to_lane_if_idle(key, lambda: lane.post(self.group, self.a, self.spec, tensor,
                                                                       cast(str, self.name)))

@@ -5,9 +5,10 @@ slot (:mod:`flatcomm.comm.small`), ordered fp32 or exact mode (fp32, bf16, fp16)
 The op copies the values into this rank's row, posts the rows' all-gather, and when it completes
 compares the rows and sums the payloads into the tensor, on gloo's thread (ordered: in ascending
 rank order; exact: the ``exact_sum`` op and the Python path's ATen ops after it), then completes a
-C++ ``dist.Work``: the same exchange, checks and bits as the Python small path, without the Python that took ~150 us of a 4 KB call on the caller's
-thread and ~80 us more to complete it. A disagreement goes to
-:mod:`flatcomm.comm.native_calls` for the header's error, the same on every rank.
+C++ ``dist.Work``: the same exchange, checks and bits as the Python small path, without the Python
+that took ~150 us of a 4 KB call on the caller's thread and ~80 us more to complete it. A
+disagreement goes to :mod:`flatcomm.comm.native_calls` for the header's error, the same on every
+rank.
 """
 from __future__ import annotations
 
@@ -41,13 +42,14 @@ def name_if_native(group, a: Call, mode: str, in_slot: bool) -> Optional[str]:
     return p2p.native_name(group)
 
 
-def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str, mode: str) -> dist.Work:
+def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> dist.Work:
     """Post the all-reduce of ``tensor`` (contiguous, the numel of ``a``). Called under
     :func:`flatcomm.comm.worker.post_if_idle` (nothing of the group in flight): it reads the values
     now and writes the sum when the rows are in, in call order. Counted on the group's lane, which
     the worker and later lane calls wait for."""
     lane_id = native_calls.lane_of(group)
     token, mine, table = native_calls.record(group, None, a.fields, 0, a.world)
+    mode = spec.mode
     block = a.exact_block if mode == "exact" else 0
     work = native_calls.launched(group, token, lambda: ops.slot_all_reduce(
         tensor, tensor, name, table, mine, header.WIDTH, header.SLOT_OFFSET, a.scale, token, lane_id, block,
