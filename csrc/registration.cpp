@@ -65,9 +65,9 @@ TORCH_LIBRARY(flatcomm, m) {
         "int headroom=0) -> __torch__.torch.classes.c10d.Work");
   // A small all-reduce in one exchange (comm/slot_all_reduce.cpp): flat's values copied into this
   // rank's row `mine` at byte slot_offset, every rank's row gathered into `table`; once the rows agree
-  // (their first `width` values), the payloads summed into flat, times scale: in rank order (fp32), or
-  // with exact_sum(block exact_block, headroom) where exact_block > 0 (fp32, bf16, fp16). The Work
-  // completes with [out].
+  // (their first `width` values), the payloads summed into flat, times scale: in rank order in fp32
+  // (fp32, bf16, fp16 values: each in its dtype on the wire), or with exact_sum(block exact_block,
+  // headroom) where exact_block > 0 (fp32, bf16, fp16). The Work completes with [out].
   m.def("slot_all_reduce(Tensor(a!) flat, Tensor out, str group, Tensor(b!) table, Tensor(c!) mine, int width, "
         "int slot_offset, float scale, int token, int lane, int exact_block=0, int headroom=0) -> "
         "__torch__.torch.classes.c10d.Work");

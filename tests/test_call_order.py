@@ -25,7 +25,7 @@ from flatcomm.tools import spawn
 
 N_LANE = 1_200_096  # an agreed plan's size (native at 2 and 3 ranks)
 N_WORKER = 300_000  # a bf16 all-reduce over the slot: the group's worker
-N_SMALL = 64        # fp32 in the header's slot: the small call in C++
+N_SMALL = 64        # in the header's slot (fp32 and bf16): the small call in C++
 KINDS = ("lane", "small", "small bf16", "worker", "integer", "lane avg")
 
 

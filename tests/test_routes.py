@@ -12,7 +12,8 @@ import torch
 from flatcomm.tools import spawn
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "backend.md"
-ROW = re.compile(r"^\| `dist\.all_reduce\((?P<expr>.+)\)`(?P<exact>, exact mode)? \| (?P<route>[a-z-]+) \|")
+ROW = re.compile(r"^\| `dist\.all_reduce\((?P<expr>.+)\)`(?P<exact>, exact mode)?(?:, codec (?P<codec>\w+))? "
+                 r"\| (?P<route>[a-z-]+) \|")
 
 
 def _rows() -> list:
@@ -31,13 +32,17 @@ def _check(rank: int, world: int, rows: list) -> list:
 
     out = []
     for row in rows:
-        fb.configure(None, mode="exact" if row["exact"] else "ordered")
+        group = None  # (a row with a codec: a group of its own, configured with it)
+        if row["codec"]:
+            group = dist.new_group(backend="flatcomm")
+            fb.configure(group, codec=row["codec"])
+        fb.configure(group, mode="exact" if row["exact"] else "ordered")
         t = eval(row["expr"], {"torch": torch})  # noqa: S307 - the docs' own expressions
-        named = fb.route(t)
-        before = fb.stats()["routes"].get(named, 0)
+        named = fb.route(t, group=group)
+        before = fb.stats(group)["routes"].get(named, 0)
         t.fill_(rank + 1)
-        dist.all_reduce(t)
-        counted = fb.stats()["routes"].get(named, 0) - before
+        dist.all_reduce(t, group=group)
+        counted = fb.stats(group)["routes"].get(named, 0) - before
         out.append((row["expr"], row["route"], named, counted, bool((t == sum(range(1, world + 1))).all())))
     return out
 

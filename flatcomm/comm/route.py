@@ -13,11 +13,12 @@ The routes, cheapest first (docs/backend.md has the table a user reads, and a te
 equal):
 
 ========================  ========================================================================
-``small-native``          ordered fp32, or exact mode (fp32, bf16, fp16), in the header's payload
-                          slot: one exchange, summed in C++ on gloo's thread
+``small-native``          fp32, bf16 or fp16 in the header's payload slot, exact mode or ordered
+                          with the values' own codec: one exchange, summed in C++ on gloo's thread
                           (:mod:`flatcomm.comm.small_native`)
-``small``                 the other calls whose data fits the slot (ordered bf16/fp16, error
-                          feedback): one exchange, summed in Python (:mod:`flatcomm.comm.small`)
+``small``                 the other calls whose data fits the slot (a codec other than the values'
+                          dtype, error feedback): one exchange, summed in Python
+                          (:mod:`flatcomm.comm.small`)
 ``gathered``              up to :data:`flatcomm.comm.small.GATHER_TABLE_BYTES` in all: the header,
                           then one all-gather of the payloads, on the worker
 ``native``                lossless fp32, ordered or exact, on CPU point-to-point transfers: one C++

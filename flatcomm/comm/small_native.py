@@ -1,10 +1,10 @@
 """The small path's commonest calls in C++: an all-reduce whose values fit the call header's payload
-slot (:mod:`flatcomm.comm.small`), ordered fp32 or exact mode (fp32, bf16, fp16), posted as one op
+slot (:mod:`flatcomm.comm.small`), ordered or exact, of fp32, bf16 or fp16 values, posted as one op
 (csrc/comm/slot_all_reduce.cpp).
 
 The op copies the values into this rank's row, posts the rows' all-gather, and when it completes
 compares the rows and sums the payloads into the tensor, on gloo's thread (ordered: in ascending
-rank order; exact: the ``exact_sum`` op and the Python path's ATen ops after it), then completes a
+rank order in fp32, rounded once into a bf16 / fp16 tensor; exact: the ``exact_sum`` op and the Python path's ATen ops after it), then completes a
 C++ ``dist.Work``: the same exchange, checks and bits as the Python small path, without the Python
 that took ~150 us of a 4 KB call on the caller's thread and ~80 us more to complete it. A
 disagreement goes to :mod:`flatcomm.comm.native_calls` for the header's error, the same on every
@@ -26,16 +26,16 @@ from ..ops.native import ops
 
 __all__ = ["name_if_native", "post"]
 
-_EXACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # the codec of each
 
 
 def name_if_native(group, a: Call, mode: str, in_slot: bool) -> Optional[str]:
     """The group's name in torch's registry (what the op resolves it by) when an all-reduce with
-    these checked arguments runs natively here: in the slot on CPU values, no error feedback, a group
-    that exchanges, and either ordered with the fp32 codec on fp32 values or exact mode on fp32, bf16
-    or fp16 values; else None."""
-    ordered = mode == "ordered" and a.codec.name == "fp32" and a.src.dtype == torch.float32
-    exact = mode == "exact" and a.src.dtype in _EXACT_DTYPES
+    these checked arguments runs natively here: in the slot on fp32, bf16 or fp16 CPU values, no
+    error feedback, a group that exchanges, and either exact mode or ordered with the codec of the
+    values' own dtype (no conversion on the wire); else None."""
+    ordered = mode == "ordered" and a.codec.name == _DTYPES.get(a.src.dtype)
+    exact = mode == "exact" and a.src.dtype in _DTYPES
     if not (in_slot and (ordered or exact) and a.src.device.type == "cpu" and a.feedback is None
             and groups.exchanges(group)):
         return None

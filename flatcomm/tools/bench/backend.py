@@ -2,9 +2,10 @@
 
     python -m flatcomm.bench backend [--ranks 4] [--sizes 4K,1M,100M] [--reps 5] [--ops all_reduce]
                                      [--steps 0] [--json PATH] [--routes-off small-native,native]
+                                     [--dtype bf16]
 
 One spawn of ``--ranks`` ranks on ``init_process_group("flatcomm")``. Per message size (bytes of
-fp32) and op (all_reduce, reduce_scatter, all_gather) it times gloo's own call (on a gloo group
+``--dtype`` values, fp32 by default) and op (all_reduce, reduce_scatter, all_gather) it times gloo's own call (on a gloo group
 made beside it), the backend's ordered sum and its exact sum, interleaved rep by rep (each in every
 place of the order in turn) so that a load change on a shared machine hits all three alike; then a
 DDP step and an FSDP2 step on each. Times
@@ -53,18 +54,23 @@ def _rotated(i: int) -> tuple:
     return VARIANTS[k:] + VARIANTS[:k]
 
 
-def _ops(groups: dict, sizes: List[int], reps: int, world: int, ops=OPS) -> List[dict]:
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def _ops(groups: dict, sizes: List[int], reps: int, world: int, ops=OPS, dtype_name: str = "fp32") -> List[dict]:
     import torch
     import torch.distributed as dist
 
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    size = torch.finfo(dtype).bits // 8
     rows = []
     for nbytes in sizes:
-        n = max(world, nbytes // 4 // world * world)
+        n = max(world, nbytes // size // world * world)
         for op in ops:
             if dist.get_rank() == 0:
-                say("bench", f"backend: {op} {format_size(4 * n)}B ...")
-            x = torch.randn(n)
-            out = torch.empty(n // world if op == "reduce_scatter" else n)
+                say("bench", f"backend: {op} {format_size(size * n)}B {dtype_name} ...")
+            x = torch.randn(n).to(dtype)
+            out = torch.empty(n // world if op == "reduce_scatter" else n, dtype=dtype)
             src = x[:n // world].clone() if op == "all_gather" else x  # all_gather: n values out
             times: Dict[str, List[float]] = {v: [] for v in VARIANTS}
             k = _reps_for(nbytes, reps)
@@ -75,7 +81,7 @@ def _ops(groups: dict, sizes: List[int], reps: int, world: int, ops=OPS) -> List
                     _call(op, groups[v], src if op == "all_gather" else x.clone() if op == "all_reduce" else x, out)
                     if rep:
                         times[v].append(time.perf_counter() - t0)
-            rows.append({"kind": "op", "op": op, "bytes": n * 4, "reps": k, "times": times})
+            rows.append({"kind": "op", "op": op, "bytes": n * size, "dtype": dtype_name, "reps": k, "times": times})
     return rows
 
 
@@ -121,7 +127,7 @@ def _steps(groups: dict, rank: int, steps: int) -> List[dict]:
 
 
 def _rank_main(rank: int, world: int, sizes: List[int], reps: int, steps: int, ops=OPS,
-               routes_off: str = "") -> List[dict]:
+               routes_off: str = "", dtype_name: str = "fp32") -> List[dict]:
     import os
 
     import torch.distributed as dist
@@ -133,13 +139,13 @@ def _rank_main(rank: int, world: int, sizes: List[int], reps: int, steps: int, o
     groups = {"gloo": dist.new_group(backend="gloo"), "ordered": dist.new_group(), "exact": dist.new_group()}
     fb.configure(groups["ordered"], mode="ordered")
     fb.configure(groups["exact"], mode="exact")
-    rows = _ops(groups, sizes, reps, world, ops) + (_steps(groups, rank, steps) if steps else [])
+    rows = _ops(groups, sizes, reps, world, ops, dtype_name) + (_steps(groups, rank, steps) if steps else [])
     return rows if rank == 0 else []
 
 
 def _summary(row: dict) -> dict:
     base = row["times"]["gloo"]
-    out = dict(kind=row["kind"], op=row["op"], bytes=row["bytes"], reps=row["reps"])
+    out = dict(kind=row["kind"], op=row["op"], bytes=row["bytes"], dtype=row.get("dtype", "fp32"), reps=row["reps"])
     for v in VARIANTS:
         t = row["times"][v]
         ratios = [a / b for a, b in zip(t, base)]
@@ -181,6 +187,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", metavar="PATH", help="write the summaries and every rep's times here")
     ap.add_argument("--routes-off", default="", metavar="ROUTES",
                     help="routes to turn off, comma separated (an A/B against a run without; default none)")
+    ap.add_argument("--dtype", choices=DTYPES, default="fp32", help="the values' dtype (default fp32)")
     ap.add_argument("--timeout", type=positive(float), default=900.0,
                     help="the process group's timeout, s (the whole run may take 60 s more; default 900)")
 
@@ -207,11 +214,11 @@ def main(argv: List[str]) -> int:
     t0 = time.perf_counter()
     say("bench", f"backend: {a.ranks} ranks, {len(sizes)} sizes x {len(ops)} ops x {len(VARIANTS)} variants"
                  f"{', then DDP and FSDP2 steps' if a.steps else ''} (progress from rank 0)")
-    rows = spawn.run(a.ranks, _rank_main, sizes, a.reps, a.steps, ops, a.routes_off, backend="flatcomm",
+    rows = spawn.run(a.ranks, _rank_main, sizes, a.reps, a.steps, ops, a.routes_off, a.dtype, backend="flatcomm",
                      timeout_s=a.timeout, run_s=a.timeout + 60)[0]
     summaries = [_summary(r) for r in rows]
     off = f", routes off: {a.routes_off}" if a.routes_off else ""
-    print(f"flatcomm.bench backend: {a.ranks} ranks over loopback{off}; median time, ratio to gloo's median "
+    print(f"flatcomm.bench backend: {a.ranks} ranks over loopback, {a.dtype}{off}; median time, ratio to gloo's median "
           f"[quartiles of the per-rep ratios]")
     print(table(summaries), flush=True)
     say("bench", f"{time.perf_counter() - t0:.0f} s")
