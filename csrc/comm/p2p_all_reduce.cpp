@@ -21,6 +21,8 @@
 #include <torch/library.h>
 
 #include "../core/common.h"
+#include "../cpu/kernels.h"
+#include "../ops_common.h"
 #include "lane.h"
 #include "p2p_all_reduce.h"
 
@@ -35,6 +37,7 @@ namespace {
 
 constexpr int64_t kTile = 1024;          // values summed per step (through a stack tile)
 constexpr int64_t kGrainTiles = 32;      // small pieces stay on one thread
+constexpr int64_t kExactGrain = 1 << 15; // values of an exact sum per thread at least (as the op's)
 
 using Works = std::vector<c10::intrusive_ptr<c10d::Work>>;
 
@@ -59,10 +62,33 @@ void ordered_sum(const std::vector<const float*>& rows, float scale, int64_t n, 
 
 void exact_sum_into(const std::vector<const void*>& rows, int64_t n, double scale, int64_t block, int64_t headroom,
                     at::Tensor& into) {
+  const int64_t world = static_cast<int64_t>(rows.size());
+  check_exact_block(block);
+  TORCH_CHECK(world <= (int64_t{1} << headroom), "flatcomm: exact_sum of ", world,
+              " rows needs headroom >= log2(rows); got headroom ", headroom);
+  if (into.scalar_type() == at::kFloat) {
+    // fp32 (the lane's pieces): the kernel reads the rows where they lie and writes the sum into
+    // `into` block by block, each block's rows read before its sum is written (so `into` may be a
+    // row); then times scale as torch's mul does: the bits of exact_sum(stacked) * scale, copied.
+    ExactArgs a{};
+    a.row_ptrs = rows.data();
+    a.dtype = core::kF32;
+    a.rows = world;
+    a.n = n;
+    a.block = block;
+    a.precision = precision_of(headroom);
+    a.out = into.data_ptr<float>();
+    const auto& kernels = cpu::kernels();
+    at::parallel_for(0, core::ceil_div(n, block), std::max<int64_t>(1, kExactGrain / block),
+                     [&](int64_t b0, int64_t b1) { kernels.exact_sum(a, b0 * block, std::min(n, b1 * block)); });
+    if (scale != 1.0) into.mul_(scale);
+    return;
+  }
+  // bf16 / fp16 (the header slot's): the op on the stacked rows, then ATen's mul and copy_, as
+  // flatcomm/comm/small.py rounds the fp32 sum into the tensor.
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("flatcomm::exact_sum", "")
                        .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
-  const int64_t world = static_cast<int64_t>(rows.size());
   at::Tensor stacked = at::empty({world, n}, into.options());
   const int64_t nbytes = n * stacked.element_size();
   for (int64_t r = 0; r < world; ++r)

@@ -15,10 +15,10 @@ namespace ops {
 // that every value is read before it is overwritten.
 void ordered_sum(const std::vector<const float*>& rows, float scale, int64_t n, float* out);
 
-// Exact mode's sum of `rows` (n values of into's dtype each, any of them may be in `into`): the
-// flatcomm::exact_sum op over them in rank order (block `block`, headroom `headroom`), times scale
-// where it is not 1, copied into `into`: what flatcomm/comm/exact.py and small.py do, op for op, so
-// their bits.
+// Exact mode's sum of `rows` (n values of into's dtype each, any of them may be `into` itself): the
+// exact_sum kernel over them in rank order (block `block`, headroom `headroom`), times scale where it
+// is not 1, into `into`: the bits of what flatcomm/comm/exact.py and small.py do (the op on the
+// stacked rows, torch's mul, copy_). fp32 rows are read where they lie; bf16 / fp16 ones are stacked.
 void exact_sum_into(const std::vector<const void*>& rows, int64_t n, double scale, int64_t block, int64_t headroom,
                     at::Tensor& into);
 

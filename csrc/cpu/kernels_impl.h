@@ -519,22 +519,28 @@ static void from_fixed_impl(const ExactArgs& a, int64_t i0, int64_t i1) {
 
 template <int DT>
 static void exact_sum_t(const ExactArgs& a, int64_t i0, int64_t i1) {
-  const auto* x = static_cast<const typename Elem<DT>::T*>(a.x);
+  using T = typename Elem<DT>::T;
+  const auto* x = static_cast<const T*>(a.x);
+  auto row = [&](int64_t r) { return a.row_ptrs ? static_cast<const T*>(a.row_ptrs[r]) : x + r * a.row_stride; };
   int64_t acc[kMaxBlock];
   for (int64_t i = i0; i < i1; i += a.block) {
     const int64_t e = min_(i1, i + a.block);
     uint32_t m = 0;
-    for (int64_t r = 0; r < a.rows; ++r)
-      for (int64_t j = i; j < e; ++j) m = umax(m, abs_bits(Elem<DT>::load(x[r * a.row_stride + j])));
+    for (int64_t r = 0; r < a.rows; ++r) {
+      const T* xr = row(r);
+      for (int64_t j = i; j < e; ++j) m = umax(m, abs_bits(Elem<DT>::load(xr[j])));
+    }
     const int32_t E = exponent_of_abs_bits(m);
     if (a.exponents) a.exponents[i / a.block] = E;
     for (int64_t j = i; j < e; ++j) acc[j - i] = 0;
     if (!exp_is_special(E)) {
       const ToFixedScale sc = to_fixed_scale(E, a.precision);  // every value is below the block's max
-      for (int64_t r = 0; r < a.rows; ++r)
+      for (int64_t r = 0; r < a.rows; ++r) {
+        const T* xr = row(r);
         for (int64_t j = i; j < e; ++j)  // wrapping unsigned adds: the bits of the int64 sum
           acc[j - i] = static_cast<int64_t>(static_cast<uint64_t>(acc[j - i]) +
-                                            static_cast<uint64_t>(to_fixed_scaled(Elem<DT>::load(x[r * a.row_stride + j]), sc)));
+                                            static_cast<uint64_t>(to_fixed_scaled(Elem<DT>::load(xr[j]), sc)));
+      }
     }
     from_fixed_block(acc, e - i, E, a.precision, a.out + i);
   }
