@@ -72,7 +72,8 @@ class FlatcommGroup(dist.ProcessGroup):
         self.reductions = 0  # calls of this group's reduction methods that flatcomm ran
         # all-reduces (and reductions passed through) by route (flatcomm.comm.route): see route()
         self.routes: collections.Counter = collections.Counter()
-        # (numel, dtype, op) -> (settings, flatcomm.comm.prepared.Prepared or None): see reduce.py
+        # (numel, dtype, op) -> (settings, flatcomm.comm.prepared.Prepared or None, groups.generation()):
+        # see reduce.py
         self.prepared: dict = {}
         for device, kind, backend in _inner_backends(store, rank, size, timeout, group_name,
                                                      ranks if ranks is not None else list(range(size))):
@@ -126,7 +127,7 @@ class FlatcommGroup(dist.ProcessGroup):
         if how is None:
             _reduce.guard(self, "all_reduce", tensors, opts.reduceOp)
             return self._inner(tensors[0]).allreduce(tensors, opts)
-        return _reduce.all_reduce(self, tensors, how, self._wait_limit(opts))
+        return _reduce.all_reduce(self, tensors, how, lambda: self._wait_limit(opts))
 
     @torch_forms("allreduce_coalesced", 1, dist.AllreduceCoalescedOptions)
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Optional[dist.AllreduceCoalescedOptions] = None) -> dist.Work:
@@ -136,7 +137,7 @@ class FlatcommGroup(dist.ProcessGroup):
         if how is None:
             _reduce.guard(self, "all_reduce", tensors, opts.reduceOp)
             return self._inner(tensors[0]).allreduce_coalesced(tensors, opts)
-        return _reduce.all_reduce(self, tensors, how, self._wait_limit(opts))
+        return _reduce.all_reduce(self, tensors, how, lambda: self._wait_limit(opts))
 
     def reduce(self, *args: Any, **kwargs: Any) -> dist.Work:
         """``(tensors, opts=None)`` or ``(tensor, root, op=SUM, timeout=None)``, as torch binds it."""
@@ -146,7 +147,7 @@ class FlatcommGroup(dist.ProcessGroup):
         if how is None:
             _reduce.guard(self, "all_reduce", tensors, opts.reduceOp)
             return self._inner(tensors[0]).reduce(tensors, opts)
-        return _reduce.reduce(self, tensors, opts.rootRank, how, self._wait_limit(opts))
+        return _reduce.reduce(self, tensors, opts.rootRank, how, lambda: self._wait_limit(opts))
 
     @torch_forms("reduce_scatter", 2, dist.ReduceScatterOptions, (0, 1))
     def reduce_scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]],

@@ -128,17 +128,18 @@ def _prepared(pg, t: torch.Tensor, name: str) -> Optional[prepared.Prepared]:
     full path (not on the CPU, a two-level call, ``codec="auto"``)."""
     if t.device.type != "cpu":
         return None
-    s, priv = settings_for(pg), groups.private_group(pg)
+    s, made = settings_for(pg), groups.generation()  # (a private group made or dropped: made changes)
     key = (t.numel(), t.dtype, name)
     entry = pg.prepared.get(key)
-    if entry is None or entry[0] is not s or entry[1] is not None and entry[1].group is not priv:
+    if entry is None or entry[0] is not s or entry[2] != made:
+        priv = groups.private_group(pg)
         kw = _call_args(pg, t.dtype)
         ok = "group" in kw and kw["codec"] != "auto"  # flat, and one codec for every size
         spec = CallSpec(codec=kw["codec"], op=name, mode=kw["mode"], async_op=True, stats=kw["stats"])
         if len(pg.prepared) >= _PREPARED_MAX:
             pg.prepared.clear()
-        entry = pg.prepared[key] = (s, prepared.prepare_all_reduce(priv, t.view(-1), spec)
-                                    if ok else None)
+        entry = pg.prepared[key] = (s, prepared.prepare_all_reduce(priv, t.view(-1), spec) if ok else None,
+                                    groups.generation())
     return entry[1]
 
 
@@ -176,22 +177,26 @@ def _copy_back(pairs: List[Tuple[List[torch.Tensor], torch.Tensor]]) -> Callable
     return finish
 
 
-def all_reduce(pg, tensors: List[torch.Tensor], how: Tuple[str, object],
-               timeout: Optional[datetime.timedelta], root: Optional[int] = None) -> dist.Work:
+Limit = Callable[[], Optional[datetime.timedelta]]  # the wait limit of a call's Python Work, asked when one is made
+
+
+def all_reduce(pg, tensors: List[torch.Tensor], how: Tuple[str, object], limit: Limit,
+               root: Optional[int] = None) -> dist.Work:
     """All-reduce ``tensors`` in place (coalesced: staged per dtype). ``root``: a reduce, where
-    only that rank's tensors receive the result."""
+    only that rank's tensors receive the result. ``limit``: asked only for a Python Work (a native
+    route's C++ Work is bounded by the group's own timeout)."""
     name, factor = how
     t = tensors[0]
     _counted(pg)
     if len(tensors) == 1 and t.is_contiguous() and factor is None and root is None:
         p = _prepared(pg, t, name)
-        pg.routes[str(p.route if p is not None else Route.FULL)] += 1
+        pg.routes[(p.route if p is not None else Route.FULL).value] += 1
         handle = p.post(t) if p is not None else None
         if isinstance(handle, dist.Work):  # a native route: its Work is C++ all the way
             return handle
         if handle is None:
             handle = collectives.all_reduce(t.view(-1), op=name, **_call_args(pg, t.dtype))
-        return ReductionWork([handle], tensors, None, timeout)
+        return ReductionWork([handle], tensors, None, limit())
     pg.routes[str(Route.FULL)] += 1
     by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
     for x in tensors:
@@ -202,11 +207,11 @@ def all_reduce(pg, tensors: List[torch.Tensor], how: Tuple[str, object],
         handles.append(collectives.all_reduce(buf, op=name, **_call_args(pg, dtype)))
         pairs.append((group, buf))
     keep = root is None or pg.rank() == root
-    return ReductionWork(handles, tensors, _copy_back(pairs) if keep else None, timeout)
+    return ReductionWork(handles, tensors, _copy_back(pairs) if keep else None, limit())
 
 
-def reduce(pg, tensors: List[torch.Tensor], root: int, how, timeout) -> dist.Work:
-    return all_reduce(pg, tensors, how, timeout, root=root)
+def reduce(pg, tensors: List[torch.Tensor], root: int, how, limit: Limit) -> dist.Work:
+    return all_reduce(pg, tensors, how, limit, root=root)
 
 
 def reduce_scatter(pg, outputs: List[torch.Tensor], inputs: List[torch.Tensor], how,

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from . import context, standalone, wire
 
-__all__ = ["EXCHANGE_ALONE", "exchanges", "forget", "has_private", "group_timeout", "is_private", "private_group",
+__all__ = ["EXCHANGE_ALONE", "exchanges", "forget", "generation", "has_private", "group_timeout", "is_private", "private_group",
            "settle_at_exit", "SMALL_SLOT"]
 
 _lock = threading.Lock()
@@ -99,7 +99,22 @@ def has_private(group) -> bool:
 def forget(group) -> None:
     """Drop what flatcomm keeps for ``group``, its private group destroyed (called when ``group`` is
     destroyed)."""
+    _bump()
     context.drop(group)
+
+
+_generation = 0  # bumped whenever a private group is made or dropped (see generation())
+
+
+def generation() -> int:
+    """A number that changes whenever any private group is made or dropped: what a lookup cached
+    per call shape compares instead of asking :func:`private_group` again on every call."""
+    return _generation
+
+
+def _bump() -> None:
+    global _generation
+    _generation += 1
 
 
 def settle_at_exit() -> None:
@@ -160,10 +175,15 @@ def private_group(group=None, *, timeout: Optional[timedelta] = None):
             dist.destroy_process_group(pg)
             raise
         ctx.set(_PRIVATE, pg)
+        _bump()
         # The flatcomm backend's groups carry small reductions in their call headers (a payload slot
         # in every row, flatcomm.comm.header); elsewhere those bytes would go with every large call.
         context.of(pg).set(SMALL_SLOT, dist.get_backend(parent) == "flatcomm")
-        ctx.on_close(lambda: context.destroy(pg, wait=ctx.waits))
+        def close_private() -> None:
+            _bump()
+            context.destroy(pg, wait=ctx.waits)
+
+        ctx.on_close(close_private)
         _owned.add(pg)
         _used = True
         return pg

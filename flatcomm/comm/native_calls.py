@@ -26,7 +26,7 @@ from . import context, groups, header, worker
 from .header_table import OK, row, set_early
 from ..ops.native import extension
 
-__all__ = ["KEEP", "lane_of", "launched", "on_disagreement", "record", "verdict"]
+__all__ = ["KEEP", "lane_of", "launched", "on_disagreement", "record", "template_row", "verdict"]
 
 KEEP = 8  # finished calls whose records stay (see the module's docstring)
 _TRACKED = "native calls"  # context slot: True once the group's records go when it is destroyed
@@ -48,13 +48,24 @@ def lane_of(group) -> int:
     return ctx.token
 
 
+def template_row(group, fields: Sequence[Tuple[str, int]]) -> torch.Tensor:
+    """This rank's header row of ``fields`` with call number 0: what :func:`record` copies for a
+    prepared call instead of building the row each time."""
+    return row(0, OK, fields, header.FIELDS, "", header.slot_of(group))
+
+
 def record(group, agree: Optional[Sequence[Tuple[str, int]]], fields: Sequence[Tuple[str, int]], early: int,
-           world: int) -> Tuple[int, torch.Tensor, torch.Tensor]:
+           world: int, template: Optional[torch.Tensor] = None) -> Tuple[int, torch.Tensor, torch.Tensor]:
     """A native call's header: its number (taken in call order, under the group's idle worker),
-    this rank's row of ``fields`` (``early``: the plan it runs on before its check, else 0) and the
-    table for every rank's, kept under a new token. Returns (token, row, table)."""
+    this rank's row of ``fields`` (``early``: the plan it runs on before its check, else 0; a
+    ``template`` from :func:`template_row`: copied) and the table for every rank's, kept under a new
+    token. Returns (token, row, table)."""
     call = header.next_call(group)
-    mine = row(call, OK, fields, header.FIELDS, "", header.slot_of(group))
+    if template is not None:
+        mine = template.clone()
+        mine[1] = call  # (the call number's place in a row: header_table.row)
+    else:
+        mine = row(call, OK, fields, header.FIELDS, "", header.slot_of(group))
     if early:
         set_early(mine, len(header.FIELDS), early)
     table = torch.empty(world, mine.numel(), dtype=torch.int64)

@@ -34,9 +34,12 @@ class Prepared:
 
     def __init__(self, group, a: args.Call, spec: CallSpec):
         self.group, self.spec = group, spec
+        self.key = worker.key_of(group)  # (the group's for its lifetime: a destroyed one drops its calls)
         self.route = route.of(group, a, spec.mode)
         self.what = f"all_reduce of {a.src.numel()} values ({a.codec.name})"
         self.name = p2p.native_name(group)  # what the native ops resolve the group by
+        self.slot_call = (small_native.SlotCall(group, a, spec, a.src.numel(), cast(str, self.name))
+                          if self.route is Route.SMALL_NATIVE else None)
         none = a.src.new_empty(0)  # each post gives its tensor: the first one is not kept alive here
         self.a = dataclasses.replace(a, src=none, out=none)
 
@@ -45,16 +48,16 @@ class Prepared:
         routes return a C++ ``dist.Work``, posted from this thread where the group's calls in flight
         allow it (:mod:`flatcomm.comm.worker`: call order); else, and on the other routes, the
         call goes through :func:`flatcomm.comm.route.run`, with the same exchanges and bits."""
-        key, flat_ = worker.key_of(self.group), tensor.view(-1)
         work = None
-        if self.route is Route.SMALL_NATIVE:  # reads the values now: only with nothing in flight
-            work = worker.post_if_idle(key, lambda: small_native.post(self.group, self.a, self.spec, tensor,
-                                                                      cast(str, self.name)))
+        if self.slot_call is not None:  # reads the values now: only with nothing in flight
+            slot_call = self.slot_call
+            work = worker.post_if_idle(self.key, lambda: slot_call.post(tensor))
         elif self.route is Route.NATIVE:  # declines until the ranks agreed the plan
-            work = worker.post_to_lane_if_idle(key, lambda: lane.post(self.group, self.a, self.spec, tensor,
+            work = worker.post_to_lane_if_idle(self.key, lambda: lane.post(self.group, self.a, self.spec, tensor,
                                                                       cast(str, self.name)))
         if work is not None:
             return work
+        flat_ = tensor.view(-1)
         handle = route.run(self.route, self.group, dataclasses.replace(self.a, src=flat_, out=flat_), self.spec, tensor)
         assert handle is not None  # (an asynchronous spec)
         return handle

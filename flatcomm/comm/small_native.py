@@ -24,7 +24,7 @@ from .small import payload_bytes
 from .spec import CallSpec
 from ..ops.native import ops
 
-__all__ = ["name_if_native", "post"]
+__all__ = ["SlotCall", "name_if_native"]
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # the codec of each
 
@@ -42,19 +42,32 @@ def name_if_native(group, a: Call, mode: str, in_slot: bool) -> Optional[str]:
     return p2p.native_name(group)
 
 
-def post(group, a: Call, spec: CallSpec, tensor: torch.Tensor, name: str) -> dist.Work:
-    """Post the all-reduce of ``tensor`` (contiguous, the numel of ``a``). Called under
-    :func:`flatcomm.comm.worker.post_if_idle` (nothing of the group in flight): it reads the values
-    now and writes the sum when the rows are in, in call order. Counted on the group's lane, which
-    the worker and later lane calls wait for."""
-    lane_id = native_calls.lane_of(group)
-    token, mine, table = native_calls.record(group, None, a.fields, 0, a.world)
-    mode = spec.mode
-    block = a.exact_block if mode == "exact" else 0
-    work = native_calls.launched(group, token, lambda: ops.slot_all_reduce(
-        tensor, tensor, name, table, mine, header.WIDTH, header.SLOT_OFFSET, a.scale, token, lane_id, block,
-        a.headroom))
-    if isinstance(spec.stats, CommStats):  # (the exchange is not timed: that would take Python)
-        spec.stats.calls += 1
-        spec.stats.wire_bytes += payload_bytes(a, mode, tensor.numel()) * (a.world - 1)
-    return work
+class SlotCall:
+    """A prepared all-reduce on the small-native route (:func:`name_if_native`): what every call of
+    its shape posts the same (the group's lane and name, this rank's header row with call number 0,
+    the exact grid, the bytes it sends) kept from the first call, so a call is its number, its row
+    and the op."""
+
+    def __init__(self, group, a: Call, spec: CallSpec, numel: int, name: str):
+        self.group, self.name, self.fields, self.world = group, name, a.fields, a.world
+        self.lane = native_calls.lane_of(group)
+        self.template = native_calls.template_row(group, a.fields)
+        self.scale, self.headroom = a.scale, a.headroom
+        self.block = a.exact_block if spec.mode == "exact" else 0
+        self.stats = spec.stats if isinstance(spec.stats, CommStats) else None
+        self.wire_bytes = payload_bytes(a, spec.mode, numel) * (a.world - 1)
+
+    def post(self, tensor: torch.Tensor) -> dist.Work:
+        """Post the all-reduce of ``tensor`` (contiguous, the prepared numel and dtype). Called under
+        :func:`flatcomm.comm.worker.post_if_idle` (nothing of the group in flight): it reads the values
+        now and writes the sum when the rows are in, in call order. Counted on the group's lane, which
+        the worker and later lane calls wait for."""
+        group = self.group
+        token, mine, table = native_calls.record(group, None, self.fields, 0, self.world, self.template)
+        work = native_calls.launched(group, token, lambda: ops.slot_all_reduce(
+            tensor, tensor, self.name, table, mine, header.WIDTH, header.SLOT_OFFSET, self.scale, token, self.lane,
+            self.block, self.headroom))
+        if self.stats is not None:  # (the exchange is not timed: that would take Python)
+            self.stats.calls += 1
+            self.stats.wire_bytes += self.wire_bytes
+        return work
