@@ -45,38 +45,21 @@ def _near_reference(got: torch.Tensor, rank_inputs: list, op: str, world: int) -
     return bool(torch.allclose(got.double(), ref.to(got.dtype).double(), rtol=1e-2, atol=1e-30))
 
 
-def _compare(rank: int, world: int) -> dict:
-    import torch.distributed as dist
-
-    import flatcomm
-
-    codecs = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    out = {}
-    for dtype, codec in codecs.items():
-        for n in SIZES:
-            for kind in KINDS:
-                for op, dist_op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
-                    native = _inputs(rank, n, kind).to(dtype)
-                    work = dist.all_reduce(native, op=dist_op, async_op=True)
-                    got = work.get_future().wait()[0]
-                    python = _inputs(rank, n, kind).to(dtype)
-                    flatcomm.all_reduce(python, op=op, codec=codec)  # the Python small path, the same group
-                    near = kind != "random" or _near_reference(
-                        native, [_inputs(r, n, kind).to(dtype) for r in range(world)], op, world)
-                    out[(str(dtype), n, kind, op)] = (type(work).__name__, got is native, near,
-                                                      torch.equal(native.view(torch.uint8), python.view(torch.uint8)))
-    return out
+_CODECS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def _compare_exact(rank: int, world: int) -> dict:
+def _compare(rank: int, world: int, mode: str) -> dict:
+    """Each case on the backend (the native call) and through flatcomm.all_reduce on the same group
+    (the Python small path: ordered with the dtype's own codec, or exact)."""
     import torch.distributed as dist
 
     import flatcomm
     import flatcomm.backend as fb
 
-    fb.configure(mode="exact")
+    fb.configure(mode=mode)
     out = {}
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for dtype, codec in _CODECS.items():
+        how = {"mode": "exact"} if mode == "exact" else {"codec": codec}
         for n in SIZES:
             for kind in KINDS:
                 for op, dist_op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
@@ -84,7 +67,7 @@ def _compare_exact(rank: int, world: int) -> dict:
                     work = dist.all_reduce(native, op=dist_op, async_op=True)
                     got = work.get_future().wait()[0]
                     python = _inputs(rank, n, kind).to(dtype)
-                    flatcomm.all_reduce(python, op=op, mode="exact")  # the Python small path
+                    flatcomm.all_reduce(python, op=op, **how)
                     # (exact mode keeps 62 - headroom bits below each block's largest value; a
                     # block with a non-finite value is NaN, so fp16's overflows are left out)
                     near = kind != "random" or _near_reference(
@@ -94,16 +77,10 @@ def _compare_exact(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.parametrize("mode", ["ordered", "exact"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_native_exact_small_all_reduce_has_the_python_paths_bits(world):
-    for res in spawn.run(world, _compare_exact, backend="flatcomm", timeout_s=TIMEOUT_S):
-        for case, (kind, same_tensor, near, same_bits) in res.items():
-            assert kind == "Work" and same_tensor and near and same_bits, (case, kind, same_tensor, near, same_bits)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_native_small_all_reduce_has_the_python_paths_bits(world):
-    for res in spawn.run(world, _compare, backend="flatcomm", timeout_s=TIMEOUT_S):
+def test_native_small_all_reduce_has_the_python_paths_bits(world, mode):
+    for res in spawn.run(world, _compare, mode, backend="flatcomm", timeout_s=TIMEOUT_S):
         for case, (kind, same_tensor, near, same_bits) in res.items():
             assert kind == "Work" and same_tensor and near and same_bits, (case, kind, same_tensor, near, same_bits)
 
