@@ -71,7 +71,6 @@ void exact_sum_into(const std::vector<const void*>& rows, int64_t n, double scal
     // `into` block by block, each block's rows read before its sum is written (so `into` may be a
     // row); then times scale as torch's mul does: the bits of exact_sum(stacked) * scale, copied.
     ExactArgs a{};
-    a.row_ptrs = rows.data();
     a.dtype = core::kF32;
     a.rows = world;
     a.n = n;
@@ -80,7 +79,9 @@ void exact_sum_into(const std::vector<const void*>& rows, int64_t n, double scal
     a.out = into.data_ptr<float>();
     const auto& kernels = cpu::kernels();
     at::parallel_for(0, core::ceil_div(n, block), std::max<int64_t>(1, kExactGrain / block),
-                     [&](int64_t b0, int64_t b1) { kernels.exact_sum(a, b0 * block, std::min(n, b1 * block)); });
+                     [&](int64_t b0, int64_t b1) {
+                       kernels.exact_sum_rows(a, rows.data(), b0 * block, std::min(n, b1 * block));
+                     });
     if (scale != 1.0) into.mul_(scale);
     return;
   }

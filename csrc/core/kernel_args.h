@@ -84,9 +84,6 @@ struct ExactArgs {
   int32_t* exponents;  // one per block
   int64_t* fixed;      // n values (to_fixed output, from_fixed input)
   float* out;          // n values (from_fixed, exact_sum)
-  // exact_sum on the host only: row r at row_ptrs[r] instead of x + r * row_stride (nullptr: x),
-  // so rows that lie apart (a lane's own piece and its peers') are summed without a copy.
-  const void* const* row_ptrs;
 };
 
 }  // namespace flatcomm

@@ -44,6 +44,9 @@ struct KernelTable {
   int64_t (*to_fixed)(const ExactArgs&, int64_t i0, int64_t i1);
   void (*from_fixed)(const ExactArgs&, int64_t i0, int64_t i1);
   void (*exact_sum)(const ExactArgs&, int64_t i0, int64_t i1);
+  // exact_sum of rows that lie apart (row r at rows[r]; a.x and a.row_stride unused), so a lane's
+  // own piece and its peers' are summed without a copy; a.out may be one of the rows
+  void (*exact_sum_rows)(const ExactArgs&, const void* const* rows, int64_t i0, int64_t i1);
 };
 
 extern const KernelTable kBaselineKernels;

@@ -517,11 +517,12 @@ static void from_fixed_impl(const ExactArgs& a, int64_t i0, int64_t i1) {
                      a.out + b0);
 }
 
+// rows: row r at rows[r] (exact_sum_rows), or nullptr: at a.x + r * a.row_stride (exact_sum).
 template <int DT>
-static void exact_sum_t(const ExactArgs& a, int64_t i0, int64_t i1) {
+static void exact_sum_t(const ExactArgs& a, const void* const* rows, int64_t i0, int64_t i1) {
   using T = typename Elem<DT>::T;
   const auto* x = static_cast<const T*>(a.x);
-  auto row = [&](int64_t r) { return a.row_ptrs ? static_cast<const T*>(a.row_ptrs[r]) : x + r * a.row_stride; };
+  auto row = [&](int64_t r) { return rows ? static_cast<const T*>(rows[r]) : x + r * a.row_stride; };
   int64_t acc[kMaxBlock];
   for (int64_t i = i0; i < i1; i += a.block) {
     const int64_t e = min_(i1, i + a.block);
@@ -547,11 +548,15 @@ static void exact_sum_t(const ExactArgs& a, int64_t i0, int64_t i1) {
 }
 
 static void exact_sum_impl(const ExactArgs& a, int64_t i0, int64_t i1) {
-  by_dtype(a.dtype, [&](auto dt) { exact_sum_t<decltype(dt)::value>(a, i0, i1); });
+  by_dtype(a.dtype, [&](auto dt) { exact_sum_t<decltype(dt)::value>(a, nullptr, i0, i1); });
+}
+
+static void exact_sum_rows_impl(const ExactArgs& a, const void* const* rows, int64_t i0, int64_t i1) {
+  by_dtype(a.dtype, [&](auto dt) { exact_sum_t<decltype(dt)::value>(a, rows, i0, i1); });
 }
 
 static constexpr KernelTable kTable = {
     FC_ISA_NAME,        encode_impl,       encode_topk_impl,     decode_impl,          decode_rows_impl,
     decode_sum_impl,    decode_sum_encode_impl, ordered_sum_impl, exact_exponents_impl,
-    to_fixed_impl,      from_fixed_impl,   exact_sum_impl,
+    to_fixed_impl,      from_fixed_impl,   exact_sum_impl,       exact_sum_rows_impl,
 };
