@@ -33,8 +33,8 @@ def _tampered_op(rank: int, world: int, value: int, n: int) -> list:
     plans_before = agreed.count(priv)
     orig = native_calls.record
     if rank == world - 1:
-        def tampered(group, agree, fields, early, w):
-            token, mine, table = orig(group, agree, fields, early, w)
+        def tampered(group, agree, fields, early, w, template=None):
+            token, mine, table = orig(group, agree, fields, early, w, template)
             mine[3 + header.FIELDS.index("reduce op")] = value
             return token, mine, table
         native_calls.record = tampered
