@@ -37,6 +37,10 @@ def test_the_densest_codec_that_fits():
     assert sync_bytes(Codec("int4"), N, 4, True) == 3 * Codec("int4").wire_bytes(N)
     assert sync_bytes(Codec("int4"), N, 4, False) == 6 * Codec("int4").wire_bytes(N // 4)
     assert _pick(5e5, world=4, gathered=True).keep < _pick(5e5, world=4).keep
+    # DiLoCo's default (mode=None) gathers the sparse candidates only: int4 is priced two-stage
+    by_codec = lambda c: c.chunked  # noqa: E731
+    assert _pick(2e7, world=4, gathered=by_codec).sync_s == _pick(2e7, world=4).sync_s  # int4
+    assert _pick(5e5, world=4, gathered=by_codec) == _pick(5e5, world=4, gathered=True)  # sparse
 
 
 def test_a_choice_from_a_checkpoint_is_checked():

@@ -148,3 +148,37 @@ def test_error_decay_is_checked():
     res = spawn.run(2, _bad_decay, timeout_s=60)
     for per in res:
         assert all(v is True for v in per.values()), per
+
+
+def _default_sum(rank, world):
+    """mode=None: a sparse codec runs the gathered exact sum, int4 the ordered one, bit for bit."""
+    out = {}
+    for codec in (SMALL, Codec("int4")):
+        masters = {}
+        for mode in (None, "exact", "ordered"):
+            if mode == "exact" and not codec.chunked:
+                continue
+            net, opt, outer = _fresh(codec=codec, mode=mode, fragments=1, fragment_sync_delay=0)
+            _train(net, opt, 2 * H, rank)
+            masters[mode] = _masters(outer)
+            if mode is None:
+                out[f"{codec.name} gathered"] = outer.config.plan.gathered
+                out[f"{codec.name} options mode"] = outer.config.options()["mode"]
+        same = "exact" if codec.chunked else "ordered"
+        out[f"{codec.name} default is {same}"] = torch.equal(masters[None], masters[same])
+        if codec.chunked:
+            out[f"{codec.name} ordered differs"] = not torch.equal(masters[None], masters["ordered"])
+    return out
+
+
+def test_default_sum_by_codec_and_replicas():
+    from flatcomm.diloco.sync import GATHERED_UP_TO, default_mode
+    assert default_mode(SMALL, GATHERED_UP_TO, False) == "exact"
+    assert default_mode(SMALL, GATHERED_UP_TO + 1, False) == "ordered"  # gathered bytes grow as R - 1
+    assert default_mode(SMALL, 2, True) == "ordered"  # a two-level sync cannot gather
+    assert default_mode(Codec("int4"), 2, False) == default_mode(Codec("fp32"), 2, False) == "ordered"
+    res = spawn.run(2, _default_sum, timeout_s=90)
+    for per in res:
+        assert per == {"sparse gathered": True, "sparse options mode": "exact", "sparse default is exact": True,
+                       "sparse ordered differs": True, "int4 gathered": False, "int4 options mode": "ordered",
+                       "int4 default is ordered": True}, per

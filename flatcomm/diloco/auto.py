@@ -11,7 +11,8 @@ a rule taking the densest codec that fits took int8 at 100 Mbit/s (second) and, 
 ``sparse`` at 10 Mbit/s (last but one). A fragment's sync costs ``latency +
 bytes / bandwidth``, where ``bytes`` is what this rank sends for it: the codec's payload size
 (:meth:`flatcomm.Codec.wire_bytes`) times ``2 (R - 1) / R`` for the two-stage sum, ``R - 1`` for the
-gathered one (``mode="exact"``), R replicas. The sync *fits* when
+gathered one (``mode="exact"``, and by default a sparse candidate on up to 4 replicas), R replicas.
+The sync *fits* when
 
 * with ``fragment_sync_delay`` = tau > 0 (the transfer overlaps tau inner steps): it takes at most
   ``headroom`` (0.8) of tau inner steps;
@@ -34,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -147,10 +148,12 @@ def sync_bytes(codec: Codec, numel: int, world: int, gathered: bool) -> float:
     return float(2 * (world - 1) * codec.wire_bytes(shard))
 
 
-def choose(*, numel: int, fragments: int, world: int, gathered: bool, sync_every: int, delay: int,
-           step_s: float, latency_s: float, bytes_per_s: float, auto: Auto = Auto()) -> Choice:
+def choose(*, numel: int, fragments: int, world: int, gathered: Union[bool, Callable[[Codec], bool]],
+           sync_every: int, delay: int, step_s: float, latency_s: float, bytes_per_s: float,
+           auto: Auto = Auto()) -> Choice:
     """The densest candidate whose sync of the largest fragment (``numel`` values) fits (see the
-    module's docstring), or the sparsest when none does."""
+    module's docstring), or the sparsest when none does. ``gathered``: whether a candidate's sync
+    is all-gathered (a bool for every candidate, or the DiLoCo plan's rule per codec)."""
     if delay > 0:
         budget, per = auto.headroom * delay * step_s, 1
     else:
@@ -158,7 +161,8 @@ def choose(*, numel: int, fragments: int, world: int, gathered: bool, sync_every
     best: Optional[Choice] = None
     for name, keep in CANDIDATES:
         codec = Codec(name, keep=keep) if keep else Codec(name)
-        t = latency_s + sync_bytes(codec, numel, world, gathered and not codec.lossless) / bytes_per_s
+        gathers = gathered(codec) if callable(gathered) else gathered
+        t = latency_s + sync_bytes(codec, numel, world, gathers and not codec.lossless) / bytes_per_s
         best = Choice(name, keep or 0, step_s, latency_s, bytes_per_s, t, budget, per * t <= budget)
         if best.fits:
             return best

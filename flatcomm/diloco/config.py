@@ -37,7 +37,7 @@ class Config:
         (``verify_every`` is a check, not state: it may change at a resume)."""
         p = self.plan
         local = p.topology.local_size if p.two_level else 0
-        desc = repr((self.schedule, p.auto if p.auto is not None else p.codec, p.mode, _feedback(p), p.world, local, self.lr, self.momentum,
+        desc = repr((self.schedule, p.auto if p.auto is not None else p.codec, p.config_mode, _feedback(p), p.world, local, self.lr, self.momentum,
                      self.nesterov, self.alpha) + ((self.verify_every,) if with_verify else ()) +
                     ([(f.names, f.sizes, str(f.residual_dtype)) for f in self.fragments],))
         # Options added later enter only when set, so earlier checkpoints keep their fingerprint.
@@ -53,7 +53,7 @@ class Config:
         layout = repr([(f.names, f.sizes) for f in self.fragments]).encode()
         return {"sync_every": str(sch.sync_every), "fragments": str(sch.fragments),
                 "fragment_sync_delay": str(sch.delay), "codec": "auto" if p.auto is not None else str(p.codec),
-                "mode": p.mode,
+                "mode": p.config_mode,
                 "error_feedback": str(_feedback(p)), "replicas": str(p.world),
                 "topology local_size": str(p.topology.local_size if p.two_level else 0), "outer_lr": repr(self.lr),
                 "outer_momentum": repr(self.momentum), "nesterov": str(self.nesterov),
@@ -77,8 +77,8 @@ def configure(model: torch.nn.Module, o: Options) -> Config:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"flatcomm.diloco: model must be a torch.nn.Module, got {type(model).__name__}")
     check_no_ddp(model, topology.group if isinstance(topology, Topology) else group, allow_ddp)
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"flatcomm.diloco: mode must be one of {MODES}, got {mode!r}")
+    if mode is not None and (not isinstance(mode, str) or mode not in MODES):
+        raise ValueError(f"flatcomm.diloco: mode must be None (by codec and replicas) or one of {MODES}, got {mode!r}")
     knobs = auto.Auto() if isinstance(codec, str) and codec == "auto" else codec if isinstance(codec, auto.Auto) \
         else None
     if knobs is not None:

@@ -20,7 +20,7 @@ class Options:
 
     sync_every: int
     codec: Any = "int4"
-    mode: str = "ordered"
+    mode: Optional[str] = None
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True

@@ -60,7 +60,10 @@ class DiLoCo:
         codec: the pseudo-gradient's codec on the wire (default ``"int4"``); ``"auto"`` (or a
             :class:`flatcomm.diloco.auto.Auto`) picks, at the first sync, the densest codec whose
             sync fits the measured link and inner step (:mod:`flatcomm.diloco.auto`).
-        mode: ``"ordered"`` (default) or ``"exact"`` (bits independent of the replica count).
+        mode: ``"ordered"`` (the two-stage sum, in rank order), ``"exact"`` (bits independent of the
+            replicas' order; a lossy codec's payloads are all-gathered) or None (default): ``"exact"``
+            for a chunked sparse codec on a flat group of up to 4 replicas, else ``"ordered"``
+            (:func:`flatcomm.diloco.sync.default_mode`, as the frontier measured).
         outer_lr: the outer SGD's learning rate (default 0.7).
         outer_momentum: its momentum in [0, 1) (default 0.9).
         nesterov: Nesterov momentum (default True).
@@ -88,7 +91,7 @@ class DiLoCo:
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,
-                 codec="int4", mode: str = "ordered", outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 codec="int4", mode: Optional[str] = None, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, fragments: Any = 1, fragment_sync_delay: int = 0,
                  fragment_update_alpha: float = 0.0, group=None, error_feedback: bool = True,
                  residual_dtype: torch.dtype = torch.float32, verify_every: int = 0,
@@ -163,7 +166,7 @@ class DiLoCo:
                                                           knobs)
         self.take_choice(auto.choose(
             numel=max(f.numel for f in self.fragments), fragments=len(self.fragments), world=plan.world,
-            gathered=plan.mode == "exact", sync_every=sch.sync_every, delay=sch.delay, step_s=step_s,
+            gathered=plan.gathers, sync_every=sch.sync_every, delay=sch.delay, step_s=step_s,
             latency_s=latency_s, bytes_per_s=bytes_per_s, auto=knobs))
 
     def take_choice(self, choice: Optional[auto.Choice]) -> None:

@@ -26,15 +26,28 @@ from .. import hierarchical as H
 from ..ops.codecs import Codec
 from ..ops.sums import exact_sum
 
-__all__ = ["Pending", "Plan", "launch"]
+__all__ = ["GATHERED_UP_TO", "Pending", "Plan", "default_mode", "launch"]
+
+# DiLoCo's default sum (``mode=None``), as the frontier measured it (docs/diloco.md, "Which sum to
+# use"): a chunked sparse codec (sparse, sparse4, sparse1) is gathered and summed exactly on a flat
+# group of up to this many replicas (at 2 the same bytes as the two-stage sum and a lower loss; at 4
+# the gathered sum led at equal bytes); other codecs, two-level syncs and more replicas (where the
+# gathered bytes grow as R - 1) take the two-stage ordered sum.
+GATHERED_UP_TO = 4
+
+
+def default_mode(codec: Codec, world: int, two_level: bool) -> str:
+    """The sum ``mode=None`` runs for ``codec`` among ``world`` replicas."""
+    return "exact" if codec.chunked and not two_level and world <= GATHERED_UP_TO else "ordered"
 
 
 class Plan:
     """How every outer all-reduce of this run is made (codec, mode, where, error feedback)."""
 
-    def __init__(self, codec: Codec, mode: str, group, topology, error_feedback: bool,
+    def __init__(self, codec: Codec, mode: Optional[str], group, topology, error_feedback: bool,
                  error_decay: float = 1.0) -> None:
-        self.codec, self.mode, self.topology = codec, mode, topology
+        self.codec, self.topology = codec, topology
+        self.requested_mode = mode  # None: default_mode(), per codec (codec="auto" may change it)
         # SparseLoCo's decayed accumulator: the client residual is scaled by this before each sync
         # (1.0: plain error feedback).
         self.error_decay = float(error_decay)
@@ -42,6 +55,8 @@ class Plan:
         self.two_level = topology is not None and not topology.flat
         self.error_feedback = bool(error_feedback)
         self.world = dist.get_world_size(self.group)
+        # the mode as configured (checkpoints match it): as asked, else the configured codec's default
+        self.config_mode = mode or default_mode(codec, self.world, self.two_level)
         self.auto: Optional[Any] = None  # codec="auto": its knobs (flatcomm.diloco.auto.Auto); the codec is its choice
         self.set_codec(codec)
 
@@ -52,7 +67,13 @@ class Plan:
         self.codec = codec
         self.decay = self.error_decay if error_decay is None else float(error_decay)
         self.feedback = self.error_feedback and not codec.lossless
-        self.gathered = self.mode == "exact" and not codec.lossless  # all-gather + exact sum
+        self.mode = self.requested_mode or default_mode(codec, self.world, self.two_level)
+        self.gathered = self.gathers(codec)
+
+    def gathers(self, codec: Codec) -> bool:
+        """Whether a sync with ``codec`` is all-gathered and summed exactly (else all-reduced)."""
+        mode = self.requested_mode or default_mode(codec, self.world, self.two_level)
+        return mode == "exact" and not codec.lossless
 
     def where(self) -> dict:
         return {"topology": self.topology} if self.topology is not None else {"group": self.group}
