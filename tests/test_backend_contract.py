@@ -125,6 +125,16 @@ def _surface(rank: int, world: int) -> dict:
     res["all_to_all_single(timeout)"] = _caught(
         lambda: done(pg.all_to_all_single(a2a, torch.full((2 * world,), float(rank)), [], [],
                                           timeout=timedelta(seconds=9)), a2a))
+    # coalesced calls passed through as several inner calls: one Python Work, waited or chained on
+    ints = [torch.arange(2 * world, dtype=torch.int64) * (rank + 1), torch.full((3 * world,), rank, dtype=torch.int64)]
+    rs_outs = [torch.empty(2, dtype=torch.int64), torch.empty(3, dtype=torch.int64)]
+    work = pg.reduce_scatter_tensor_coalesced(rs_outs, ints, dist.ReduceScatterOptions())
+    res["reduce_scatter_tensor_coalesced future"] = str(_caught(work.get_future))  # none, as gloo's own
+    res["reduce_scatter_tensor_coalesced"] = _caught(lambda: done(work, rs_outs))
+    ag_outs = [torch.empty(world * 5), torch.empty(world * 2, dtype=torch.int64)]
+    work = pg.allgather_into_tensor_coalesced(ag_outs, [x.clone(), torch.full((2,), rank, dtype=torch.int64)])
+    res["allgather_into_tensor_coalesced"] = _caught(lambda: work.get_future().wait())
+    res["allgather_into_tensor_coalesced done"] = [work.is_completed(), work.is_success(), work.exception()]
     import flatcomm.backend
     res["stats"] = flatcomm.backend.stats()
     return res
@@ -204,6 +214,16 @@ def test_every_torch_form_runs(surface):
     assert torch.equal(surface[0]["scatter(t, ins, root=1)"], rows[1].float())
     assert torch.equal(surface[1]["scatter(t, ins, root=1)"], rows[1].float() * 2)
     assert torch.equal(surface[0]["all_to_all_single(timeout)"], torch.tensor([0.0, 0, 1, 1]))
+    for rank, r in enumerate(surface):
+        first = torch.arange(2 * W, dtype=torch.int64) * sum(range(1, W + 1))
+        assert torch.equal(r["reduce_scatter_tensor_coalesced"][0], first[2 * rank:2 * rank + 2])
+        assert torch.equal(r["reduce_scatter_tensor_coalesced"][1], torch.full((3,), sum(range(W))))
+        assert "has no future" in r["reduce_scatter_tensor_coalesced future"] and "wait()" in \
+            r["reduce_scatter_tensor_coalesced future"], r["reduce_scatter_tensor_coalesced future"]
+        gathered = r["allgather_into_tensor_coalesced"]
+        assert torch.equal(gathered[0], torch.cat([x.float() for x in rows]))
+        assert torch.equal(gathered[1], torch.arange(W).repeat_interleave(2))
+        assert r["allgather_into_tensor_coalesced done"] == [True, True, None]
 
 
 def test_stats_count_flatcomms_reductions(surface):

@@ -33,7 +33,7 @@ from ..collectives import CommStats, group_timeout
 from ..comm.groups import forget
 from . import reduce as _reduce
 from .forms import checked_list, reduce_form, torch_forms
-from .work import InnerWorks
+from .work import ReductionWork
 
 __all__ = ["FlatcommGroup", "create"]
 
@@ -186,7 +186,8 @@ class FlatcommGroup(dist.ProcessGroup):
         if how is None:
             _reduce.guard(self, "reduce_scatter", inputs, opts.reduceOp)
             inner = self._inner(outputs[0])
-            return InnerWorks([inner._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+            return ReductionWork([inner._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs,
+                                 None, None)
         return _reduce.reduce_scatter(self, outputs, inputs, how, self._wait_limit(opts))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
@@ -224,7 +225,8 @@ class FlatcommGroup(dist.ProcessGroup):
                                     opts: Optional[AllgatherOptions] = None) -> dist.Work:
         opts = opts if opts is not None else AllgatherOptions()
         inner = self._inner(inputs[0])
-        return InnerWorks([inner._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)], list(outputs))
+        return ReductionWork([inner._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)], list(outputs),
+                             None, None)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 

@@ -1,7 +1,11 @@
-"""The ``dist.Work`` the flatcomm backend returns for a reduction it runs itself.
+"""The one ``dist.Work`` type the flatcomm backend makes in Python: a reduction it runs itself, and a
+coalesced call it passes through as several calls of the inner backend.
 
-A reduction is one or more flatcomm collectives (one per dtype of a coalesced call) and a local
-``finish`` step (copy a staged result back into the caller's tensors). ``wait(timeout)`` waits for
+Its parts are flatcomm collectives (:class:`flatcomm.comm.worker.Handle`, one per dtype of a
+coalesced call) or the inner backend's own ``dist.Work`` objects (the same waitable interface), and
+a local ``finish`` step (copy a staged result back into the caller's tensors). The other calls
+return what runs them: a native route's C++ ``Work`` (csrc/comm/native_work.h), the inner backend's
+``Work`` for a single call passed through. ``wait(timeout)`` waits for
 all of them, on the calling thread: ``timedelta(0)`` (``Work.wait``'s default) means the group's own timeout, so no wait is
 unbounded; an error of the collective (raised on every rank of the call, see the collectives'
 call header) is re-raised. ``get_future()`` completes with the output tensors once ``finish`` ran,
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import datetime
 import threading
-from typing import Callable, List, Optional, Sequence, cast
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -26,6 +30,31 @@ from ..collectives import Handle
 
 __all__ = ["ReductionWork"]
 
+Part = Union[Handle, dist.Work]  # a flatcomm collective or an inner backend's call
+
+
+def _error_of(part: Part) -> Optional[BaseException]:
+    """The error a finished part raised, or None (also while in flight). An inner backend's Work:
+    its finished ``wait()`` raises it (``Work.exception`` is deprecated in torch and warns, and
+    gloo's reduce-scatter works have no future)."""
+    if isinstance(part, Handle):
+        return part.exception()
+    if not part.is_completed():
+        return None
+    try:
+        part.wait()
+    except BaseException as e:  # noqa: BLE001 - the part's error, returned
+        return e
+    return None
+
+
+def _futures(parts: Sequence[Part]) -> List[torch.futures.Future]:
+    try:
+        return [p.get_future() for p in parts]
+    except RuntimeError as e:  # gloo's reduce-scatter: "Work::getFuture not implemented"
+        raise RuntimeError(f"flatcomm backend: this call runs on the inner backend, whose work has no future "
+                           f"here ({e}); wait() on the work instead") from None
+
 
 def _unwrapped(source: torch.futures.Future):
     """The source's value, or its exception raised (which fails the child future in C++)."""
@@ -33,14 +62,15 @@ def _unwrapped(source: torch.futures.Future):
 
 
 class ReductionWork(dist.Work):
-    """``handles``: the flatcomm calls in flight; ``outputs``: what the future completes with;
-    ``finish``: run once, after every handle succeeded; ``timeout``: the group's timeout.
+    """``handles``: the calls in flight (:data:`Part`); ``outputs``: what the future completes with;
+    ``finish``: run once, after every handle succeeded; ``timeout``: the group's timeout (None:
+    each part's own).
 
     Nothing is chained at construction: ``wait()`` waits for the handles and runs ``finish`` on
     the waiting thread (a synchronous ``dist.all_reduce`` then costs no thread hop); the future is
     built on the first ``get_future()``."""
 
-    def __init__(self, handles: Sequence[Optional[Handle]], outputs: List[torch.Tensor],
+    def __init__(self, handles: Sequence[Optional[Part]], outputs: List[torch.Tensor],
                  finish: Optional[Callable[[], None]], timeout: Optional[datetime.timedelta]):
         super().__init__()
         self._handles = [h for h in handles if h is not None]
@@ -60,9 +90,9 @@ class ReductionWork(dist.Work):
             if not self._done:
                 self._done = True
                 try:
-                    errors = [h.exception() for h in self._handles if h.exception() is not None]
-                    if errors:
-                        raise cast(BaseException, errors[0])
+                    error = next((e for e in map(_error_of, self._handles) if e is not None), None)
+                    if error is not None:
+                        raise error
                     if self._finish is not None:
                         self._finish()
                 except BaseException as e:  # noqa: BLE001 - the waiter re-raises it
@@ -84,7 +114,10 @@ class ReductionWork(dist.Work):
         limit = timeout if timeout and timeout.total_seconds() > 0 else self._timeout
         for h in self._handles:
             try:
-                h.wait(limit)  # raises TimeoutError naming the collective, or the collective's error
+                if limit is not None:
+                    h.wait(limit)  # raises TimeoutError naming the collective, or the collective's error
+                else:
+                    h.wait()
             except TimeoutError:
                 if not h.is_completed():
                     raise  # still in flight: wait again
@@ -111,6 +144,7 @@ class ReductionWork(dist.Work):
         return self._outputs
 
     def get_future(self) -> torch.futures.Future:
+        parts = _futures(self._handles) if self._future is None else []
         with self._lock:
             if self._future is None:
                 self._source = torch.futures.Future()
@@ -120,7 +154,7 @@ class ReductionWork(dist.Work):
                 chain = False
         if chain:
             if self._handles:
-                torch.futures.collect_all([h.get_future() for h in self._handles]).then(lambda _: self._settle())
+                torch.futures.collect_all(parts).then(lambda _: self._settle())
             else:
                 self._settle()
             self._publish()
@@ -128,40 +162,3 @@ class ReductionWork(dist.Work):
 
     def synchronize(self) -> None:
         self.wait()
-
-
-class InnerWorks(dist.Work):
-    """Several works of the inner backend as one (a coalesced call it has no single op for)."""
-
-    def __init__(self, works: Sequence[dist.Work], outputs: List[torch.Tensor]):
-        super().__init__()
-        self._works = list(works)
-        self._outputs = outputs
-        futures = [w.get_future() for w in self._works]
-
-        def settled(_):
-            for f in futures:
-                f.value()  # raises a failed work's error: this future fails too (in C++, see above)
-            return outputs
-        self._future = torch.futures.collect_all(futures).then(settled)
-
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        for w in self._works:
-            w.wait(timeout)
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
-
-    def is_success(self) -> bool:
-        return all(w.is_success() for w in self._works)
-
-    def exception(self):
-        return next((w.exception() for w in self._works if w.exception() is not None), None)
-
-    def result(self) -> List[torch.Tensor]:
-        self.wait()
-        return self._outputs
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
