@@ -308,3 +308,40 @@ def test_premul_sum_is_nccls_rule(premul):
     assert not torch.equal(want, post), "the inputs do not tell the two rules apart"
     for r in premul:
         assert torch.equal(r["premul"], want)
+
+
+class _InnerPart:
+    """An inner backend's work as ReductionWork sees it: wait() times out (gloo raises a
+    RuntimeError) while in flight, then finishes with ``error`` or the value."""
+
+    def __init__(self, error=None):
+        self.done, self.error = False, error
+
+    def wait(self, timeout=None):
+        if not self.done:
+            raise RuntimeError("Timed out waiting for the operation to complete")
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self):
+        return self.done
+
+
+@pytest.mark.parametrize("error", [None, ValueError("the inner call failed")])
+def test_a_work_of_inner_parts_waits_for_every_part(error):
+    from flatcomm.backend.work import ReductionWork
+
+    parts = [_InnerPart(), _InnerPart(error)]
+    parts[0].done = True
+    work = ReductionWork(parts, [torch.zeros(1)], None, None)
+    with pytest.raises(RuntimeError, match="Timed out"):  # a part still in flight: not settled
+        work.wait()
+    assert not work.is_completed() and work.exception() is None
+    parts[1].done = True
+    if error is None:
+        assert work.wait() and work.is_success()
+    else:
+        with pytest.raises(ValueError, match="inner call failed"):
+            work.wait()
+        assert work.is_completed() and not work.is_success() and work.exception() is error

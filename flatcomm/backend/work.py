@@ -118,11 +118,9 @@ class ReductionWork(dist.Work):
                     h.wait(limit)  # raises TimeoutError naming the collective, or the collective's error
                 else:
                     h.wait()
-            except TimeoutError:
+            except BaseException:  # noqa: BLE001 - a finished part keeps its error; _settle raises it
                 if not h.is_completed():
-                    raise  # still in flight: wait again
-            except BaseException:  # noqa: BLE001 - kept by the handle; _settle raises it
-                pass
+                    raise  # timed out (gloo: a RuntimeError), still in flight: wait again
         self._settle()
         if self._error is not None:
             raise self._error
