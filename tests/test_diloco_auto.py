@@ -119,7 +119,8 @@ def _run(rank, world):
     by_hand = _train(rank, world, 12, chosen, outer_lr=2.0, outer_momentum=0.0, error_decay=0.95)
     out["sparse recipe"] = torch.equal(a["weights"], by_hand["weights"])
     kept = _train(rank, world, 12, Auto(bytes_per_s=2e4, latency_s=1e-3, step_s=0.01, sparse_recipe=None))
-    out["configured recipe"] = torch.equal(kept["weights"], _train(rank, world, 12, chosen)["weights"])
+    diloco_recipe = dict(outer_lr=0.7, outer_momentum=0.9, error_decay=1.0)  # codec="auto" configures DiLoCo's
+    out["configured recipe"] = torch.equal(kept["weights"], _train(rank, world, 12, chosen, **diloco_recipe)["weights"])
     out["recipes differ"] = not torch.equal(kept["weights"], a["weights"])
     return out
 

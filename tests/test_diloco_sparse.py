@@ -151,7 +151,8 @@ def test_error_decay_is_checked():
 
 
 def _default_sum(rank, world):
-    """mode=None: a sparse codec runs the gathered exact sum, int4 the ordered one, bit for bit."""
+    """mode=None: a sparse codec runs the gathered exact sum, int4 the ordered one, bit for bit;
+    the outer recipe left at None is the codec's."""
     out = {}
     for codec in (SMALL, Codec("int4")):
         masters = {}
@@ -168,10 +169,17 @@ def _default_sum(rank, world):
         out[f"{codec.name} default is {same}"] = torch.equal(masters[None], masters[same])
         if codec.chunked:
             out[f"{codec.name} ordered differs"] = not torch.equal(masters[None], masters["ordered"])
+    # the outer recipe left at None: the codec's (SparseLoCo's for sparse); one given is kept
+    for codec, given in ((SMALL, {}), (Codec("int4"), {}), (SMALL, {"outer_lr": 0.7})):
+        net = _net()
+        outer = DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), sync_every=H, codec=codec, **given)
+        c = outer.config
+        out[f"{codec.name} recipe {given}"] = (c.lr, c.momentum, c.plan.error_decay)
+        outer.close()
     return out
 
 
-def test_default_sum_by_codec_and_replicas():
+def test_default_sum_and_recipe_by_codec_and_replicas():
     from flatcomm.diloco.sync import GATHERED_UP_TO, default_mode
     assert default_mode(SMALL, GATHERED_UP_TO, False) == "exact"
     assert default_mode(SMALL, GATHERED_UP_TO + 1, False) == "ordered"  # gathered bytes grow as R - 1
@@ -181,4 +189,5 @@ def test_default_sum_by_codec_and_replicas():
     for per in res:
         assert per == {"sparse gathered": True, "sparse options mode": "exact", "sparse default is exact": True,
                        "sparse ordered differs": True, "int4 gathered": False, "int4 options mode": "ordered",
-                       "int4 default is ordered": True}, per
+                       "int4 default is ordered": True, "sparse recipe {}": (2.0, 0.0, 0.95),
+                       "int4 recipe {}": (0.7, 0.9, 1.0), "sparse recipe {'outer_lr': 0.7}": (0.7, 0.0, 0.95)}, per

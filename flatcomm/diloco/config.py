@@ -99,11 +99,14 @@ def configure(model: torch.nn.Module, o: Options) -> Config:
     if topology is not None and group is not None:
         raise ValueError("flatcomm.diloco: pass either group= or topology= (the topology has its own group)")
     schedule = Schedule(sync_every, len(fragments) if isinstance(fragments, (list, tuple)) else fragments, delay)
-    lr = number(o.outer_lr, "outer_lr", 0.0, math.inf)
-    mu = number(o.outer_momentum, "outer_momentum", 0.0, 1.0, hi_open=True)
+    recipe = auto.default_recipe(c)  # what an option left at None takes (codec="auto": DiLoCo's)
+    lr = number(recipe.outer_lr if o.outer_lr is None else o.outer_lr, "outer_lr", 0.0, math.inf)
+    mu = number(recipe.outer_momentum if o.outer_momentum is None else o.outer_momentum, "outer_momentum",
+                0.0, 1.0, hi_open=True)
+    decay = number(recipe.error_decay if o.error_decay is None else o.error_decay, "error_decay", 0.0, 1.0)
     a = number(alpha, "fragment_update_alpha", 0.0, 1.0)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    plan = sync.Plan(c, mode, group, topology, error_feedback, number(o.error_decay, "error_decay", 0.0, 1.0))
+    plan = sync.Plan(c, mode, group, topology, error_feedback, decay)
     plan.auto = knobs
     if plan.gathered and plan.two_level:
         raise ValueError("flatcomm.diloco: mode='exact' with a lossy codec runs flat (an all-gather of the "

@@ -21,8 +21,8 @@ class Options:
     sync_every: int
     codec: Any = "int4"
     mode: Optional[str] = None
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: Optional[float] = None
+    outer_momentum: Optional[float] = None
     nesterov: bool = True
     fragments: Any = 1
     fragment_sync_delay: int = 0
@@ -33,7 +33,7 @@ class Options:
     verify_every: int = 0
     topology: Optional[Topology] = None
     allow_ddp: bool = False
-    error_decay: float = 1.0
+    error_decay: Optional[float] = None
 
 
 def check_no_ddp(model: torch.nn.Module, group, allow_ddp: bool) -> None:

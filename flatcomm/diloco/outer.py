@@ -64,8 +64,8 @@ class DiLoCo:
             replicas' order; a lossy codec's payloads are all-gathered) or None (default): ``"exact"``
             for a chunked sparse codec on a flat group of up to 4 replicas, else ``"ordered"``
             (:func:`flatcomm.diloco.sync.default_mode`, as the frontier measured).
-        outer_lr: the outer SGD's learning rate (default 0.7).
-        outer_momentum: its momentum in [0, 1) (default 0.9).
+        outer_lr: the outer SGD's learning rate (default: 0.7, and 2.0 for a chunked sparse codec).
+        outer_momentum: its momentum in [0, 1) (default: 0.9, and 0 for a chunked sparse codec).
         nesterov: Nesterov momentum (default True).
         fragments: how many fragments (Streaming DiLoCo) or a list of parameter-name lists.
         fragment_sync_delay: inner steps between a fragment's send and its apply (overlap).
@@ -76,7 +76,10 @@ class DiLoCo:
         verify_every: compare the replicas' masters every this many syncs (0: never).
         topology: a :class:`flatcomm.Topology` for a two-level outer sync (instead of ``group``).
         allow_ddp: accept a DDP over ``model`` that spans replicas (its hook must keep gradients local).
-        error_decay: the residual's decay per sync in [0, 1] (default 1: kept whole).
+        error_decay: the residual's decay per sync in [0, 1] (default: 1, kept whole; 0.95 for a
+            chunked sparse codec). Left at None, the three take the codec's recipe
+            (:func:`flatcomm.diloco.auto.default_recipe`: SparseLoCo's for ``sparse``, ``sparse4``
+            and ``sparse1``, as the frontier ran them; DiLoCo's for the others).
         manager: refused (a torchft Manager belongs to :class:`flatcomm.elastic.ElasticDiLoCo`, whose
             replicas may die, rejoin and heal); the error says so.
 
@@ -91,12 +94,13 @@ class DiLoCo:
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,
-                 codec="int4", mode: Optional[str] = None, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 codec="int4", mode: Optional[str] = None, outer_lr: Optional[float] = None,
+                 outer_momentum: Optional[float] = None,
                  nesterov: bool = True, fragments: Any = 1, fragment_sync_delay: int = 0,
                  fragment_update_alpha: float = 0.0, group=None, error_feedback: bool = True,
                  residual_dtype: torch.dtype = torch.float32, verify_every: int = 0,
                  topology: Optional[Topology] = None, allow_ddp: bool = False,
-                 error_decay: float = 1.0, manager: Any = None) -> None:
+                 error_decay: Optional[float] = None, manager: Any = None) -> None:
         if manager is not None:  # a torchft Manager: the replicas change between syncs
             raise ValueError(
                 "flatcomm.diloco: DiLoCo runs on a fixed process group and takes no torchft manager; for replicas "
