@@ -56,7 +56,7 @@ class Plan:
         self.error_feedback = bool(error_feedback)
         self.world = dist.get_world_size(self.group)
         # the mode as configured (checkpoints match it): as asked, else the configured codec's default
-        self.config_mode = mode or default_mode(codec, self.world, self.two_level)
+        self.config_mode = self.mode_for(codec)
         self.auto: Optional[Any] = None  # codec="auto": its knobs (flatcomm.diloco.auto.Auto); the codec is its choice
         self.set_codec(codec)
 
@@ -67,13 +67,16 @@ class Plan:
         self.codec = codec
         self.decay = self.error_decay if error_decay is None else float(error_decay)
         self.feedback = self.error_feedback and not codec.lossless
-        self.mode = self.requested_mode or default_mode(codec, self.world, self.two_level)
+        self.mode = self.mode_for(codec)
         self.gathered = self.gathers(codec)
+
+    def mode_for(self, codec: Codec) -> str:
+        """The sum a sync with ``codec`` runs: as asked, else :func:`default_mode`."""
+        return self.requested_mode or default_mode(codec, self.world, self.two_level)
 
     def gathers(self, codec: Codec) -> bool:
         """Whether a sync with ``codec`` is all-gathered and summed exactly (else all-reduced)."""
-        mode = self.requested_mode or default_mode(codec, self.world, self.two_level)
-        return mode == "exact" and not codec.lossless
+        return self.mode_for(codec) == "exact" and not codec.lossless
 
     def where(self) -> dict:
         return {"topology": self.topology} if self.topology is not None else {"group": self.group}
